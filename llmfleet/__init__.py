@@ -1,0 +1,1 @@
+"""The `llmfleet` command line: one entry point for the fleet's parts."""

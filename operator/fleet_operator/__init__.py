@@ -1,0 +1,1 @@
+"""The kopf operator process: observe the cluster, call `controllers`, execute the plan. Thin by design."""

@@ -1,0 +1,1 @@
+"""Alternative engine backends behind the same engine interface (vLLM)."""

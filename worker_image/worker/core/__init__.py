@@ -1,0 +1,1 @@
+"""Engine core without torch: requests, paged KV-cache bookkeeping (BlockPool, KVCacheManager) and the continuous-batching Scheduler."""

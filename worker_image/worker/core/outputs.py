@@ -1,0 +1,46 @@
+"""The typed seams between the scheduler (no torch) and the model runner (torch).
+
+The runner is stateless with respect to scheduling: each step it receives, for every scheduled request, the
+tokens to compute, their starting position, the full block table and whether to sample. It keeps only
+per-request sampling state (seeded generators), dropped when the request id appears in `finished_req_ids`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from worker.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One request's share of a step."""
+
+    req_id: str
+    token_ids: list[int]  # tokens whose KV this step computes (prefill chunk, recompute chunk or 1 decode token)
+    start_pos: int  # position of token_ids[0] == num_computed_tokens before the step
+    block_ids: list[int]  # the request's whole block table (covers start_pos + len(token_ids) tokens)
+    sample: bool  # True when this step reaches the end of the known tokens: sample the next token
+    sampling_params: SamplingParams
+    num_output_tokens: int = 0  # tokens generated so far (sampler state such as min_tokens)
+    eos_token_id: int | None = None
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    seqs: list[ScheduledSeq]
+    num_batched_tokens: int
+    finished_req_ids: frozenset[str] = frozenset()  # ended since the last step: runner drops their state
+    preempted_req_ids: frozenset[str] = frozenset()
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled token per request that had `sample=True` (and its logprob when asked)."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, float] = field(default_factory=dict)
