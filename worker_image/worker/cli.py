@@ -1,13 +1,8 @@
-"""`llmfleet worker` and `llmfleet model ...`: run a worker; pull/convert the bundled model."""
+"""`llmfleet worker` and `llmfleet model ...`: re-exported from the parts that own them."""
 
 from __future__ import annotations
 
-import typer
+from worker.model.cli import model_app
+from worker.server.cli import worker_command
 
-model_app = typer.Typer(no_args_is_help=True)
-
-
-def worker_command() -> None:
-    """Run a worker."""
-    typer.echo("the worker server lands with issue 5", err=True)
-    raise typer.Exit(2)
+__all__ = ["model_app", "worker_command"]
