@@ -1,0 +1,480 @@
+"""The autoscaling decision for one variant: metrics, pod counts and persisted history in, a replica count out.
+
+Why it exists: the arithmetic that sizes a variant must be testable with tables and identical in the operator,
+in the simulation benchmark (bench/autoscale_sim.py) and after an operator restart. So it is one pure function,
+`decide`, with time as an argument and every piece of memory it needs (the recommendation window, active
+alert intents, the last time traffic was seen) passed in and handed back as `AutoscalingState`, which the caller
+persists in the CR status. The operator's timer and the Alertmanager webhook only gather inputs, call `decide`,
+store `Decision.state` and `Decision.record()`, and act on `Decision.desired_replicas` (scale-down goes through
+the drain path). docs/autoscaling.md explains the algorithm and maps PromQL queries to the signals.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+SignalName = Literal["queueDepthPerReplica", "kvCacheUtilization", "ttftP95Seconds"]
+Direction = Literal["up", "down", "none"]
+
+# ceil() of a product of floats such as 2 * 0.8 / 0.8 must not round 2.0000000000000004 up to 3.
+_CEIL_EPSILON = 1e-9
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class AutoscalingPolicy(_Frozen):
+    """How one variant scales: bounds, per-signal targets and the timing rules. Names mirror the CR's
+    `variants[].autoscaling` (camelCase there); the last three fields are operator settings, not CR fields."""
+
+    min_replicas: int = Field(1, ge=0, description="Lower bound; 0 only together with scale_to_zero_after_seconds.")
+    max_replicas: int = Field(10, ge=1, description="Upper bound.")
+    queue_depth_per_replica: float | None = Field(
+        2.0, gt=0, description="Target mean of vllm:num_requests_waiting per ready pod; None disables the signal."
+    )
+    kv_cache_utilization: float | None = Field(
+        0.7, gt=0, le=1, description="Target mean vllm:kv_cache_usage_perc (0..1); None disables the signal."
+    )
+    ttft_p95_seconds: float | None = Field(
+        None, gt=0, description="Target p95 time to first token in seconds; None disables the signal."
+    )
+    scale_down_stabilization_seconds: float = Field(
+        120.0, ge=0, description="Scale down only to the highest recommendation of this many past seconds."
+    )
+    scale_up_max_step: int | None = Field(None, ge=1, description="Most pods added by one decision; None: no limit.")
+    scale_to_zero_after_seconds: float | None = Field(
+        None, gt=0, description="Scale to zero after this long without traffic; needs min_replicas 0."
+    )
+    tolerance: float = Field(0.1, ge=0, lt=1, description="No change while demand is within this fraction of current.")
+    max_metrics_age_seconds: float = Field(
+        60.0, gt=0, description="Metrics older than this are stale: they never scale down."
+    )
+    expected_startup_seconds: float = Field(
+        300.0, gt=0, description="How long a starting pod counts as capacity on its way; after that it is stuck."
+    )
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> AutoscalingPolicy:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"minReplicas ({self.min_replicas}) is greater than maxReplicas ({self.max_replicas}): "
+                "lower minReplicas or raise maxReplicas"
+            )
+        if self.min_replicas == 0 and self.scale_to_zero_after_seconds is None:
+            raise ValueError(
+                "minReplicas 0 needs scaleToZeroAfterSeconds (how long without traffic before scaling to zero): "
+                "set it, or set minReplicas to at least 1"
+            )
+        if self.scale_to_zero_after_seconds is not None and self.min_replicas != 0:
+            raise ValueError(
+                f"scaleToZeroAfterSeconds is set but minReplicas is {self.min_replicas}: "
+                "set minReplicas to 0 to allow scaling to zero, or remove scaleToZeroAfterSeconds"
+            )
+        return self
+
+    def targets(self) -> dict[SignalName, float]:
+        """The configured signal targets, by CR field name."""
+        configured: dict[SignalName, float | None] = {
+            "queueDepthPerReplica": self.queue_depth_per_replica,
+            "kvCacheUtilization": self.kv_cache_utilization,
+            "ttftP95Seconds": self.ttft_p95_seconds,
+        }
+        return {name: target for name, target in configured.items() if target is not None}
+
+
+class MetricsSample(_Frozen):
+    """Pod metrics for one variant, averaged over the `ready_pods` pods that reported, taken at `observed_at`."""
+
+    observed_at: float = Field(description="Unix seconds when the sample was taken (or the query's evaluation time).")
+    ready_pods: int = Field(ge=0, description="How many ready pods the averages were taken over.")
+    queue_depth_per_replica: float | None = Field(None, ge=0, description="Mean vllm:num_requests_waiting per pod.")
+    kv_cache_utilization: float | None = Field(None, ge=0, le=1, description="Mean vllm:kv_cache_usage_perc.")
+    ttft_p95_seconds: float | None = Field(None, ge=0, description="p95 of vllm:time_to_first_token_seconds.")
+    running_requests: float | None = Field(None, ge=0, description="Sum of vllm:num_requests_running.")
+    waiting_requests: float | None = Field(None, ge=0, description="Sum of vllm:num_requests_waiting.")
+
+    def value(self, name: SignalName) -> float | None:
+        return {
+            "queueDepthPerReplica": self.queue_depth_per_replica,
+            "kvCacheUtilization": self.kv_cache_utilization,
+            "ttftP95Seconds": self.ttft_p95_seconds,
+        }[name]
+
+
+class GatewaySample(_Frozen):
+    """What the gateway reports for the variant: requests it holds because no pod can take them (at zero)."""
+
+    observed_at: float
+    queued_requests: float = Field(ge=0)
+
+
+class PodCounts(_Frozen):
+    """The variant's pods right now. Draining pods are leaving and count as neither capacity nor demand."""
+
+    ready: int = Field(ge=0)
+    starting_since: tuple[float, ...] = Field(
+        (), description="Creation times (unix seconds) of pods that exist but are not ready yet."
+    )
+    draining: int = Field(0, ge=0)
+
+    @property
+    def starting(self) -> int:
+        return len(self.starting_since)
+
+
+class AlertIntent(_Frozen):
+    """A bounded scale-up asked for by an alert: keep at least `min_replicas` until `expires_at`."""
+
+    name: str = Field(min_length=1)
+    received_at: float
+    expires_at: float
+    min_replicas: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _check_expiry(self) -> AlertIntent:
+        if self.expires_at <= self.received_at:
+            raise ValueError(
+                f"alert intent {self.name!r} expires at {self.expires_at} before it was received "
+                f"({self.received_at}): give it a positive time to live"
+            )
+        return self
+
+
+class RecommendationRecord(_Frozen):
+    """One past recommendation (bounded, before the scale-up step limit), kept for stabilisation."""
+
+    time: float
+    replicas: int = Field(ge=0)
+
+
+class AutoscalingState(_Frozen):
+    """Everything `decide` remembers between calls; the caller persists it in the CR status."""
+
+    window: tuple[RecommendationRecord, ...] = ()
+    alerts: tuple[AlertIntent, ...] = ()
+    last_active_at: float | None = Field(None, description="Last time traffic was seen (or could not be ruled out).")
+
+
+class SignalRecommendation(_Frozen):
+    """What one signal asks for: `replicas` = ceil(measured pods * value / target), or current within tolerance."""
+
+    name: SignalName
+    value: float
+    target: float
+    measured_pods: int
+    replicas: int
+    within_tolerance: bool
+
+
+class Decision(_Frozen):
+    """The outcome of one evaluation. `state` must be persisted; `reason` is fit for an Event and describe."""
+
+    time: float
+    current_replicas: int
+    desired_replicas: int
+    recommendation: int = Field(description="Bounded recommendation before the scale-up step limit.")
+    signals: tuple[SignalRecommendation, ...]
+    metrics_fresh: bool
+    state: AutoscalingState
+    reason: str
+
+    @property
+    def direction(self) -> Direction:
+        if self.desired_replicas > self.current_replicas:
+            return "up"
+        if self.desired_replicas < self.current_replicas:
+            return "down"
+        return "none"
+
+    def record(self) -> dict[str, object]:
+        """A compact entry for `status.autoscaling.lastDecisions`: time, inputs, desired, reason."""
+        return {
+            "time": self.time,
+            "currentReplicas": self.current_replicas,
+            "desiredReplicas": self.desired_replicas,
+            "recommendation": self.recommendation,
+            "metrics": {signal.name: signal.value for signal in self.signals},
+            "reason": self.reason,
+        }
+
+
+_LABELS: dict[SignalName, str] = {
+    "queueDepthPerReplica": "queue depth",
+    "kvCacheUtilization": "KV-cache utilisation",
+    "ttftP95Seconds": "TTFT p95",
+}
+
+
+def _fmt(name: SignalName, value: float) -> str:
+    if name == "queueDepthPerReplica":
+        return f"{value:.3g}/replica"
+    if name == "kvCacheUtilization":
+        return f"{value * 100:.0f}%"
+    return f"{value:.3g}s"
+
+
+def _ceil(value: float) -> int:
+    return math.ceil(value - _CEIL_EPSILON)
+
+
+def _is_fresh(observed_at: float, now: float, policy: AutoscalingPolicy) -> bool:
+    return now - observed_at <= policy.max_metrics_age_seconds
+
+
+def signal_recommendations(
+    policy: AutoscalingPolicy, metrics: MetricsSample, current_replicas: int
+) -> tuple[SignalRecommendation, ...]:
+    """Per configured signal present in `metrics`: the replicas that bring it to its target (HPA formula).
+
+    Demand is measured_pods * value / target pods' worth; within `tolerance` of `current_replicas` nothing changes.
+    """
+    if metrics.ready_pods == 0:
+        return ()
+    out = []
+    for name, target in policy.targets().items():
+        value = metrics.value(name)
+        if value is None:
+            continue
+        demand = metrics.ready_pods * value / target
+        within = current_replicas > 0 and abs(demand / current_replicas - 1) <= policy.tolerance
+        replicas = current_replicas if within else _ceil(demand)
+        out.append(
+            SignalRecommendation(
+                name=name,
+                value=value,
+                target=target,
+                measured_pods=metrics.ready_pods,
+                replicas=replicas,
+                within_tolerance=within,
+            )
+        )
+    return tuple(out)
+
+
+def _describe_signal(signal: SignalRecommendation) -> str:
+    label, value, target = _LABELS[signal.name], _fmt(signal.name, signal.value), _fmt(signal.name, signal.target)
+    if signal.name == "queueDepthPerReplica":
+        target = f"{signal.target:.3g}"
+    if signal.within_tolerance:
+        return f"{label} {value} within tolerance of target {target}"
+    relation = ">" if signal.value > signal.target else "<="
+    return f"{label} {value} {relation} target {target} -> {signal.replicas} replicas"
+
+
+def _traffic_seen(metrics: MetricsSample | None, gateway: GatewaySample | None) -> bool:
+    """True unless fresh data positively shows no running, waiting or gateway-queued request."""
+    if gateway is not None and gateway.queued_requests > 0:
+        return True
+    if metrics is None or metrics.running_requests is None or metrics.waiting_requests is None:
+        return True
+    return metrics.running_requests > 0 or metrics.waiting_requests > 0
+
+
+def _answered_demand(window: tuple[RecommendationRecord, ...], launched_at: float) -> int | None:
+    """The recommendation that launched pods created at `launched_at`: the newest record at or before it."""
+    earlier = [record for record in window if record.time <= launched_at]
+    return max(earlier, key=lambda record: record.time).replicas if earlier else None
+
+
+def _prune(window: tuple[RecommendationRecord, ...], now: float, seconds: float) -> tuple[RecommendationRecord, ...]:
+    """Keep the records of the last `seconds`, plus the newest older one: it held at the window's start."""
+    ordered = sorted(window, key=lambda record: record.time)
+    start = now - seconds
+    inside = [record for record in ordered if record.time > start]
+    before = [record for record in ordered if record.time <= start]
+    return tuple(before[-1:] + inside)
+
+
+def alert_intent(
+    name: str,
+    *,
+    now: float,
+    current_replicas: int,
+    policy: AutoscalingPolicy,
+    step: int = 1,
+    ttl_seconds: float = 300.0,
+) -> AlertIntent:
+    """The intent for a firing alert: `step` more pods than now (bounded by scale_up_max_step and max_replicas)."""
+    if step < 1:
+        raise ValueError(f"alert step must be at least 1, got {step}")
+    if policy.scale_up_max_step is not None:
+        step = min(step, policy.scale_up_max_step)
+    floor = min(policy.max_replicas, max(current_replicas, 0) + step)
+    return AlertIntent(name=name, received_at=now, expires_at=now + ttl_seconds, min_replicas=max(floor, 1))
+
+
+def add_alert(state: AutoscalingState, intent: AlertIntent) -> AutoscalingState:
+    """Record an intent. A repeat of an active alert (Alertmanager re-sends) refreshes its expiry without
+    stacking another step on top: the floor stays the higher of the two."""
+    same = [alert for alert in state.alerts if alert.name == intent.name and alert.expires_at > intent.received_at]
+    others = tuple(alert for alert in state.alerts if alert.name != intent.name)
+    if same:
+        previous = same[0]
+        intent = AlertIntent(
+            name=intent.name,
+            received_at=previous.received_at,
+            expires_at=max(previous.expires_at, intent.expires_at),
+            min_replicas=max(previous.min_replicas, intent.min_replicas),
+        )
+    return state.model_copy(update={"alerts": (*others, intent)})
+
+
+def decide(
+    policy: AutoscalingPolicy,
+    *,
+    now: float,
+    current_replicas: int,
+    pods: PodCounts,
+    metrics: MetricsSample | None = None,
+    gateway: GatewaySample | None = None,
+    state: AutoscalingState | None = None,
+) -> Decision:
+    """Size one variant. `current_replicas` is the count asked for so far (status desiredReplicas)."""
+    if current_replicas < 0:
+        raise ValueError(f"current_replicas must be >= 0, got {current_replicas}")
+    state = state or AutoscalingState()
+    fresh_metrics = metrics if metrics is not None and _is_fresh(metrics.observed_at, now, policy) else None
+    fresh_gateway = gateway if gateway is not None and _is_fresh(gateway.observed_at, now, policy) else None
+    alerts = tuple(alert for alert in state.alerts if alert.expires_at > now)
+    alert = max(alerts, key=lambda intent: intent.min_replicas, default=None)
+    traffic = _traffic_seen(fresh_metrics, fresh_gateway)
+    last_active_at = now if traffic or state.last_active_at is None else state.last_active_at
+
+    signals = signal_recommendations(policy, fresh_metrics, current_replicas) if fresh_metrics else ()
+    notes: list[str] = []
+    if current_replicas == 0:
+        recommendation, headline = _from_zero(policy, fresh_gateway)
+    elif signals:
+        dominant = max(signals, key=lambda signal: signal.replicas)
+        recommendation, headline = dominant.replicas, _describe_signal(dominant)
+        recommendation = _startup_cap(policy, now, current_replicas, pods, state.window, recommendation, notes)
+    else:
+        recommendation = current_replicas
+        headline = _missing_data_headline(metrics, now, current_replicas)
+
+    floor = max(policy.min_replicas, 1)
+    if alert is not None and alert.min_replicas > recommendation:
+        recommendation = alert.min_replicas
+        notes.append(f"alert {alert.name} holds at least {alert.min_replicas} until t={alert.expires_at:g}")
+    if recommendation < floor and not (current_replicas == 0 and recommendation == 0):
+        recommendation = floor
+        notes.append(f"minReplicas {policy.min_replicas}" if policy.min_replicas else "at least 1 while active")
+    if recommendation > policy.max_replicas:
+        recommendation = policy.max_replicas
+        notes.append(f"maxReplicas {policy.max_replicas}")
+
+    idle_for = now - last_active_at
+    to_zero = (
+        policy.scale_to_zero_after_seconds is not None
+        and current_replicas > 0
+        and not traffic
+        and alert is None
+        and idle_for >= policy.scale_to_zero_after_seconds
+    )
+    if to_zero:
+        recommendation = 0
+        headline = f"no traffic for {idle_for:.0f}s >= scaleToZeroAfterSeconds {policy.scale_to_zero_after_seconds:g}"
+
+    window = _prune(
+        (*state.window, RecommendationRecord(time=now, replicas=recommendation)),
+        now,
+        policy.scale_down_stabilization_seconds,
+    )
+    desired = _apply_rate_rules(policy, now, current_replicas, recommendation, window, to_zero, notes)
+    reason = f"{headline} -> {desired} replicas" if not headline.endswith("replicas") else headline
+    if desired != recommendation or not headline.endswith(f"{desired} replicas"):
+        reason = f"{headline}; scaling {current_replicas} -> {desired}" if desired != current_replicas else (
+            f"{headline}; keeping {desired}"
+        )
+    if notes:
+        reason = f"{reason} ({'; '.join(notes)})"
+    return Decision(
+        time=now,
+        current_replicas=current_replicas,
+        desired_replicas=desired,
+        recommendation=recommendation,
+        signals=signals,
+        metrics_fresh=fresh_metrics is not None,
+        state=AutoscalingState(window=window, alerts=alerts, last_active_at=last_active_at),
+        reason=reason,
+    )
+
+
+def _from_zero(policy: AutoscalingPolicy, gateway: GatewaySample | None) -> tuple[int, str]:
+    """At zero there are no pod metrics: only requests held by the gateway (or min/alert floors) wake us."""
+    if gateway is None or gateway.queued_requests <= 0:
+        return 0, "at zero, no queued requests"
+    per_replica = policy.queue_depth_per_replica or 1.0
+    wanted = max(1, _ceil(gateway.queued_requests / per_replica))
+    return wanted, f"waking from zero: gateway holds {gateway.queued_requests:g} queued requests"
+
+
+def _missing_data_headline(metrics: MetricsSample | None, now: float, current: int) -> str:
+    if metrics is None:
+        return f"no metrics: holding {current} replicas"
+    if metrics.ready_pods == 0:
+        return f"no ready pod reported metrics: holding {current} replicas"
+    age = now - metrics.observed_at
+    return f"metrics stale ({age:.0f}s old): holding {current} replicas"
+
+
+def _startup_cap(
+    policy: AutoscalingPolicy,
+    now: float,
+    current: int,
+    pods: PodCounts,
+    window: tuple[RecommendationRecord, ...],
+    recommendation: int,
+    notes: list[str],
+) -> int:
+    """While pods launched for a demand are still loading, do not add more for that same demand.
+
+    Backlog keeps growing while new pods load, so signals rise although the capacity that answers them is on its
+    way. Scale-up is held at the recommendation that launched the newest loading pod (steps clipped by
+    scaleUpMaxStep still proceed), until those pods are ready or `expected_startup_seconds` has passed.
+    """
+    loading = [created for created in pods.starting_since if now - created < policy.expected_startup_seconds]
+    if recommendation <= current or not loading:
+        return recommendation
+    answered = _answered_demand(window, max(loading))
+    answered = current if answered is None else answered
+    capped = max(current, min(recommendation, answered))
+    if capped < recommendation:
+        notes.append(f"{len(loading)} pod(s) still starting: holding scale-up at {capped} for the same demand")
+    return capped
+
+
+def _apply_rate_rules(
+    policy: AutoscalingPolicy,
+    now: float,
+    current: int,
+    recommendation: int,
+    window: tuple[RecommendationRecord, ...],
+    to_zero: bool,
+    notes: list[str],
+) -> int:
+    """Scale up at once (by at most scale_up_max_step); scale down only to the window's highest recommendation,
+    and only once the window covers the whole stabilisation period. Scaling to zero has its own idle timer."""
+    if recommendation > current:
+        step = policy.scale_up_max_step
+        if step is not None and recommendation - current > step:
+            notes.append(f"max step {step}")
+            return current + step
+        return recommendation
+    if recommendation == current or current == 0:
+        return current
+    if to_zero:
+        return 0
+    period = policy.scale_down_stabilization_seconds
+    if window[0].time > now - period:
+        notes.append(f"scale-down waits for {period:g}s of history")
+        return current
+    highest = max(record.replicas for record in window)
+    if highest >= current:
+        notes.append(f"scale-down stabilisation: {highest} recommended within the last {period:g}s")
+        return current
+    return highest

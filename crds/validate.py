@@ -1,0 +1,373 @@
+"""Semantic validation of InferenceDeployment specs: the rules a schema cannot hold, as plain data.
+
+`validate(spec)` never raises on bad input: it returns `Problem`s (field path, what is wrong, how to fix it).
+Given a dict, it first checks the schema through the pydantic models (the same rules the API server applies)
+and turns each error into a Problem; given a model, or once the dict parses, it applies the semantic rules below.
+The operator reports problems as an `InvalidSpec` condition and a Warning Event; `llmfleet crd validate` prints them.
+
+Quantization support matrix (`engine.type` x `variants[].quantization`):
+- builtin: none, fp8, int4 -- the builtin engine quantizes weights itself at load time (weight-only).
+- vllm: none, fp8 (vLLM's online `--quantization fp8`), int4 *only from a pre-quantized checkpoint* named in the
+  variant's `source` (AWQ/GPTQ; vLLM reads the scheme from the checkpoint's config). vLLM has no online int4 weight
+  quantization of our kind (bitsandbytes is a different 4-bit format and CUDA-only), so int4 without a variant
+  `source` would silently serve the unquantized model: refused.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from crds.models import (
+    API_VERSION,
+    KIND,
+    Engine,
+    InferenceDeploymentSpec,
+    Quantization,
+)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a spec: where (`path`, e.g. `spec.variants[0].autoscaling`), what, and how to fix it."""
+
+    path: str
+    message: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}. Fix: {self.fix}"
+
+
+# Engine flags that have a typed field (use the field) or that the operator sets itself (cannot be overridden),
+# keyed by normalised flag name (lowercase, no leading dashes, '-' for '_').
+_RESERVED_ENGINE_ARGS: Mapping[str, str] = {
+    "model": "set spec.model.source (the operator passes the model path)",
+    "host": "remove it (the operator binds the server to the pod IP)",
+    "port": "remove it (the operator owns the serving port)",
+    "served-model-name": "set spec.model.name",
+    "revision": "set spec.model.revision",
+    "max-model-len": "set spec.model.maxModelLen",
+    "quantization": "set spec.variants[].quantization",
+    "dtype": "set spec.engine.dtype",
+    "max-num-seqs": "set spec.engine.maxNumSeqs",
+    "max-num-batched-tokens": "set spec.engine.maxNumBatchedTokens",
+    "kv-cache-memory-bytes": "set spec.engine.kvCacheBytes",
+    "kv-cache-bytes": "set spec.engine.kvCacheBytes",
+    "enable-prefix-caching": "set spec.engine.enablePrefixCaching",
+    "no-enable-prefix-caching": "set spec.engine.enablePrefixCaching",
+    "enable-chunked-prefill": "set spec.engine.enableChunkedPrefill",
+    "no-enable-chunked-prefill": "set spec.engine.enableChunkedPrefill",
+}
+
+# PodSpec fields the operator writes itself; `template.podSpec` may not set them.
+_OPERATOR_OWNED_POD_FIELDS: Mapping[str, str] = {
+    "containers": "use spec.template.image/env and the engine fields",
+    "nodeSelector": "use spec.template.nodeSelector",
+    "tolerations": "use spec.template.tolerations",
+    "terminationGracePeriodSeconds": "use spec.drain.terminationGracePeriodSeconds",
+    "serviceAccountName": "use spec.template.serviceAccountName",
+    "priorityClassName": "use spec.template.priorityClassName",
+    "restartPolicy": "remove it (worker pods always restart)",
+}
+
+# Field-specific advice for schema errors, keyed by path without `spec.` and with list indices as `[]`.
+_FIELD_HINTS: Mapping[str, str] = {
+    "model.name": "use a served model name of letters, digits, '.', '_', '/', '-' (no ':'), e.g. `smollm2`",
+    "model.source": "use bundled://NAME, hf://ORG/REPO, pvc://CLAIM/PATH or an absolute path, "
+    "e.g. `bundled://smollm2-135m-instruct`",
+    "variants[].source": "use hf://ORG/REPO, pvc://CLAIM/PATH, bundled://NAME or an absolute path",
+    "variants[].name": "use lowercase letters, digits and '-', at most 32 characters, e.g. `fp8`",
+    "variants[].tiers[]": "use lowercase letters, digits and '-', e.g. `premium`",
+    "variants": "add a variant, e.g. `variants: [{name: default}]`",
+    "engine.kvCacheBytes": "use a Kubernetes quantity, e.g. `64Mi` or `8Gi`",
+    "variants[].resources.cpu": "use a Kubernetes quantity, e.g. `2` or `500m`",
+    "variants[].resources.memory": "use a Kubernetes quantity, e.g. `2Gi`",
+    "template.env[].name": "use letters, digits, '_', '-', '.' and no leading digit, e.g. `LOG_LEVEL`",
+    "template.serviceAccountName": "use lowercase letters, digits and '-'",
+}
+_DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def validate(spec: InferenceDeploymentSpec | Mapping[str, Any] | None) -> list[Problem]:
+    """All problems of an InferenceDeployment spec (a dict as written, or a parsed model); empty when it is valid."""
+    if isinstance(spec, InferenceDeploymentSpec):
+        model = spec
+    elif isinstance(spec, Mapping):
+        try:
+            model = InferenceDeploymentSpec.model_validate(spec)
+        except ValidationError as error:
+            return [_problem_from_error(item) for item in error.errors()]
+    else:
+        return [Problem("spec", "is missing or not a mapping", "add a spec with `model` and `variants`")]
+    return [problem for rule in _RULES for problem in rule(model)]
+
+
+def validate_resource(obj: Mapping[str, Any]) -> list[Problem]:
+    """Problems of a whole InferenceDeployment manifest: apiVersion, kind, metadata.name, then the spec."""
+    problems: list[Problem] = []
+    if obj.get("apiVersion") != API_VERSION:
+        problems.append(Problem("apiVersion", f"is {obj.get('apiVersion')!r}", f"set `apiVersion: {API_VERSION}`"))
+    if obj.get("kind") != KIND:
+        problems.append(Problem("kind", f"is {obj.get('kind')!r}", f"set `kind: {KIND}`"))
+    metadata = obj.get("metadata")
+    name = metadata.get("name") if isinstance(metadata, Mapping) else None
+    if not isinstance(name, str) or not _DNS_1035_LABEL.match(name) or len(name) > 63:
+        problems.append(
+            Problem(
+                "metadata.name",
+                f"{name!r} is not a DNS-1035 label (it names the Service and labels of the pods)",
+                "use at most 63 lowercase letters, digits and '-', starting with a letter, e.g. `smollm2`",
+            )
+        )
+    return problems + validate(obj.get("spec"))
+
+
+# ---------------------------------------------------------------------------------------------- schema problems
+
+
+def _path(loc: Iterable[str | int]) -> str:
+    text = "spec"
+    for part in loc:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        elif re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", part):
+            text += f".{part}"
+        else:
+            text += f'["{part}"]'
+    return text
+
+
+def _hint_key(loc: Iterable[str | int]) -> str:
+    return ".".join("[]" if isinstance(part, int) else part for part in loc).replace(".[]", "[]")
+
+
+def _known_fields(model: type[BaseModel] = InferenceDeploymentSpec) -> Iterator[str]:
+    """Wire names of every field of the spec models (for 'did you mean' suggestions)."""
+    for name, field in model.model_fields.items():
+        yield field.alias or name
+        for sub in _submodels(field.annotation):
+            yield from _known_fields(sub)
+
+
+def _submodels(annotation: Any) -> Iterator[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        yield annotation
+    for argument in getattr(annotation, "__args__", ()):
+        yield from _submodels(argument)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _problem_from_error(error: Mapping[str, Any]) -> Problem:
+    loc = tuple(error["loc"])
+    kind, ctx = error["type"], error.get("ctx", {})
+    field = str(loc[-1]) if loc else "spec"
+    hint = _FIELD_HINTS.get(_hint_key(loc))
+    message = error["msg"][0].lower() + error["msg"][1:]
+    if kind not in ("missing", "extra_forbidden"):
+        message += f", got {_short(error.get('input'))}"
+    if kind == "missing":
+        fix = hint or f"add `{field}` (see `kubectl explain infd.{_path(loc)}`)"
+        return Problem(_path(loc), "is required but missing", fix)
+    if kind == "extra_forbidden":
+        close = difflib.get_close_matches(field, sorted(set(_known_fields())), n=1)
+        fix = f"rename it to `{close[0]}`" if close else "remove it"
+        return Problem(_path(loc), "is not a field of InferenceDeployment", f"{fix} (field names are camelCase)")
+    fixes: dict[str, Callable[[], str]] = {
+        "too_short": lambda: f"give at least {ctx.get('min_length')} item(s)",
+        "too_long": lambda: f"give at most {ctx.get('max_length')} item(s)",
+        "string_too_short": lambda: f"use at least {ctx.get('min_length')} character(s)",
+        "string_too_long": lambda: f"use at most {ctx.get('max_length')} characters",
+        "greater_than_equal": lambda: f"use a value >= {ctx.get('ge')}",
+        "greater_than": lambda: f"use a value > {ctx.get('gt')}",
+        "less_than_equal": lambda: f"use a value <= {ctx.get('le')}",
+        "less_than": lambda: f"use a value < {ctx.get('lt')}",
+        "enum": lambda: f"use one of {ctx.get('expected')}",
+        "literal_error": lambda: f"use one of {ctx.get('expected')}",
+        "string_pattern_mismatch": lambda: f"use a value matching {ctx.get('pattern')}",
+        "int_type": lambda: "use a whole number",
+        "int_parsing": lambda: "use a whole number",
+        "int_from_float": lambda: "use a whole number",
+        "float_type": lambda: "use a number",
+        "float_parsing": lambda: "use a number",
+        "bool_type": lambda: "use true or false",
+        "bool_parsing": lambda: "use true or false",
+        "string_type": lambda: "use a string (quote it in YAML)",
+        "list_type": lambda: "use a list",
+        "dict_type": lambda: "use a mapping of key: value",
+        "model_type": lambda: "use a mapping of key: value",
+    }
+    fix = hint or fixes.get(kind, lambda: f"see `kubectl explain infd.{_path(loc)}`")()
+    return Problem(_path(loc), message, fix)
+
+
+# ----------------------------------------------------------------------------------------------- semantic rules
+
+
+def _unique_names(spec: InferenceDeploymentSpec) -> Iterator[Problem]:
+    counts = Counter(variant.name for variant in spec.variants)
+    seen: set[str] = set()
+    for index, variant in enumerate(spec.variants):
+        if counts[variant.name] > 1 and variant.name in seen:
+            yield Problem(
+                f"spec.variants[{index}].name",
+                f"variant name {variant.name!r} is used {counts[variant.name]} times",
+                "give every variant its own name",
+            )
+        seen.add(variant.name)
+    env_counts = Counter(env.name for env in spec.template.env)
+    for name in sorted(name for name, count in env_counts.items() if count > 1):
+        index = max(i for i, env in enumerate(spec.template.env) if env.name == name)
+        yield Problem(
+            f"spec.template.env[{index}].name", f"environment variable {name!r} is set more than once", "keep one entry"
+        )
+
+
+def _sizing(spec: InferenceDeploymentSpec) -> Iterator[Problem]:
+    for index, variant in enumerate(spec.variants):
+        at = f"spec.variants[{index}]"
+        scaling = variant.autoscaling
+        if scaling is None:
+            continue
+        if variant.replicas is not None:
+            yield Problem(
+                f"{at}.replicas",
+                "a variant cannot have both a fixed `replicas` and `autoscaling`",
+                f"remove {at}.replicas or {at}.autoscaling",
+            )
+        if scaling.min_replicas > scaling.max_replicas:
+            yield Problem(
+                f"{at}.autoscaling.minReplicas",
+                f"minReplicas ({scaling.min_replicas}) is greater than maxReplicas ({scaling.max_replicas})",
+                "make minReplicas <= maxReplicas",
+            )
+        targets = scaling.targets
+        if (targets.queue_depth_per_replica, targets.kv_cache_utilization, targets.ttft_p95_seconds) == (None,) * 3:
+            yield Problem(
+                f"{at}.autoscaling.targets",
+                "no autoscaling target is set, so no signal can drive the size",
+                "set at least one of queueDepthPerReplica (e.g. 4), kvCacheUtilization (e.g. 0.8), ttftP95Seconds",
+            )
+        if scaling.scale_to_zero_after_seconds is not None and scaling.min_replicas > 0:
+            yield Problem(
+                f"{at}.autoscaling.scaleToZeroAfterSeconds",
+                f"scale to zero is set but minReplicas is {scaling.min_replicas}",
+                "set minReplicas: 0, or remove scaleToZeroAfterSeconds",
+            )
+        if scaling.scale_to_zero_after_seconds is None and scaling.min_replicas == 0:
+            yield Problem(
+                f"{at}.autoscaling.minReplicas",
+                "minReplicas is 0 but scaleToZeroAfterSeconds is not set, so it is unclear when to go to zero",
+                "set scaleToZeroAfterSeconds (e.g. 300), or minReplicas >= 1",
+            )
+
+
+def _traffic(spec: InferenceDeploymentSpec) -> Iterator[Problem]:
+    if all(variant.weight == 0 for variant in spec.variants):
+        yield Problem(
+            "spec.variants",
+            "every variant has weight 0, so requests naming no tier and no variant have nowhere to go",
+            "give at least one variant a weight > 0",
+        )
+
+
+def _canary(spec: InferenceDeploymentSpec) -> Iterator[Problem]:
+    if spec.rollout is None:
+        return
+    steps = spec.rollout.canary.steps
+    for index in range(1, len(steps)):
+        if steps[index].weight <= steps[index - 1].weight:
+            yield Problem(
+                f"spec.rollout.canary.steps[{index}].weight",
+                f"canary weights must strictly increase, but step {index} has {steps[index].weight} after "
+                f"{steps[index - 1].weight}",
+                "order the steps by increasing weight and drop repeats, e.g. 10, 50, 100",
+            )
+
+
+def _quantization(spec: InferenceDeploymentSpec) -> Iterator[Problem]:
+    if spec.engine.type != Engine.VLLM:
+        return
+    for index, variant in enumerate(spec.variants):
+        if variant.quantization == Quantization.INT4 and variant.source is None:
+            yield Problem(
+                f"spec.variants[{index}].quantization",
+                "engine vllm serves int4 only from a pre-quantized checkpoint, and this variant names none",
+                f"set spec.variants[{index}].source to an AWQ/GPTQ int4 checkpoint (e.g. hf://ORG/MODEL-AWQ), "
+                "or use quantization fp8, or engine builtin",
+            )
+
+
+def _engine_budget(spec: InferenceDeploymentSpec) -> Iterator[Problem]:
+    engine = spec.engine
+    budget = engine.max_num_batched_tokens
+    if budget is None:
+        return
+    if budget < engine.max_num_seqs:
+        yield Problem(
+            "spec.engine.maxNumBatchedTokens",
+            f"a step budget of {budget} tokens cannot hold maxNumSeqs ({engine.max_num_seqs}) decodes",
+            f"raise maxNumBatchedTokens to at least {engine.max_num_seqs}, or lower maxNumSeqs",
+        )
+    max_len = spec.model.max_model_len
+    if not engine.enable_chunked_prefill and max_len is not None and budget < max_len:
+        yield Problem(
+            "spec.engine.maxNumBatchedTokens",
+            f"without chunked prefill a {max_len}-token prompt must fit one step, but the budget is {budget}",
+            f"raise maxNumBatchedTokens to at least {max_len}, enable chunked prefill, or lower model.maxModelLen",
+        )
+
+
+def _normalise_flag(name: str) -> str:
+    return name.lstrip("-").replace("_", "-").lower()
+
+
+def _engine_args(spec: InferenceDeploymentSpec) -> Iterator[Problem]:
+    owners = [("spec.engine.extraArgs", spec.engine.extra_args)]
+    owners += [(f"spec.variants[{i}].extraArgs", variant.extra_args) for i, variant in enumerate(spec.variants)]
+    for at, args in owners:
+        for key in args:
+            fix = _RESERVED_ENGINE_ARGS.get(_normalise_flag(key))
+            if fix is not None:
+                yield Problem(f"{at}.{key}", f"engine flag {key!r} is managed by llmfleet", fix)
+
+
+def _pod_spec(spec: InferenceDeploymentSpec) -> Iterator[Problem]:
+    for key in spec.template.pod_spec:
+        fix = _OPERATOR_OWNED_POD_FIELDS.get(key)
+        if fix is not None:
+            yield Problem(f"spec.template.podSpec.{key}", f"pod field {key!r} is set by the operator", fix)
+
+
+def _drain(spec: InferenceDeploymentSpec) -> Iterator[Problem]:
+    drain = spec.drain
+    if drain.timeout_seconds >= drain.termination_grace_period_seconds:
+        yield Problem(
+            "spec.drain.timeoutSeconds",
+            f"drain timeout ({drain.timeout_seconds}s) is not below the termination grace period "
+            f"({drain.termination_grace_period_seconds}s), so the kubelet would kill pods mid-drain",
+            f"lower timeoutSeconds or raise terminationGracePeriodSeconds above {drain.timeout_seconds}",
+        )
+
+
+_RULES: tuple[Callable[[InferenceDeploymentSpec], Iterable[Problem]], ...] = (
+    _unique_names,
+    _sizing,
+    _traffic,
+    _canary,
+    _quantization,
+    _engine_budget,
+    _engine_args,
+    _pod_spec,
+    _drain,
+)

@@ -1,0 +1,107 @@
+"""The gateway's Prometheus metrics, on a registry owned by one app (no module-level state).
+
+Counters and histograms are updated on the request path; live gauges (per-backend outstanding, requests held
+at zero, in-flight, admission queue, asyncio tasks, upstream connections) are read from the app's state at scrape
+time by a custom collector, so a pod that disappears leaves no stale series behind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclass(frozen=True)
+class LiveGauges:
+    """Callables returning the live values the collector exports."""
+
+    outstanding: Callable[[], Iterable[tuple[str, str, str, int]]]  # (backend, deployment, variant, n)
+    queued_at_zero: Callable[[], Iterable[tuple[str, str, str, int]]]  # (namespace, deployment, variant, n)
+    in_flight: Callable[[], int]
+    admission_queued: Callable[[], int]
+    asyncio_tasks: Callable[[], int]
+    upstream_connections: Callable[[], int]
+    ready_backends: Callable[[], int]
+
+
+class _LiveCollector(Collector):
+    def __init__(self, live: LiveGauges) -> None:
+        self._live = live
+
+    def collect(self) -> Iterable[Metric]:
+        out = GaugeMetricFamily(
+            "llmfleet_gateway_backend_outstanding_requests",
+            "Requests the gateway has outstanding at each backend pod.",
+            labels=["backend", "deployment", "variant"],
+        )
+        for backend, dep, variant, n in self._live.outstanding():
+            out.add_metric([backend, dep, variant], n)
+        yield out
+        held = GaugeMetricFamily(
+            "llmfleet_gateway_queued_at_zero",
+            "Requests held because their variant has no ready pod (scale-from-zero demand).",
+            labels=["namespace", "deployment", "variant"],
+        )
+        for ns, dep, variant, n in self._live.queued_at_zero():
+            held.add_metric([ns, dep, variant], n)
+        yield held
+        for name, doc, fn in (
+            ("llmfleet_gateway_in_flight_requests", "Requests admitted and not yet finished.", self._live.in_flight),
+            ("llmfleet_gateway_admission_queued", "Requests waiting for admission (saturation).", self._live.admission_queued),
+            ("llmfleet_gateway_asyncio_tasks", "asyncio tasks alive in the gateway's event loop.", self._live.asyncio_tasks),
+            ("llmfleet_gateway_upstream_connections", "Open connections in the upstream pool.", self._live.upstream_connections),
+            ("llmfleet_gateway_ready_backends", "Backend pods the gateway can route to.", self._live.ready_backends),
+        ):
+            yield GaugeMetricFamily(name, doc, value=fn())
+
+
+class GatewayMetrics:
+    """All metric objects of one gateway app."""
+
+    def __init__(self, live: LiveGauges) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.requests = Counter(
+            "llmfleet_gateway_requests", "Requests answered, by served model and HTTP status.", ["model", "status"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "llmfleet_gateway_errors",
+            "Requests that failed at or behind the gateway, by kind "
+            "(connect, upstream_status, timeout, midstream, no_backend, client_disconnect).",
+            ["model", "kind"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "llmfleet_gateway_retries", "Upstream attempts retried on another pod (before the first byte).",
+            ["model", "reason"], registry=r,
+        )
+        self.ttft = Histogram(
+            "llmfleet_gateway_time_to_first_token_seconds",
+            "Time from the request's arrival to the first streamed chunk sent to the client.",
+            ["model"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.itl = Histogram(
+            "llmfleet_gateway_inter_token_latency_seconds",
+            "Time between consecutive streamed chunks sent to the client.",
+            ["model"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.rate_limited = Counter(
+            "llmfleet_gateway_rate_limit_rejections", "Requests rejected with 429 by per-key limits.",
+            ["tier", "limit"], registry=r,
+        )
+        self.shed = Counter(
+            "llmfleet_gateway_shed", "Requests refused with 503 by admission or the scale-to-zero hold.",
+            ["tier", "reason"], registry=r,
+        )
+        self.output_tokens = Counter(
+            "llmfleet_gateway_output_tokens", "Streamed output tokens (SSE events) passed to clients.", ["model"],
+            registry=r,
+        )
+        r.register(_LiveCollector(live))

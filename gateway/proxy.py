@@ -1,0 +1,484 @@
+"""The streaming proxy: one raw ASGI endpoint per OpenAI route, forwarding to a worker pod over httpx.
+
+Why raw ASGI rather than a FastAPI route: the proxy must own the whole life of a request (including the time
+before the response starts) to propagate a client disconnect at any moment, and it sits on the hot path of
+thousands of concurrent streams, where every per-chunk layer costs.
+
+Life of a request: authenticate -> parse -> tier -> resolve model -> rate limit -> admission (priority queue)
+-> choose variant (hold while it has no ready pod) -> attempts: choose pod, send, and before the first response
+body byte retry another pod on connection failure, 503 or 429 -> commit: stream chunks through as they arrive
+(each `send` waits for the client socket to drain: backpressure) -> release.
+
+A watcher task waits for `http.disconnect`; when the client leaves before the response completes it cancels the
+request's task, and the `finally` blocks close the upstream response, which closes its connection, which the
+worker sees as a disconnect and aborts the request. After the first byte nothing is retried: a failing upstream
+ends the stream with an SSE error event (OpenAI SDKs raise on it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from gateway.admission import Rejected
+from gateway.auth import Principal
+from gateway.errors import error_body, sse_error_event
+from gateway.ratelimit import estimate_prompt_tokens
+from gateway.routing import (
+    DeploymentRoute,
+    RoutingError,
+    VariantRoute,
+    affinity_key,
+    choose_endpoint,
+    choose_revision,
+    choose_variant,
+    prompt_text,
+    resolve_model,
+)
+from gateway.settings import TierSettings
+from gateway.state import GatewayState
+from gateway.tiers import TierError, resolve_tier
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+_FORWARD_REQUEST_HEADERS = (b"content-type", b"accept", b"traceparent", b"tracestate")
+_RETRY_STATUSES = frozenset({429, 503})
+_RETRYABLE_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError)
+_MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+class _Disconnected(Exception):
+    """The client went away before sending its whole request."""
+
+
+class _Failure(Exception):
+    """The request ends with an error response from the gateway."""
+
+    def __init__(self, status: int, message: str, code: str | None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.headers = headers or {}
+
+
+async def send_bytes(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    """Send a whole response."""
+    hdrs = [*headers, (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": hdrs})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def send_error(send: Send, status: int, message: str, code: str | None, headers: dict[str, str] | None = None) -> None:
+    hdrs = [(b"content-type", b"application/json")]
+    hdrs += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send_bytes(send, status, error_body(status, message, code), hdrs)
+
+
+class _DisconnectWatch:
+    """Cancels the request's task when the client disconnects before the response is complete."""
+
+    def __init__(self, receive: Receive) -> None:
+        self._task = asyncio.current_task()
+        self.disconnected = False
+        self.finished = False
+        self._listener = asyncio.create_task(self._listen(receive))
+
+    async def _listen(self, receive: Receive) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                if not self.finished and self._task is not None:
+                    self.disconnected = True
+                    self._task.cancel()
+                return
+
+    def stop(self) -> None:
+        self.finished = True
+        self._listener.cancel()
+
+
+@dataclass
+class _Upstream:
+    """A committed upstream response: the pod it came from and, for streams, its first chunk."""
+
+    response: httpx.Response
+    url: str
+    variant: str
+    revision: str
+    first_chunk: bytes | None  # None for non-streaming responses (the body is in `body`)
+    body: bytes | None
+    chunks: AsyncIterator[bytes] | None  # the remaining raw chunks of a stream
+
+
+async def _read_body(receive: Receive) -> bytes:
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _Disconnected
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > _MAX_BODY_BYTES:
+            raise _Failure(413, f"request body larger than {_MAX_BODY_BYTES} bytes", "request_too_large")
+        parts.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+class ProxyEndpoint:
+    """ASGI app forwarding one OpenAI route (`/v1/chat/completions` or `/v1/completions`) to the workers."""
+
+    def __init__(self, state: GatewayState, path: str) -> None:
+        self.state = state
+        self.path = path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["method"] != "POST":
+            await send_error(send, 405, f"{self.path} accepts POST only", "method_not_allowed", {"allow": "POST"})
+            return
+        arrival = time.perf_counter()
+        headers = {k: v for k, v in scope["headers"] if k in (b"authorization", b"x-llmfleet-tier", b"x-request-id")}
+        state = self.state
+        auth = headers.get(b"authorization")
+        principal = state.keys.authenticate(auth.decode("latin-1") if auth else None)
+        if principal is None:
+            await send_error(
+                send, 401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.", "invalid_api_key"
+            )
+            return
+        try:
+            raw = await _read_body(receive)
+        except _Disconnected:
+            return
+        except _Failure as f:
+            await send_error(send, f.status, f.message, f.code)
+            return
+        request = _Request(state, self.path, scope, principal, raw, headers, arrival)
+        watch = _DisconnectWatch(receive)
+        try:
+            await request.serve(send, watch)
+        except asyncio.CancelledError:
+            if not watch.disconnected:
+                raise
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            state.metrics.errors.labels(request.model_label, "client_disconnect").inc()
+        finally:
+            watch.stop()
+
+
+class _Request:
+    """One proxied request; `serve` runs it to the end."""
+
+    def __init__(
+        self,
+        state: GatewayState,
+        path: str,
+        scope: Scope,
+        principal: Principal,
+        raw: bytes,
+        headers: dict[bytes, bytes],
+        arrival: float,
+    ) -> None:
+        self.state = state
+        self.path = path
+        self.scope = scope
+        self.principal = principal
+        self.raw = raw
+        self.headers = headers
+        self.arrival = arrival
+        self.model_label = "unknown"
+        self.request_id = (headers.get(b"x-request-id") or uuid.uuid4().hex.encode()).decode("latin-1")
+        self.response_headers: dict[str, str] = {}
+
+    async def serve(self, send: Send, watch: _DisconnectWatch) -> None:
+        metrics = self.state.metrics
+        try:
+            status = await self._serve(send, watch)
+        except _Failure as f:
+            status = f.status
+            watch.finished = True
+            await send_error(send, f.status, f.message, f.code, {**self.response_headers, **f.headers})
+        metrics.requests.labels(self.model_label, str(status)).inc()
+
+    def _parse(self) -> tuple[dict[str, Any], str, bool]:
+        try:
+            body = json.loads(self.raw)
+        except (ValueError, UnicodeDecodeError):
+            raise _Failure(400, "the request body is not valid JSON", "invalid_json") from None
+        if not isinstance(body, dict):
+            raise _Failure(400, "the request body must be a JSON object", "invalid_request")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise _Failure(400, "`model` is required and must be a string", "missing_model")
+        return body, model, bool(body.get("stream"))
+
+    async def _serve(self, send: Send, watch: _DisconnectWatch) -> int:
+        state, s = self.state, self.state.settings
+        body, model, stream = self._parse()
+        key_tier = s.tier(self.principal.tier)
+        header_tier = self.headers.get(b"x-llmfleet-tier")
+        try:
+            tier = resolve_tier(
+                s.tiers, key_tier.name, header_tier.decode("latin-1") if header_tier else None,
+                may_raise=self.principal.open_mode,
+            )
+            dep, suffix = resolve_model(state.table, model)
+        except (TierError, RoutingError) as e:
+            raise _Failure(e.status, e.message, getattr(e, "code", "invalid_tier")) from None
+        self.model_label = dep.model
+        prompt = prompt_text(body)
+        verdict = state.limiter.check(self.principal.key_id, key_tier, estimate_prompt_tokens(prompt), state.clock())
+        self.response_headers = dict(verdict.headers)
+        if not verdict.allowed:
+            state.metrics.rate_limited.labels(key_tier.name, verdict.limit or "").inc()
+            retry = self.response_headers.pop("retry-after")
+            raise _Failure(
+                429, f"rate limit reached for {verdict.limit} per minute on this API key; retry after {retry}s",
+                "rate_limit_exceeded", {"retry-after": retry},
+            )
+        try:
+            await state.admission.acquire(tier)
+        except Rejected as r:
+            state.metrics.shed.labels(tier.name, r.reason).inc()
+            raise _Failure(503, r.message, "overloaded", {"retry-after": str(s.retry_after_seconds)}) from None
+        try:
+            return await self._route_and_proxy(send, watch, body, dep, suffix, tier, key_tier, stream, prompt)
+        finally:
+            state.admission.release()
+
+    async def _route_and_proxy(
+        self,
+        send: Send,
+        watch: _DisconnectWatch,
+        body: dict[str, Any],
+        dep: DeploymentRoute,
+        suffix: str | None,
+        tier: TierSettings,
+        key_tier: TierSettings,
+        stream: bool,
+        prompt: str,
+    ) -> int:
+        state, s = self.state, self.state.settings
+        try:
+            variant = choose_variant(dep, suffix, tier.name, state.rng)
+        except RoutingError as e:
+            raise _Failure(e.status, e.message, e.code) from None
+        if not variant.ready:
+            hold_key = (dep.namespace, dep.name, variant.name)
+            try:
+                await state.hold.wait(hold_key, lambda: self._variant(dep.model, variant.name).ready, state.clock)
+            except Rejected as r:
+                state.metrics.shed.labels(tier.name, r.reason).inc()
+                state.metrics.errors.labels(self.model_label, "no_backend").inc()
+                raise _Failure(503, r.message, "no_ready_backend", {"retry-after": str(s.retry_after_seconds)}) from None
+        key = affinity_key(prompt, s.affinity_prefix_chars)
+        upstream = await self._open(dep.model, variant.name, key, stream)
+        try:
+            self.response_headers["x-request-id"] = self.request_id
+            self.response_headers["x-llmfleet-variant"] = upstream.variant
+            self.response_headers["x-llmfleet-revision"] = upstream.revision
+            if upstream.first_chunk is None:
+                return await self._send_whole(send, watch, upstream, key_tier)
+            return await self._pump(send, watch, upstream, key_tier)
+        finally:
+            await upstream.response.aclose()
+            state.release_pod(upstream.url)
+
+    def _variant(self, model: str, variant: str) -> VariantRoute:
+        dep = self.state.table.deployments.get(model)
+        v = dep.variant(variant) if dep is not None else None
+        return v if v is not None else VariantRoute(name=variant, weight=0)
+
+    async def _open(self, model: str, variant_name: str, key: str | None, stream: bool) -> _Upstream:
+        """Attempts until one pod answers with a first body byte; retries only what is safe to retry."""
+        state, s = self.state, self.state.settings
+        client = state.client
+        assert client is not None, "the app's lifespan creates the upstream client"
+        tried: set[str] = set()
+        last: _Failure | None = None
+        forward = [(k, v) for k, v in self.scope["headers"] if k in _FORWARD_REQUEST_HEADERS]
+        forward.append((b"x-request-id", self.request_id.encode()))
+        for attempt in range(s.max_attempts):
+            variant = self._variant(model, variant_name)
+            if attempt == 0:
+                revision = choose_revision(variant, state.rng)
+                endpoints = revision.endpoints if revision is not None else ()
+            else:
+                endpoints = variant.endpoints
+            ep = choose_endpoint(endpoints, state.outstanding, key, s.load_factor, state.rng, exclude=tried)
+            if ep is None:
+                break
+            tried.add(ep.url)
+            state.acquire_pod(ep.url)
+            try:
+                request = client.build_request("POST", ep.url + self.path, content=self.raw, headers=forward)
+                response = await client.send(request, stream=True)
+            except _RETRYABLE_ERRORS as e:
+                last = _Failure(502, f"could not reach a backend for {model!r}: {type(e).__name__}", "upstream_unreachable")
+                state.metrics.retries.labels(self.model_label, "connect").inc()
+                state.metrics.errors.labels(self.model_label, "connect").inc()
+                state.release_pod(ep.url)
+                continue
+            except httpx.TimeoutException as e:
+                state.release_pod(ep.url)
+                state.metrics.errors.labels(self.model_label, "timeout").inc()
+                raise _Failure(504, f"the backend did not answer in time ({type(e).__name__})", "upstream_timeout") from None
+            except BaseException:
+                state.release_pod(ep.url)
+                raise
+            try:
+                if response.status_code in _RETRY_STATUSES:
+                    retry_after = response.headers.get("retry-after")
+                    body = await response.aread()
+                    await response.aclose()
+                    state.metrics.retries.labels(self.model_label, str(response.status_code)).inc()
+                    last = _Failure(
+                        response.status_code,
+                        _upstream_message(body, f"backend answered {response.status_code}"),
+                        "upstream_busy" if response.status_code == 429 else "upstream_unavailable",
+                        {"retry-after": retry_after} if retry_after else None,
+                    )
+                    state.release_pod(ep.url)
+                    continue
+                is_stream = stream and response.status_code == 200
+                chunks = response.aiter_raw()
+                if is_stream:
+                    first = b""
+                    while not first:  # skip empty reads; an ended body yields StopAsyncIteration
+                        first = await anext(chunks)
+                    return _Upstream(response, ep.url, ep.variant, ep.revision, first, None, chunks)
+                body = await response.aread()
+                return _Upstream(response, ep.url, ep.variant, ep.revision, None, body, None)
+            except StopAsyncIteration:  # a stream that ended without a byte: passed through as it is
+                return _Upstream(response, ep.url, ep.variant, ep.revision, b"", None, chunks)
+            except _RETRYABLE_ERRORS as e:  # failed before the first body byte: safe to retry elsewhere
+                await response.aclose()
+                state.metrics.retries.labels(self.model_label, "reset").inc()
+                state.metrics.errors.labels(self.model_label, "connect").inc()
+                last = _Failure(502, f"the backend failed before answering: {type(e).__name__}", "upstream_failed")
+                state.release_pod(ep.url)
+                continue
+            except httpx.TimeoutException as e:
+                await response.aclose()
+                state.metrics.errors.labels(self.model_label, "timeout").inc()
+                state.release_pod(ep.url)
+                raise _Failure(504, f"the backend did not answer in time ({type(e).__name__})", "upstream_timeout") from None
+            except BaseException:
+                await response.aclose()
+                state.release_pod(ep.url)
+                raise
+        if last is None:
+            state.metrics.errors.labels(self.model_label, "no_backend").inc()
+            last = _Failure(
+                503, f"no ready backend for model {model!r} (variant {variant_name!r})", "no_ready_backend",
+                {"retry-after": str(s.retry_after_seconds)},
+            )
+        elif last.status in _RETRY_STATUSES:
+            state.metrics.errors.labels(self.model_label, "upstream_status").inc()
+        raise last
+
+    def _client_headers(self, response: httpx.Response) -> list[tuple[bytes, bytes]]:
+        hdrs = [(b"content-type", response.headers.get("content-type", "application/json").encode())]
+        if response.headers.get("cache-control"):
+            hdrs.append((b"cache-control", response.headers["cache-control"].encode()))
+        hdrs += [(k.encode(), v.encode()) for k, v in self.response_headers.items()]
+        return hdrs
+
+    async def _send_whole(self, send: Send, watch: _DisconnectWatch, up: _Upstream, key_tier: TierSettings) -> int:
+        body = up.body or b""
+        status = up.response.status_code
+        if status == 200:
+            tokens = _usage_completion_tokens(body)
+            self.state.limiter.charge_tokens(self.principal.key_id, key_tier, tokens, self.state.clock())
+            self.state.metrics.output_tokens.labels(self.model_label).inc(tokens)
+        else:
+            self.state.metrics.errors.labels(self.model_label, "upstream_status").inc()
+        watch.finished = True
+        await send_bytes(send, status, body, self._client_headers(up.response))
+        return status
+
+    async def _pump(self, send: Send, watch: _DisconnectWatch, up: _Upstream, key_tier: TierSettings) -> int:
+        """Stream the upstream body to the client chunk by chunk; never retried from here on."""
+        state = self.state
+        metrics = state.metrics
+        limiter, key_id, clock = state.limiter, self.principal.key_id, state.clock
+        itl = metrics.itl.labels(self.model_label)
+        tokens_counter = metrics.output_tokens.labels(self.model_label)
+        read_timeout = state.settings.timeouts.read
+        status = up.response.status_code
+        await send({"type": "http.response.start", "status": status, "headers": self._client_headers(up.response)})
+        chunk = up.first_chunk or b""
+        last = time.perf_counter()
+        if chunk:
+            metrics.ttft.labels(self.model_label).observe(last - self.arrival)
+        ended_clean = chunk.endswith(b"\n\n") or not chunk
+        while chunk:
+            n = chunk.count(b"data:") - (1 if b"[DONE]" in chunk else 0)
+            if n > 0:
+                limiter.charge_tokens(key_id, key_tier, n, clock())
+                tokens_counter.inc(n)
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            ended_clean = chunk.endswith(b"\n\n")
+            try:
+                async with asyncio.timeout(read_timeout):
+                    chunk = await anext(up.chunks)
+            except StopAsyncIteration:
+                break
+            except (httpx.HTTPError, TimeoutError) as e:
+                metrics.errors.labels(self.model_label, "midstream").inc()
+                msg = f"the backend failed mid-stream ({type(e).__name__}); the response is incomplete"
+                event = sse_error_event(502, msg, "upstream_failed_midstream")
+                watch.finished = True
+                await send({"type": "http.response.body", "body": event if ended_clean else b"\n\n" + event, "more_body": False})
+                return 502
+            now = time.perf_counter()
+            itl.observe(now - last)
+            last = now
+        watch.finished = True
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return status
+
+
+def _upstream_message(body: bytes, default: str) -> str:
+    try:
+        err = json.loads(body).get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return err["message"]
+        if isinstance(err, str):
+            return err
+    except (ValueError, AttributeError):
+        pass
+    return default
+
+
+def _usage_completion_tokens(body: bytes) -> int:
+    """Output tokens of a non-streamed answer: `usage.completion_tokens`, else characters / 4 of its text."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return 0
+    if not isinstance(data, dict):
+        return 0
+    usage = data.get("usage")
+    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+        return usage["completion_tokens"]
+    text = ""
+    for choice in data.get("choices") or []:
+        if isinstance(choice, dict):
+            msg = choice.get("message")
+            text += (msg.get("content") or "") if isinstance(msg, dict) else (choice.get("text") or "")
+    return estimate_prompt_tokens(text) if text else 0

@@ -1,0 +1,285 @@
+"""Iteration-level continuous batching: which requests compute how many tokens in the next step.
+
+Each `schedule()` spends a token budget (`max_num_batched_tokens`) over at most `max_num_seqs` requests:
+running requests first (a decode is one token, an unfinished prefill continues with a chunk), then waiting
+ones in FCFS or priority order. There is no separate "prefill" or "decode" phase: a request simply computes
+`num_tokens - num_computed_tokens` tokens, capped by the budget, so chunked prefill, prefix-cache hits (which
+advance `num_computed_tokens` at admission) and recompute after preemption are one mechanism.
+
+When a running request cannot get a block, the newest (lowest-priority) running request is preempted: its
+blocks are freed and it waits to be recomputed; if that is the request itself, it just waits. Requests are
+capped at what the KV cache can hold in total, so a request that runs alone always fits and nothing loops.
+While paused (draining) only requests that were already admitted run; new ones wait.
+
+`update_from_output` applies the runner's sampled tokens and the stop conditions that need no text (EOS,
+stop token ids, max_tokens, context length). Stop strings need detokenised text; the engine applies them and
+calls `finish_requests`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterable
+
+from worker.config import EngineConfig
+from worker.core.kv_cache_manager import KVCacheManager, token_slice
+from worker.core.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from worker.request import Request, RequestStatus
+
+
+class QueueFullError(RuntimeError):
+    """Admission refused: `max_waiting` requests are already waiting (the server answers 503, retry later)."""
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
+        config.check_max_model_len(max_model_len)
+        self.config = config
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # A request may hold at most every block: beyond that even running alone it could not continue.
+        self.max_request_len = min(max_model_len, self.kv.capacity_tokens)
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.running: list[Request] = []
+        # Heaps of (sort key, request). New requests and preempted ones wait apart so that, while paused,
+        # preempted requests (already admitted once) can still resume and finish.
+        self._waiting: list[tuple[tuple[int, int], Request]] = []
+        self._preempted: list[tuple[tuple[int, int], Request]] = []
+        self._num_waiting = 0  # live entries of both heaps (aborted ones are skipped lazily)
+        self._keys: dict[str, tuple[int, int]] = {}
+        self._arrivals = itertools.count()
+        self._finished_ids: set[str] = set()  # ended since the last schedule(): the runner drops their state
+        self.paused = False
+        self.num_preemptions_total = 0
+
+    # ----------------------------------------------------------------------------------------------- admission
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def has_schedulable_requests(self) -> bool:
+        """Whether schedule() would do anything (False when idle, or paused with only new requests waiting)."""
+        if self.running:
+            return True
+        if not self.paused:
+            return self._num_waiting > 0
+        return any(not r.is_finished for _, r in self._preempted)
+
+    def check_prompt(self, num_prompt_tokens: int) -> None:
+        """Raise ValueError for a prompt that can never be served (before it is queued)."""
+        if num_prompt_tokens < 1:
+            raise ValueError("the prompt is empty: give at least one token")
+        if num_prompt_tokens >= self.max_request_len:
+            raise ValueError(
+                f"the prompt has {num_prompt_tokens} tokens, but this engine serves at most "
+                f"{self.max_request_len} tokens per request (prompt + output; max_model_len and a KV cache of "
+                f"{self.kv.num_blocks} blocks of {self.kv.block_size}): shorten the prompt"
+            )
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if self._num_waiting >= self.config.max_waiting:
+            raise QueueFullError(f"{self._num_waiting} requests are already waiting (max_waiting)")
+        self.check_prompt(request.num_prompt_tokens)
+        priority = request.priority if self.config.scheduling_policy == "priority" else 0
+        key = (priority, next(self._arrivals))
+        self._keys[request.request_id] = key
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.WAITING
+        heapq.heappush(self._waiting, (key, request))
+        self._num_waiting += 1
+
+    def pause(self) -> None:
+        """Stop admitting new requests; running and preempted ones still run to completion."""
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+    # ---------------------------------------------------------------------------------------------- scheduling
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_new: dict[str, int] = {}  # request id -> tokens scheduled this step
+        preempted_ids: set[str] = set()
+
+        # 1. Running requests, in admission order.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while self.kv.allocate_slots(req, n) is None:
+                victim = max(self.running, key=lambda r: self._keys[r.request_id])
+                victim_index = self.running.index(victim)
+                self._preempt(victim, victim_index)
+                preempted_ids.add(victim.request_id)
+                budget += num_new.pop(victim.request_id, 0)
+                if victim_index < i:
+                    i -= 1
+                if victim is req:
+                    break
+            else:
+                num_new[req.request_id] = n
+                budget -= n
+                i += 1
+
+        # 2. Waiting requests, unless this step had to preempt (admitting now would only thrash) and some
+        #    request still runs.
+        if not preempted_ids or not self.running:
+            budget = self._admit(budget, num_new)
+
+        if not num_new and self.requests and not self.paused:
+            # Cannot happen: the budget is positive and a lone request always fits. Fail loudly, never spin.
+            raise RuntimeError(f"scheduler made no progress with {len(self.requests)} unfinished requests")
+        seqs = [self._scheduled_seq(self.requests[rid], n) for rid, n in num_new.items()]
+        finished, self._finished_ids = self._finished_ids, set()
+        return SchedulerOutput(
+            seqs=seqs,
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            finished_req_ids=frozenset(finished),
+            preempted_req_ids=frozenset(preempted_ids),
+        )
+
+    def _admit(self, budget: int, num_new: dict[str, int]) -> int:
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            heap = self._next_heap()
+            if heap is None:
+                break
+            req = heap[0][1]
+            if req.is_finished:  # aborted while waiting
+                heapq.heappop(heap)
+                continue
+            hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            n = req.num_tokens - num_hit_tokens
+            if n > budget and not self.config.enable_chunked_prefill:
+                break
+            n = min(n, budget)
+            if self.kv.allocate_slots(req, n, hits) is None:
+                break
+            heapq.heappop(heap)
+            self._num_waiting -= 1
+            self.kv.record_lookup(req.num_tokens, num_hit_tokens)
+            if req.status is RequestStatus.WAITING:
+                req.num_cached_tokens = num_hit_tokens
+            req.num_computed_tokens = num_hit_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            num_new[req.request_id] = n
+            budget -= n
+        return budget
+
+    def _next_heap(self) -> list[tuple[tuple[int, int], Request]] | None:
+        """The heap whose head is admitted next: the smaller key wins; while paused only preempted requests."""
+        if self.paused or not self._waiting:
+            return self._preempted or None
+        if not self._preempted:
+            return self._waiting
+        return self._preempted if self._preempted[0][0] < self._waiting[0][0] else self._waiting
+
+    def _scheduled_seq(self, req: Request, n: int) -> ScheduledSeq:
+        start = req.num_computed_tokens
+        end = start + n
+        return ScheduledSeq(
+            req_id=req.request_id,
+            token_ids=token_slice(req, start, end),
+            start_pos=start,
+            block_ids=list(self.kv.get_block_ids(req.request_id)),
+            sample=end == req.num_tokens,
+            sampling_params=req.sampling_params,
+            num_output_tokens=req.num_output_tokens,
+            eos_token_id=req.eos_token_id,
+        )
+
+    def _preempt(self, req: Request, index: int) -> None:
+        del self.running[index]
+        self.kv.free(req.request_id, finished=False)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions_total += 1
+        heapq.heappush(self._preempted, (self._keys[req.request_id], req))
+        self._num_waiting += 1
+
+    # ----------------------------------------------------------------------------------------------- updating
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
+        """Advance the scheduled requests; return those that got a new token (some of them now finished)."""
+        sampled = runner_output.sampled_token_ids
+        logprobs = runner_output.logprobs
+        updated = []
+        finished = []
+        for seq in scheduler_output.seqs:
+            req = self.requests[seq.req_id]
+            req.num_computed_tokens += len(seq.token_ids)
+            self.kv.cache_computed_blocks(req)
+            if not seq.sample:
+                continue
+            token = sampled[seq.req_id]
+            req.output_token_ids.append(token)
+            if req.sampling_params.logprobs:
+                req.output_logprobs.append(logprobs[seq.req_id])
+            status = self._check_stop(req, token)
+            if status is not None:
+                req.status = status
+                finished.append(req)
+            updated.append(req)
+        if finished:
+            finished_ids = {r.request_id for r in finished}
+            self.running = [r for r in self.running if r.request_id not in finished_ids]
+            for req in finished:
+                self._release(req)
+        return updated
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if token == req.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_request_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_requests(
+        self, request_ids: Iterable[str], status: RequestStatus, stop_reason: int | str | None = None
+    ) -> list[Request]:
+        """End requests from outside the step (abort, stop string); unknown or finished ids are ignored."""
+        if not status.is_finished:
+            raise ValueError(f"{status} is not a finished status")
+        ended = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status is RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:  # still in a heap: skipped lazily when it reaches the head
+                self._num_waiting -= 1
+            req.status = status
+            if stop_reason is not None:
+                req.stop_reason = stop_reason
+            self._release(req)
+            ended.append(req)
+        return ended
+
+    def _release(self, req: Request) -> None:
+        self.kv.free(req.request_id, finished=True)
+        del self.requests[req.request_id]
+        del self._keys[req.request_id]
+        self._finished_ids.add(req.request_id)
+
+    # -------------------------------------------------------------------------------------------------- stats
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv.usage
+
+    def remaining_tokens_estimate(self) -> int:
+        return sum(r.remaining_tokens for r in self.requests.values())

@@ -1,0 +1,140 @@
+"""EngineCore: one synchronous engine step = schedule -> runner.execute_model -> update -> output deltas.
+
+It owns the scheduler, the runner and the output processor, and nothing about threads or asyncio: the offline
+`LLM` calls `step()` in a loop, the async engine calls it from its background thread.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+from worker.config import EngineConfig
+from worker.core.outputs import ModelRunnerOutput, SchedulerOutput
+from worker.core.scheduler import Scheduler
+from worker.engine.output_processor import OutputProcessor
+from worker.engine.protocol import EngineStats, RequestOutput
+from worker.request import Request, RequestStatus, SamplingParams
+
+
+class Runner(Protocol):
+    """What the core needs from a model runner (`worker.model.runner.ModelRunner`, or the toy one in tests)."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    eos_token_id: int | None
+    tokenizer: Any
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+class EngineCore:
+    def __init__(self, scheduler: Scheduler, runner: Runner) -> None:
+        if runner.block_size != scheduler.kv.block_size:
+            raise ValueError(
+                f"runner block_size {runner.block_size} != scheduler block_size {scheduler.kv.block_size}"
+            )
+        if runner.num_blocks < scheduler.kv.num_blocks:
+            raise ValueError(f"the scheduler manages {scheduler.kv.num_blocks} blocks; the runner has {runner.num_blocks}")
+        self.scheduler = scheduler
+        self.runner = runner
+        self.tokenizer = runner.tokenizer
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, runner: Runner | None = None) -> EngineCore:
+        """Build the core; loads `config.model` into a `ModelRunner` unless a runner is given."""
+        if runner is None:
+            runner = load_runner(config)
+        max_model_len = runner.max_model_len
+        if config.max_model_len is not None:
+            max_model_len = min(max_model_len, config.max_model_len)
+        num_blocks = runner.num_blocks if config.num_blocks is None else min(runner.num_blocks, config.num_blocks)
+        return cls(Scheduler(config, num_blocks, max_model_len), runner)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Queue a request. Raises ValueError (bad prompt, duplicate id) or QueueFullError (admission cap)."""
+        prompt_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            sampling_params=params,
+            eos_token_id=self.runner.eos_token_id,
+            priority=priority,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+        )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this engine has none")
+        self.scheduler.add_request(request)
+        self.output_processor.add_request(request)
+        return request
+
+    def tokenize(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer: give prompts as token ids")
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+    def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
+        """End requests now (client gone, deadline); returns their final deltas (finish_reason `abort`)."""
+        ended = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        return [self.output_processor.abort_output(req) for req in ended]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; return a delta for every request that got a token (or ended by a stop string)."""
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return []
+        runner_output = self.runner.execute_model(scheduler_output)
+        advanced = self.scheduler.update_from_output(scheduler_output, runner_output)
+        processed = self.output_processor.process(advanced)
+        for request_id, stop in processed.stop_requests:
+            self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_STOPPED, stop_reason=stop)
+        return processed.outputs
+
+    def pause(self) -> None:
+        self.scheduler.pause()
+
+    def resume(self) -> None:
+        self.scheduler.resume()
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            kv_cache_usage=s.kv_cache_usage,
+            remaining_tokens_estimate=s.remaining_tokens_estimate(),
+            num_preemptions_total=s.num_preemptions_total,
+            prefix_cache_queries_total=s.kv.prefix_cache_queries,
+            prefix_cache_hits_total=s.kv.prefix_cache_hits,
+            extra={"paused": s.paused},
+        )
+
+
+def load_runner(config: EngineConfig) -> Runner:
+    """The torch model runner for `config.model` (torch is imported only here, when a real model is served)."""
+    if config.model is None:
+        raise ValueError("no model given: set EngineConfig.model to a model folder (or pass a runner)")
+    from worker.model.runner import ModelRunner
+
+    return ModelRunner(
+        config.model,
+        dtype=config.dtype,
+        quantization=config.runner_quantization,
+        device=config.device,
+        block_size=config.block_size,
+        num_blocks=config.num_blocks,
+        kv_cache_bytes=config.kv_cache_bytes,
+        max_model_len=config.max_model_len,
+    )

@@ -1,0 +1,111 @@
+"""From requests that advanced in a step to `RequestOutput` deltas: new token ids, safe text, finish reasons.
+
+The scheduler ends requests on token-level conditions (EOS, stop token ids, max_tokens, context length); this
+module adds what needs text: incremental detokenisation and stop strings. A stop string found here ends the
+request with reason `stop`; the caller tells the scheduler (`stop_requests` in the result).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from worker.engine.detokenizer import Decoder, IncrementalDetokenizer, find_stop, held_back
+from worker.engine.protocol import RequestOutput
+from worker.request import FinishReason, Request, RequestStatus
+
+
+@dataclass
+class _State:
+    detokenizer: IncrementalDetokenizer | None
+    stops: tuple[str, ...]
+    num_sent_tokens: int = 0
+    text: str = ""  # all output text so far (cut at a stop string)
+    num_sent_chars: int = 0
+
+
+@dataclass
+class ProcessedOutputs:
+    outputs: list[RequestOutput] = field(default_factory=list)
+    stop_requests: list[tuple[str, str]] = field(default_factory=list)  # (request id, stop string) to finish
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Decoder | None) -> None:
+        self._tokenizer = tokenizer
+        self._states: dict[str, _State] = {}
+
+    def add_request(self, request: Request) -> None:
+        stops = request.sampling_params.stop if self._tokenizer is not None else ()
+        detok = None if self._tokenizer is None else IncrementalDetokenizer(self._tokenizer, request.prompt_token_ids)
+        self._states[request.request_id] = _State(detok, stops)
+
+    def process(self, requests: list[Request]) -> ProcessedOutputs:
+        result = ProcessedOutputs()
+        for req in requests:
+            output, stop = self._process_one(req)
+            result.outputs.append(output)
+            if stop is not None:
+                result.stop_requests.append((req.request_id, stop))
+        return result
+
+    def abort_output(self, request: Request) -> RequestOutput:
+        """The final (empty) delta of a request ended from outside the step, e.g. aborted."""
+        self._states.pop(request.request_id, None)
+        return self._output(request, [], "", True, request.status.finish_reason, None)
+
+    def _process_one(self, req: Request) -> tuple[RequestOutput, str | None]:
+        st = self._states[req.request_id]
+        new_ids = req.output_token_ids[st.num_sent_tokens :]
+        first_index = st.num_sent_tokens
+        st.num_sent_tokens = req.num_output_tokens
+        finished = req.is_finished
+        stop_str = None
+        if st.detokenizer is not None:
+            # A request ended by EOS or a stop token id shows no text for that token.
+            stopped_by_token = req.status is RequestStatus.FINISHED_STOPPED
+            to_decode = new_ids[:-1] if stopped_by_token else new_ids
+            min_tokens = req.sampling_params.min_tokens
+            for offset, token in enumerate(to_decode):
+                delta = st.detokenizer.add(token)
+                if not delta:
+                    continue
+                searched = len(st.text)
+                st.text += delta
+                if st.stops and first_index + offset + 1 >= min_tokens:
+                    hit = find_stop(st.text, st.stops, searched)
+                    if hit is not None:
+                        st.text = st.text[: hit[0]]
+                        stop_str = hit[1]
+                        finished = True
+                        break
+            if finished and stop_str is None:
+                st.text += st.detokenizer.flush()
+        safe_end = len(st.text) if finished else len(st.text) - held_back(st.text, st.stops)
+        new_text = st.text[st.num_sent_chars : safe_end]
+        st.num_sent_chars = safe_end
+        if finished:
+            del self._states[req.request_id]
+        reason = FinishReason.STOP if stop_str is not None else req.status.finish_reason
+        logprobs = req.output_logprobs[first_index:] if req.sampling_params.logprobs else None
+        return self._output(req, new_ids, new_text, finished, reason, logprobs), stop_str
+
+    @staticmethod
+    def _output(
+        req: Request,
+        new_ids: list[int],
+        new_text: str,
+        finished: bool,
+        reason: FinishReason | None,
+        logprobs: list[float] | None,
+    ) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            finished=finished,
+            finish_reason=reason if finished else None,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            new_logprobs=logprobs,
+        )

@@ -1,0 +1,136 @@
+"""The worker's Prometheus metrics, under vLLM's names so one dashboard and one autoscaler serve both engines.
+
+Request-level series (TTFT, inter-token latency, end-to-end latency, token counters, finished reasons) are
+observed by the server as it streams, so they include everything a client sees (queueing, injected faults).
+Engine-level series (queue sizes, KV-cache use, preemptions, prefix-cache counters) are read from
+`EngineClient.stats()` at scrape time. `llmfleet:*` series carry what the fleet needs beyond vLLM's set:
+drain state, in-flight requests, the remaining-tokens estimate, and request/error counters for canary analysis.
+
+Each `WorkerMetrics` owns its own `CollectorRegistry`: no module-level registry, so tests and several apps in one
+process never collide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+
+from worker.engine.protocol import EngineStats
+from worker.request import FinishReason
+
+# vLLM v1's buckets (vllm/v1/metrics/loggers.py); ITL gains three finer buckets for fast CPU decode steps.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
+
+# Values of the `code` label of llmfleet:request_errors_total besides HTTP status codes (failures after a 200
+# stream has started, or the client going away).
+STREAM_ABORTED = "stream_aborted"  # the server aborted a started request: deadline or drain timeout
+STREAM_ERROR = "stream_error"  # the engine failed after the response had started
+CLIENT_DISCONNECT = "client_disconnect"
+
+
+@dataclass(frozen=True)
+class ServerGauges:
+    draining: bool
+    inflight: int
+    remaining_tokens: int
+
+
+class _ScrapeTimeCollector:
+    """Series read at scrape time from the engine's and the server's snapshots."""
+
+    def __init__(self, model_name: str, engine_stats: Callable[[], EngineStats],
+                 server_gauges: Callable[[], ServerGauges]) -> None:
+        self._model = model_name
+        self._engine_stats = engine_stats
+        self._server_gauges = server_gauges
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(name, doc, labels=["model_name"])
+        family.add_metric([self._model], value)
+        return family
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(name, doc, labels=["model_name"])
+        family.add_metric([self._model], value)
+        return family
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._engine_stats()
+        server = self._server_gauges()
+        yield self._gauge("vllm:num_requests_running", "Requests in the engine's running batch.", stats.num_running)
+        yield self._gauge("vllm:num_requests_waiting", "Requests waiting in the engine's queue.", stats.num_waiting)
+        yield self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0 to 1 (1 = full).", stats.kv_cache_usage)
+        yield self._counter("vllm:num_preemptions", "Cumulative preemptions.", stats.num_preemptions_total)
+        yield self._counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                            stats.prefix_cache_queries_total)
+        yield self._counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                            stats.prefix_cache_hits_total)
+        yield self._gauge("llmfleet:draining", "1 while the worker drains (lame duck), else 0.", int(server.draining))
+        yield self._gauge("llmfleet:inflight_requests", "Generation requests the server is serving.", server.inflight)
+        yield self._gauge("llmfleet:remaining_tokens_estimate",
+                          "Sum of the remaining max_tokens of in-flight requests (how long a drain may take).",
+                          server.remaining_tokens)
+
+
+class WorkerMetrics:
+    def __init__(self, model_name: str, engine_stats: Callable[[], EngineStats],
+                 server_gauges: Callable[[], ServerGauges]) -> None:
+        self.registry = CollectorRegistry()
+        label = ["model_name"]
+        reg = self.registry
+        self._ttft = Histogram("vllm:time_to_first_token_seconds", "Time from request arrival to its first token.",
+                               label, registry=reg, buckets=TTFT_BUCKETS).labels(model_name)
+        self._itl = Histogram("vllm:inter_token_latency_seconds", "Time between consecutive outputs of a request.",
+                              label, registry=reg, buckets=ITL_BUCKETS).labels(model_name)
+        self._e2e = Histogram("vllm:e2e_request_latency_seconds", "Time from request arrival to its end.",
+                              label, registry=reg, buckets=E2E_BUCKETS).labels(model_name)
+        self._prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", label,
+                                      registry=reg).labels(model_name)
+        self._generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", label,
+                                          registry=reg).labels(model_name)
+        success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                          ["model_name", "finished_reason"], registry=reg)
+        self._success = {r: success.labels(model_name, r.value) for r in FinishReason}
+        self._requests = Counter("llmfleet:requests", "Generation requests received (any outcome).", label,
+                                 registry=reg).labels(model_name)
+        self._errors = Counter(
+            "llmfleet:request_errors",
+            "Failed generation requests by HTTP status code, or stream_aborted / stream_error / client_disconnect "
+            "for failures after the response started.",
+            ["model_name", "code"], registry=reg)
+        self._model = model_name
+        reg.register(_ScrapeTimeCollector(model_name, engine_stats, server_gauges))
+
+    def request_received(self) -> None:
+        self._requests.inc()
+
+    def error(self, code: int | str) -> None:
+        self._errors.labels(self._model, str(code)).inc()
+
+    def first_token(self, ttft_s: float, prompt_tokens: int) -> None:
+        self._ttft.observe(ttft_s)
+        self._prompt_tokens.inc(prompt_tokens)
+
+    def token_gap(self, seconds: float) -> None:
+        self._itl.observe(seconds)
+
+    def generated(self, num_tokens: int) -> None:
+        self._generation_tokens.inc(num_tokens)
+
+    def finished(self, reason: FinishReason, e2e_s: float) -> None:
+        self._success[reason].inc()
+        self._e2e.observe(e2e_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,182 @@
+"""The Llama-family decoder (Llama 2/3, SmolLM, Mistral without sliding window) over a paged KV cache.
+
+Written as plain tensors and functions rather than `nn.Module`s: inference never needs autograd or module
+hooks, and the fewer Python calls per layer, the less a CPU step costs. Projections are fused (q/k/v into one
+matmul, gate/up into one) so a layer is four matmuls; every linear is a `quant.Linear`, so fp8 and int4
+variants are the same code. Numerics follow HF `LlamaForCausalLM` (RMSNorm in fp32, RoPE tables in fp32, HF's
+llama3/linear frequency scaling) so greedy outputs match the reference token for token in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from worker.model.attention import AttentionMetadata, paged_attention
+from worker.model.config import ModelConfig
+from worker.model.quant import Linear, make_linear
+
+
+@dataclass(frozen=True)
+class DecoderLayer:
+    input_norm: torch.Tensor
+    qkv: Linear
+    o_proj: Linear
+    post_norm: torch.Tensor
+    gate_up: Linear
+    down: Linear
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse RoPE frequencies [head_dim/2] in fp32, after the checkpoint's scaling, computed as HF does."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    sc = cfg.rope_scaling
+    if sc.rope_type == "linear":
+        return inv / sc.factor
+    if sc.rope_type == "llama3":
+        old_len = sc.original_max_position_embeddings
+        low_wavelen = old_len / sc.low_freq_factor
+        high_wavelen = old_len / sc.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / sc.factor, inv)
+        smooth = (old_len / wavelen - sc.low_freq_factor) / (sc.high_freq_factor - sc.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / sc.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class LlamaModel:
+    """Weights plus `forward(input_ids, meta, kv_caches) -> hidden` and `compute_logits(hidden)`."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        quantization: str | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.scale = cfg.head_dim**-0.5
+        missing: list[str] = []
+
+        def take(name: str, required: bool = True) -> torch.Tensor | None:
+            t = weights.get(name)
+            if t is None:
+                if required:
+                    missing.append(name)
+                return None
+            return t.to(self.device)
+
+        def norm(name: str) -> torch.Tensor:
+            t = take(name)
+            return t.to(dtype) if t is not None else torch.empty(0)
+
+        def linear(names: list[str], bias: bool) -> Linear:
+            ws = [take(f"{n}.weight") for n in names]
+            bs = [take(f"{n}.bias") for n in names] if bias else []
+            if any(w is None for w in ws) or any(b is None for b in bs):
+                return make_linear(torch.zeros(1, 1), None, None, dtype)
+            return make_linear(
+                torch.cat(ws) if len(ws) > 1 else ws[0],
+                (torch.cat(bs) if len(bs) > 1 else bs[0]) if bs else None,
+                quantization,
+                dtype,
+            )
+
+        embed = take("model.embed_tokens.weight")
+        self.layers: list[DecoderLayer] = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}"
+            attn, mlp = f"{p}.self_attn", f"{p}.mlp"
+            self.layers.append(
+                DecoderLayer(
+                    input_norm=norm(f"{p}.input_layernorm.weight"),
+                    qkv=linear([f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"], cfg.attention_bias),
+                    o_proj=linear([f"{attn}.o_proj"], cfg.attention_bias),
+                    post_norm=norm(f"{p}.post_attention_layernorm.weight"),
+                    gate_up=linear([f"{mlp}.gate_proj", f"{mlp}.up_proj"], cfg.mlp_bias),
+                    down=linear([f"{mlp}.down_proj"], cfg.mlp_bias),
+                )
+            )
+        self.norm = norm("model.norm.weight")
+        head = take("lm_head.weight", required=not cfg.tie_word_embeddings)
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+            raise ValueError(f"checkpoint is missing weights: {shown}")
+        assert embed is not None
+        self.embed = embed.to(dtype)
+        if embed.shape != (cfg.vocab_size, cfg.hidden_size):
+            raise ValueError(
+                f"embed_tokens has shape {tuple(embed.shape)}, config says ({cfg.vocab_size}, {cfg.hidden_size})"
+            )
+        # The output head stays dense (as in vLLM's weight-only schemes): it is one matmul per sampled row.
+        self.lm_head = self.embed if head is None else head.to(dtype)
+        self.inv_freq = rope_inv_freq(cfg).to(self.device)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by weights (tied embeddings counted once)."""
+        total = self.embed.numel() * self.embed.element_size()
+        if self.lm_head is not self.embed:
+            total += self.lm_head.numel() * self.lm_head.element_size()
+        total += self.norm.numel() * self.norm.element_size()
+        for layer in self.layers:
+            total += layer.qkv.nbytes + layer.o_proj.nbytes + layer.gate_up.nbytes + layer.down.nbytes
+            total += (layer.input_norm.numel() + layer.post_norm.numel()) * layer.input_norm.element_size()
+        return total
+
+    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin, [T, 1, head_dim], so rope(x) = x * cos + roll(x, half) * sin."""
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        cos = freqs.cos()
+        sin = freqs.sin()
+        cos = torch.cat((cos, cos), dim=-1).to(self.dtype)[:, None, :]
+        sin = torch.cat((-sin, sin), dim=-1).to(self.dtype)[:, None, :]
+        return cos, sin
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        t = input_ids.shape[0]
+        heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q_size, kv_size, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        half = head_dim // 2
+        eps = cfg.rms_norm_eps
+        cos, sin = self.rope_tables(meta.positions)
+        h = F.embedding(input_ids, self.embed)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            qkv = layer.qkv(rms_norm(h, layer.input_norm, eps))
+            qk = qkv[:, : q_size + kv_size].view(t, heads + kv_heads, head_dim)
+            qk = qk * cos + qk.roll(half, dims=-1) * sin
+            q = qk[:, :heads]
+            k = qk[:, heads:]
+            v = qkv[:, q_size + kv_size :].view(t, kv_heads, head_dim)
+            h = h + layer.o_proj(paged_attention(q, k, v, k_cache, v_cache, meta, self.scale))
+            gu = layer.gate_up(rms_norm(h, layer.post_norm, eps))
+            h = h + layer.down(F.silu(gu[:, :inter]) * gu[:, inter:])
+        return rms_norm(h, self.norm, eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [N, vocab] for the given hidden rows."""
+        return F.linear(hidden, self.lm_head).float()

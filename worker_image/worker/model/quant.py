@@ -1,0 +1,171 @@
+"""Linear layers: dense, fp8 weight-only and int4 weight-only, behind one callable interface.
+
+Why these kernels (measured on the 2-core CPU machines with torch 2.13.0+cpu; `bench/quant.py` prints memory and
+quality, this docstring records the speed probe for SmolLM2's linear shapes, summed over one layer):
+
+* fp8 (`float8_e4m3fn` weights, one fp32 scale per output channel). `torch._scaled_mm` runs on CPU but only with
+  fp8 *activations* too (that is W8A8, not weight-only) and was the slowest option (~12 ms/layer at any batch
+  size). A plain `w.to(float32)` cast of fp8 is also slow (~4 ms for a 3072x576 matrix). Fastest: re-bias the
+  fp8 bit pattern into an fp16 bit pattern with integer ops (exact for every finite e4m3 value, subnormals
+  included), convert to the activation dtype, matmul, and multiply the output columns by `scale * 2**8`
+  (the exponent bias difference is folded into the scale). Costs ~0.6 ns per weight per call on top of the matmul.
+* int4 (group-wise asymmetric, 16 levels, group size 128/64/32 along the input dim). torch's
+  `_weight_int4pack_mm_for_cpu` is *very* slow with fp32 activations (230 ms/layer at 64 rows: a scalar path)
+  but with bf16 activations it matches or beats a dense fp32 matmul for decode-sized batches (0.14 vs 0.23 ms
+  at 1 row, 3.4 vs 2.0 ms at 64) and is ~2x slower for long prefill chunks. Dequantize-then-matmul costs
+  ~3 ms/layer extra at every size. We use the kernel, casting activations to bf16 and the result back: the
+  bf16 rounding of activations is far below int4's own error, and the weights stay packed (0.5 byte/weight +
+  bf16 scales/zeros), which is the sure win on CPU.
+
+The dequantization conventions are tested against a reference: fp8 `w = fp8 * scale`; int4
+`w = (q - 8) * scale + zero` (torch's tinygemm convention, `zero` in the float domain).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol
+
+import torch
+import torch.nn.functional as F
+
+Quantization = Literal["fp8", "int4"]
+QUANTIZATIONS: tuple[str, ...] = ("fp8", "int4")
+FP8_MAX = 448.0
+FP8_TO_FP16_EXP_SHIFT = 2.0**8  # 2**(fp16 bias 15 - e4m3 bias 7)
+INT4_GROUP_SIZES = (128, 64, 32)
+
+
+class Linear(Protocol):
+    """`y = x @ W.T (+ b)` for x of shape [..., in_features]."""
+
+    out_features: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+class DenseLinear:
+    __slots__ = ("weight", "bias", "out_features")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight = weight
+        self.bias = bias
+        self.out_features = weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.weight, self.bias)
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric fp8: returns (`float8_e4m3fn` [N, K], fp32 scales [N])."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp_min(1e-12)
+    return (w / scale[:, None]).to(torch.float8_e4m3fn), scale
+
+
+def fp8_to_fp16(w8: torch.Tensor) -> torch.Tensor:
+    """Exact fp8 e4m3fn -> fp16 of the same value / 2**8, by moving bits (fast on CPU, unlike `.to()`)."""
+    bits = w8.view(torch.uint8).to(torch.int16)
+    return (((bits & 0x7F) << 7) | ((bits & 0x80) << 8)).view(torch.float16)
+
+
+class Fp8Linear:
+    __slots__ = ("weight", "scale", "bias", "out_features", "_out_scale")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        self.weight, self.scale = quantize_fp8(weight)
+        self.bias = bias
+        self.out_features = weight.shape[0]
+        self._out_scale = (self.scale * FP8_TO_FP16_EXP_SHIFT).to(dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.weight.to(torch.float32) * self.scale[:, None]).to(dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, fp8_to_fp16(self.weight).to(x.dtype)) * self._out_scale
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.weight, self.scale, self.bias)
+
+
+def int4_group_size(in_features: int) -> int:
+    for g in INT4_GROUP_SIZES:
+        if in_features % g == 0:
+            return g
+    raise ValueError(
+        f"int4 quantization needs in_features divisible by one of {INT4_GROUP_SIZES}, got {in_features}; "
+        "serve this model with quantization none or fp8"
+    )
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group-wise asymmetric int4: returns (q int32 [N, K] in 0..15, scale [N, K/G], zero [N, K/G]) with
+    `w ~= (q - 8) * scale + zero`."""
+    n, k = weight.shape
+    w = weight.float().view(n, k // group_size, group_size)
+    lo = w.amin(dim=-1)
+    hi = w.amax(dim=-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-12)
+    q = ((w - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).view(n, k)
+    return q, scale, lo + 8 * scale
+
+
+class Int4Linear:
+    __slots__ = ("packed", "scales_zeros", "group_size", "bias", "out_features", "out_dtype")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        self.group_size = int4_group_size(weight.shape[1])
+        q, scale, zero = quantize_int4(weight, self.group_size)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        # [K/G, N, 2] as the kernel wants it.
+        self.scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous().to(torch.bfloat16)
+        self.bias = bias
+        self.out_features = weight.shape[0]
+        self.out_dtype = dtype
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weights the kernel computes with (via an identity matmul: the packed layout is private)."""
+        k = self.packed.shape[1] * 2
+        eye = torch.eye(k, dtype=torch.bfloat16)
+        w_t = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, self.scales_zeros)
+        return w_t.t().to(dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.reshape(-1, shape[-1]).to(torch.bfloat16), self.packed, self.group_size, self.scales_zeros
+        ).to(self.out_dtype)
+        y = y.view(*shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.packed, self.scales_zeros, self.bias)
+
+
+def make_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, quantization: str | None, dtype: torch.dtype
+) -> Linear:
+    """A linear layer over `weight` [out, in] in `dtype`, quantized as asked (None = dense)."""
+    if quantization is None:
+        return DenseLinear(weight.to(dtype), None if bias is None else bias.to(dtype))
+    b = None if bias is None else bias.to(dtype)
+    if quantization == "fp8":
+        return Fp8Linear(weight, b, dtype)
+    if quantization == "int4":
+        if weight.device.type != "cpu":
+            raise ValueError("int4 weight-only quantization uses torch's CPU int4 kernel: run it on device cpu")
+        return Int4Linear(weight, b, dtype)
+    raise ValueError(f"unknown quantization {quantization!r}; choose one of {QUANTIZATIONS} or None")
+
+
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)

@@ -1,0 +1,89 @@
+"""Turn one row of logits per sampled request into a token: greedy, temperature, top-k, top-p, seeded.
+
+Greedy rows (the common case in tests and benchmarks) are one `argmax` for the whole batch. Random rows are
+sampled one by one because each may own a seeded `torch.Generator` (reproducible per request, whatever else
+shares the batch). Sampling uses the exponential race (`argmax(p / e)`, `e ~ Exp(1)`), which draws exactly
+from `p` and needs one random tensor per row. Logprobs, when asked, are of the chosen token under the raw
+model distribution (before temperature/top-k/top-p), as vLLM reports them by default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from worker.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """What the sampler needs to know about one row."""
+
+    params: SamplingParams
+    generator: torch.Generator | None  # None: the sampler's shared generator
+    num_output_tokens: int = 0
+    eos_token_id: int | None = None
+
+
+def min_tokens_banned(req: SampleRequest) -> list[int]:
+    """Token ids that may not be sampled yet because `min_tokens` is not reached."""
+    p = req.params
+    if req.num_output_tokens >= p.min_tokens:
+        return []
+    banned = list(p.stop_token_ids)
+    if req.eos_token_id is not None and not p.ignore_eos:
+        banned.append(req.eos_token_id)
+    return banned
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask (to -inf) the tokens outside the top-k and outside the smallest top-p nucleus of one 1-D row."""
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Keep a token if the mass strictly before it is below top_p (the first token is always kept).
+        drop = (probs.cumsum(-1) - probs) >= top_p
+        logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+class Sampler:
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator  # for unseeded random requests
+
+    def __call__(
+        self, logits: torch.Tensor, requests: Sequence[SampleRequest]
+    ) -> tuple[list[int], list[float | None]]:
+        """Sample one token per row of `logits` [N, vocab] (fp32). Returns (tokens, logprobs-or-None)."""
+        for i, req in enumerate(requests):
+            banned = min_tokens_banned(req)
+            if banned:
+                logits[i, banned] = float("-inf")
+        tokens: list[int] = logits.argmax(dim=-1).tolist()
+        for i, req in enumerate(requests):
+            if not req.params.greedy:
+                tokens[i] = self._sample_row(logits[i], req)
+        logprobs: list[float | None] = [None] * len(requests)
+        want = [i for i, r in enumerate(requests) if r.params.logprobs]
+        if want:
+            rows = torch.tensor(want)
+            lp = torch.log_softmax(logits[rows], dim=-1)
+            chosen = torch.tensor([tokens[i] for i in want])
+            values = lp.gather(1, chosen[:, None]).squeeze(1).tolist()
+            for i, value in zip(want, values):
+                logprobs[i] = value
+        return tokens, logprobs
+
+    def _sample_row(self, row: torch.Tensor, req: SampleRequest) -> int:
+        p = req.params
+        scaled = apply_top_k_top_p(row / p.temperature, p.top_k, p.top_p)
+        probs = scaled.softmax(-1)
+        gen = req.generator if req.generator is not None else self.generator
+        noise = torch.empty_like(probs).exponential_(generator=gen)
+        return int((probs / noise).argmax())

@@ -1,0 +1,382 @@
+"""OpenAI API shapes: request models (validated with clear messages) and builders of responses and stream chunks.
+
+Requests are pydantic models so FastAPI documents them and every bad field becomes an OpenAI-style 400 naming the
+field. Responses are built as plain dicts (no per-chunk model validation on the hot streaming path); their shapes
+are what the official `openai` SDK parses, and the tests check them through that SDK.
+
+Supported beyond the plain sampling fields: `stop`, `seed`, `stream_options.include_usage`, `logprobs` (the
+chosen token's log probability only: completions `logprobs=0`, chat `logprobs=true` with `top_logprobs` 0), and
+vLLM's extensions `top_k`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `priority`. Fields this server cannot
+honour (n > 1, penalties, logit_bias, tools, echo, suffix, best_of > 1, JSON response formats) are rejected with a
+400 that says so instead of being silently ignored. Unknown fields are ignored, as OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from worker.request import FinishReason, SamplingParams
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1, description="vLLM extension; 0 or -1 disables it")
+    min_tokens: int = Field(0, ge=0)
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    priority: int = Field(0, description="lower is served first (vLLM extension; the gateway's tiers)")
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError(f"n={value} is not supported: this server returns exactly one choice (n=1); "
+                             "send separate requests instead")
+        return value
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalties(cls, value: float) -> float:
+        if value != 0:
+            raise ValueError("presence and frequency penalties are not supported by this server; leave them at 0")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value:
+            raise ValueError("logit_bias is not supported by this server")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else (value or [])
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def wants_logprobs(self) -> bool:
+        raise NotImplementedError
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """The engine's parameters; raises ValueError (-> 400) on a combination the engine rejects."""
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=max(self.top_k, 0),
+            seed=self.seed,
+            stop=stop,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            logprobs=self.wants_logprobs(),
+            min_tokens=self.min_tokens,
+        )
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _single_prompt(cls, value: Any) -> Any:
+        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+            if len(value) != 1:
+                raise ValueError(f"batched prompts ({len(value)} prompts) are not supported: send one prompt per request")
+            return value[0]
+        if isinstance(value, list) and not value:
+            raise ValueError("prompt must not be empty")
+        return value
+
+    @field_validator("logprobs")
+    @classmethod
+    def _chosen_token_logprobs_only(cls, value: int | None) -> int | None:
+        if value:
+            raise ValueError(f"logprobs={value} is not supported: only logprobs=0 (the chosen token's log "
+                             "probability) is available")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("echo is not supported by this server")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("suffix (insertion) is not supported by this server")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise ValueError(f"best_of={value} is not supported: only 1")
+        return value
+
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as a chat template sees it: text parts joined, no None content."""
+        if isinstance(self.content, list):
+            content = "".join(part.text for part in self.content)
+        else:
+            content = self.content or ""
+        message: dict[str, Any] = {"role": self.role, "content": content}
+        if self.name:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, value: int | None) -> int | None:
+        if value:
+            raise ValueError(f"top_logprobs={value} is not supported: only the chosen token's log probability "
+                             "is available (top_logprobs=0)")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        if value:
+            raise ValueError("tools (function calling) are not supported by this server")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value and value.get("type") != "text":
+            raise ValueError(f"response_format {value.get('type')!r} is not supported: only 'text'")
+        return value
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def wants_logprobs(self) -> bool:
+        return self.logprobs
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.template_dict() for m in self.messages]
+
+
+# ---- responses -------------------------------------------------------------------------------------------------
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+    if cached_tokens:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
+
+
+def token_label(token_id: int) -> str:
+    """How a token appears in logprobs: the engine interface has no per-token decode, so tokens are named by id
+    (vLLM's `return_tokens_as_token_ids` format)."""
+    return f"token_id:{token_id}"
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list[float]) -> dict[str, Any]:
+    return {
+        "tokens": [token_label(t) for t in token_ids],
+        "token_logprobs": list(logprobs),
+        "top_logprobs": None,
+        "text_offset": None,
+    }
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[float]) -> dict[str, Any]:
+    return {
+        "content": [
+            {"token": token_label(t), "logprob": lp, "bytes": None, "top_logprobs": []}
+            for t, lp in zip(token_ids, logprobs, strict=True)
+        ]
+    }
+
+
+def _reason(reason: FinishReason | None) -> str | None:
+    return reason.value if reason is not None else None
+
+
+def now_created() -> int:
+    return int(time.time())
+
+
+def completion_response(
+    request_id: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: FinishReason | None,
+    usage_body: dict[str, Any],
+    logprobs: dict[str, Any] | None,
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "finish_reason": _reason(finish_reason), "logprobs": logprobs}],
+        "usage": usage_body,
+    }
+
+
+def chat_response(
+    request_id: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: FinishReason | None,
+    usage_body: dict[str, Any],
+    logprobs: dict[str, Any] | None,
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": _reason(finish_reason),
+                "logprobs": logprobs,
+            }
+        ],
+        "usage": usage_body,
+    }
+
+
+def completion_chunk(
+    request_id: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: FinishReason | None,
+    logprobs: dict[str, Any] | None,
+    with_usage_field: bool,
+) -> dict[str, Any]:
+    chunk: dict[str, Any] = {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "finish_reason": _reason(finish_reason), "logprobs": logprobs}],
+    }
+    if with_usage_field:
+        chunk["usage"] = None
+    return chunk
+
+
+def chat_chunk(
+    request_id: str,
+    model: str,
+    created: int,
+    delta: dict[str, Any],
+    finish_reason: FinishReason | None,
+    logprobs: dict[str, Any] | None,
+    with_usage_field: bool,
+) -> dict[str, Any]:
+    chunk: dict[str, Any] = {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": _reason(finish_reason), "logprobs": logprobs}],
+    }
+    if with_usage_field:
+        chunk["usage"] = None
+    return chunk
+
+
+def usage_chunk(request_id: str, obj: str, model: str, created: int, usage_body: dict[str, Any]) -> dict[str, Any]:
+    """The last chunk of a stream with `include_usage`: no choices, the totals."""
+    return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [], "usage": usage_body}
+
+
+def models_list(model: str, created: int, max_model_len: int) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [
+            {"id": model, "object": "model", "created": created, "owned_by": "llmfleet", "max_model_len": max_model_len}
+        ],
+    }
+
+
+def sse(data: dict[str, Any]) -> bytes:
+    """One server-sent event carrying a JSON object."""
+    return b"data: " + json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
