@@ -56,6 +56,9 @@ class AutoscalingPolicy(_Frozen):
     expected_startup_seconds: float = Field(
         300.0, gt=0, description="How long a starting pod counts as capacity on its way; after that it is stuck."
     )
+    settle_seconds: float = Field(
+        60.0, ge=0, description="How long after a pod turns ready queue and latency signals still lag (TTFT range)."
+    )
 
     @model_validator(mode="after")
     def _check_bounds(self) -> AutoscalingPolicy:
@@ -119,6 +122,9 @@ class PodCounts(_Frozen):
     starting_since: tuple[float, ...] = Field(
         (), description="Creation times (unix seconds) of pods that exist but are not ready yet."
     )
+    ready_since: tuple[float, ...] = Field(
+        (), description="When each ready pod turned ready (its Ready condition's lastTransitionTime); optional."
+    )
     draining: int = Field(0, ge=0)
 
     @property
@@ -156,6 +162,9 @@ class AutoscalingState(_Frozen):
 
     window: tuple[RecommendationRecord, ...] = ()
     alerts: tuple[AlertIntent, ...] = ()
+    scale_up: RecommendationRecord | None = Field(
+        None, description="The last scale-up: when, and the recommendation (demand) it answered."
+    )
     last_active_at: float | None = Field(None, description="Last time traffic was seen (or could not be ruled out).")
 
 
@@ -256,13 +265,12 @@ def signal_recommendations(
 
 
 def _describe_signal(signal: SignalRecommendation) -> str:
-    label, value, target = _LABELS[signal.name], _fmt(signal.name, signal.value), _fmt(signal.name, signal.target)
-    if signal.name == "queueDepthPerReplica":
-        target = f"{signal.target:.3g}"
+    label, value = _LABELS[signal.name], _fmt(signal.name, signal.value)
+    target = f"{signal.target:.3g}" if signal.name == "queueDepthPerReplica" else _fmt(signal.name, signal.target)
     if signal.within_tolerance:
         return f"{label} {value} within tolerance of target {target}"
     relation = ">" if signal.value > signal.target else "<="
-    return f"{label} {value} {relation} target {target} -> {signal.replicas} replicas"
+    return f"{label} {value} {relation} target {target} (wants {signal.replicas})"
 
 
 def _traffic_seen(metrics: MetricsSample | None, gateway: GatewaySample | None) -> bool:
@@ -272,12 +280,6 @@ def _traffic_seen(metrics: MetricsSample | None, gateway: GatewaySample | None) 
     if metrics is None or metrics.running_requests is None or metrics.waiting_requests is None:
         return True
     return metrics.running_requests > 0 or metrics.waiting_requests > 0
-
-
-def _answered_demand(window: tuple[RecommendationRecord, ...], launched_at: float) -> int | None:
-    """The recommendation that launched pods created at `launched_at`: the newest record at or before it."""
-    earlier = [record for record in window if record.time <= launched_at]
-    return max(earlier, key=lambda record: record.time).replicas if earlier else None
 
 
 def _prune(window: tuple[RecommendationRecord, ...], now: float, seconds: float) -> tuple[RecommendationRecord, ...]:
@@ -350,11 +352,11 @@ def decide(
         recommendation, headline = _from_zero(policy, fresh_gateway)
     elif signals:
         dominant = max(signals, key=lambda signal: signal.replicas)
-        recommendation, headline = dominant.replicas, _describe_signal(dominant)
-        recommendation = _startup_cap(policy, now, current_replicas, pods, state.window, recommendation, notes)
+        headline = _describe_signal(dominant)
+        recommendation = _startup_aware(policy, now, current_replicas, pods, state.scale_up, signals, notes)
     else:
         recommendation = current_replicas
-        headline = _missing_data_headline(metrics, now, current_replicas)
+        headline = _missing_data_headline(metrics, now)
 
     floor = max(policy.min_replicas, 1)
     if alert is not None and alert.min_replicas > recommendation:
@@ -377,7 +379,7 @@ def decide(
     )
     if to_zero:
         recommendation = 0
-        headline = f"no traffic for {idle_for:.0f}s >= scaleToZeroAfterSeconds {policy.scale_to_zero_after_seconds:g}"
+        headline = f"no traffic for {idle_for:.0f}s (scaleToZeroAfterSeconds {policy.scale_to_zero_after_seconds:g})"
 
     window = _prune(
         (*state.window, RecommendationRecord(time=now, replicas=recommendation)),
@@ -385,11 +387,7 @@ def decide(
         policy.scale_down_stabilization_seconds,
     )
     desired = _apply_rate_rules(policy, now, current_replicas, recommendation, window, to_zero, notes)
-    reason = f"{headline} -> {desired} replicas" if not headline.endswith("replicas") else headline
-    if desired != recommendation or not headline.endswith(f"{desired} replicas"):
-        reason = f"{headline}; scaling {current_replicas} -> {desired}" if desired != current_replicas else (
-            f"{headline}; keeping {desired}"
-        )
+    reason = f"{headline} -> {desired} replicas"
     if notes:
         reason = f"{reason} ({'; '.join(notes)})"
     return Decision(
@@ -399,7 +397,13 @@ def decide(
         recommendation=recommendation,
         signals=signals,
         metrics_fresh=fresh_metrics is not None,
-        state=AutoscalingState(window=window, alerts=alerts, last_active_at=last_active_at),
+        state=AutoscalingState(
+            window=window,
+            alerts=alerts,
+            last_active_at=last_active_at,
+            scale_up=RecommendationRecord(time=now, replicas=recommendation) if desired > current_replicas
+            else state.scale_up,
+        ),
         reason=reason,
     )
 
@@ -407,45 +411,61 @@ def decide(
 def _from_zero(policy: AutoscalingPolicy, gateway: GatewaySample | None) -> tuple[int, str]:
     """At zero there are no pod metrics: only requests held by the gateway (or min/alert floors) wake us."""
     if gateway is None or gateway.queued_requests <= 0:
-        return 0, "at zero, no queued requests"
+        return 0, "at zero with no queued requests"
     per_replica = policy.queue_depth_per_replica or 1.0
     wanted = max(1, _ceil(gateway.queued_requests / per_replica))
     return wanted, f"waking from zero: gateway holds {gateway.queued_requests:g} queued requests"
 
 
-def _missing_data_headline(metrics: MetricsSample | None, now: float, current: int) -> str:
+def _missing_data_headline(metrics: MetricsSample | None, now: float) -> str:
     if metrics is None:
-        return f"no metrics: holding {current} replicas"
-    if metrics.ready_pods == 0:
-        return f"no ready pod reported metrics: holding {current} replicas"
-    age = now - metrics.observed_at
-    return f"metrics stale ({age:.0f}s old): holding {current} replicas"
+        why = "no metrics"
+    elif metrics.ready_pods == 0:
+        why = "no ready pod reported metrics"
+    else:
+        why = f"metrics stale ({now - metrics.observed_at:.0f}s old)"
+    return f"{why}: holding, missing data never scales down"
 
 
-def _startup_cap(
+# Signals that keep growing while capacity is missing (a backlog and the latency it causes), as opposed to
+# KV-cache utilisation, which is bounded by 1 and measured on the pods that serve.
+_ACCUMULATING: frozenset[SignalName] = frozenset({"queueDepthPerReplica", "ttftP95Seconds"})
+
+
+def _startup_aware(
     policy: AutoscalingPolicy,
     now: float,
     current: int,
     pods: PodCounts,
-    window: tuple[RecommendationRecord, ...],
-    recommendation: int,
+    last_scale_up: RecommendationRecord | None,
+    signals: tuple[SignalRecommendation, ...],
     notes: list[str],
 ) -> int:
-    """While pods launched for a demand are still loading, do not add more for that same demand.
+    """The max over signals, without adding pods twice for one demand while the pods added for it settle.
 
-    Backlog keeps growing while new pods load, so signals rise although the capacity that answers them is on its
-    way. Scale-up is held at the recommendation that launched the newest loading pod (steps clipped by
-    scaleUpMaxStep still proceed), until those pods are ready or `expected_startup_seconds` has passed.
+    A queue keeps growing while new pods load, and a TTFT percentile over a range keeps reporting the congestion
+    for that range after they are ready, so queue depth and TTFT keep asking for more although the capacity
+    that answers them is on its way. While pods from the last scale-up still load (created less than
+    `expected_startup_seconds` ago) or settle (ready for less than `settle_seconds`), those two signals may not
+    push beyond the recommendation that scale-up answered (steps clipped by scaleUpMaxStep still proceed).
+    KV-cache utilisation is bounded and measured on serving pods, so a KV-driven recommendation is never held.
     """
-    loading = [created for created in pods.starting_since if now - created < policy.expected_startup_seconds]
-    if recommendation <= current or not loading:
+    recommendation = max(signal.replicas for signal in signals)
+    if recommendation <= current or last_scale_up is None:
         return recommendation
-    answered = _answered_demand(window, max(loading))
-    answered = current if answered is None else answered
-    capped = max(current, min(recommendation, answered))
-    if capped < recommendation:
-        notes.append(f"{len(loading)} pod(s) still starting: holding scale-up at {capped} for the same demand")
-    return capped
+    if now - last_scale_up.time >= policy.expected_startup_seconds + policy.settle_seconds:
+        return recommendation
+    loading = [t for t in pods.starting_since if now - t < policy.expected_startup_seconds]
+    settling = [t for t in pods.ready_since if now - t < policy.settle_seconds]
+    if not loading and not settling:
+        return recommendation
+    accumulating = max((s.replicas for s in signals if s.name in _ACCUMULATING), default=0)
+    bounded = max((s.replicas for s in signals if s.name not in _ACCUMULATING), default=0)
+    held = max(current, min(accumulating, last_scale_up.replicas), bounded)
+    if held < recommendation:
+        what = f"{len(loading)} pod(s) starting" if loading else f"{len(settling)} new pod(s) settling"
+        notes.append(f"{what}: holding at {held} for the demand they answer")
+    return held
 
 
 def _apply_rate_rules(

@@ -41,16 +41,17 @@ MODEL_SOURCE_PATTERN = (
 ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 
 
-def _number_to_quantity(value: Any) -> Any:
-    """YAML turns `cpu: 2` into an int; a quantity is a string on the wire, so accept numbers and keep strings."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+def _int_to_quantity(value: Any) -> Any:
+    """YAML turns `cpu: 2` into an int; like the API server (int-or-string), accept integers as quantities.
+    Floats stay floats and fail, as they do on the API server: write `"0.5"` or `500m`."""
+    if isinstance(value, int) and not isinstance(value, bool):
         return str(value)
     return value
 
 
 Quantity = Annotated[
     str,
-    BeforeValidator(_number_to_quantity),
+    BeforeValidator(_int_to_quantity),
     StringConstraints(pattern=QUANTITY_PATTERN),
     WithJsonSchema(
         {
@@ -71,9 +72,10 @@ def _list_map(*keys: str) -> dict[str, Any]:
 
 
 class _SpecModel(BaseModel):
-    """Base of spec models: camelCase on the wire, unknown fields are errors."""
+    """Base of spec models: camelCase on the wire, unknown fields are errors, types strict (no "3" for 3) exactly
+    like the API server's schema; enum fields opt out (`strict=False`) so that they accept their string values."""
 
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", strict=True)
 
 
 class _StatusModel(BaseModel):
@@ -142,9 +144,10 @@ class EngineSpec(_SpecModel):
 
     type: Engine = Field(
         Engine.BUILTIN,
+        strict=False,
         description="`builtin` (llmfleet's own paged-KV engine: CPU or CUDA) or `vllm` (vLLM's OpenAI server).",
     )
-    dtype: DType = Field(DType.AUTO, description="Compute dtype: auto, float32, bfloat16 or float16.")
+    dtype: DType = Field(DType.AUTO, strict=False, description="Compute dtype: auto, float32, bfloat16 or float16.")
     max_num_seqs: int = Field(64, ge=1, le=4096, description="Most sequences batched together in one step.")
     max_num_batched_tokens: int | None = Field(
         None,
@@ -231,6 +234,7 @@ class VariantSpec(_SpecModel):
     )
     quantization: Quantization = Field(
         Quantization.NONE,
+        strict=False,
         description="Weight quantization: `none`, `fp8` or `int4`. With `engine.type: vllm`, int4 needs a "
         "pre-quantized checkpoint in this variant's `source`.",
     )
@@ -356,9 +360,9 @@ class Toleration(_SpecModel):
     """A Kubernetes toleration."""
 
     key: str | None = Field(None, max_length=317, description="Taint key; empty with `Exists` matches all.")
-    operator: TolerationOperator | None = Field(None, description="`Exists` or `Equal` (default).")
+    operator: TolerationOperator | None = Field(None, strict=False, description="`Exists` or `Equal` (default).")
     value: str | None = Field(None, max_length=63, description="Taint value for `Equal`.")
-    effect: TaintEffect | None = Field(None, description="Effect matched; empty matches all.")
+    effect: TaintEffect | None = Field(None, strict=False, description="Effect matched; empty matches all.")
     toleration_seconds: int | None = Field(None, ge=0, description="How long a NoExecute taint is tolerated.")
 
 
@@ -374,7 +378,7 @@ class PodTemplate(_SpecModel):
     """What the worker pods look like beyond the engine: image, env, placement, extra pod fields."""
 
     image: str | None = Field(None, min_length=1, max_length=512, description="Worker image; unset = operator default.")
-    image_pull_policy: PullPolicy | None = Field(None, description="Always, IfNotPresent or Never.")
+    image_pull_policy: PullPolicy | None = Field(None, strict=False, description="Always, IfNotPresent or Never.")
     env: list[EnvVar] = Field(
         default_factory=list, max_length=128, description="Extra environment.", json_schema_extra=_list_map("name")
     )

@@ -144,6 +144,11 @@ def _path(loc: Iterable[str | int]) -> str:
     return text
 
 
+def _explain(loc: Iterable[str | int]) -> str:
+    """The `kubectl explain` argument for a field (it takes no list indices)."""
+    return ".".join(["infd.spec", *(part for part in loc if isinstance(part, str))])
+
+
 def _hint_key(loc: Iterable[str | int]) -> str:
     return ".".join("[]" if isinstance(part, int) else part for part in loc).replace(".[]", "[]")
 
@@ -177,7 +182,7 @@ def _problem_from_error(error: Mapping[str, Any]) -> Problem:
     if kind not in ("missing", "extra_forbidden"):
         message += f", got {_short(error.get('input'))}"
     if kind == "missing":
-        fix = hint or f"add `{field}` (see `kubectl explain infd.{_path(loc)}`)"
+        fix = hint or f"add `{field}` (see `kubectl explain {_explain(loc)}`)"
         return Problem(_path(loc), "is required but missing", fix)
     if kind == "extra_forbidden":
         close = difflib.get_close_matches(field, sorted(set(_known_fields())), n=1)
@@ -207,7 +212,7 @@ def _problem_from_error(error: Mapping[str, Any]) -> Problem:
         "dict_type": lambda: "use a mapping of key: value",
         "model_type": lambda: "use a mapping of key: value",
     }
-    fix = hint or fixes.get(kind, lambda: f"see `kubectl explain infd.{_path(loc)}`")()
+    fix = hint or fixes.get(kind, lambda: f"see `kubectl explain {_explain(loc)}`")()
     return Problem(_path(loc), message, fix)
 
 

@@ -1,11 +1,91 @@
-"""`llmfleet gateway`: run the OpenAI-compatible gateway."""
+"""`llmfleet gateway`: run the OpenAI-compatible gateway (static backends or Kubernetes discovery).
+
+Static mode: `llmfleet gateway --backend smollm2=http://127.0.0.1:8000[,URL...] [--api-keys-file keys.txt]`.
+Kubernetes mode (no --backend): watch InferenceDeployments and their pods with `--kubeconfig` (or $KUBECONFIG, or
+the pod's service account), in `--namespace` or all namespaces, with keys from `--api-keys-secret [NS/]NAME`.
+Every other knob lives in `--config FILE` (YAML/JSON of `gateway.settings.GatewaySettings`). Heavy imports happen
+inside the command so `llmfleet --help` stays fast.
+"""
 
 from __future__ import annotations
+
+import logging
+from pathlib import Path
 
 import typer
 
 
-def gateway_command() -> None:
+def gateway_command(
+    host: str = typer.Option("127.0.0.1", help="Listen address."),
+    port: int = typer.Option(8080, help="Listen port."),
+    backend: list[str] = typer.Option(
+        [], "--backend", help="Static mode: MODEL[:VARIANT]=URL[,URL...] (repeatable). Without it: Kubernetes mode."
+    ),
+    api_keys_file: Path | None = typer.Option(None, help="File of `KEY [TIER]` lines (static or Kubernetes mode)."),
+    api_keys_secret: str | None = typer.Option(
+        None, help="Kubernetes mode: Secret [NAMESPACE/]NAME whose item `api-keys` holds `KEY [TIER]` lines."
+    ),
+    kubeconfig: str | None = typer.Option(None, help="Kubernetes mode: kubeconfig file (default: $KUBECONFIG, ~/.kube/config, in-cluster)."),
+    namespace: str | None = typer.Option(None, help="Kubernetes mode: watch only this namespace (default: all)."),
+    config: Path | None = typer.Option(None, help="YAML/JSON file of gateway settings (timeouts, tiers, limits, ...)."),
+    log_level: str = typer.Option("info", help="Log level: debug, info, warning, error."),
+) -> None:
     """Run the gateway."""
-    typer.echo("the gateway lands with issue 9", err=True)
-    raise typer.Exit(2)
+    import uvicorn
+    from pydantic import ValidationError
+
+    from gateway.app import create_app
+    from gateway.auth import KeyFileError, KeyStore, load_keys_file
+    from gateway.discovery import parse_backend
+    from gateway.settings import GatewaySettings
+    from gateway.sources import KubeConnection, KubeSource, Source, StaticSource
+
+    def fail(message: str) -> typer.Exit:
+        typer.echo(f"llmfleet gateway: {message}", err=True)
+        return typer.Exit(2)
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if config is not None:
+            settings = GatewaySettings.from_file(config, host=host, port=port)
+        else:
+            settings = GatewaySettings(host=host, port=port)
+    except (ValidationError, ValueError) as e:
+        raise fail(f"bad settings: {e}") from None
+    tier_names = [t.name for t in settings.tiers]
+    keys: dict[str, str] = {}
+    if api_keys_file is not None:
+        try:
+            keys = load_keys_file(api_keys_file, tier_names, settings.default_tier)
+        except KeyFileError as e:
+            raise fail(str(e)) from None
+        if not keys and api_keys_secret is None:
+            raise fail(f"{api_keys_file} holds no key; remove --api-keys-file to run in open mode on purpose")
+    source: Source
+    if backend:
+        if kubeconfig or namespace or api_keys_secret:
+            raise fail("--backend (static mode) cannot be combined with --kubeconfig/--namespace/--api-keys-secret")
+        try:
+            source = StaticSource([parse_backend(b) for b in backend])
+        except ValueError as e:
+            raise fail(str(e)) from None
+    else:
+        try:
+            connection = KubeConnection.load(kubeconfig)
+        except ValueError as e:
+            raise fail(f"{e} (or give --backend MODEL=URL for static mode)") from None
+        secret = None
+        if api_keys_secret:
+            ns, _, name = api_keys_secret.rpartition("/")
+            secret = (ns or namespace or "default", name)
+        source = KubeSource(connection, namespace=namespace, keys_secret=secret)
+    app = create_app(settings, source, KeyStore(keys, settings.default_tier))
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=log_level.lower(),
+        backlog=4096,
+        timeout_keep_alive=30,
+        access_log=False,
+    )

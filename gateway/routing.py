@@ -88,11 +88,12 @@ class RoutingTable:
     deployments: Mapping[str, DeploymentRoute] = field(default_factory=dict)  # by served model name
 
     def model_names(self) -> list[str]:
-        """Every name a client may put in `model`: each served model and each `model:variant`."""
+        """Every name a client may put in `model`: each served model, and `model:variant` where it has several."""
         names: list[str] = []
         for model, dep in sorted(self.deployments.items()):
             names.append(model)
-            names.extend(f"{model}:{v.name}" for v in dep.variants)
+            if len(dep.variants) > 1:
+                names.extend(f"{model}:{v.name}" for v in dep.variants)
         return names
 
     def endpoints(self) -> list[Endpoint]:

@@ -2,10 +2,93 @@
 
 from __future__ import annotations
 
+import logging
+import os
+from pathlib import Path
+from typing import Annotated
+
 import typer
 
+from worker.server.settings import default_host
 
-def worker_command() -> None:
-    """Run a worker."""
-    typer.echo("the worker server lands with issue 5", err=True)
-    raise typer.Exit(2)
+_ENGINE_HELP = "builtin (ours), vllm (vLLM AsyncLLM in-process), fake (tests only: no model)"
+
+
+def worker_command(
+    model: Annotated[str, typer.Option("--model", help="bundled://NAME, a model folder or hf://ORG/REPO")],
+    engine: Annotated[str, typer.Option(help=_ENGINE_HELP)] = "builtin",
+    quantization: Annotated[str, typer.Option(help="none | fp8 | int4 (weight-only)")] = "none",
+    dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")] = "auto",
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda (builtin engine)")] = "auto",
+    host: Annotated[str | None, typer.Option(help="bind address (default: $POD_IP, else 127.0.0.1)")] = None,
+    port: Annotated[int, typer.Option(help="port (0: any free port)")] = 8000,
+    served_model_name: Annotated[str | None, typer.Option(help="the `model` clients send")] = None,
+    max_model_len: Annotated[int | None, typer.Option(help="context length (prompt + output)")] = None,
+    max_num_seqs: Annotated[int | None, typer.Option(help="requests running at once")] = None,
+    max_num_batched_tokens: Annotated[int | None, typer.Option(help="tokens computed per step")] = None,
+    kv_cache_bytes: Annotated[int | None, typer.Option(help="KV-cache size in bytes")] = None,
+    enable_prefix_caching: Annotated[bool, typer.Option(help="reuse KV of shared prompt prefixes")] = True,
+    max_waiting: Annotated[int, typer.Option(help="waiting requests before new ones get 429")] = 256,
+    max_tokens_cap: Annotated[int | None, typer.Option(help="largest max_tokens a request may ask for")] = None,
+    max_tokens_policy: Annotated[str, typer.Option(help="reject (400) | clamp, above the cap/context")] = "reject",
+    request_timeout: Annotated[float | None, typer.Option(help="per-request deadline in seconds")] = None,
+    drain_timeout: Annotated[float, typer.Option(help="seconds a drain waits for in-flight requests")] = 30.0,
+    drain_token_file: Annotated[
+        Path | None, typer.Option(help="file with the bearer token of POST /drain (default: $LLMFLEET_DRAIN_TOKEN)")
+    ] = None,
+    retry_after: Annotated[int, typer.Option(help="Retry-After seconds of 429/503 answers")] = 1,
+    log_level: Annotated[str, typer.Option(help="debug | info | warning | error")] = "info",
+    fake_ttft_ms: Annotated[float, typer.Option(hidden=True, help="fake engine: delay before the first token")] = 0.0,
+    fake_itl_ms: Annotated[float, typer.Option(hidden=True, help="fake engine: delay between tokens")] = 0.0,
+    fake_gate_file: Annotated[
+        Path | None, typer.Option(hidden=True, help="fake engine: requests pause after one token until it exists")
+    ] = None,
+) -> None:
+    """Run a worker: engine + OpenAI-compatible server, /metrics, /health, /ready, /drain.
+
+    SIGTERM (or POST /drain) drains: /ready fails, new requests get 503, in-flight requests finish, then the
+    process exits 0 (after at most --drain-timeout, aborting what is left).
+    """
+    from pydantic import ValidationError
+
+    from worker.server.engines import FakeOptions, build_engine
+    from worker.server.serve import WorkerServer
+    from worker.server.settings import FaultSettings, WorkerSettings, read_drain_token
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = WorkerSettings(
+            model=model,
+            served_model_name=served_model_name,
+            engine=engine,
+            quantization=quantization,
+            dtype=dtype,
+            host=host or default_host(),
+            port=port,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            kv_cache_bytes=kv_cache_bytes,
+            enable_prefix_caching=enable_prefix_caching,
+            max_waiting=max_waiting,
+            max_tokens_cap=max_tokens_cap,
+            max_tokens_policy=max_tokens_policy,
+            request_timeout_s=request_timeout,
+            drain_timeout_s=drain_timeout,
+            drain_token=read_drain_token(drain_token_file, os.environ),
+            retry_after_s=retry_after,
+            faults=FaultSettings.from_env(os.environ),
+        )
+        worker_engine = build_engine(settings, device, FakeOptions(fake_ttft_ms, fake_itl_ms, fake_gate_file))
+    except ValidationError as err:
+        for e in err.errors():
+            where = ".".join(str(p) for p in e["loc"]) or "settings"
+            typer.echo(f"llmfleet worker: {where}: {str(e['msg']).removeprefix('Value error, ')}", err=True)
+        raise typer.Exit(2) from None
+    except ValueError as err:
+        typer.echo(f"llmfleet worker: {err}", err=True)
+        raise typer.Exit(2) from None
+    if settings.drain_token is None:
+        logging.getLogger(__name__).warning("no drain token configured: POST /drain is disabled (SIGTERM drains)")
+    server = WorkerServer(worker_engine, settings, log_level=log_level.lower())
+    raise typer.Exit(server.run())

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -35,15 +34,17 @@ _TYPES = {
 }
 
 
-@dataclass(frozen=True)
 class ApiError(Exception):
     """An error answer. Raise it from a handler, or return `.response()`."""
 
-    status: int
-    message: str
-    param: str | None = None
-    code: str | None = None
-    retry_after_s: int | None = None
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after_s: int | None = None) -> None:
+        super().__init__(status, message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after_s = retry_after_s
 
     @property
     def type(self) -> str:
@@ -65,9 +66,6 @@ def validation_error(errors: list[dict[str, Any]]) -> ApiError:
         return ApiError(400, "invalid request")
     first = errors[0]
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    if first.get("type") == "json_invalid":
-        detail = first.get("ctx", {}).get("error", "")
-        return ApiError(400, f"request body is not valid JSON: {detail}".rstrip(": "), code="invalid_json")
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if first.get("type") == "missing":
         message = "field required"

@@ -27,25 +27,25 @@ EOS_TOKEN_ID = 256  # outside the byte range: never part of the script
 Gate = Callable[[], Awaitable[None]]
 
 
-def thread_event_gate(event: threading.Event) -> Gate:
-    """A gate opened from another thread (a test driving a server that runs in its own thread)."""
-
-    async def wait() -> None:
-        await asyncio.to_thread(event.wait)
-
-    return wait
-
-
-def file_gate(path: Path, poll_s: float = 0.01, max_wait_s: float = 60.0) -> Gate:
-    """A gate opened by creating `path` (a test driving a worker subprocess). Opens by itself after `max_wait_s`."""
-
+def _polling_gate(is_open: Callable[[], bool], poll_s: float, max_wait_s: float) -> Gate:
     async def wait() -> None:
         for _ in range(int(max_wait_s / poll_s)):
-            if path.exists():
+            if is_open():
                 return
             await asyncio.sleep(poll_s)
 
     return wait
+
+
+def thread_event_gate(event: threading.Event, poll_s: float = 0.005, max_wait_s: float = 60.0) -> Gate:
+    """A gate opened from another thread (a test driving a server in its own thread); opens by itself after
+    `max_wait_s`."""
+    return _polling_gate(event.is_set, poll_s, max_wait_s)
+
+
+def file_gate(path: Path, poll_s: float = 0.01, max_wait_s: float = 60.0) -> Gate:
+    """A gate opened by creating `path` (a test driving a worker subprocess); opens by itself after `max_wait_s`."""
+    return _polling_gate(path.exists, poll_s, max_wait_s)
 
 
 @dataclass(eq=False)

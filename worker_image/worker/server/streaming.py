@@ -41,7 +41,7 @@ async def run_until_disconnect(receive: Receive, work: Callable[[], Awaitable[No
             disconnected = True
             task.cancel()
 
-    watcher = asyncio.create_task(watch(), name="disconnect-watch")
+    watcher = asyncio.create_task(asyncio.sleep(0))
     try:
         await work()
     except asyncio.CancelledError:

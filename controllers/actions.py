@@ -1,0 +1,107 @@
+"""The typed actions a reconcile pass asks the operator to perform, and the `Plan` that carries them.
+
+Actions are data, not calls: the planner stays pure and tests compare plans, while the operator's executor maps
+each action to one idempotent API call (AlreadyExists/NotFound tolerated, conflicts retried). Every action says
+why it exists (`reason`, `message`) so the executor can record an Event for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class EventType(StrEnum):
+    """Kubernetes Event types."""
+
+    NORMAL = "Normal"
+    WARNING = "Warning"
+
+
+@dataclass(frozen=True)
+class CreatePod:
+    """Create one worker pod. The name is deterministic: a second create of the same pod is AlreadyExists."""
+
+    manifest: Mapping[str, Any]
+    variant: str
+    revision: str
+    reason: str  # CamelCase, e.g. ScaleUp, Replace, Rollout
+    message: str
+
+    @property
+    def name(self) -> str:
+        return str(self.manifest["metadata"]["name"])
+
+
+@dataclass(frozen=True)
+class DeletePod:
+    """Delete one worker pod (only the incarnation with `uid`: a recreated pod of the same name is left alone).
+
+    Until draining lands (issue 7) this is how every pod goes away; the drain path will put a `StartDrain` in
+    front of it for pods that may still serve requests.
+    """
+
+    name: str
+    uid: str
+    variant: str | None
+    revision: str | None
+    reason: str  # CamelCase, e.g. ScaleDown, Failed, Rollout, Orphaned, Deletion
+    message: str
+
+
+@dataclass(frozen=True)
+class EnsureService:
+    """Create the workers' Service, or update its selector and ports to match `manifest`."""
+
+    manifest: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class EnsureSecret:
+    """Create the per-deployment Secret holding the drain token. The executor fills in a fresh random token;
+    an existing Secret is never overwritten (running pods hold its token)."""
+
+    manifest: Mapping[str, Any]
+    key: str
+
+
+@dataclass(frozen=True)
+class PatchStatus:
+    """Merge-patch these top-level status fields (only the ones this controller owns; others are left alone)."""
+
+    status: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class EmitEvent:
+    """Record a Kubernetes Event on the InferenceDeployment."""
+
+    type: EventType
+    reason: str
+    message: str
+
+
+Action = CreatePod | DeletePod | EnsureService | EnsureSecret | PatchStatus | EmitEvent
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The outcome of one reconcile pass.
+
+    `actions` run in order (the executor may batch pod creates/deletes); `requeue_after` asks for another pass
+    after that many seconds even if nothing changes in the cluster; `finished` is True for a deployment being
+    deleted once nothing of it is left running, so its finalizer may go.
+    """
+
+    actions: tuple[Action, ...] = ()
+    requeue_after: float | None = None
+    finished: bool = False
+    notes: tuple[str, ...] = field(default=())  # human-readable summary of the decisions, for logs
+
+    def of_type(self, kind: type[T]) -> list[T]:
+        """The actions of one type, in order."""
+        return [action for action in self.actions if isinstance(action, kind)]

@@ -1,0 +1,156 @@
+"""Fixtures for the torch side of the engine: tiny random Llama folders, the transformers reference, and a
+minimal hand-driven stand-in for the scheduler (`Driver`) that feeds the ModelRunner SchedulerOutputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from worker.core.outputs import ScheduledSeq, SchedulerOutput
+from worker.model.testing import make_tiny_llama
+from worker.request import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=64, temperature=0.0)
+
+
+@dataclass
+class Seq:
+    """One request as the driver tracks it (prompt + generated tokens, computed count, block table)."""
+
+    req_id: str
+    tokens: list[int]
+    max_tokens: int
+    params: SamplingParams = GREEDY
+    computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return len(self.output) >= self.max_tokens
+
+
+class Driver:
+    """Schedules by hand: each `step` runs every given sequence for up to `chunk` tokens (all pending if None)."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.free = list(range(runner.num_blocks))
+        self.finished: set[str] = set()
+
+    def alloc(self, seq: Seq, num_tokens: int) -> None:
+        bs = self.runner.block_size
+        while len(seq.blocks) * bs < num_tokens:
+            seq.blocks.append(self.free.pop(0))
+
+    def release(self, seq: Seq) -> None:
+        self.free.extend(seq.blocks)
+        seq.blocks = []
+
+    def preempt(self, seq: Seq) -> None:
+        """Recompute-style preemption: the KV is gone, the tokens stay."""
+        self.release(seq)
+        seq.computed = 0
+
+    def step(self, seqs: list[Seq], chunk: int | None = None) -> None:
+        scheduled = []
+        for seq in seqs:
+            n = len(seq.tokens) - seq.computed
+            if chunk is not None:
+                n = min(n, chunk)
+            self.alloc(seq, seq.computed + n)
+            scheduled.append(
+                ScheduledSeq(
+                    req_id=seq.req_id,
+                    token_ids=seq.tokens[seq.computed : seq.computed + n],
+                    start_pos=seq.computed,
+                    block_ids=list(seq.blocks),
+                    sample=seq.computed + n == len(seq.tokens),
+                    sampling_params=seq.params,
+                    num_output_tokens=len(seq.output),
+                )
+            )
+        finished, self.finished = frozenset(self.finished), set()
+        out = self.runner.execute_model(
+            SchedulerOutput(seqs=scheduled, num_batched_tokens=sum(len(s.token_ids) for s in scheduled),
+                            finished_req_ids=finished)
+        )
+        for seq, s in zip(seqs, scheduled):
+            seq.computed += len(s.token_ids)
+            if s.sample:
+                assert set(out.sampled_token_ids) >= {seq.req_id}
+                tok = out.sampled_token_ids[seq.req_id]
+                seq.tokens.append(tok)
+                seq.output.append(tok)
+                if seq.req_id in out.logprobs:
+                    seq.logprobs.append(out.logprobs[seq.req_id])
+            else:
+                assert seq.req_id not in out.sampled_token_ids
+
+    def run(self, seqs: list[Seq], chunk: int | None = None, max_steps: int = 10_000) -> None:
+        """Step all unfinished sequences together until each has its max_tokens (ignoring EOS)."""
+        for _ in range(max_steps):
+            active = [s for s in seqs if not s.done]
+            if not active:
+                return
+            self.step(active, chunk)
+            for s in active:
+                if s.done:
+                    self.release(s)
+                    self.finished.add(s.req_id)
+        raise AssertionError("driver did not finish within max_steps")
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """Greedy continuation from the transformers reference (explicit loop: EOS does not stop it)."""
+    out: list[int] = []
+    past = None
+    x = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n):
+            o = model(x, past_key_values=past, use_cache=True)
+            past = o.past_key_values
+            tok = int(o.logits[0, -1].argmax())
+            out.append(tok)
+            x = torch.tensor([[tok]])
+    return out
+
+
+def load_hf(path, dtype=torch.float32):
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """GQA (6 query heads over 2 KV heads), hidden 72, intermediate 100, untied head."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny"), num_hidden_layers=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tiny_dir):
+    return load_hf(tiny_dir)
+
+
+@pytest.fixture
+def driver_cls():
+    return Driver
+
+
+@pytest.fixture
+def seq_cls():
+    return Seq
+
+
+@pytest.fixture
+def hf_greedy_fn():
+    return hf_greedy
+
+
+@pytest.fixture
+def load_hf_fn():
+    return load_hf

@@ -1,0 +1,225 @@
+"""ModelRunner: loads a model folder, owns the paged KV cache, and runs one scheduler step at a time.
+
+The seam with the scheduler is `worker.core.outputs`: `execute_model(SchedulerOutput) -> ModelRunnerOutput`.
+The runner is stateless with respect to scheduling (block tables, positions and what to sample all arrive
+with each step); its only per-request state is the seeded `torch.Generator` of requests that asked for a seed,
+dropped when their id shows up in `finished_req_ids`. A preempted request keeps its generator: recompute
+re-derives only the KV cache, so its next draw continues the same random stream as if never interrupted.
+
+Each step is one flattened batch: single-token sequences first (they attend in one batched call), then
+multi-token chunks; logits are computed only for the rows that sample.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from pathlib import Path
+
+import torch
+
+from worker.core.outputs import ModelRunnerOutput, SchedulerOutput
+from worker.model.attention import SeqSpan, build_metadata
+from worker.model.config import ModelConfig
+from worker.model.llama import LlamaModel
+from worker.model.loader import load_weights
+from worker.model.quant import QUANTIZATIONS
+from worker.model.sampler import SampleRequest, Sampler
+from worker.model.tokenizer import Tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_KV_CACHE_BYTES = 512 * 1024**2
+DEFAULT_MAX_SEQS_OF_CACHE = 8  # default cache: room for this many max_model_len sequences (if under the bytes)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def keep_freed_memory_mapped() -> bool:
+    """Ask glibc to keep freed large blocks instead of returning them to the OS.
+
+    Every step allocates the same large temporaries (gathered K/V, activations); with glibc's defaults each one
+    is a fresh mmap whose pages fault in on first touch, which made a 37 MB gather 3x slower than the copy
+    itself. Process-wide and idempotent; a no-op where glibc is absent.
+    """
+    name = ctypes.util.find_library("c")
+    if os.name != "posix" or not name:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 1 << 31))
+    except (OSError, AttributeError):
+        return False
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block across all layers: K and V, each [block_size, kv_heads, head_dim] per layer."""
+    elem = torch.empty(0, dtype=dtype).element_size()
+    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+
+
+def plan_num_blocks(
+    block_bytes: int,
+    block_size: int,
+    max_model_len: int,
+    num_blocks: int | None,
+    kv_cache_bytes: int | None,
+) -> int:
+    """How many KV blocks to allocate: explicit count, else from a byte budget, else a modest default."""
+    if num_blocks is not None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
+        return num_blocks
+    if kv_cache_bytes is not None:
+        n = kv_cache_bytes // block_bytes
+        if n < 1:
+            raise ValueError(
+                f"kv_cache_bytes={kv_cache_bytes} holds no KV block of {block_bytes} bytes; give at least that"
+            )
+        return n
+    per_seq = -(-max_model_len // block_size)
+    return max(per_seq, min(DEFAULT_KV_CACHE_BYTES // block_bytes, DEFAULT_MAX_SEQS_OF_CACHE * per_seq))
+
+
+class ModelRunner:
+    """A Llama-family model with its paged KV cache, tokenizer and sampler."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str = "float32",
+        quantization: str | None = None,
+        device: str = "cpu",
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_bytes: int | None = None,
+        max_model_len: int | None = None,
+    ) -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        if quantization not in (None, "none", *QUANTIZATIONS):
+            raise ValueError(f"quantization must be none or one of {QUANTIZATIONS}, got {quantization!r}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if torch.device(device).type == "cpu":
+            keep_freed_memory_mapped()
+        self.model_path = str(Path(model_path))
+        self.config = ModelConfig.from_dir(model_path)
+        self.dtype = DTYPES[dtype]
+        self.device = torch.device(device)
+        self.quantization = None if quantization in (None, "none") else quantization
+        self.block_size = block_size
+        limit = self.config.max_position_embeddings
+        if max_model_len is not None and not 0 < max_model_len <= limit:
+            raise ValueError(f"max_model_len must be in [1, {limit}] (the model's max_position_embeddings)")
+        self.max_model_len = max_model_len or limit
+        self.tokenizer = Tokenizer(model_path)
+        eos = self.tokenizer.eos_token_id
+        self.eos_token_id: int | None = eos if eos is not None else next(iter(self.config.eos_token_ids), None)
+        with torch.inference_mode():
+            weights = load_weights(model_path, self.dtype)
+            self.model = LlamaModel(
+                self.config, weights, dtype=self.dtype, device=self.device, quantization=self.quantization
+            )
+        del weights
+        self.block_bytes = kv_block_bytes(self.config, block_size, self.dtype)
+        self.num_blocks = plan_num_blocks(self.block_bytes, block_size, self.max_model_len, num_blocks, kv_cache_bytes)
+        cfg = self.config
+        # Zero-filled: masked-out slots are multiplied by zero weights, and garbage NaNs would poison them.
+        self.kv_cache = torch.zeros(
+            cfg.num_hidden_layers, 2, self.num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
+            dtype=self.dtype, device=self.device,
+        )
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_hidden_layers)]
+        self._generators: dict[str, torch.Generator] = {}
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(int.from_bytes(os.urandom(8), "little") >> 1))
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.model.nbytes
+
+    @property
+    def seeded_request_ids(self) -> frozenset[str]:
+        """Requests whose seeded generator the runner still holds (until they appear in finished_req_ids)."""
+        return frozenset(self._generators)
+
+    def _generator(self, req_id: str, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        gen = self._generators.get(req_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device).manual_seed(seed)
+            self._generators[req_id] = gen
+        return gen
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """fp32 logits [n, vocab] at every position of one sequence (teacher forcing), for quality checks.
+
+        Uses a private scratch cache, so it never touches blocks the scheduler owns.
+        """
+        n = len(token_ids)
+        if not 0 < n <= self.max_model_len:
+            raise ValueError(f"score needs 1..{self.max_model_len} tokens, got {n}")
+        blocks = -(-n // self.block_size)
+        cfg = self.config
+        scratch = torch.zeros(
+            cfg.num_hidden_layers, 2, blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim,
+            dtype=self.dtype, device=self.device,
+        )
+        caches = [(scratch[i, 0], scratch[i, 1]) for i in range(cfg.num_hidden_layers)]
+        meta = build_metadata([SeqSpan(0, n, list(range(blocks)))], self.block_size, self.device, self.dtype)
+        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+        return self.model.compute_logits(self.model.forward(ids, meta, caches))
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        for req_id in sched.finished_req_ids:
+            self._generators.pop(req_id, None)
+        out = ModelRunnerOutput()
+        if not sched.seqs:
+            return out
+        # Single-token sequences first: they attend together in one batched call.
+        seqs = sorted(sched.seqs, key=lambda s: len(s.token_ids) != 1)
+        input_ids: list[int] = []
+        spans: list[SeqSpan] = []
+        sample_rows: list[int] = []
+        for seq in seqs:
+            n = len(seq.token_ids)
+            if n == 0:
+                raise ValueError(f"request {seq.req_id} was scheduled with no tokens")
+            if seq.start_pos + n > self.max_model_len:
+                raise ValueError(
+                    f"request {seq.req_id} reaches {seq.start_pos + n} tokens, over max_model_len={self.max_model_len}"
+                )
+            input_ids.extend(seq.token_ids)
+            spans.append(SeqSpan(seq.start_pos, n, seq.block_ids))
+            if seq.sample:
+                sample_rows.append(len(input_ids) - 1)
+        meta = build_metadata(spans, self.block_size, self.device, self.dtype)
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        hidden = self.model.forward(ids, meta, self.kv_caches)
+        if not sample_rows:
+            return out
+        rows = torch.tensor(sample_rows, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        sampled = [s for s in seqs if s.sample]
+        requests = [
+            SampleRequest(
+                params=s.sampling_params,
+                generator=self._generator(s.req_id, s.sampling_params.seed),
+                num_output_tokens=s.num_output_tokens,
+                eos_token_id=s.eos_token_id if s.eos_token_id is not None else self.eos_token_id,
+            )
+            for s in sampled
+        ]
+        tokens, logprobs = self.sampler(logits, requests)
+        for seq, token, logprob in zip(sampled, tokens, logprobs):
+            out.sampled_token_ids[seq.req_id] = token
+            if logprob is not None:
+                out.logprobs[seq.req_id] = logprob
+        return out

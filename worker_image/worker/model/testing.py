@@ -1,0 +1,143 @@
+"""Build tiny random Llama model folders in the HF layout, for tests anywhere in the project.
+
+`make_tiny_llama(path)` writes `config.json`, `model.safetensors`, `tokenizer.json` (a byte-level BPE trained
+by the `tokenizers` library on a fixed corpus, so every string is encodable and the result is deterministic),
+`tokenizer_config.json` (ChatML chat template, `<|im_end|>` as EOS) and `generation_config.json`. The folder
+loads both in our `ModelRunner` and in `transformers.LlamaForCausalLM`, which is what the correctness tests
+compare. Weights are drawn with a fixed seed and a larger spread than real initialisations, so greedy decoding
+has clear winners (fp32 rounding differences between implementations then never flip a token).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. What is the capital of France? The capital of France is Paris.",
+    "Hello, world! How are you today? I am fine, thank you. Tell me a story about a robot and a cat.",
+    "Large language models generate text one token at a time. Continuous batching keeps the machine busy.",
+    "Paged attention stores keys and values in fixed-size blocks; a block table maps positions to blocks.",
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))  # 5\n",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 2024. Ünïcödé: café, naïve, 東京, 😀 emoji.",
+]
+
+
+def make_tiny_tokenizer(vocab_size: int = 384) -> Tokenizer:
+    """A deterministic byte-level BPE with the ChatML special tokens at ids 0, 1, 2."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return tok
+
+
+def make_tiny_llama(
+    path: str | Path,
+    *,
+    hidden_size: int = 72,
+    intermediate_size: int = 100,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 6,
+    num_key_value_heads: int = 2,
+    head_dim: int | None = None,
+    vocab_size: int = 384,
+    max_position_embeddings: int = 1024,
+    rope_theta: float = 10000.0,
+    rope_scaling: dict[str, Any] | None = None,
+    tie_word_embeddings: bool = False,
+    rms_norm_eps: float = 1e-5,
+    init_std: float = 0.2,
+    seed: int = 0,
+) -> Path:
+    """Write a tiny random Llama HF folder at `path` (created if needed) and return it."""
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    tok = make_tiny_tokenizer(vocab_size)
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    head_dim = head_dim or hidden_size // num_attention_heads
+    bos, eos = tok.token_to_id("<|im_start|>"), tok.token_to_id("<|im_end|>")
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_hidden_layers,
+        "num_attention_heads": num_attention_heads,
+        "num_key_value_heads": num_key_value_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": rms_norm_eps,
+        "rope_theta": rope_theta,
+        "tie_word_embeddings": tie_word_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "torch_dtype": "float32",
+    }
+    if rope_scaling is not None:
+        config["rope_scaling"] = rope_scaling
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * init_std
+
+    def norm() -> torch.Tensor:
+        return 1.0 + 0.1 * torch.randn(hidden_size, generator=gen)
+
+    q_size, kv_size = num_attention_heads * head_dim, num_key_value_heads * head_dim
+    tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rand(vocab, hidden_size)}
+    for i in range(num_hidden_layers):
+        p = f"model.layers.{i}"
+        tensors |= {
+            f"{p}.input_layernorm.weight": norm(),
+            f"{p}.self_attn.q_proj.weight": rand(q_size, hidden_size),
+            f"{p}.self_attn.k_proj.weight": rand(kv_size, hidden_size),
+            f"{p}.self_attn.v_proj.weight": rand(kv_size, hidden_size),
+            f"{p}.self_attn.o_proj.weight": rand(hidden_size, q_size),
+            f"{p}.post_attention_layernorm.weight": norm(),
+            f"{p}.mlp.gate_proj.weight": rand(intermediate_size, hidden_size),
+            f"{p}.mlp.up_proj.weight": rand(intermediate_size, hidden_size),
+            f"{p}.mlp.down_proj.weight": rand(hidden_size, intermediate_size),
+        }
+    tensors["model.norm.weight"] = norm()
+    if not tie_word_embeddings:
+        tensors["lm_head.weight"] = rand(vocab, hidden_size)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(root / "model.safetensors"), metadata={"format": "pt"})
+    (root / "config.json").write_text(json.dumps(config, indent=2))
+    tok.save(str(root / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": "<|endoftext|>",
+        "add_bos_token": False,
+        "model_max_length": max_position_embeddings,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (root / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    (root / "generation_config.json").write_text(json.dumps({"bos_token_id": bos, "eos_token_id": eos}, indent=2))
+    return root

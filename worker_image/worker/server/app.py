@@ -1,0 +1,267 @@
+"""The worker's FastAPI app: `create_app(engine, settings)`.
+
+`WorkerService` is the per-app state (engine, settings, metrics, in-flight table, drainer, fault injector, load
+state); the routes are thin. The engine loads in the background after start-up, so `/health` answers while a
+large model loads and `/ready` turns 200 only when it can serve. `on_exit(code)` is how the app asks its host
+(the CLI's uvicorn runner) to stop: 0 after a drain, 1 when the model failed to load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Header, Request
+from pydantic import BaseModel, ValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from worker.engine.protocol import EngineClient
+from worker.metrics import CONTENT_TYPE, ServerGauges, WorkerMetrics
+from worker.server import generation
+from worker.server import openai_models as oai
+from worker.server.drain import Drainer
+from worker.server.errors import ApiError, install_error_handlers, validation_error
+from worker.server.faults import FaultInjector
+from worker.server.inflight import InflightTable
+from worker.server.settings import WorkerSettings
+from worker.server.streaming import DeferredJSONResponse, EventStreamResponse
+
+log = logging.getLogger(__name__)
+
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+BodyT = TypeVar("BodyT", bound=BaseModel)
+
+
+class WorkerService:
+    def __init__(self, engine: EngineClient, settings: WorkerSettings, on_exit: Callable[[int], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.clock = clock
+        self.model_name = settings.served_model_name or engine.model_name
+        self.created = int(time.time())
+        self.inflight = InflightTable()
+        self.faults = FaultInjector(settings.faults)
+        self.metrics = WorkerMetrics(self.model_name, engine.stats, self._gauges)
+        self.loaded = False
+        self.load_error: str | None = None
+        self._on_exit = on_exit
+        self._load_task: asyncio.Task[None] | None = None
+        self.drainer = Drainer(
+            timeout_s=settings.drain_timeout_s,
+            clock=clock,
+            inflight=lambda: len(self.inflight),
+            wait_change=self.inflight.wait_change,
+            abort_all=self._abort_all,
+            on_drained=lambda: on_exit(0),
+        )
+
+    def _gauges(self) -> ServerGauges:
+        return ServerGauges(self.drainer.state.draining, len(self.inflight), self.inflight.remaining_tokens())
+
+    async def _abort_all(self) -> None:
+        self.inflight.abort_all(f"the worker drained and its drain timeout ({self.settings.drain_timeout_s:g} s) "
+                                "passed; retry on another worker")
+
+    # ---- lifecycle ----
+    async def startup(self) -> None:
+        if self.settings.faults.enabled:
+            log.warning("FAULT INJECTION ON: %s", self.settings.faults)
+        self._load_task = asyncio.get_running_loop().create_task(self._load(), name="engine-load")
+
+    async def _load(self) -> None:
+        try:
+            await self.engine.start()
+        except Exception as err:
+            log.exception("the engine failed to start")
+            self.load_error = f"{type(err).__name__}: {err}"
+            self._on_exit(1)
+            return
+        self.loaded = True
+        log.info("model %s loaded (max_model_len %d); ready", self.model_name, self.engine.max_model_len)
+
+    async def shutdown(self) -> None:
+        if self._load_task is not None and not self._load_task.done():
+            self._load_task.cancel()
+        self.drainer.cancel()
+        self.inflight.abort_all("the worker is shutting down")
+        await self.engine.shutdown()
+
+    def begin_drain(self, reason: str) -> None:
+        self.drainer.begin(reason)
+
+    def on_signal(self, name: str) -> None:
+        """SIGTERM/SIGINT: the first starts a drain, a later one shortens it to now."""
+        if self.drainer.state.draining:
+            log.warning("%s again: aborting what is left and exiting", name)
+            self.drainer.hasten()
+        else:
+            self.begin_drain(name)
+
+    # ---- state for routes ----
+    def not_ready_error(self) -> ApiError | None:
+        retry = self.settings.retry_after_s
+        if self.drainer.state.draining:
+            return ApiError(503, "the worker is draining (lame duck) and takes no new requests; retry on another "
+                            "worker", code="draining", retry_after_s=retry)
+        if self.load_error is not None:
+            return ApiError(503, f"the model failed to load: {self.load_error}", code="load_failed")
+        if not self.loaded:
+            return ApiError(503, "the model is still loading", code="loading", retry_after_s=retry)
+        return None
+
+    def check_accepting(self) -> None:
+        error = self.not_ready_error()
+        if error is not None:
+            raise error
+
+    def drain_status(self) -> dict[str, Any]:
+        state = self.drainer.state
+        return {
+            "state": state.phase.value,
+            "draining": state.draining,
+            "reason": state.reason,
+            "inflight": len(self.inflight),
+            "remaining_tokens_estimate": self.inflight.remaining_tokens(),
+            "seconds_left": self.drainer.seconds_left(),
+            "timed_out": state.timed_out,
+        }
+
+    def check_drain_token(self, authorization: str | None) -> None:
+        token = self.settings.drain_token
+        if token is None:
+            raise ApiError(403, "POST /drain is disabled: no drain token is configured (set LLMFLEET_DRAIN_TOKEN or "
+                           "--drain-token-file); SIGTERM still drains", code="drain_disabled")
+        scheme, _, given = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
+                                                                 token.get_secret_value().encode()):
+            raise ApiError(401, "POST /drain needs the header 'Authorization: Bearer <drain token>'",
+                           code="invalid_drain_token")
+
+
+class GenerationAccounting:
+    """Counts generation requests and their HTTP error answers (whatever produced them: validation, admission,
+    faults, the engine) for `llmfleet:requests_total` / `llmfleet:request_errors_total`."""
+
+    def __init__(self, app: ASGIApp, service: WorkerService) -> None:
+        self.app = app
+        self.service = service
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        metrics = self.service.metrics
+        metrics.request_received()
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                metrics.error(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception:
+            metrics.error(500)
+            raise
+
+
+async def parse_body(request: Request, model: type[BodyT]) -> BodyT:
+    """The JSON body as `model`, whatever the Content-Type (curl -d sends form encoding); 400 when not JSON or
+    not valid."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ApiError(400, f"request body is not valid JSON: {err}", code="invalid_json") from err
+    if not isinstance(data, dict):
+        raise ApiError(400, f"request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        raise validation_error(list(err.errors())) from None
+
+
+def _json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """OpenAPI description of a body parsed by `parse_body` (FastAPI cannot see it)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+
+
+def create_app(engine: EngineClient, settings: WorkerSettings, *,
+               on_exit: Callable[[int], None] = lambda code: None,
+               clock: Callable[[], float] = time.monotonic) -> FastAPI:
+    """The worker app around `engine`. `on_exit(code)` is called when the worker wants its process to stop."""
+    service = WorkerService(engine, settings, on_exit, clock)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await service.startup()
+        try:
+            yield
+        finally:
+            await service.shutdown()
+
+    app = FastAPI(title="llmfleet worker", version="1", lifespan=lifespan)
+    app.state.service = service
+    install_error_handlers(app)
+    app.add_middleware(GenerationAccounting, service=service)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "alive"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        error = service.not_ready_error()
+        if error is not None:
+            return error.response()
+        return JSONResponse({"status": "ready", "model": service.model_name})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(service.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return oai.models_list(service.model_name, service.created, engine.max_model_len)
+
+    @app.get("/drain")
+    async def drain_state() -> dict[str, Any]:
+        return service.drain_status()
+
+    @app.post("/drain", status_code=202)
+    async def drain(authorization: str | None = Header(None)) -> dict[str, Any]:
+        service.check_drain_token(authorization)
+        service.begin_drain("POST /drain")
+        return service.drain_status()
+
+    def respond(prep: generation.Prepared) -> Response:
+        headers = {"X-Request-Id": prep.request_id}
+        if prep.stream:
+            return EventStreamResponse(generation.stream(service, prep), headers=headers)
+
+        async def produce() -> tuple[int, dict[str, Any], dict[str, str]]:
+            status, body, extra = await generation.complete(service, prep)
+            return status, body, {**headers, **extra}
+
+        return DeferredJSONResponse(produce)
+
+    @app.post("/v1/completions", openapi_extra=_json_body(oai.CompletionRequest))
+    async def completions(request: Request) -> Response:
+        body = await parse_body(request, oai.CompletionRequest)
+        return respond(generation.prepare(service, body, "completion", request.headers.get(generation.TIMEOUT_HEADER)))
+
+    @app.post("/v1/chat/completions", openapi_extra=_json_body(oai.ChatCompletionRequest))
+    async def chat_completions(request: Request) -> Response:
+        body = await parse_body(request, oai.ChatCompletionRequest)
+        return respond(generation.prepare(service, body, "chat", request.headers.get(generation.TIMEOUT_HEADER)))
+
+    return app
+

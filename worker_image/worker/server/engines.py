@@ -1,0 +1,85 @@
+"""Build the engine a worker serves from its settings: `builtin` (our engine), `vllm` or `fake` (tests only).
+
+Heavy imports (torch, vLLM) happen inside the builders, so choosing one engine never imports another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from worker.engine.protocol import EngineClient
+from worker.server.settings import WorkerSettings
+
+
+@dataclass(frozen=True)
+class FakeOptions:
+    """Knobs of `--engine fake` (tests only): delays and a gate file (see `FakeEngine`)."""
+
+    ttft_ms: float = 0.0
+    itl_ms: float = 0.0
+    gate_file: Path | None = None
+
+
+def resolve_model_source(source: str) -> str:
+    """A model source (`bundled://NAME`, a folder, `hf://ORG/REPO`) as a local folder the engine can load."""
+    try:
+        from worker.model.bundled import resolve_model_source as resolve
+    except ImportError:  # the model part's resolver is not there yet: local folders only
+        if not Path(source).is_dir():
+            raise ValueError(f"model source {source!r} is not a local folder (bundled:// and hf:// sources need "
+                             "worker.model.bundled)") from None
+        return source
+    return str(resolve(source))
+
+
+def builtin_engine_kwargs(settings: WorkerSettings, model_path: str, device: str) -> dict[str, Any]:
+    """EngineConfig arguments from the worker settings; unset sizing flags keep the engine's defaults."""
+    dtype = settings.dtype if settings.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    kwargs: dict[str, Any] = {
+        "model": model_path,
+        "served_model_name": settings.model_name,
+        "dtype": dtype,
+        "quantization": settings.quantization,
+        "device": device,
+        "enable_prefix_caching": settings.enable_prefix_caching,
+        # The server refuses with 429 at its own limit first; the engine's must not be lower.
+        "max_waiting": settings.max_waiting,
+    }
+    optional = {
+        "max_model_len": settings.max_model_len,
+        "max_num_seqs": settings.max_num_seqs,
+        "max_num_batched_tokens": settings.max_num_batched_tokens,
+        "kv_cache_bytes": settings.kv_cache_bytes,
+    }
+    kwargs.update({k: v for k, v in optional.items() if v is not None})
+    return kwargs
+
+
+def build_engine(settings: WorkerSettings, device: str = "auto", fake: FakeOptions | None = None) -> EngineClient:
+    if settings.engine == "fake":
+        from worker.server.fake_engine import FakeEngine, file_gate
+
+        fake = fake or FakeOptions()
+        return FakeEngine(
+            settings.model_name,
+            settings.max_model_len or 2048,
+            ttft_s=fake.ttft_ms / 1000.0,
+            itl_s=fake.itl_ms / 1000.0,
+            max_num_seqs=settings.max_num_seqs or 8,
+            gate=file_gate(fake.gate_file) if fake.gate_file is not None else None,
+        )
+    model_path = resolve_model_source(settings.model)
+    if settings.engine == "vllm":
+        from worker.backends.vllm import VllmEngine
+
+        return VllmEngine.from_settings(settings, model_path)
+    import torch
+
+    from worker.config import EngineConfig
+    from worker.engine.async_engine import AsyncEngine
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return AsyncEngine(EngineConfig(**builtin_engine_kwargs(settings, model_path, device)))

@@ -1,0 +1,267 @@
+"""One generation request from admission to the last byte: prepare (tokenize, admit), drive the engine stream
+(deadline, server-side abort, fault delays, metrics), and shape the result as an OpenAI response or SSE stream.
+
+The engine request is always aborted unless it finished: the driver's `finally` closes the engine stream and
+calls `abort`, whether the client disconnected (the task is cancelled), the deadline passed, or a drain timed out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from contextlib import aclosing
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from worker.engine.protocol import RequestOutput
+from worker.metrics import CLIENT_DISCONNECT, STREAM_ABORTED, STREAM_ERROR
+from worker.request import FinishReason, SamplingParams
+from worker.server import openai_models as oai
+from worker.server.admission import Limits, Load, admit
+from worker.server.errors import ApiError
+from worker.server.inflight import InflightRequest
+
+if TYPE_CHECKING:
+    from worker.server.app import WorkerService
+
+log = logging.getLogger(__name__)
+
+TIMEOUT_HEADER = "x-llmfleet-timeout-seconds"
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+Kind = Literal["completion", "chat"]
+
+
+@dataclass(frozen=True)
+class Prepared:
+    kind: Kind
+    request_id: str
+    model: str
+    created: int
+    arrival: float  # service clock
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int
+    timeout_s: float | None
+    stream: bool
+    include_usage: bool
+
+
+def parse_timeout_header(value: str | None, setting: float | None) -> float | None:
+    """The effective deadline: the header's (seconds, > 0) and the setting's, whichever is shorter."""
+    if value is None:
+        return setting
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise ApiError(400, f"header {TIMEOUT_HEADER} must be a positive number of seconds, got {value!r}",
+                       param=TIMEOUT_HEADER, code="invalid_value")
+    return seconds if setting is None else min(seconds, setting)
+
+
+def prepare(service: WorkerService, body: oai.CompletionRequest | oai.ChatCompletionRequest, kind: Kind,
+            timeout_header: str | None) -> Prepared:
+    """Check that the worker can take the request and that the request is acceptable; raise ApiError if not."""
+    arrival = service.clock()
+    service.check_accepting()
+    service.faults.maybe_fail()
+    name = service.model_name
+    if body.model is not None and body.model != name:
+        raise ApiError(404, f"The model `{body.model}` does not exist on this worker; it serves `{name}`.",
+                       param="model", code="model_not_found")
+    engine = service.engine
+    if isinstance(body, oai.ChatCompletionRequest):
+        try:
+            text = engine.apply_chat_template(body.template_messages(), body.add_generation_prompt)
+        except Exception as err:  # a template raising on the given roles/order is the client's problem
+            raise ApiError(400, f"the chat template rejected the messages: {err}", param="messages",
+                           code="invalid_messages") from err
+        prompt_ids = engine.tokenize(text)
+        default_max = None
+    else:
+        prompt_ids = engine.tokenize(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        default_max = DEFAULT_COMPLETION_MAX_TOKENS
+    stats = engine.stats()
+    settings = service.settings
+    limits = Limits(engine.max_model_len, settings.max_tokens_cap, settings.max_tokens_policy, settings.max_waiting,
+                    settings.retry_after_s)
+    load = Load(stats.num_waiting, stats.num_running, len(service.inflight))
+    admitted = admit(len(prompt_ids), body.requested_max_tokens(), default_max, limits, load)
+    try:
+        params = body.sampling_params(admitted.max_tokens)
+    except ValueError as err:
+        raise ApiError(400, str(err), code="invalid_value") from err
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    return Prepared(
+        kind=kind,
+        request_id=f"{prefix}-{uuid.uuid4().hex}",
+        model=name,
+        created=int(time.time()),
+        arrival=arrival,
+        prompt_ids=prompt_ids,
+        params=params,
+        priority=body.priority,
+        timeout_s=parse_timeout_header(timeout_header, settings.request_timeout_s),
+        stream=body.stream,
+        include_usage=body.include_usage,
+    )
+
+
+def abort_error(reason: str | None, timeout_s: float | None) -> ApiError:
+    """The error of a request the server aborted: its deadline (no reason) or `reason` (a drain timeout)."""
+    if reason is None:
+        return ApiError(504, f"the request exceeded its deadline of {timeout_s:g} s and was aborted",
+                        code="deadline_exceeded")
+    return ApiError(503, f"the request was aborted: {reason}", code="aborted")
+
+
+async def drive(service: WorkerService, prep: Prepared, entry: InflightRequest) -> AsyncIterator[RequestOutput]:
+    """The engine's outputs for one request, with the deadline, server-side aborts, fault delays and metrics.
+
+    Raises ApiError when the server aborts the request (deadline: 504, drain timeout: 503) or the engine fails
+    (500). Cancellation (the client went away) propagates after the engine request is aborted.
+    """
+    engine, metrics, faults = service.engine, service.metrics, service.faults
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + prep.timeout_s if prep.timeout_s is not None else None
+    stream = engine.generate(prep.prompt_ids, prep.params, prep.request_id, prep.priority)
+    finished = False
+    last_token_at: float | None = None
+    try:
+        while True:
+            if entry.abort_reason is not None:
+                raise abort_error(entry.abort_reason, prep.timeout_s)
+            try:
+                async with asyncio.timeout_at(deadline) as scope:
+                    entry.timeout = scope
+                    out = await anext(stream)
+                    delay = faults.ttft_delay_s if last_token_at is None else faults.itl_delay_s
+                    if delay and out.new_token_ids:
+                        await asyncio.sleep(delay)
+            except TimeoutError:
+                raise abort_error(entry.abort_reason, prep.timeout_s) from None
+            except StopAsyncIteration:
+                raise ApiError(500, "the engine ended the stream without a final output",
+                               code="engine_error") from None
+            except (ApiError, asyncio.CancelledError):
+                raise
+            except Exception as err:
+                log.exception("engine failure in request %s", prep.request_id)
+                raise ApiError(500, f"engine error: {type(err).__name__}: {err}", code="engine_error") from err
+            finally:
+                entry.timeout = None
+            now = service.clock()
+            if out.new_token_ids:
+                if last_token_at is None:
+                    metrics.first_token(now - prep.arrival, out.num_prompt_tokens or len(prep.prompt_ids))
+                else:
+                    metrics.token_gap(now - last_token_at)
+                last_token_at = now
+                metrics.generated(len(out.new_token_ids))
+                entry.generated = out.num_output_tokens
+            if out.finished:
+                finished = True
+                metrics.finished(out.finish_reason or FinishReason.STOP, now - prep.arrival)
+            yield out
+            if finished:
+                return
+    except (asyncio.CancelledError, GeneratorExit):
+        metrics.error(CLIENT_DISCONNECT)
+        raise
+    finally:
+        if not finished:
+            metrics.finished(FinishReason.ABORT, service.clock() - prep.arrival)
+            await _abort(service, stream, prep.request_id)
+
+
+async def _abort(service: WorkerService, stream: AsyncIterator[RequestOutput], request_id: str) -> None:
+    """Close the engine stream (which aborts it) and abort explicitly too, for engines that only honour one."""
+    try:
+        await stream.aclose()  # type: ignore[attr-defined]
+        await service.engine.abort(request_id)
+    except Exception:
+        log.exception("aborting request %s failed", request_id)
+
+
+# ---- response shapes -------------------------------------------------------------------------------------------
+
+
+def _logprobs(prep: Prepared, ids: list[int], lps: list[float] | None) -> dict[str, Any] | None:
+    if not prep.params.logprobs or lps is None:
+        return None
+    return oai.chat_logprobs(ids, lps) if prep.kind == "chat" else oai.completion_logprobs(ids, lps)
+
+
+async def complete(service: WorkerService, prep: Prepared) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """Run a non-streaming request to the end: (status, body, headers)."""
+    entry = service.inflight.add(prep.request_id, prep.params.max_tokens)
+    texts: list[str] = []
+    ids: list[int] = []
+    lps: list[float] = []
+    last: RequestOutput | None = None
+    try:
+        async with aclosing(drive(service, prep, entry)) as outputs:
+            async for out in outputs:
+                texts.append(out.new_text)
+                ids.extend(out.new_token_ids)
+                lps.extend(out.new_logprobs or ())
+                last = out
+    except ApiError as err:
+        return err.status, err.body(), err.headers()
+    finally:
+        service.inflight.remove(entry)
+    assert last is not None
+    usage = oai.usage(len(prep.prompt_ids), last.num_output_tokens, last.num_cached_tokens)
+    build = oai.chat_response if prep.kind == "chat" else oai.completion_response
+    body = build(prep.request_id, prep.model, prep.created, "".join(texts), last.finish_reason, usage,
+                 _logprobs(prep, ids, lps))
+    return 200, body, {}
+
+
+async def stream(service: WorkerService, prep: Prepared) -> AsyncIterator[bytes]:
+    """A streaming request as SSE bytes: chunks, an optional usage chunk, `[DONE]`.
+
+    A server-side abort or an engine failure after the stream started ends it with a chunk whose finish_reason
+    is `abort`, then an OpenAI error event (the `openai` SDK raises it as an APIError), then `[DONE]`.
+    """
+    entry = service.inflight.add(prep.request_id, prep.params.max_tokens)
+    chat = prep.kind == "chat"
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    rid, model, created, with_usage = prep.request_id, prep.model, prep.created, prep.include_usage
+
+    def chunk(text: str, reason: FinishReason | None, logprobs: dict[str, Any] | None,
+              first: bool = False) -> bytes:
+        if chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
+            if reason is not None and not text:
+                delta = {}
+            return oai.sse(oai.chat_chunk(rid, model, created, delta, reason, logprobs, with_usage))
+        return oai.sse(oai.completion_chunk(rid, model, created, text, reason, logprobs, with_usage))
+
+    try:
+        if chat:
+            yield chunk("", None, None, first=True)
+        last: RequestOutput | None = None
+        try:
+            async with aclosing(drive(service, prep, entry)) as outputs:
+                async for out in outputs:
+                    last = out
+                    if out.new_text or out.finished or (prep.params.logprobs and out.new_token_ids):
+                        yield chunk(out.new_text, out.finish_reason if out.finished else None,
+                                    _logprobs(prep, out.new_token_ids, out.new_logprobs))
+        except ApiError as err:
+            service.metrics.error(STREAM_ABORTED if err.status in (503, 504) else STREAM_ERROR)
+            yield chunk("", FinishReason.ABORT, None)
+            yield oai.sse(err.body())
+            yield oai.SSE_DONE
+            return
+        if with_usage and last is not None:
+            usage = oai.usage(len(prep.prompt_ids), last.num_output_tokens, last.num_cached_tokens)
+            yield oai.sse(oai.usage_chunk(rid, obj, model, created, usage))
+        yield oai.SSE_DONE
+    finally:
+        service.inflight.remove(entry)
