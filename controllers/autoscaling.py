@@ -157,14 +157,19 @@ class RecommendationRecord(_Frozen):
     replicas: int = Field(ge=0)
 
 
+class ScaleUpRecord(_Frozen):
+    """The last scale-up: when, and per signal that asked for it, the replicas it asked for (the demand answered)."""
+
+    time: float
+    answered: dict[SignalName, int] = Field(default_factory=dict)
+
+
 class AutoscalingState(_Frozen):
     """Everything `decide` remembers between calls; the caller persists it in the CR status."""
 
     window: tuple[RecommendationRecord, ...] = ()
     alerts: tuple[AlertIntent, ...] = ()
-    scale_up: RecommendationRecord | None = Field(
-        None, description="The last scale-up: when, and the recommendation (demand) it answered."
-    )
+    scale_up: ScaleUpRecord | None = Field(None, description="The last scale-up, for startup-aware holding.")
     last_active_at: float | None = Field(None, description="Last time traffic was seen (or could not be ruled out).")
 
 
@@ -347,13 +352,15 @@ def decide(
     last_active_at = now if traffic or state.last_active_at is None else state.last_active_at
 
     signals = signal_recommendations(policy, fresh_metrics, current_replicas) if fresh_metrics else ()
+    effective: dict[SignalName, int] = {}
     notes: list[str] = []
     if current_replicas == 0:
         recommendation, headline = _from_zero(policy, fresh_gateway)
     elif signals:
         dominant = max(signals, key=lambda signal: signal.replicas)
         headline = _describe_signal(dominant)
-        recommendation = _startup_aware(policy, now, current_replicas, pods, state.scale_up, signals, notes)
+        effective = _startup_aware(policy, now, current_replicas, pods, state.scale_up, signals, notes)
+        recommendation = max(effective.values())
     else:
         recommendation = current_replicas
         headline = _missing_data_headline(metrics, now)
@@ -401,7 +408,10 @@ def decide(
             window=window,
             alerts=alerts,
             last_active_at=last_active_at,
-            scale_up=RecommendationRecord(time=now, replicas=recommendation) if desired > current_replicas
+            scale_up=ScaleUpRecord(
+                time=now, answered={name: wanted for name, wanted in effective.items() if wanted > current_replicas}
+            )
+            if desired > current_replicas
             else state.scale_up,
         ),
         reason=reason,
@@ -427,44 +437,41 @@ def _missing_data_headline(metrics: MetricsSample | None, now: float) -> str:
     return f"{why}: holding, missing data never scales down"
 
 
-# Signals that keep growing while capacity is missing (a backlog and the latency it causes), as opposed to
-# KV-cache utilisation, which is bounded by 1 and measured on the pods that serve.
-_ACCUMULATING: frozenset[SignalName] = frozenset({"queueDepthPerReplica", "ttftP95Seconds"})
-
-
 def _startup_aware(
     policy: AutoscalingPolicy,
     now: float,
     current: int,
     pods: PodCounts,
-    last_scale_up: RecommendationRecord | None,
+    last_scale_up: ScaleUpRecord | None,
     signals: tuple[SignalRecommendation, ...],
     notes: list[str],
-) -> int:
-    """The max over signals, without adding pods twice for one demand while the pods added for it settle.
+) -> dict[SignalName, int]:
+    """Per signal, its recommendation, except that no signal adds pods twice for the demand it already asked for.
 
-    A queue keeps growing while new pods load, and a TTFT percentile over a range keeps reporting the congestion
-    for that range after they are ready, so queue depth and TTFT keep asking for more although the capacity
-    that answers them is on its way. While pods from the last scale-up still load (created less than
-    `expected_startup_seconds` ago) or settle (ready for less than `settle_seconds`), those two signals may not
-    push beyond the recommendation that scale-up answered (steps clipped by scaleUpMaxStep still proceed).
-    KV-cache utilisation is bounded and measured on serving pods, so a KV-driven recommendation is never held.
+    Starting pods are already in `current`, so a steady signal asks for nothing more while they load. But a queue
+    keeps growing until new pods serve, and averages and percentiles over a range keep reporting the congestion
+    after they are ready, so those signals rise although the capacity that answers them is on its way. While pods
+    of the last scale-up still load (created less than `expected_startup_seconds` ago) or settle (ready for less
+    than `settle_seconds`), each signal that asked for that scale-up is held at what it asked for then. Signals
+    that did not ask for it are free: new demand of another kind (or after a small scale-up caused by noise in
+    another signal) is answered at once.
     """
-    recommendation = max(signal.replicas for signal in signals)
-    if recommendation <= current or last_scale_up is None:
-        return recommendation
+    wanted = {signal.name: signal.replicas for signal in signals}
+    if max(wanted.values()) <= current or last_scale_up is None:
+        return wanted
     if now - last_scale_up.time >= policy.expected_startup_seconds + policy.settle_seconds:
-        return recommendation
+        return wanted
     loading = [t for t in pods.starting_since if now - t < policy.expected_startup_seconds]
     settling = [t for t in pods.ready_since if now - t < policy.settle_seconds]
     if not loading and not settling:
-        return recommendation
-    accumulating = max((s.replicas for s in signals if s.name in _ACCUMULATING), default=0)
-    bounded = max((s.replicas for s in signals if s.name not in _ACCUMULATING), default=0)
-    held = max(current, min(accumulating, last_scale_up.replicas), bounded)
-    if held < recommendation:
+        return wanted
+    held = {}
+    for name, replicas in wanted.items():
+        answered = last_scale_up.answered.get(name)
+        held[name] = max(current, answered) if answered is not None and replicas > answered else replicas
+    if max(held.values()) < max(wanted.values()):
         what = f"{len(loading)} pod(s) starting" if loading else f"{len(settling)} new pod(s) settling"
-        notes.append(f"{what}: holding at {held} for the demand they answer")
+        notes.append(f"{what}: holding at {max(held.values())} for the demand they answer")
     return held
 
 

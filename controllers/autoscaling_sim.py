@@ -44,7 +44,7 @@ class EngineProfile(_Frozen):
 
     token_rate: float = Field(240.0, gt=0, description="Tokens (prompt + output) the engine processes per second.")
     min_step_seconds: float = Field(0.04, gt=0, description="Floor of one engine iteration (batch-1 decode).")
-    max_num_seqs: int = Field(64, ge=1, description="Most requests in the running batch.")
+    max_num_seqs: int = Field(16, ge=1, description="Most requests in the running batch.")
     max_num_batched_tokens: int = Field(512, ge=16, description="Token budget of one iteration.")
     kv_capacity_tokens: int = Field(16384, ge=256, description="KV-cache size in tokens.")
     kv_admission_headroom: float = Field(0.1, ge=0, lt=1, description="KV fraction kept free when admitting.")

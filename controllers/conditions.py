@@ -39,7 +39,7 @@ def merge_conditions(
                 status=want.status,
                 reason=want.reason,
                 message=want.message[:32_768],
-                last_transition_time=now if changed or before is None else before.last_transition_time,
+                last_transition_time=before.last_transition_time if before is not None and not changed else now,
                 observed_generation=generation,
             )
         )

@@ -176,6 +176,7 @@ class StubWorker:
         finally:
             if eof is not None:
                 eof.cancel()
+                await asyncio.gather(eof, return_exceptions=True)  # the next request's read must not race it
 
     async def _events(
         self, writer: asyncio.StreamWriter, n: int, chat: bool, fail: bool, eof: asyncio.Future | None

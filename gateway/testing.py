@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import random
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import uvicorn
@@ -125,3 +125,86 @@ async def eventually(predicate: Callable[[], bool], what: str, attempts: int = 5
 
 def chat(model: str = "m", stream: bool = False, content: str = "hello", **extra: object) -> dict[str, object]:
     return {"model": model, "stream": stream, "messages": [{"role": "user", "content": content}], **extra}
+
+
+@dataclass
+class Process:
+    """A child process started by `spawn`; `stop` terminates it (then kills it) and reaps it."""
+
+    proc: asyncio.subprocess.Process
+    first_line: str
+    output: list[str] = field(default_factory=list)  # the last lines it printed after the first (bounded)
+    _drain: asyncio.Task[None] | None = None
+
+    async def _keep_reading(self) -> None:
+        """Read the rest of its output so a full pipe never blocks it."""
+        assert self.proc.stdout is not None
+        while line := await self.proc.stdout.readline():
+            self.output.append(line.decode(errors="replace").rstrip())
+            del self.output[:-200]
+
+    async def stop(self) -> None:
+        if self._drain is not None:
+            self._drain.cancel()
+            await asyncio.gather(self._drain, return_exceptions=True)
+        if self.proc.returncode is None:
+            self.proc.terminate()
+            try:
+                await asyncio.wait_for(self.proc.wait(), 10)
+            except TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+
+
+@contextlib.asynccontextmanager
+async def spawn(*args: str, ready_prefix: str = "", timeout: float = 60.0) -> AsyncIterator[Process]:
+    """Run a child process; wait (bounded) for a stdout line starting with `ready_prefix` when one is given."""
+    proc = await asyncio.create_subprocess_exec(
+        *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT if ready_prefix else None
+    )
+    p = Process(proc, "")
+    try:
+        if ready_prefix:
+            assert proc.stdout is not None
+            async with asyncio.timeout(timeout):
+                while not p.first_line.startswith(ready_prefix):
+                    line = await proc.stdout.readline()
+                    if not line:
+                        raise RuntimeError(f"{args[0]} exited before printing {ready_prefix!r}")
+                    p.first_line = line.decode().strip()
+            p._drain = asyncio.create_task(p._keep_reading())
+        yield p
+    finally:
+        await p.stop()
+
+
+async def wait_http_ok(url: str, attempts: int = 600, step: float = 0.05) -> None:
+    """Poll GET url until it answers 200 (bounded)."""
+    async with httpx.AsyncClient(timeout=5, trust_env=False) as c:
+        for _ in range(attempts):
+            try:
+                if (await c.get(url)).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(step)
+    raise RuntimeError(f"{url} never answered 200")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free right now on host (the caller binds it soon after)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus exposition text -> {series: value} (series with labels as written)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out

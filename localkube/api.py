@@ -156,7 +156,7 @@ class ApiCore:
                 raise errors.invalid(rt.kind, rt.group, "", [required_value("metadata.name", "name or generateName is required")])
             meta["name"] = meta["generateName"] + generate_suffix()
         pruned = rt.strategy.prune_and_default(obj, rt.api_version)
-        self._field_validation(pruned, opts)
+        self._field_validation(rt, pruned, opts)
         rt.strategy.prepare_create(obj, self)
         obj = rt.strategy.to_internal(obj, rt.storage_version)
         meta = obj["metadata"]
@@ -206,7 +206,7 @@ class ApiCore:
         name = current["metadata"]["name"]
         if subresource != "status":
             pruned = rt.strategy.prune_and_default(new, rt.api_version)
-            self._field_validation(pruned, opts)
+            self._field_validation(rt, pruned, opts)
         new = rt.strategy.to_internal(new, rt.storage_version)
         old_meta = current["metadata"]
         meta = new.setdefault("metadata", {})
@@ -517,12 +517,13 @@ class ApiCore:
                 f"namespace {namespace} because it is being terminated",
             )
 
-    def _field_validation(self, pruned: list[str], opts: WriteOptions) -> None:
+    @staticmethod
+    def _field_validation(rt: ResourceType, pruned: list[str], opts: WriteOptions) -> None:
         if not pruned or opts.field_validation == "Ignore":
             return
         if opts.field_validation == "Strict":
             detail = ", ".join(f'unknown field "{p}"' for p in pruned)
-            raise errors.bad_request(f"strict decoding error: {detail}")
+            raise errors.bad_request(f'{rt.kind} in version "{rt.version}" cannot be handled as a {rt.kind}: strict decoding error: {detail}')
         opts.warnings.extend(f'unknown field "{p}"' for p in pruned)
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from localkube import structural
 from localkube.errors import Cause, invalid_value, not_supported, required_value
 from localkube.jsonpath import JSONPathError, compile_path, find, simple_path
-from localkube.meta import clone, rfc3339, validate_dns_label, validate_dns_subdomain
+from localkube.meta import age, clone, parse_time, rfc3339, validate_dns_label, validate_dns_subdomain
 from localkube.registry import ResourceType, version_priority
 from localkube.strategy import BASE_FIELD_SELECTORS, NAME_COLUMN, Column, Strategy
 
@@ -265,7 +265,9 @@ def _cell(kind: str, value):
     if kind == "boolean":
         return value if isinstance(value, bool) else None
     if kind == "date":
-        return value if isinstance(value, str) else None
+        if not isinstance(value, str):
+            return None
+        return age(value) if parse_time(value) is not None else "<invalid>"
     if isinstance(value, str):
         return value
     if isinstance(value, bool):

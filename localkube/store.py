@@ -26,7 +26,7 @@ class Event:
     prev: dict | None
 
 
-@dataclass
+@dataclass(eq=False)
 class Watch:
     """A live watch: events for one storage, narrowed by namespace and selectors, queued for one client."""
 

@@ -109,7 +109,11 @@ def test_preemption_takes_the_newest_request_and_it_recomputes() -> None:
 def test_a_victim_scheduled_earlier_in_the_step_gives_its_budget_back() -> None:
     # priority policy: the low-priority request runs first in the list but is the victim.
     sched, runner = _sched(
-        num_blocks=4, max_num_seqs=4, max_num_batched_tokens=64, scheduling_policy="priority", enable_prefix_caching=False
+        num_blocks=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        scheduling_policy="priority",
+        enable_prefix_caching=False,
     )
     sched.add_request(_req("low", 5, priority=5))
     _step(sched, runner)  # low: 2 blocks, room up to position 7
@@ -224,16 +228,19 @@ def _scripted(tokens: list[int], n_prompt: int):
     return lambda context, draw: tokens[len(context) - n_prompt]
 
 
+STOPPED, LENGTH = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH
+
+
 @pytest.mark.parametrize(
     ("params", "max_model_len", "script", "n_out", "status", "stop_reason"),
     [
-        (SamplingParams(max_tokens=10, temperature=0), 100, [5, EOS, 6], 2, RequestStatus.FINISHED_STOPPED, None),
-        (SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), 100, [5, EOS, 6], 3, RequestStatus.FINISHED_LENGTH, None),
-        (SamplingParams(max_tokens=10, temperature=0, min_tokens=3), 100, [EOS, EOS, EOS, 7], 3, RequestStatus.FINISHED_STOPPED, None),
-        (SamplingParams(max_tokens=10, temperature=0, stop_token_ids=(7,)), 100, [5, 7, 8], 2, RequestStatus.FINISHED_STOPPED, 7),
-        (SamplingParams(max_tokens=4, temperature=0), 100, [5, 6, 8, 9, 10], 4, RequestStatus.FINISHED_LENGTH, None),
+        (SamplingParams(max_tokens=10, temperature=0), 100, [5, EOS, 6], 2, STOPPED, None),
+        (SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), 100, [5, EOS, 6], 3, LENGTH, None),
+        (SamplingParams(max_tokens=10, temperature=0, min_tokens=3), 100, [EOS, EOS, EOS, 7], 3, STOPPED, None),
+        (SamplingParams(max_tokens=10, temperature=0, stop_token_ids=(7,)), 100, [5, 7, 8], 2, STOPPED, 7),
+        (SamplingParams(max_tokens=4, temperature=0), 100, [5, 6, 8, 9, 10], 4, LENGTH, None),
         # the context limit (prompt 5 + 3 = max_model_len 8) ends it before max_tokens
-        (SamplingParams(max_tokens=10, temperature=0), 8, [5, 6, 8, 9, 10], 3, RequestStatus.FINISHED_LENGTH, None),
+        (SamplingParams(max_tokens=10, temperature=0), 8, [5, 6, 8, 9, 10], 3, LENGTH, None),
     ],
 )
 def test_token_level_stop_conditions(params, max_model_len, script, n_out, status, stop_reason) -> None:

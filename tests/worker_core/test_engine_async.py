@@ -34,10 +34,10 @@ class GatedRunner(ToyRunner):
         self._gate.release(1)
 
     def execute_model(self, scheduler_output):
-        while not self._open.is_set():
-            if self._gate.acquire(timeout=0.05):
-                break
-        return super().execute_model(scheduler_output)
+        for _ in range(200):  # bounded: a test that forgets to open the gate fails instead of hanging
+            if self._open.is_set() or self._gate.acquire(timeout=0.05):
+                return super().execute_model(scheduler_output)
+        raise AssertionError("the test never let this step run")
 
 
 async def _until(cond, what: str, timeout: float = 5.0) -> None:
@@ -82,11 +82,14 @@ async def test_leaving_the_stream_early_aborts_and_frees_blocks() -> None:
     runner = GatedRunner(num_blocks=64, block_size=4)
     engine = await _engine(runner)
     runner.allow(3)
-    async for out in engine.generate("some prompt", LONG, "r1"):
+    stream = engine.generate("some prompt", LONG, "r1")
+    async for out in stream:
         assert not out.finished
         break  # client went away
-    await _until(lambda: engine.stats().num_running == 0 and engine.stats().kv_cache_usage == 0.0, "abort")
+    await stream.aclose()  # what the server's handler does (garbage collection would do it later)
     runner.open()
+    await _until(lambda: engine.stats().num_running == 0 and engine.stats().kv_cache_usage == 0.0, "abort")
+    assert runner.num_steps < 20  # ended by the abort, not by running to max_tokens
     await engine.shutdown()
 
 
@@ -106,8 +109,9 @@ async def test_cancelling_the_consumer_task_aborts_the_request() -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await _until(lambda: engine.stats().num_running == 0 and engine.stats().kv_cache_usage == 0.0, "abort")
     runner.open()
+    await _until(lambda: engine.stats().num_running == 0 and engine.stats().kv_cache_usage == 0.0, "abort")
+    assert runner.num_steps < 20  # ended by the abort, not by running to max_tokens
     await engine.shutdown()
 
 
@@ -168,7 +172,8 @@ async def test_admission_errors_are_raised_before_any_output() -> None:
     with pytest.raises(QueueFullError):
         await _collect(engine, "x", LONG, "w2")
     first.cancel()
-    await waiting.aclose()
+    with pytest.raises(asyncio.CancelledError):
+        await first
     await _until(lambda: engine.stats().num_waiting == 0, "abort of the waiting request")
     await engine.shutdown()
 
@@ -208,7 +213,8 @@ async def test_tokenizer_and_chat_template_pass_through() -> None:
         engine.tokenize("x")
     await engine.start()
     await engine.start()  # idempotent
-    assert engine.model_name == "toy" and engine.max_model_len == 4096
+    # the effective limit: 256 blocks of 4 tokens, below the runner's 4096
+    assert engine.model_name == "toy" and engine.max_model_len == 1024
     assert engine.tokenize("hé") == [104, 195, 169]
     assert engine.apply_chat_template([{"role": "user", "content": "hi"}]) == "<|user|>hi\n<|assistant|>"
     await engine.shutdown()

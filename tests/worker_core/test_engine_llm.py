@@ -126,3 +126,12 @@ def test_engine_core_rejects_what_it_cannot_serve() -> None:
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
         core.add_request("a", [1, 2], SamplingParams(stop=("x",)))
     assert not core.has_unfinished_requests()
+
+
+def test_the_runner_learns_of_every_finished_request() -> None:
+    runner = ToyRunner(num_blocks=64, block_size=4)
+    llm = LLM(runner=runner, block_size=4)
+    llm.generate(["a", "b", "c"], SamplingParams(max_tokens=4, temperature=1.0, seed=3, ignore_eos=True))
+    assert runner.num_request_states == 3  # the last step's finishes are reported with the next step
+    assert llm.engine.step() == []  # nothing to run, but the finished ids reach the runner
+    assert runner.num_request_states == 0

@@ -1,12 +1,13 @@
-"""Incremental detokenisation and stop strings: deltas never split characters or leak part of a stop string."""
+"""Detokenised deltas through the output processor: never a split character, never part of a stop string."""
 
 from __future__ import annotations
 
 import pytest
 
-from worker.engine.detokenizer import IncrementalDetokenizer, find_stop, held_back
+from worker.engine.stop_strings import find_stop, held_back
 from worker.engine.output_processor import OutputProcessor
 from worker.engine.toy import EOS, ByteTokenizer
+from worker.model.tokenizer import IncrementalDetokenizer
 from worker.request import FinishReason, Request, RequestStatus, SamplingParams
 
 TOK = ByteTokenizer()
@@ -14,7 +15,7 @@ TOK = ByteTokenizer()
 
 def _deltas(text: str, prompt: str = "hi ") -> list[str]:
     detok = IncrementalDetokenizer(TOK, TOK.encode(prompt))
-    return [detok.add(t) for t in TOK.encode(text)] + [detok.flush()]
+    return [detok.add_tokens([t]) for t in TOK.encode(text)] + [detok.flush()]
 
 
 @pytest.mark.parametrize("text", ["hello", "héllo wörld", "東京", "a😀b", "😀😀", ""])
@@ -31,7 +32,7 @@ def test_a_multibyte_character_arrives_whole_with_its_last_byte() -> None:
 
 def test_an_unfinished_character_at_the_end_is_flushed_as_replacement() -> None:
     detok = IncrementalDetokenizer(TOK, [])
-    assert detok.add(0xE6) == ""
+    assert detok.add_tokens([0xE6]) == ""
     assert detok.flush() == "\ufffd"
 
 

@@ -45,6 +45,7 @@ class Live:
     engine: Any
     thread: threading.Thread
     base_url: str
+    _scraper: httpx.Client | None = None
 
     @property
     def service(self) -> Any:
@@ -58,7 +59,9 @@ class Live:
 
     def metric(self, name: str, **labels: str) -> float | None:
         """One sample's value from /metrics (None when absent)."""
-        text = httpx.get(self.base_url + "/metrics", timeout=10).text
+        if self._scraper is None:
+            self._scraper = self.http()
+        text = self._scraper.get("/metrics").text
         for line in text.splitlines():
             if line.startswith("#") or not line.startswith(name):
                 continue
@@ -71,8 +74,11 @@ class Live:
         return None
 
     def stop(self) -> None:
-        self.worker.server.should_exit = True
-        self.thread.join(timeout=15)
+        if self._scraper is not None:
+            self._scraper.close()
+        if self.thread.is_alive():
+            self.worker.server.should_exit = True
+            self.thread.join(timeout=15)
         assert not self.thread.is_alive(), "the worker thread did not stop"
 
 
@@ -99,8 +105,7 @@ class Launcher:
 
     def stop_all(self) -> None:
         for live in self.started:
-            if live.thread.is_alive():
-                live.stop()
+            live.stop()
 
 
 @pytest.fixture
@@ -113,11 +118,17 @@ def start_worker() -> Iterator[Launcher]:
 
 
 @pytest.fixture(scope="module")
-def shared_worker() -> Iterator[Live]:
-    """One live worker around a default FakeEngine for a whole module (tests that need no special settings)."""
+def module_launcher() -> Iterator[Launcher]:
+    """Like `start_worker`, for workers shared by a whole module."""
     launcher = Launcher()
-    yield launcher()
+    yield launcher
     launcher.stop_all()
+
+
+@pytest.fixture(scope="module")
+def shared_worker(module_launcher: Launcher) -> Live:
+    """One live worker around a default FakeEngine for a whole module (tests that need no special settings)."""
+    return module_launcher()
 
 
 @pytest.fixture

@@ -83,6 +83,19 @@ class _ScrapeTimeCollector:
                           server.remaining_tokens)
 
 
+class _WithoutCreated:
+    """The registry's metrics without the `*_created` samples prometheus-client adds (vLLM exports none; they
+    only add series). Filtering here avoids prometheus-client's process-wide switch."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self._registry.collect():
+            metric.samples = [s for s in metric.samples if not s.name.endswith("_created")]
+            yield metric
+
+
 class WorkerMetrics:
     def __init__(self, model_name: str, engine_stats: Callable[[], EngineStats],
                  server_gauges: Callable[[], ServerGauges]) -> None:
@@ -133,4 +146,4 @@ class WorkerMetrics:
         self._e2e.observe(e2e_s)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(_WithoutCreated(self.registry))  # type: ignore[arg-type]

@@ -11,6 +11,7 @@ cancellation, error) aborts the request, which frees its KV blocks at the next s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
@@ -219,10 +220,8 @@ class AsyncEngine:
     ) -> None:
         if not (outputs or errors or dead) or self._loop is None:
             return
-        try:
+        with contextlib.suppress(RuntimeError):  # RuntimeError: the event loop is closed, nobody listens
             self._loop.call_soon_threadsafe(self._dispatch, outputs, errors, dead)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
 
     def _dispatch(
         self, outputs: list[RequestOutput], errors: list[tuple[str, BaseException]], dead: BaseException | None

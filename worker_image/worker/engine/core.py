@@ -36,7 +36,9 @@ class EngineCore:
                 f"runner block_size {runner.block_size} != scheduler block_size {scheduler.kv.block_size}"
             )
         if runner.num_blocks < scheduler.kv.num_blocks:
-            raise ValueError(f"the scheduler manages {scheduler.kv.num_blocks} blocks; the runner has {runner.num_blocks}")
+            raise ValueError(
+                f"the scheduler manages {scheduler.kv.num_blocks} blocks; the runner has {runner.num_blocks}"
+            )
         self.scheduler = scheduler
         self.runner = runner
         self.tokenizer = runner.tokenizer
@@ -93,8 +95,9 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return a delta for every request that got a token (or ended by a stop string)."""
         scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:
+        if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
             return []
+        # An empty step still reaches the runner when requests ended: it drops their sampling state.
         runner_output = self.runner.execute_model(scheduler_output)
         advanced = self.scheduler.update_from_output(scheduler_output, runner_output)
         processed = self.output_processor.process(advanced)

@@ -1,17 +1,26 @@
 """From requests that advanced in a step to `RequestOutput` deltas: new token ids, safe text, finish reasons.
 
 The scheduler ends requests on token-level conditions (EOS, stop token ids, max_tokens, context length); this
-module adds what needs text: incremental detokenisation and stop strings. A stop string found here ends the
-request with reason `stop`; the caller tells the scheduler (`stop_requests` in the result).
+module adds what needs text: incremental detokenisation (never splitting a multi-byte character) and stop
+strings (never emitting any part of one). A stop string found here ends the request with reason `stop`; the
+caller tells the scheduler (`stop_requests` in the result).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from worker.engine.detokenizer import Decoder, IncrementalDetokenizer, find_stop, held_back
 from worker.engine.protocol import RequestOutput
+from worker.engine.stop_strings import find_stop, held_back
+from worker.model.tokenizer import IncrementalDetokenizer
 from worker.request import FinishReason, Request, RequestStatus
+
+
+class Decoder(Protocol):
+    """All the output processor needs of a tokenizer."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
 @dataclass
@@ -66,7 +75,7 @@ class OutputProcessor:
             to_decode = new_ids[:-1] if stopped_by_token else new_ids
             min_tokens = req.sampling_params.min_tokens
             for offset, token in enumerate(to_decode):
-                delta = st.detokenizer.add(token)
+                delta = st.detokenizer.add_tokens([token])
                 if not delta:
                     continue
                 searched = len(st.text)

@@ -41,7 +41,7 @@ async def run_until_disconnect(receive: Receive, work: Callable[[], Awaitable[No
             disconnected = True
             task.cancel()
 
-    watcher = asyncio.create_task(asyncio.sleep(0))
+    watcher = asyncio.create_task(watch(), name="disconnect-watch")
     try:
         await work()
     except asyncio.CancelledError:
@@ -103,8 +103,8 @@ class DeferredJSONResponse(Response):
             nonlocal done
             status, body, headers = await self._produce()
             done = True
-            response = Response(json.dumps(body, ensure_ascii=False).encode(), status_code=status,
-                                headers=headers, media_type=self.media_type)
+            content = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+            response = Response(content, status_code=status, headers=headers, media_type=self.media_type)
             await response(scope, receive, send)
 
         await run_until_disconnect(receive, work, lambda: done)

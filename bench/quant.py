@@ -1,0 +1,83 @@
+"""Quantization report: weight memory per variant and quality against the unquantized model.
+
+Quality is measured under teacher forcing on a fixed set of chat prompts (see `worker.model.quality`):
+greedy-token agreement (top-1 equal) and mean KL(reference || variant) over 24 generated positions each.
+
+    .venv/bin/python bench/quant.py                    # SmolLM2 (bundled), fp32 reference
+    .venv/bin/python bench/quant.py --model PATH --tokens 16 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "List three prime numbers greater than 10.",
+    "Translate 'good morning' into Spanish.",
+    "Why is the sky blue?",
+    "Give me a tip for learning to play the guitar.",
+    "What does a CPU do?",
+]
+VARIANTS = [("fp32", "float32", None), ("bf16", "bfloat16", None), ("fp8", "float32", "fp8"), ("int4", "float32", "int4")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="bundled://smollm2-135m-instruct", help="model source (default: bundled SmolLM2)")
+    ap.add_argument("--tokens", type=int, default=24, help="generated positions compared per prompt")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = ap.parse_args()
+
+    from worker.model.quality import compare
+    from worker.model.runner import ModelRunner
+    from worker.model.source import resolve_model_source
+
+    path = str(resolve_model_source(args.model))
+    rows = []
+    reference = ModelRunner(path, num_blocks=4)
+    prompts = [
+        reference.tokenizer.encode(reference.tokenizer.apply_chat_template([{"role": "user", "content": p}]))
+        if reference.tokenizer.chat_template
+        else reference.tokenizer.encode(p)
+        for p in PROMPTS
+    ]
+    for name, dtype, quant in VARIANTS:
+        t0 = time.perf_counter()
+        runner = reference if name == "fp32" else ModelRunner(path, num_blocks=4, dtype=dtype, quantization=quant)
+        load_s = time.perf_counter() - t0
+        report = compare(reference, runner, prompts, max_tokens=args.tokens)
+        linear_bytes = sum(
+            layer.qkv.nbytes + layer.o_proj.nbytes + layer.gate_up.nbytes + layer.down.nbytes
+            for layer in runner.model.layers
+        )
+        rows.append(
+            {
+                "variant": name,
+                "weights_mb": round(runner.weight_bytes / 1e6, 1),
+                "linear_weights_mb": round(linear_bytes / 1e6, 1),
+                "agreement": round(report.agreement, 4),
+                "mean_kl": round(report.mean_kl, 5),
+                "positions": report.positions,
+                "load_s": round(load_s, 2),
+            }
+        )
+    if args.json:
+        print(json.dumps({"model": args.model, "variants": rows}, indent=2))
+        return
+    print(f"model: {args.model}  ({len(PROMPTS)} prompts x {args.tokens} positions, teacher-forced)")
+    print(f"{'variant':8} {'weights MB':>10} {'linears MB':>10} {'agreement':>9} {'mean KL':>9}")
+    for r in rows:
+        print(
+            f"{r['variant']:8} {r['weights_mb']:10.1f} {r['linear_weights_mb']:10.1f} "
+            f"{r['agreement']:9.3f} {r['mean_kl']:9.5f}"
+        )
+    print("(embeddings/lm_head stay unquantized: the tied 49152x576 table is 113 MB of SmolLM2's fp32 weights)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,392 @@
+"""The worker pod, Service and drain-token Secret of an InferenceDeployment, as manifests (plain dicts).
+
+`pod_template(deployment, spec, variant, defaults)` is everything about a variant's pods that does not depend on
+which pod it is; its hash is the revision (`controllers.revision`), so exactly what runs decides when pods roll.
+`pod_manifest` adds the identity: a deterministic name `DEPLOYMENT-VARIANT-REVISION-SLOT`, the revision label and
+the controller ownerReference. Deterministic names make creation idempotent: after an operator restart or a stale
+read, creating "the next pod" again is an AlreadyExists answer, never a duplicate.
+
+The container runs `llmfleet worker --model SOURCE --engine ... --port 8000 ...` and binds to `$POD_IP` (downward
+API), probes `/health` (startup, liveness) and `/ready` (readiness), and drains in `preStop`: a stdlib-only
+Python snippet POSTs `/drain` with the bearer token from `$LLMFLEET_DRAIN_TOKEN` (a key of the per-deployment
+Secret `DEPLOYMENT-drain-token`, created by the operator with a random value), then polls `GET /drain` until
+nothing is in flight, the worker has exited, or the drain timeout passes. The worker also drains on SIGTERM, so
+the hook is a belt to SIGTERM's braces. Pods run non-root, without privilege escalation or capabilities, on a
+read-only root filesystem with `emptyDir` scratch space at /tmp and a model cache.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from crds.helpers import parse_quantity
+from crds.models import API_VERSION, KIND, InferenceDeploymentSpec, VariantSpec
+from controllers.observed import LABEL_DEPLOYMENT, LABEL_REVISION, LABEL_VARIANT
+
+CONTAINER_NAME = "worker"
+PORT_NAME = "http"
+DRAIN_TOKEN_ENV = "LLMFLEET_DRAIN_TOKEN"
+DRAIN_TOKEN_KEY = "token"
+MODELS_MOUNT = "/models"
+MANAGED_BY = "llmfleet-operator"
+
+
+@dataclass(frozen=True)
+class PodDefaults:
+    """Operator-wide choices for worker pods (from the operator's settings); they are part of the revision."""
+
+    image: str = "ghcr.io/llmfleet/llmfleet-worker:0.1.0"
+    port: int = 8000
+    run_as_user: int = 1000
+    # Longest model load before the kubelet restarts the pod (startup probe budget).
+    startup_timeout_seconds: int = 1800
+    probe_period_seconds: int = 2
+    # Writable emptyDir for converted/downloaded models, with HOME=/tmp; None = leave HOME and caches to the image
+    # (e.g. on localkube, where pods share the host's model cache).
+    cache_dir: str | None = "/var/cache/llmfleet"
+    # Appended to every worker command, e.g. ("--engine", "fake") for control-plane tests; later flags win.
+    extra_args: tuple[str, ...] = field(default=())
+
+
+# ------------------------------------------------------------------------------------------------------- naming
+
+
+def pod_name(deployment: str, variant: str, revision: str, slot: int) -> str:
+    """Deterministic pod name of one slot of a (variant, revision)."""
+    return f"{deployment}-{variant}-{revision}-{slot}"
+
+
+def service_name(deployment: str) -> str:
+    return f"{deployment}-workers"
+
+
+def secret_name(deployment: str) -> str:
+    return f"{deployment}-drain-token"
+
+
+def selector(deployment: str) -> dict[str, str]:
+    """Labels selecting all worker pods of a deployment."""
+    return {LABEL_DEPLOYMENT: deployment}
+
+
+def label_selector(deployment: str) -> str:
+    """The same selector as a string (`.status.labelSelector`, list calls)."""
+    return ",".join(f"{key}={value}" for key, value in selector(deployment).items())
+
+
+def owner_reference(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The controller ownerReference pointing at the InferenceDeployment (garbage collection, adoption checks)."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+# ------------------------------------------------------------------------------------------------------ command
+
+
+def model_path(source: str) -> str:
+    """What the worker gets as `--model`: `pvc://CLAIM/PATH` becomes the mount path, the rest pass through."""
+    if source.startswith("pvc://"):
+        claim, _, path = source.removeprefix("pvc://").partition("/")
+        return f"{MODELS_MOUNT}/{claim}/{path}".rstrip("/")
+    return source
+
+
+def worker_args(spec: InferenceDeploymentSpec, variant: VariantSpec, defaults: PodDefaults) -> list[str]:
+    """Arguments of `llmfleet worker` for this variant (after the command itself)."""
+    engine = spec.engine
+    args = [
+        "--model",
+        model_path(variant.source or spec.model.source),
+        "--served-model-name",
+        spec.model.name,
+        "--engine",
+        engine.type.value,
+        "--quantization",
+        variant.quantization.value,
+        "--dtype",
+        engine.dtype.value,
+        "--port",
+        str(defaults.port),
+        "--max-num-seqs",
+        str(engine.max_num_seqs),
+    ]
+    if spec.model.max_model_len is not None:
+        args += ["--max-model-len", str(spec.model.max_model_len)]
+    if engine.max_num_batched_tokens is not None:
+        args += ["--max-num-batched-tokens", str(engine.max_num_batched_tokens)]
+    if engine.kv_cache_bytes is not None:
+        args += ["--kv-cache-bytes", str(int(parse_quantity(engine.kv_cache_bytes)))]
+    args.append("--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching")
+    args += ["--drain-timeout", str(spec.drain.timeout_seconds)]
+    args += extra_engine_args({**_normalised(engine.extra_args), **_normalised(variant.extra_args)})
+    return args + list(defaults.extra_args)
+
+
+def extra_engine_args(extra: Mapping[str, Any]) -> list[str]:
+    """Free-form engine flags -> argv, sorted by flag: `true` = bare flag, `false`/null = left out, a list =
+    the flag repeated, anything else = `--flag value` (mappings as JSON)."""
+    argv: list[str] = []
+    for key in sorted(extra):
+        value = extra[key]
+        flag = "--" + str(key).lstrip("-")
+        if value is True:
+            argv.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, list):
+            for item in value:
+                argv += [flag, _scalar(item)]
+        elif isinstance(value, Mapping):
+            argv += [flag, json.dumps(value, sort_keys=True, separators=(",", ":"))]
+        else:
+            argv += [flag, _scalar(value)]
+    return argv
+
+
+def _scalar(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _normalised(extra: Mapping[str, Any]) -> dict[str, Any]:
+    return {str(key).lstrip("-"): value for key, value in extra.items()}
+
+
+def prestop_script(port: int, timeout_seconds: int) -> str:
+    """Stdlib-only Python run by the preStop hook: start the worker's drain and wait for it (bounded)."""
+    return "\n".join(
+        [
+            "import json, os, time, urllib.request as r",
+            f"url = 'http://' + os.environ.get('POD_IP', '127.0.0.1') + ':{port}/drain'",
+            f"token = os.environ.get('{DRAIN_TOKEN_ENV}', '')",
+            "try:",
+            "    r.urlopen(r.Request(url, method='POST', headers={'Authorization': 'Bearer ' + token}), timeout=5)",
+            "except Exception:",
+            "    raise SystemExit(0)",
+            f"end = time.monotonic() + {timeout_seconds}",
+            "while time.monotonic() < end:",
+            "    try:",
+            "        state = json.load(r.urlopen(url, timeout=5))",
+            "    except Exception:",
+            "        break",
+            "    if not state.get('inflight'):",
+            "        break",
+            "    time.sleep(1)",
+        ]
+    )
+
+
+# ----------------------------------------------------------------------------------------------------- manifests
+
+
+def pod_template(
+    deployment: str, spec: InferenceDeploymentSpec, variant: VariantSpec, defaults: PodDefaults
+) -> dict[str, Any]:
+    """The pod of a (deployment, variant) without its identity (name, namespace, revision, owner)."""
+    template = spec.template
+    labels = {
+        **template.labels,
+        "app.kubernetes.io/name": "llmfleet-worker",
+        "app.kubernetes.io/instance": deployment,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        LABEL_DEPLOYMENT: deployment,
+        LABEL_VARIANT: variant.name,
+    }
+    annotations = {
+        **template.annotations,
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(defaults.port),
+        "prometheus.io/path": "/metrics",
+    }
+    volumes, mounts = _volumes(variant.source or spec.model.source, defaults)
+    pod_spec: dict[str, Any] = {
+        **template.pod_spec,
+        "restartPolicy": "Always",
+        "terminationGracePeriodSeconds": spec.drain.termination_grace_period_seconds,
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": defaults.run_as_user,
+            "runAsGroup": defaults.run_as_user,
+            "fsGroup": defaults.run_as_user,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [_container(deployment, spec, variant, defaults, mounts)],
+    }
+    pod_spec["volumes"] = list(template.pod_spec.get("volumes") or []) + volumes
+    if template.node_selector:
+        pod_spec["nodeSelector"] = dict(template.node_selector)
+    if template.tolerations:
+        pod_spec["tolerations"] = [
+            t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in template.tolerations
+        ]
+    if template.service_account_name:
+        pod_spec["serviceAccountName"] = template.service_account_name
+    if template.priority_class_name:
+        pod_spec["priorityClassName"] = template.priority_class_name
+    return {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec}
+
+
+def pod_manifest(
+    meta: Mapping[str, Any], template: Mapping[str, Any], variant: str, revision: str, slot: int
+) -> dict[str, Any]:
+    """A full Pod: `template` (from `pod_template`) plus name, namespace, revision label and ownerReference."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            **template["metadata"],
+            "name": pod_name(meta["name"], variant, revision, slot),
+            "namespace": meta.get("namespace", "default"),
+            "labels": {**template["metadata"]["labels"], LABEL_REVISION: revision},
+            "ownerReferences": [owner_reference(meta)],
+        },
+        "spec": template["spec"],
+    }
+
+
+def service_manifest(meta: Mapping[str, Any], defaults: PodDefaults) -> dict[str, Any]:
+    """The headless Service of the workers: stable DNS per pod and one target for scrapers."""
+    name = meta["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": service_name(name),
+            "namespace": meta.get("namespace", "default"),
+            "labels": {LABEL_DEPLOYMENT: name, "app.kubernetes.io/managed-by": MANAGED_BY},
+            "ownerReferences": [owner_reference(meta)],
+        },
+        "spec": {
+            "clusterIP": "None",
+            "selector": selector(name),
+            "ports": [{"name": PORT_NAME, "port": defaults.port, "targetPort": PORT_NAME, "protocol": "TCP"}],
+        },
+    }
+
+
+def service_matches(observed: Mapping[str, Any], wanted: Mapping[str, Any]) -> bool:
+    """Whether an existing Service already has the selector and ports we want (other fields are not ours)."""
+    have, want = observed.get("spec") or {}, wanted["spec"]
+    ports = [{k: p.get(k) for k in ("name", "port", "targetPort", "protocol")} for p in have.get("ports") or []]
+    return have.get("selector") == want["selector"] and ports == want["ports"]
+
+
+def secret_manifest(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The drain-token Secret without its data (the executor adds a random token when it creates it)."""
+    name = meta["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {
+            "name": secret_name(name),
+            "namespace": meta.get("namespace", "default"),
+            "labels": {LABEL_DEPLOYMENT: name, "app.kubernetes.io/managed-by": MANAGED_BY},
+            "ownerReferences": [owner_reference(meta)],
+        },
+    }
+
+
+def _container(
+    deployment: str,
+    spec: InferenceDeploymentSpec,
+    variant: VariantSpec,
+    defaults: PodDefaults,
+    mounts: list[dict[str, Any]],
+) -> dict[str, Any]:
+    template = spec.template
+    env: list[dict[str, Any]] = [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {
+            "name": DRAIN_TOKEN_ENV,
+            "valueFrom": {"secretKeyRef": {"name": secret_name(deployment), "key": DRAIN_TOKEN_KEY}},
+        },
+    ]
+    if defaults.cache_dir is not None:  # writable places on a read-only root filesystem
+        env += [
+            {"name": "HOME", "value": "/tmp"},
+            {"name": "LLMFLEET_CACHE_DIR", "value": f"{defaults.cache_dir}/models"},
+            {"name": "HF_HOME", "value": f"{defaults.cache_dir}/hf"},
+        ]
+    env += [e.model_dump(mode="json", by_alias=True, exclude_none=True) for e in template.env]
+    probe = {"httpGet": {"path": "/health", "port": PORT_NAME}, "periodSeconds": defaults.probe_period_seconds}
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": template.image or defaults.image,
+        "command": ["llmfleet", "worker"],
+        "args": worker_args(spec, variant, defaults),
+        "env": env,
+        "ports": [{"name": PORT_NAME, "containerPort": defaults.port, "protocol": "TCP"}],
+        "startupProbe": {
+            **probe,
+            "timeoutSeconds": 3,
+            "failureThreshold": max(1, math.ceil(defaults.startup_timeout_seconds / defaults.probe_period_seconds)),
+        },
+        "readinessProbe": {
+            "httpGet": {"path": "/ready", "port": PORT_NAME},
+            "periodSeconds": defaults.probe_period_seconds,
+            "timeoutSeconds": 3,
+            "failureThreshold": 2,
+        },
+        "livenessProbe": {**probe, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6},
+        "lifecycle": {
+            "preStop": {
+                "exec": {
+                    "command": ["python3", "-c", prestop_script(defaults.port, spec.drain.timeout_seconds)],
+                }
+            }
+        },
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "privileged": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "volumeMounts": mounts,
+    }
+    resources = _resources(variant)
+    if resources:
+        container["resources"] = resources
+    if template.image_pull_policy is not None:
+        container["imagePullPolicy"] = template.image_pull_policy.value
+    return container
+
+
+def _resources(variant: VariantSpec) -> dict[str, dict[str, str]]:
+    wanted = variant.resources
+    requests: dict[str, str] = {}
+    limits: dict[str, str] = {}
+    if wanted.cpu is not None:
+        requests["cpu"] = wanted.cpu
+    if wanted.memory is not None:
+        requests["memory"] = limits["memory"] = wanted.memory
+    if wanted.gpu:
+        requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(wanted.gpu)
+    return {key: value for key, value in (("requests", requests), ("limits", limits)) if value}
+
+
+def _volumes(source: str, defaults: PodDefaults) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}]
+    mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"}]
+    if defaults.cache_dir is not None:
+        volumes.append({"name": "model-cache", "emptyDir": {}})
+        mounts.append({"name": "model-cache", "mountPath": defaults.cache_dir})
+    if source.startswith("pvc://"):
+        claim = source.removeprefix("pvc://").partition("/")[0]
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        mounts.append({"name": "model", "mountPath": f"{MODELS_MOUNT}/{claim}", "readOnly": True})
+    return volumes, mounts

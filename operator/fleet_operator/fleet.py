@@ -1,0 +1,120 @@
+"""The reconcile loop of each InferenceDeployment: observe -> `controllers.reconcile` -> execute, then wait.
+
+`Fleet.run` is the body of the per-deployment kopf daemon: it makes one pass, then sleeps until something
+changes (a watch event on the CR or one of its pods calls `wake`), until the plan asks to look again, or until
+the resync interval passes. Passes of one deployment never overlap (a lock per deployment; the deletion handler
+takes it too), and wakes that arrive during a pass make the next pass start at once. Nothing here decides
+anything: the plan does. Errors never escape a pass: they are kept for the next pass (where they show in the
+Degraded condition) and the loop backs off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+from controllers import Plan, Policy, reconcile
+from fleet_operator.execute import execute
+from fleet_operator.kube import KubeApi
+from fleet_operator.observe import observe
+from fleet_operator.settings import OperatorSettings
+
+log = logging.getLogger(__name__)
+Key = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class PassResult:
+    """What one pass did: the plan (None when the CR is gone or could not be read) and the errors it hit."""
+
+    plan: Plan | None
+    errors: tuple[str, ...] = ()
+    gone: bool = False
+
+
+@dataclass
+class Fleet:
+    """Reconcile loops of all InferenceDeployments this operator serves (state in memory is only a cache:
+    locks, wake-up flags and the last pass's errors; everything durable is in the CRs' status)."""
+
+    api: KubeApi
+    policy: Policy
+    settings: OperatorSettings
+    _wakeups: dict[Key, asyncio.Event] = field(default_factory=dict)
+    _locks: dict[Key, asyncio.Lock] = field(default_factory=dict)
+    _errors: dict[Key, tuple[str, ...]] = field(default_factory=dict)
+
+    def wake(self, namespace: str, name: str) -> None:
+        """Something about this deployment changed: make its loop pass again now."""
+        event = self._wakeups.get((namespace, name))
+        if event is not None:
+            event.set()
+
+    async def reconcile_once(self, namespace: str, name: str) -> PassResult:
+        """One observe -> plan -> execute pass."""
+        key = (namespace, name)
+        async with self._locks.setdefault(key, asyncio.Lock()):
+            try:
+                resource, observed = await observe(self.api, namespace, name, self._errors.get(key, ()))
+            except Exception as error:  # noqa: BLE001 - the API may be down: back off, never crash
+                log.warning("%s/%s: cannot read the deployment: %s", namespace, name, error)
+                self._errors[key] = (f"observe: {error}"[:500],)
+                return PassResult(None, self._errors[key])
+            if resource is None:
+                return PassResult(None, gone=True)
+            plan = reconcile(resource, observed, datetime.now(timezone.utc), self.policy)
+            if plan.actions:
+                log.info("%s/%s: %d action(s); %s", namespace, name, len(plan.actions), "; ".join(plan.notes))
+            errors = tuple(await execute(self.api, plan, resource))
+            self._errors[key] = errors
+            return PassResult(plan, errors)
+
+    async def run(self, namespace: str, name: str, halt: asyncio.Event) -> None:
+        """Reconcile this deployment until `halt` is set or the deployment is gone."""
+        key = (namespace, name)
+        wakeup = self._wakeups.setdefault(key, asyncio.Event())
+        try:
+            while not halt.is_set():
+                wakeup.clear()
+                result = await self.reconcile_once(namespace, name)
+                if result.gone:
+                    return
+                if result.errors:
+                    delay = self.settings.error_backoff_seconds
+                elif result.plan is not None and result.plan.requeue_after is not None:
+                    delay = min(result.plan.requeue_after, self.settings.resync_seconds)
+                else:
+                    delay = self.settings.resync_seconds
+                await _first_of(wakeup, halt, delay)
+        finally:
+            if self._wakeups.get(key) is wakeup:
+                del self._wakeups[key]
+
+    async def finalize(self, namespace: str, name: str) -> bool:
+        """One deletion pass for a deployment being deleted; True once nothing of it is left running."""
+        result = await self.reconcile_once(namespace, name)
+        if result.gone:
+            self._forget((namespace, name))
+            return True
+        finished = result.plan is not None and result.plan.finished and not result.errors
+        if finished:
+            self._forget((namespace, name))
+        return finished
+
+    def _forget(self, key: Key) -> None:
+        self._errors.pop(key, None)
+        lock = self._locks.get(key)
+        if lock is not None and not lock.locked():
+            del self._locks[key]
+
+
+async def _first_of(wakeup: asyncio.Event, halt: asyncio.Event, timeout: float) -> None:
+    """Sleep until either event is set or `timeout` seconds pass."""
+    waiters = {asyncio.ensure_future(wakeup.wait()), asyncio.ensure_future(halt.wait())}
+    try:
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()

@@ -1,0 +1,106 @@
+"""kopf handlers: thin wiring from watch events and lifecycles to `Fleet` (all decisions live in `controllers`).
+
+- startup/cleanup: configure kopf (our finalizer name, annotation storage under `llmfleet.io`, only warnings as
+  kopf's own Events) and open/close the API client; login: the credentials found at start-up.
+- a daemon per InferenceDeployment runs its reconcile loop (`Fleet.run`); kopf starts one for every existing CR
+  when the operator starts (resume) and for every new one, and stops it when the CR is deleted.
+- `on.event` for the CRs and for pods labelled `llmfleet.io/deployment` wakes the owning deployment's loop, so
+  a dead pod or a `kubectl scale` is acted on at once rather than at the next resync.
+- `on.delete` holds the finalizer until the deployment's pods are gone: it runs deletion passes and asks kopf to
+  retry (TemporaryError) until the plan says `finished`. Its progress lives in the CR's annotations, so an
+  operator restart mid-deletion resumes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+import kopf
+
+from controllers.observed import LABEL_DEPLOYMENT
+from crds.models import GROUP, PLURAL, VERSION
+from fleet_operator.fleet import Fleet
+from fleet_operator.kube import Credentials, KubeApi
+from fleet_operator.settings import OperatorSettings
+
+FINALIZER = "llmfleet.io/finalizer"
+ANNOTATION_PREFIX = "llmfleet.io"
+CR = (GROUP, VERSION, PLURAL)
+
+
+def build_registry(operator_settings: OperatorSettings, credentials: Credentials) -> kopf.OperatorRegistry:
+    """A kopf registry with the operator's handlers, bound to these settings and credentials."""
+    registry = kopf.OperatorRegistry()
+
+    @kopf.on.startup(registry=registry)
+    async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+        settings.persistence.finalizer = FINALIZER
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
+        )
+        settings.posting.level = logging.WARNING
+        memo.fleet = Fleet(
+            KubeApi(credentials, timeout=operator_settings.api_timeout_seconds),
+            operator_settings.policy(),
+            operator_settings,
+        )
+
+    @kopf.on.cleanup(registry=registry)
+    async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+        fleet: Fleet | None = getattr(memo, "fleet", None)
+        if fleet is not None:
+            await fleet.api.aclose()
+
+    @kopf.on.login(registry=registry)
+    async def login(**_: Any) -> kopf.ConnectionInfo:
+        scheme, _sep, token = (credentials.authorization or "").partition(" ")
+        if credentials.token_file:
+            scheme, token = "Bearer", Path(credentials.token_file).read_text().strip()
+        return kopf.ConnectionInfo(
+            server=credentials.server,
+            ca_path=credentials.ca_path,
+            insecure=credentials.insecure,
+            scheme=scheme or None,
+            token=token or None,
+            certificate_path=credentials.cert_path,
+            private_key_path=credentials.key_path,
+            username=credentials.username,
+            password=credentials.password,
+        )
+
+    @kopf.daemon(*CR, id="reconcile", registry=registry, cancellation_polling=1.0)
+    async def reconcile_loop(
+        namespace: str, name: str, stopped: kopf.DaemonStopped, memo: kopf.Memo, **_: Any
+    ) -> None:
+        halt = asyncio.Event()
+
+        async def relay() -> None:
+            await stopped.wait()
+            halt.set()
+
+        relay_task = asyncio.create_task(relay())
+        try:
+            await memo.fleet.run(namespace, name, halt)
+        finally:
+            relay_task.cancel()
+
+    @kopf.on.delete(*CR, id="finalize", registry=registry)
+    async def finalize(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+        if not await memo.fleet.finalize(namespace, name):
+            raise kopf.TemporaryError(
+                "waiting for the worker pods to go", delay=operator_settings.deletion_retry_seconds
+            )
+
+    @kopf.on.event(*CR, id="deployment-changed", registry=registry)
+    async def deployment_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+        memo.fleet.wake(namespace, name)
+
+    @kopf.on.event("", "v1", "pods", id="pod-changed", labels={LABEL_DEPLOYMENT: kopf.PRESENT}, registry=registry)
+    async def pod_changed(namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
+        memo.fleet.wake(namespace, labels[LABEL_DEPLOYMENT])
+
+    return registry

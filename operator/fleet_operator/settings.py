@@ -1,0 +1,137 @@
+"""Typed settings of the operator, from `LLMFLEET_OPERATOR_*` environment variables and `llmfleet operator` flags.
+
+One validated object decides what the operator watches, how it reaches the cluster, how fast it re-checks, how
+worker pods look by default and how far a rollout may go at once. Flags win over the environment; a bad value
+fails at start-up with a message that names the variable and says how to fix it.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from controllers import PodDefaults, Policy
+
+ENV_PREFIX = "LLMFLEET_OPERATOR_"
+# Settings holding lists: the environment gives them comma-separated (namespaces) or shell-quoted (arguments).
+_LIST_FIELDS = {"namespaces": "comma", "worker_extra_args": "shell"}
+
+
+class SettingsError(ValueError):
+    """The settings are invalid; the message lists every problem with its fix."""
+
+
+class OperatorSettings(BaseModel):
+    """Everything `llmfleet operator` runs with."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    namespaces: list[str] = Field(
+        default_factory=list, description="Namespaces to watch; empty = the whole cluster (needs cluster-wide RBAC)."
+    )
+    kubeconfig: str | None = Field(
+        None, description="kubeconfig file; unset = in-cluster service account, else $KUBECONFIG or ~/.kube/config."
+    )
+    context: str | None = Field(None, description="kubeconfig context; unset = the current one.")
+    prometheus_url: str | None = Field(
+        None, description="Prometheus base URL for autoscaling and canary analysis; unset = scrape pods directly."
+    )
+    resync_seconds: float = Field(
+        30.0, gt=0, le=3600, description="Re-check every InferenceDeployment at least this often, events or not."
+    )
+    error_backoff_seconds: float = Field(
+        5.0, gt=0, le=600, description="Wait after a pass that hit API errors before the next one."
+    )
+    deletion_retry_seconds: float = Field(
+        2.0, gt=0, le=600, description="Re-check interval while a deleted InferenceDeployment's pods go away."
+    )
+    api_timeout_seconds: float = Field(30.0, gt=0, le=600, description="Timeout of one API call.")
+    peering: str | None = Field(
+        None, description="kopf peering object name for active/standby HA (several replicas); unset = standalone."
+    )
+    priority: int = Field(0, description="Peering priority of this replica (highest wins).")
+    liveness_endpoint: str | None = Field(
+        None, description="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz (unset = none)."
+    )
+    worker_image: str = Field(PodDefaults().image, min_length=1, description="Worker image unless the CR sets one.")
+    worker_extra_args: list[str] = Field(
+        default_factory=list,
+        description="Arguments appended to every worker command (later flags win), e.g. `--engine fake` for "
+        "control-plane tests or `--log-level debug`. Changing them rolls every pod.",
+    )
+    worker_cache_dir: str | None = Field(
+        PodDefaults().cache_dir,
+        description="Writable emptyDir for converted/downloaded models in worker pods; empty = none.",
+    )
+    startup_timeout_seconds: int = Field(
+        PodDefaults().startup_timeout_seconds, ge=10, le=86_400, description="Longest model load (startup probe)."
+    )
+    max_surge: int = Field(1, ge=0, le=100, description="Extra pods per variant while a revision change rolls.")
+    max_unavailable: int = Field(
+        0, ge=0, le=100, description="Ready pods a variant may lose at once while it rolls (0 = never below size)."
+    )
+    log_level: str = Field("info", pattern="^(debug|info|warning|error)$", description="Operator log level.")
+
+    @field_validator("namespaces")
+    @classmethod
+    def _clean_namespaces(cls, value: list[str]) -> list[str]:
+        return sorted({item.strip() for item in value if item.strip()})
+
+    @field_validator("worker_cache_dir")
+    @classmethod
+    def _empty_is_none(cls, value: str | None) -> str | None:
+        return value or None
+
+    def pod_defaults(self) -> PodDefaults:
+        return PodDefaults(
+            image=self.worker_image,
+            startup_timeout_seconds=self.startup_timeout_seconds,
+            cache_dir=self.worker_cache_dir,
+            extra_args=tuple(self.worker_extra_args),
+        )
+
+    def policy(self) -> Policy:
+        if self.max_surge == 0 and self.max_unavailable == 0:
+            raise SettingsError("max_surge and max_unavailable are both 0, so no pod could ever be replaced: "
+                                "set LLMFLEET_OPERATOR_MAX_SURGE=1")
+        return Policy(max_surge=self.max_surge, max_unavailable=self.max_unavailable, defaults=self.pod_defaults())
+
+    @classmethod
+    def load(cls, env: Mapping[str, str], **flags: Any) -> OperatorSettings:
+        """Settings from `LLMFLEET_OPERATOR_*` variables, overridden by `flags` that are not None."""
+        values: dict[str, Any] = {}
+        known = {name.upper(): name for name in cls.model_fields}
+        for key, raw in env.items():
+            if not key.startswith(ENV_PREFIX):
+                continue
+            name = known.get(key.removeprefix(ENV_PREFIX))
+            if name is None:
+                expected = ", ".join(ENV_PREFIX + k for k in sorted(known))
+                raise SettingsError(f"unknown setting {key}; expected one of {expected}")
+            values[name] = _from_env(name, raw)
+        values.update({name: value for name, value in flags.items() if value is not None})
+        try:
+            settings = cls.model_validate(values)
+        except ValidationError as error:
+            lines = [
+                f"{ENV_PREFIX}{'.'.join(str(p) for p in e['loc']).upper()} (or its flag): "
+                f"{str(e['msg']).removeprefix('Value error, ')}"
+                for e in error.errors()
+            ]
+            raise SettingsError("invalid operator settings:\n  " + "\n  ".join(lines)) from None
+        settings.policy()  # cross-field checks
+        return settings
+
+
+def _from_env(name: str, raw: str) -> Any:
+    kind = _LIST_FIELDS.get(name)
+    if kind == "comma":
+        return [part for part in raw.split(",") if part.strip()]
+    if kind == "shell":
+        stripped = raw.strip()
+        return json.loads(stripped) if stripped.startswith("[") else shlex.split(stripped)
+    return raw

@@ -1,0 +1,135 @@
+"""Builders for planner tests: InferenceDeployment dicts, pods in given states, and a tiny fake cluster that
+applies plans so multi-pass behaviour (convergence, rollouts) can be checked without an API server.
+
+Tests get them through the `kit` fixture (test modules cannot import this file by name under importlib mode)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from controllers import CreatePod, DeletePod, EnsureSecret, EnsureService, Observed, PatchStatus, Plan, reconcile
+from controllers.reconcile import Policy
+
+NOW = datetime(2025, 1, 1, 12, 0, tzinfo=timezone.utc)
+UID = "uid-1"
+
+
+def make_resource(spec: Mapping[str, Any] | None = None, **overrides: Any) -> dict[str, Any]:
+    """An InferenceDeployment as the API returns it; `spec` is merged over a minimal valid spec."""
+    base_spec: dict[str, Any] = {
+        "model": {"name": "smollm2", "source": "bundled://smollm2-135m-instruct"},
+        "variants": [{"name": "default"}],
+    }
+    base_spec.update(spec or {})
+    resource: dict[str, Any] = {
+        "apiVersion": "llmfleet.io/v1alpha1",
+        "kind": "InferenceDeployment",
+        "metadata": {"name": "smollm2", "namespace": "default", "uid": UID, "generation": 1},
+        "spec": base_spec,
+    }
+    resource.update(overrides)
+    return resource
+
+
+def pod_object(
+    manifest: Mapping[str, Any],
+    *,
+    ready: bool = True,
+    phase: str = "Running",
+    age_s: float = 60,
+    deleting: bool = False,
+    waiting: str | None = None,
+) -> dict[str, Any]:
+    """A pod as the API would return it after `manifest` was created and the kubelet ran it."""
+    pod = copy.deepcopy(dict(manifest))
+    pod["metadata"]["uid"] = "uid-" + pod["metadata"]["name"]
+    pod["metadata"]["creationTimestamp"] = (NOW - timedelta(seconds=age_s)).isoformat().replace("+00:00", "Z")
+    if deleting:
+        pod["metadata"]["deletionTimestamp"] = NOW.isoformat().replace("+00:00", "Z")
+    container: dict[str, Any] = {"name": "worker", "ready": ready, "restartCount": 0, "state": {}}
+    if waiting:
+        container["state"] = {"waiting": {"reason": waiting}}
+    pod["status"] = {
+        "phase": phase,
+        "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        "containerStatuses": [container],
+    }
+    return pod
+
+
+@dataclass
+class FakeCluster:
+    """Pods and the CR, changed only by applying plans (plus the test's own pokes)."""
+
+    resource: dict[str, Any]
+    policy: Policy = field(default_factory=Policy)
+    pods: dict[str, dict[str, Any]] = field(default_factory=dict)
+    secret: bool = False
+    service: dict[str, Any] | None = None
+    clock: int = 0
+
+    def observed(self) -> Observed:
+        return Observed.from_objects(self.pods.values(), self.service, {} if self.secret else None)
+
+    def plan(self) -> Plan:
+        return reconcile(self.resource, self.observed(), NOW, self.policy)
+
+    def apply(self, plan: Plan, *, ready: bool = True) -> None:
+        """Creates become pods (ready or not), deletes remove pods at once, status patches land."""
+        for action in plan.actions:
+            if isinstance(action, CreatePod):
+                self.clock += 1
+                assert action.name not in self.pods, f"duplicate create of {action.name}"
+                self.pods[action.name] = pod_object(action.manifest, ready=ready, age_s=1000 - self.clock)
+            elif isinstance(action, DeletePod):
+                assert self.pods[action.name]["metadata"]["uid"] == action.uid
+                del self.pods[action.name]
+            elif isinstance(action, PatchStatus):
+                status = dict(self.resource.get("status") or {})
+                status.update({k: v for k, v in action.status.items()})
+                self.resource["status"] = status
+            elif isinstance(action, EnsureSecret):
+                self.secret = True
+            elif isinstance(action, EnsureService):
+                self.service = dict(action.manifest)
+
+    def set_ready(self, name: str, ready: bool = True) -> None:
+        pod = self.pods[name]
+        pod["status"]["conditions"] = [{"type": "Ready", "status": "True" if ready else "False"}]
+
+    def converge(self, *, ready: bool = True, passes: int = 20, check: Callable[[FakeCluster], None] | None = None) -> int:
+        """Plan/apply until a plan changes no pods; returns the passes used. `check` runs after each pass."""
+        for used in range(1, passes + 1):
+            plan = self.plan()
+            changes = plan.of_type(CreatePod) + plan.of_type(DeletePod)
+            self.apply(plan, ready=ready)
+            if check is not None:
+                check(self)
+            if not changes:
+                return used
+        raise AssertionError(f"no convergence in {passes} passes")
+
+    def pods_by_revision(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for pod in self.pods.values():
+            rev = pod["metadata"]["labels"]["llmfleet.io/revision"]
+            counts[rev] = counts.get(rev, 0) + 1
+        return counts
+
+
+def build_cluster(spec: Mapping[str, Any] | None = None, policy: Policy | None = None) -> FakeCluster:
+    return FakeCluster(make_resource(spec), policy or Policy())
+
+
+@pytest.fixture
+def kit() -> SimpleNamespace:
+    return SimpleNamespace(
+        now=NOW, uid=UID, resource=make_resource, pod=pod_object, cluster=build_cluster, reconcile=reconcile
+    )

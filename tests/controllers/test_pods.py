@@ -1,0 +1,245 @@
+"""The worker pod manifest: command, binding, probes, drain hook, security, placement, identity."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from controllers import CreatePod, Observed
+from controllers.pods import (
+    PodDefaults,
+    extra_engine_args,
+    model_path,
+    pod_template,
+    prestop_script,
+    service_manifest,
+    service_matches,
+)
+from crds.helpers import parse_spec
+
+
+def _pod(kit, spec=None):
+    plan = kit.reconcile(kit.resource(spec), Observed(), kit.now)
+    return plan.of_type(CreatePod)[0].manifest
+
+
+def _container(pod):
+    (container,) = pod["spec"]["containers"]
+    return container
+
+
+def _flag(args, name):
+    return args[args.index(name) + 1]
+
+
+def test_command_carries_model_engine_and_variant_settings(kit):
+    pod = _pod(
+        kit,
+        {
+            "model": {"name": "smollm2", "source": "bundled://smollm2-135m-instruct", "maxModelLen": 2048},
+            "engine": {"type": "builtin", "maxNumSeqs": 16, "kvCacheBytes": "64Mi", "enablePrefixCaching": False,
+                       "extraArgs": {"gpu-memory-utilization": 0.9, "trust-remote-code": True}},
+            "variants": [{"name": "q", "quantization": "int4", "extraArgs": {"gpu-memory-utilization": 0.5}}],
+            "drain": {"timeoutSeconds": 30, "terminationGracePeriodSeconds": 45},
+        },
+    )
+    container = _container(pod)
+    args = container["args"]
+    assert container["command"] == ["llmfleet", "worker"]
+    assert _flag(args, "--model") == "bundled://smollm2-135m-instruct"
+    assert _flag(args, "--served-model-name") == "smollm2"
+    assert (_flag(args, "--engine"), _flag(args, "--quantization")) == ("builtin", "int4")
+    assert (_flag(args, "--max-model-len"), _flag(args, "--max-num-seqs")) == ("2048", "16")
+    assert _flag(args, "--kv-cache-bytes") == str(64 * 2**20)
+    assert "--no-enable-prefix-caching" in args
+    assert _flag(args, "--drain-timeout") == "30"
+    assert _flag(args, "--gpu-memory-utilization") == "0.5"  # the variant's value wins
+    assert "--trust-remote-code" in args
+    assert "--host" not in args  # the worker binds to $POD_IP
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env["LLMFLEET_DRAIN_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "smollm2-drain-token", "key": "token"}
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 45
+
+
+def test_probes_ports_and_drain_hook(kit):
+    container = _container(_pod(kit))
+    assert container["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    startup = container["startupProbe"]
+    assert startup["httpGet"]["path"] == "/health"
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 1800  # big models load slowly
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[:2] == ["python3", "-c"]
+    compile(command[2], "<preStop>", "exec")
+
+
+def test_resources_and_gpus(kit):
+    resources = _container(
+        _pod(kit, {"variants": [{"name": "g", "resources": {"cpu": 2, "memory": "8Gi", "nvidia.com/gpu": 1}}]})
+    )["resources"]
+    assert resources == {
+        "requests": {"cpu": "2", "memory": "8Gi", "nvidia.com/gpu": "1"},
+        "limits": {"memory": "8Gi", "nvidia.com/gpu": "1"},
+    }
+    assert "resources" not in _container(_pod(kit))
+
+
+def test_security_context_is_locked_down(kit):
+    pod = _pod(kit)
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    security = _container(pod)["securityContext"]
+    assert security["allowPrivilegeEscalation"] is False and security["privileged"] is False
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert security["readOnlyRootFilesystem"] is True
+    assert {m["mountPath"] for m in _container(pod)["volumeMounts"]} >= {"/tmp"}
+
+
+def test_identity_labels_and_owner(kit):
+    pod = _pod(kit, {"template": {"labels": {"team": "a", "llmfleet.io/deployment": "spoof"}}})
+    meta = pod["metadata"]
+    labels = meta["labels"]
+    assert labels["llmfleet.io/deployment"] == "smollm2"  # ours win over the template's
+    assert labels["llmfleet.io/variant"] == "default"
+    assert len(labels["llmfleet.io/revision"]) == 10 and labels["team"] == "a"
+    assert meta["name"] == f"smollm2-default-{labels['llmfleet.io/revision']}-0"
+    assert meta["ownerReferences"] == [
+        {
+            "apiVersion": "llmfleet.io/v1alpha1",
+            "kind": "InferenceDeployment",
+            "name": "smollm2",
+            "uid": kit.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
+
+
+def test_template_placement_and_extra_pod_fields(kit):
+    pod = _pod(
+        kit,
+        {
+            "template": {
+                "image": "example.com/worker:1",
+                "imagePullPolicy": "IfNotPresent",
+                "nodeSelector": {"gpu": "h100"},
+                "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                "serviceAccountName": "workers",
+                "env": [{"name": "LOG", "value": "debug"}],
+                "podSpec": {"runtimeClassName": "nvidia", "volumes": [{"name": "extra", "emptyDir": {}}]},
+            }
+        },
+    )
+    spec = pod["spec"]
+    assert spec["nodeSelector"] == {"gpu": "h100"}
+    assert spec["tolerations"] == [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert spec["serviceAccountName"] == "workers" and spec["runtimeClassName"] == "nvidia"
+    assert {v["name"] for v in spec["volumes"]} >= {"extra", "tmp"}
+    container = _container(pod)
+    assert (container["image"], container["imagePullPolicy"]) == ("example.com/worker:1", "IfNotPresent")
+    assert {"name": "LOG", "value": "debug"} in container["env"]
+
+
+def test_pvc_sources_are_mounted_read_only(kit):
+    pod = _pod(kit, {"model": {"name": "llama", "source": "pvc://weights/llama-8b"}})
+    container = _container(pod)
+    assert _flag(container["args"], "--model") == "/models/weights/llama-8b"
+    assert {"name": "model", "mountPath": "/models/weights", "readOnly": True} in container["volumeMounts"]
+    volume = next(v for v in pod["spec"]["volumes"] if v["name"] == "model")
+    assert volume["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [("bundled://x", "bundled://x"), ("hf://org/repo", "hf://org/repo"), ("/data/m", "/data/m"),
+     ("pvc://claim", "/models/claim"), ("pvc://claim/a/b", "/models/claim/a/b")],
+)
+def test_model_path(source, expected):
+    assert model_path(source) == expected
+
+
+@pytest.mark.parametrize(
+    ("extra", "argv"),
+    [
+        ({"b": 1, "a": "x"}, ["--a", "x", "--b", "1"]),
+        ({"flag": True, "off": False, "none": None}, ["--flag"]),
+        ({"--dashed": 2}, ["--dashed", "2"]),
+        ({"rep": [1, "two"]}, ["--rep", "1", "--rep", "two"]),
+        ({"cfg": {"b": 1, "a": 2}}, ["--cfg", '{"a":2,"b":1}']),
+    ],
+)
+def test_extra_engine_args(extra, argv):
+    assert extra_engine_args(extra) == argv
+
+
+def test_operator_extra_args_come_last():
+    spec = parse_spec({"model": {"name": "m", "source": "/m"}, "variants": [{"name": "v"}]})
+    template = pod_template("m", spec, spec.variants[0], PodDefaults(extra_args=("--engine", "fake")))
+    assert template["spec"]["containers"][0]["args"][-2:] == ["--engine", "fake"]
+
+
+def test_service_selects_the_workers(kit):
+    meta = kit.resource()["metadata"]
+    service = service_manifest(meta, PodDefaults())
+    assert service["metadata"]["name"] == "smollm2-workers"
+    assert service["spec"]["selector"] == {"llmfleet.io/deployment": "smollm2"}
+    assert service["spec"]["clusterIP"] == "None"
+    assert service_matches(service, service)
+    drifted = json.loads(json.dumps(service))
+    drifted["spec"]["selector"] = {"app": "x"}
+    assert not service_matches(drifted, service)
+
+
+class _DrainStub(BaseHTTPRequestHandler):
+    """Answers like a worker: POST /drain starts a drain, GET /drain counts in-flight requests down to zero."""
+
+    posts: list[str | None]
+    inflight: list[int]
+
+    def do_POST(self):  # noqa: N802 (http.server naming)
+        self.posts.append(self.headers.get("Authorization"))
+        self._answer(202, {"draining": True, "inflight": self.inflight[0]})
+
+    def do_GET(self):  # noqa: N802
+        self.inflight[0] = max(0, self.inflight[0] - 1)
+        self._answer(200, {"draining": True, "inflight": self.inflight[0]})
+
+    def _answer(self, code, body):
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_prestop_script_drains_with_the_token_and_waits_for_in_flight():
+    handler = type("Handler", (_DrainStub,), {"posts": [], "inflight": [2]})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        script = prestop_script(server.server_address[1], timeout_seconds=20)
+        env = {"POD_IP": "127.0.0.1", "LLMFLEET_DRAIN_TOKEN": "s3cret"}
+        subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=30)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert handler.posts == ["Bearer s3cret"]
+    assert handler.inflight == [0]  # it polled until nothing was in flight
+
+
+def test_prestop_script_ends_quietly_when_the_worker_is_gone():
+    script = prestop_script(1, timeout_seconds=5)  # nothing listens on port 1
+    result = subprocess.run([sys.executable, "-c", script], env={"POD_IP": "127.0.0.1"}, timeout=30)
+    assert result.returncode == 0

@@ -1,0 +1,78 @@
+"""Bounded soak: 1000 concurrent SSE streams through `llmfleet gateway` (its own process) to stub workers (another
+process) on loopback: zero errors, every token delivered, and afterwards no leaked tasks, requests or connections."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.testing import free_port, parse_metrics, spawn, wait_http_ok
+
+STREAMS = 1000
+TOKENS = 20
+KEY = "sk-soak-test-key"
+
+
+async def metrics(c: httpx.AsyncClient) -> dict[str, float]:
+    return parse_metrics((await c.get("/metrics")).text)
+
+
+async def stub_stats(urls: list[str]) -> list[dict]:
+    async with httpx.AsyncClient(timeout=10, trust_env=False) as c:
+        return [(await c.get(u + "/stats")).json() for u in urls]
+
+
+@pytest.mark.slow
+async def test_soak_1000_concurrent_streams(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.txt"
+    keys.write_text(f"{KEY} premium\n")
+    port = free_port()
+    async with spawn(sys.executable, "-m", "gateway.stub", "--count", "4", "--delay", "0.02", "--tokens", str(TOKENS), ready_prefix="listening on") as stub:
+        urls = stub.first_line.removeprefix("listening on ").split()
+        args = ["-m", "llmfleet.cli", "gateway", "--port", str(port), "--backend", "soak=" + ",".join(urls), "--api-keys-file", str(keys), "--log-level", "warning"]
+        async with spawn(sys.executable, *args) as _gateway:
+            base = f"http://127.0.0.1:{port}"
+            await wait_http_ok(base + "/ready")
+            limits = httpx.Limits(max_connections=STREAMS + 10, max_keepalive_connections=STREAMS + 10)
+            async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits, trust_env=False, headers={"authorization": f"Bearer {KEY}"}) as c:
+                # warm up one stream, then take the baseline
+                r = await c.post("/v1/chat/completions", json={"model": "soak", "stream": True, "messages": [{"role": "user", "content": "warm"}]})
+                assert r.status_code == 200
+                before = await metrics(c)
+
+                async def one(i: int) -> tuple[int, int, bool]:
+                    body = {"model": "soak", "stream": True, "messages": [{"role": "user", "content": f"request {i}"}]}
+                    async with c.stream("POST", "/v1/chat/completions", json=body) as resp:
+                        data = (await resp.aread()).decode()
+                    return resp.status_code, data.count("data: {"), data.rstrip().endswith("data: [DONE]")
+
+                async with asyncio.timeout(120):
+                    results = await asyncio.gather(*(one(i) for i in range(STREAMS)), return_exceptions=True)
+                errors = [r for r in results if isinstance(r, BaseException)]
+                assert errors == [], f"{len(errors)} streams failed, first: {errors[:1]!r}"
+                assert all(r == (200, TOKENS, True) for r in results), [r for r in results if r != (200, TOKENS, True)][:5]
+
+                # afterwards: the gateway's task count returns to the baseline and nothing is outstanding
+                after = await metrics(c)
+                for _ in range(200):
+                    if after["llmfleet_gateway_asyncio_tasks"] <= before["llmfleet_gateway_asyncio_tasks"]:
+                        break
+                    await asyncio.sleep(0.05)
+                    after = await metrics(c)
+            assert after["llmfleet_gateway_asyncio_tasks"] == before["llmfleet_gateway_asyncio_tasks"]
+            assert after["llmfleet_gateway_in_flight_requests"] == 0
+            assert all(v == 0 for k, v in after.items() if k.startswith("llmfleet_gateway_backend_outstanding_requests"))
+            assert after['llmfleet_gateway_requests_total{model="soak",status="200"}'] == STREAMS + 1
+            assert sum(v for k, v in after.items() if k.startswith("llmfleet_gateway_errors_total")) == 0
+            stats = await stub_stats(urls)
+            assert sum(s["completed"] for s in stats) == STREAMS + 1
+            assert sum(s["disconnects"] for s in stats) == 0 and sum(s["active"] for s in stats) == 0
+            # upstream connections: only idle keep-alive ones remain, bounded by the pool, and both ends agree
+            upstream = after["llmfleet_gateway_upstream_connections"]
+            assert upstream <= 512
+            assert sum(s["connections"] for s in stats) == upstream
+            assert max(s["max_connections"] for s in stats) >= STREAMS // 4 // 2  # the streams really ran concurrently
