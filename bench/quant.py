@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = ap.parse_args()
 
-    from worker.model.quality import compare
+    from worker.model.quality import compare, reference as make_reference
     from worker.model.runner import ModelRunner
     from worker.model.source import resolve_model_source
 
@@ -46,11 +46,12 @@ def main() -> None:
         else reference.tokenizer.encode(p)
         for p in PROMPTS
     ]
+    ref = make_reference(reference, prompts, max_tokens=args.tokens)
     for name, dtype, quant in VARIANTS:
         t0 = time.perf_counter()
         runner = reference if name == "fp32" else ModelRunner(path, num_blocks=4, dtype=dtype, quantization=quant)
         load_s = time.perf_counter() - t0
-        report = compare(reference, runner, prompts, max_tokens=args.tokens)
+        report = compare(ref, runner)
         linear_bytes = sum(
             layer.qkv.nbytes + layer.o_proj.nbytes + layer.gate_up.nbytes + layer.down.nbytes
             for layer in runner.model.layers

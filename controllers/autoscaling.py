@@ -164,12 +164,20 @@ class ScaleUpRecord(_Frozen):
     answered: dict[SignalName, int] = Field(default_factory=dict)
 
 
+class QueueRecord(_Frozen):
+    """The total of waiting requests over the variant's ready pods at one evaluation."""
+
+    time: float
+    total: float = Field(ge=0)
+
+
 class AutoscalingState(_Frozen):
     """Everything `decide` remembers between calls; the caller persists it in the CR status."""
 
     window: tuple[RecommendationRecord, ...] = ()
     alerts: tuple[AlertIntent, ...] = ()
     scale_up: ScaleUpRecord | None = Field(None, description="The last scale-up, for startup-aware holding.")
+    queue: QueueRecord | None = Field(None, description="The last queue total seen, to tell a draining backlog.")
     last_active_at: float | None = Field(None, description="Last time traffic was seen (or could not be ruled out).")
 
 
@@ -360,6 +368,7 @@ def decide(
         dominant = max(signals, key=lambda signal: signal.replicas)
         headline = _describe_signal(dominant)
         effective = _startup_aware(policy, now, current_replicas, pods, state.scale_up, signals, notes)
+        effective = _draining_queue(policy, now, current_replicas, fresh_metrics, state.queue, effective, notes)
         recommendation = max(effective.values())
     else:
         recommendation = current_replicas
@@ -413,6 +422,7 @@ def decide(
             )
             if desired > current_replicas
             else state.scale_up,
+            queue=_queue_record(fresh_metrics) or state.queue,
         ),
         reason=reason,
     )
@@ -473,6 +483,37 @@ def _startup_aware(
         what = f"{len(loading)} pod(s) starting" if loading else f"{len(settling)} new pod(s) settling"
         notes.append(f"{what}: holding at {max(held.values())} for the demand they answer")
     return held
+
+
+def _queue_record(metrics: MetricsSample | None) -> QueueRecord | None:
+    if metrics is None or metrics.queue_depth_per_replica is None or metrics.ready_pods == 0:
+        return None
+    return QueueRecord(time=metrics.observed_at, total=metrics.queue_depth_per_replica * metrics.ready_pods)
+
+
+def _draining_queue(
+    policy: AutoscalingPolicy,
+    now: float,
+    current: int,
+    metrics: MetricsSample | None,
+    previous: QueueRecord | None,
+    wanted: dict[SignalName, int],
+    notes: list[str],
+) -> dict[SignalName, int]:
+    """A queue that shrank since the last evaluation is being worked off: it asks for no more pods.
+
+    Requests wait in the pod they were routed to, so after a burst a few pods can hold a backlog that new pods
+    cannot take over; the mean queue stays high while capacity is already sufficient. Adding pods then is pure
+    overshoot. A growing (or steady) queue still scales by the formula.
+    """
+    record = _queue_record(metrics)
+    asked = wanted.get("queueDepthPerReplica")
+    if record is None or previous is None or asked is None or asked <= current:
+        return wanted
+    if now - previous.time > policy.max_metrics_age_seconds or record.total >= previous.total:
+        return wanted
+    notes.append(f"queue shrinking ({previous.total:g} -> {record.total:g} waiting): not adding pods for it")
+    return {**wanted, "queueDepthPerReplica": current}
 
 
 def _apply_rate_rules(

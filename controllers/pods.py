@@ -40,6 +40,8 @@ class PodDefaults:
     """Operator-wide choices for worker pods (from the operator's settings); they are part of the revision."""
 
     image: str = "ghcr.io/llmfleet/llmfleet-worker:0.1.0"
+    # The worker entrypoint; the engine flags follow it.
+    command: tuple[str, ...] = ("llmfleet", "worker")
     port: int = 8000
     run_as_user: int = 1000
     # Longest model load before the kubelet restarts the pod (startup probe budget).
@@ -326,7 +328,7 @@ def _container(
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": template.image or defaults.image,
-        "command": ["llmfleet", "worker"],
+        "command": list(defaults.command),
         "args": worker_args(spec, variant, defaults),
         "env": env,
         "ports": [{"name": PORT_NAME, "containerPort": defaults.port, "protocol": "TCP"}],

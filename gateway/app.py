@@ -44,14 +44,14 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if state.keys.open_mode:
             log.warning(OPEN_MODE_WARNING)
-        state.client = make_client(settings)
+        state.client, state.transport = make_client(settings)
         try:
             await source.start(state)
             yield
         finally:
             await source.stop()
             await state.client.aclose()
-            state.client = None
+            state.client = state.transport = None
 
     app = FastAPI(title="llmfleet gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = state

@@ -60,7 +60,9 @@ class TimeoutSettings(_Strict):
 class PoolSettings(_Strict):
     """The shared upstream httpx connection pool."""
 
-    max_connections: int = Field(default=4096, ge=1, description="Upper bound on upstream connections (all pods).")
+    max_connections: int = Field(
+        default=4096, ge=1, description="Upstream connections in use at once (all pods); more requests wait (pool timeout)."
+    )
     max_keepalive_connections: int = Field(default=512, ge=0, description="Idle connections kept for reuse.")
     keepalive_expiry: float = Field(default=30.0, gt=0, description="Seconds an idle upstream connection is kept.")
 

@@ -7,7 +7,6 @@ process (tests do). Discovery replaces the routing table and key store through `
 from __future__ import annotations
 
 import asyncio
-import logging
 import random
 import time
 from collections.abc import Callable, Iterable
@@ -21,29 +20,23 @@ from gateway.metrics import GatewayMetrics, LiveGauges
 from gateway.ratelimit import RateLimiter
 from gateway.routing import RoutingTable
 from gateway.settings import GatewaySettings
+from gateway.transport import PooledTransport
 
-log = logging.getLogger("llmfleet.gateway")
-
-
-def make_client(settings: GatewaySettings) -> httpx.AsyncClient:
-    """The one pooled upstream client of an app."""
+def make_client(settings: GatewaySettings) -> tuple[httpx.AsyncClient, PooledTransport]:
+    """The one pooled upstream client of an app, and its transport (which counts its connections)."""
     t, p = settings.timeouts, settings.pool
-    return httpx.AsyncClient(
+    transport = PooledTransport(
+        max_connections=p.max_connections,
+        max_keepalive_connections=p.max_keepalive_connections,
+        keepalive_expiry=p.keepalive_expiry,
+    )
+    client = httpx.AsyncClient(
+        transport=transport,
         timeout=httpx.Timeout(connect=t.connect, read=t.first_byte, write=t.write, pool=t.pool),
-        limits=httpx.Limits(
-            max_connections=p.max_connections,
-            max_keepalive_connections=p.max_keepalive_connections,
-            keepalive_expiry=p.keepalive_expiry,
-        ),
         follow_redirects=False,
         trust_env=False,
     )
-
-
-def pool_connection_count(client: httpx.AsyncClient) -> int:
-    """Open connections in the client's pool (httpcore's public `connections` on the default transport's pool)."""
-    pool = getattr(getattr(client, "_transport", None), "_pool", None)
-    return len(getattr(pool, "connections", ()))
+    return client, transport
 
 
 @dataclass
@@ -56,6 +49,7 @@ class GatewayState:
     outstanding: dict[str, int] = field(default_factory=dict)
     limiter: RateLimiter = field(default_factory=RateLimiter)
     client: httpx.AsyncClient | None = None
+    transport: PooledTransport | None = None
     ready: bool = False  # discovery has produced a first table
     admission: Admission = field(init=False)
     hold: ZeroHold = field(init=False)
@@ -71,7 +65,7 @@ class GatewayState:
                 in_flight=lambda: self.admission.in_flight,
                 admission_queued=lambda: self.admission.queued,
                 asyncio_tasks=_task_count,
-                upstream_connections=lambda: pool_connection_count(self.client) if self.client else 0,
+                upstream_connections=lambda: self.transport.connections if self.transport else 0,
                 ready_backends=lambda: len(self.table.endpoints()),
             )
         )

@@ -318,6 +318,8 @@ class Controllers:
         groups: dict[str, dict] = {}
         for pod in sorted(pods, key=lambda p: p["status"]["podIP"]):
             ports = self._service_ports(service, pod)
+            if (service.get("spec") or {}).get("ports") and not ports:
+                continue  # none of the service's target ports exists on this pod
             key = repr(sorted((p.get("name", ""), p["port"], p["protocol"]) for p in ports))
             subset = groups.setdefault(key, {"addresses": [], "notReadyAddresses": [], "ports": ports})
             address = {"ip": pod["status"]["podIP"], "nodeName": (pod.get("spec") or {}).get("nodeName", ""),
@@ -357,6 +359,8 @@ class Controllers:
         endpoints = []
         ports: list[dict] = []
         for pod in sorted(pods, key=lambda p: p["status"]["podIP"]):
+            if (service.get("spec") or {}).get("ports") and not self._service_ports(service, pod):
+                continue
             ready = pod_is_ready(pod)
             terminating = bool(pod["metadata"].get("deletionTimestamp"))
             endpoints.append({

@@ -2,8 +2,8 @@
 
 Each action is one API call: AlreadyExists on create and NotFound on delete mean "already done"; a delete is
 guarded by the pod's uid, so a pod recreated under the same name is never hit by a stale decision; conflicts,
-throttling and server errors are retried a few times (`kube.with_retries`). Pod creates and deletes run
-concurrently; each successful one is recorded as a Kubernetes Event on the InferenceDeployment (so
+throttling and server errors are retried a few times (`kube.with_retries`). Independent calls run
+concurrently; each successful pod create or delete is recorded as a Kubernetes Event on the InferenceDeployment (so
 `kubectl describe infd` tells the story). Failures come back as strings: the next pass shows them in the
 Degraded condition and a Warning Event, and the operator keeps running.
 """
@@ -40,7 +40,11 @@ MAX_EVENT_MESSAGE = 1024
 
 
 async def execute(api: KubeApi, plan: Plan, resource: Mapping[str, Any]) -> list[str]:
-    """Run the plan's actions in order (pod creates/deletes concurrently); returns the errors, empty if none."""
+    """Run the plan's actions; returns the errors, empty if none.
+
+    Order: the drain-token Secret; then the Service, pod deletes and pod creates together; then the status patch
+    and the Events together (an Event per successful create/delete, the plan's own Events, and one Warning that
+    lists any failures)."""
     meta = resource["metadata"]
     namespace = meta.get("namespace", "default")
     errors: list[str] = []
@@ -54,20 +58,18 @@ async def execute(api: KubeApi, plan: Plan, resource: Mapping[str, Any]) -> list
             errors.append(f"{what}: {error}"[:500])
             return False
 
-    for action in plan.actions:
-        if isinstance(action, EnsureSecret):
-            await attempt("create drain-token Secret", lambda a=action: _create_secret(api, namespace, a))
-        elif isinstance(action, EnsureService):
-            await attempt("ensure Service", lambda a=action: _ensure_service(api, namespace, a))
-
+    # The Secret first: new pods read their drain token from it. The rest of the pod work runs concurrently.
+    for secret in plan.of_type(EnsureSecret):
+        await attempt("create drain-token Secret", lambda a=secret: _create_secret(api, namespace, a))
+    services = plan.of_type(EnsureService)
     deletes = plan.of_type(DeletePod)
-    done = await asyncio.gather(
-        *(attempt(f"delete pod {d.name}", lambda d=d: _delete_pod(api, namespace, d)) for d in deletes)
-    )
     creates = plan.of_type(CreatePod)
-    made = await asyncio.gather(
-        *(attempt(f"create pod {c.name}", lambda c=c: _create_pod(api, namespace, c)) for c in creates)
+    outcomes = await asyncio.gather(
+        *(attempt("ensure Service", lambda a=a: _ensure_service(api, namespace, a)) for a in services),
+        *(attempt(f"delete pod {d.name}", lambda d=d: _delete_pod(api, namespace, d)) for d in deletes),
+        *(attempt(f"create pod {c.name}", lambda c=c: _create_pod(api, namespace, c)) for c in creates),
     )
+    done, made = outcomes[len(services) : len(services) + len(deletes)], outcomes[len(services) + len(deletes) :]
     events: list[EmitEvent] = [
         EmitEvent(EventType.NORMAL, "DeletedPod", f"deleted pod {d.name} ({d.reason}): {d.message}")
         for d, ok in zip(deletes, done, strict=True)
@@ -78,12 +80,14 @@ async def execute(api: KubeApi, plan: Plan, resource: Mapping[str, Any]) -> list
         for c, ok in zip(creates, made, strict=True)
         if ok
     ]
-    for patch in plan.of_type(PatchStatus):
-        await attempt("patch status", lambda p=patch: _patch_status(api, namespace, meta["name"], p))
     events += plan.of_type(EmitEvent)
+    await asyncio.gather(
+        *(attempt("patch status", lambda p=p: _patch_status(api, namespace, meta["name"], p))
+          for p in plan.of_type(PatchStatus)),
+        *(_post_event(api, resource, event) for event in events),
+    )
     if errors:
-        events.append(EmitEvent(EventType.WARNING, "ApiError", "; ".join(errors)))
-    await asyncio.gather(*(_post_event(api, resource, event) for event in events))
+        await _post_event(api, resource, EmitEvent(EventType.WARNING, "ApiError", "; ".join(errors)))
     return errors
 
 

@@ -3,7 +3,8 @@
 `Fleet.run` is the body of the per-deployment kopf daemon: it makes one pass, then sleeps until something
 changes (a watch event on the CR or one of its pods calls `wake`), until the plan asks to look again, or until
 the resync interval passes. Passes of one deployment never overlap (a lock per deployment; the deletion handler
-takes it too), and wakes that arrive during a pass make the next pass start at once. Nothing here decides
+takes it too), and wakes that arrive during a pass make the next pass start at once. `Fleet.run_deletion` is
+the same loop for a deployment being deleted, run by the deletion handler until its pods are gone. Nothing here decides
 anything: the plan does. Errors never escape a pass: they are kept for the next pass (where they show in the
 Degraded condition) and the loop backs off.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
@@ -42,20 +44,20 @@ class Fleet:
     api: KubeApi
     policy: Policy
     settings: OperatorSettings
-    _wakeups: dict[Key, asyncio.Event] = field(default_factory=dict)
+    _wakeups: dict[Key, set[asyncio.Event]] = field(default_factory=dict)  # one per loop of that deployment
     _locks: dict[Key, asyncio.Lock] = field(default_factory=dict)
     _errors: dict[Key, tuple[str, ...]] = field(default_factory=dict)
 
     def wake(self, namespace: str, name: str) -> None:
         """Something about this deployment changed: make its loop pass again now."""
-        event = self._wakeups.get((namespace, name))
-        if event is not None:
+        for event in self._wakeups.get((namespace, name), ()):
             event.set()
 
     async def reconcile_once(self, namespace: str, name: str) -> PassResult:
         """One observe -> plan -> execute pass."""
         key = (namespace, name)
         async with self._locks.setdefault(key, asyncio.Lock()):
+            started = time.monotonic()
             try:
                 resource, observed = await observe(self.api, namespace, name, self._errors.get(key, ()))
             except Exception as error:  # noqa: BLE001 - the API may be down: back off, never crash
@@ -65,21 +67,29 @@ class Fleet:
             if resource is None:
                 return PassResult(None, gone=True)
             plan = reconcile(resource, observed, datetime.now(timezone.utc), self.policy)
-            if plan.actions:
-                log.info("%s/%s: %d action(s); %s", namespace, name, len(plan.actions), "; ".join(plan.notes))
             errors = tuple(await execute(self.api, plan, resource))
+            if plan.actions:
+                log.info(
+                    "%s/%s: %d action(s) in %.0f ms; %s",
+                    namespace,
+                    name,
+                    len(plan.actions),
+                    (time.monotonic() - started) * 1000,
+                    "; ".join(plan.notes),
+                )
             self._errors[key] = errors
             return PassResult(plan, errors)
 
     async def run(self, namespace: str, name: str, halt: asyncio.Event) -> None:
         """Reconcile this deployment until `halt` is set or the deployment is gone."""
         key = (namespace, name)
-        wakeup = self._wakeups.setdefault(key, asyncio.Event())
+        wakeup = self._register(key)
         try:
             while not halt.is_set():
                 wakeup.clear()
                 result = await self.reconcile_once(namespace, name)
                 if result.gone:
+                    self._forget(key)
                     return
                 if result.errors:
                     delay = self.settings.error_backoff_seconds
@@ -87,21 +97,39 @@ class Fleet:
                     delay = min(result.plan.requeue_after, self.settings.resync_seconds)
                 else:
                     delay = self.settings.resync_seconds
-                await _first_of(wakeup, halt, delay)
+                await _first_of(delay, wakeup, halt)
         finally:
-            if self._wakeups.get(key) is wakeup:
-                del self._wakeups[key]
+            self._unregister(key, wakeup)
 
-    async def finalize(self, namespace: str, name: str) -> bool:
-        """One deletion pass for a deployment being deleted; True once nothing of it is left running."""
-        result = await self.reconcile_once(namespace, name)
-        if result.gone:
-            self._forget((namespace, name))
-            return True
-        finished = result.plan is not None and result.plan.finished and not result.errors
-        if finished:
-            self._forget((namespace, name))
-        return finished
+    async def run_deletion(self, namespace: str, name: str) -> None:
+        """Deletion passes for a deployment being deleted, until nothing of it is left running (or it is gone).
+
+        Pod events wake it like the daemon; otherwise it looks again every `deletion_retry_seconds` (and backs off
+        on API errors). It never gives up: the finalizer must stay until the pods are gone."""
+        key = (namespace, name)
+        wakeup = self._register(key)
+        try:
+            while True:
+                wakeup.clear()
+                result = await self.reconcile_once(namespace, name)
+                if result.gone or (result.plan is not None and result.plan.finished and not result.errors):
+                    return
+                delay = self.settings.error_backoff_seconds if result.errors else self.settings.deletion_retry_seconds
+                await _first_of(delay, wakeup)
+        finally:
+            self._unregister(key, wakeup)
+            self._forget(key)
+
+    def _register(self, key: Key) -> asyncio.Event:
+        event = asyncio.Event()
+        self._wakeups.setdefault(key, set()).add(event)
+        return event
+
+    def _unregister(self, key: Key, event: asyncio.Event) -> None:
+        events = self._wakeups.get(key, set())
+        events.discard(event)
+        if not events:
+            self._wakeups.pop(key, None)
 
     def _forget(self, key: Key) -> None:
         self._errors.pop(key, None)
@@ -110,9 +138,9 @@ class Fleet:
             del self._locks[key]
 
 
-async def _first_of(wakeup: asyncio.Event, halt: asyncio.Event, timeout: float) -> None:
-    """Sleep until either event is set or `timeout` seconds pass."""
-    waiters = {asyncio.ensure_future(wakeup.wait()), asyncio.ensure_future(halt.wait())}
+async def _first_of(timeout: float, *events: asyncio.Event) -> None:
+    """Sleep until one of the events is set or `timeout` seconds pass."""
+    waiters = {asyncio.ensure_future(event.wait()) for event in events}
     try:
         await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:

@@ -6,9 +6,9 @@
   when the operator starts (resume) and for every new one, and stops it when the CR is deleted.
 - `on.event` for the CRs and for pods labelled `llmfleet.io/deployment` wakes the owning deployment's loop, so
   a dead pod or a `kubectl scale` is acted on at once rather than at the next resync.
-- `on.delete` holds the finalizer until the deployment's pods are gone: it runs deletion passes and asks kopf to
-  retry (TemporaryError) until the plan says `finished`. Its progress lives in the CR's annotations, so an
-  operator restart mid-deletion resumes it.
+- `on.delete` holds the finalizer until the deployment's pods are gone: it runs deletion passes until the plan
+  says `finished` (`Fleet.run_deletion`). kopf records in the CR's annotations that the handler has not
+  finished, so an operator restart mid-deletion runs it again.
 """
 
 from __future__ import annotations
@@ -90,10 +90,7 @@ def build_registry(operator_settings: OperatorSettings, credentials: Credentials
 
     @kopf.on.delete(*CR, id="finalize", registry=registry)
     async def finalize(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
-        if not await memo.fleet.finalize(namespace, name):
-            raise kopf.TemporaryError(
-                "waiting for the worker pods to go", delay=operator_settings.deletion_retry_seconds
-            )
+        await memo.fleet.run_deletion(namespace, name)
 
     @kopf.on.event(*CR, id="deployment-changed", registry=registry)
     async def deployment_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:

@@ -3,7 +3,7 @@
 Why not the `kubernetes` client's typed API: every call would validate and convert whole pod lists into model
 objects and back, while the planner wants plain dicts exactly as the API sends them; and its calls block, so
 they would need threads. Here `kubernetes.config` only finds the cluster the standard way (in-cluster service
-account, else `KUBECONFIG` / `~/.kube/config`, or an explicit file) and httpx does the requests, asynchronously.
+account, else `KUBECONFIG` / `~/.kube/config`, or an explicit file) and aiohttp does the requests, asynchronously.
 Errors come back as `ApiError` with the HTTP status and the API's reason, so callers can tolerate AlreadyExists
 and NotFound, retry conflicts, and report the rest.
 """
@@ -11,13 +11,14 @@ and NotFound, retry conflicts, and report the rest.
 from __future__ import annotations
 
 import asyncio
+import json
 import ssl
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import httpx
+import aiohttp
 
 T = TypeVar("T")
 
@@ -98,33 +99,46 @@ class ApiError(Exception):
 
 
 class KubeApi:
-    """Async JSON calls against one API server. Paths are API paths (`/api/v1/namespaces/x/pods`)."""
+    """Async JSON calls against one API server. Paths are API paths (`/api/v1/namespaces/x/pods`).
+
+    aiohttp (kopf's own HTTP client) rather than httpx: with a few hundred concurrent requests, httpx's pool
+    bookkeeping cost more CPU than the requests themselves (measured with 50 deployments reconciling at once).
+    """
 
     def __init__(self, credentials: Credentials, *, timeout: float = 30.0, max_connections: int = 32) -> None:
         self._credentials = credentials
-        verify: ssl.SSLContext | bool
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+        ssl_context: ssl.SSLContext | bool
         if credentials.insecure:
-            verify = False
+            ssl_context = False
         else:
-            verify = ssl.create_default_context(cafile=credentials.ca_path)
+            ssl_context = ssl.create_default_context(cafile=credentials.ca_path)
             if credentials.cert_path and credentials.key_path:
-                verify.load_cert_chain(credentials.cert_path, credentials.key_path)
-        auth = (
-            httpx.BasicAuth(credentials.username, credentials.password)
+                ssl_context.load_cert_chain(credentials.cert_path, credentials.key_path)
+        self._ssl = ssl_context
+        self._auth = (
+            aiohttp.BasicAuth(credentials.username, credentials.password)
             if credentials.username and credentials.password
             else None
         )
-        self._client = httpx.AsyncClient(
-            base_url=credentials.server,
-            verify=verify,
-            auth=auth,
-            timeout=timeout,
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-            headers={"Accept": "application/json", "User-Agent": "llmfleet-operator"},
-        )
+
+    def _client(self) -> aiohttp.ClientSession:
+        """The session, made on first use (it must be created inside the event loop that uses it)."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self._max_connections, ssl=self._ssl),
+                timeout=self._timeout,
+                auth=self._auth,
+                headers={"Accept": "application/json", "User-Agent": "llmfleet-operator"},
+            )
+        return self._session
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
     def _headers(self, content_type: str | None = None) -> dict[str, str]:
         headers: dict[str, str] = {}
@@ -146,25 +160,26 @@ class KubeApi:
         content_type: str = "application/json",
     ) -> dict[str, Any]:
         """One call; the decoded JSON answer, or `ApiError`."""
-        response = await self._client.request(
+        async with self._client().request(
             method,
-            path,
-            json=body,
+            self._credentials.server.rstrip("/") + path,
+            data=json.dumps(body) if body is not None else None,
             params=params,
             headers=self._headers(content_type if body is not None else None),
-        )
-        try:
-            data = response.json() if response.content else {}
-        except ValueError:
-            data = {"message": response.text[:500]}
-        if response.status_code >= 400:
-            raise ApiError(
-                response.status_code,
-                str(data.get("reason") or response.reason_phrase),
-                str(data.get("message") or ""),
-                f"{method} {path}",
-            )
-        return data
+        ) as response:
+            raw = await response.read()
+            try:
+                data = json.loads(raw) if raw else {}
+            except ValueError:
+                data = {"message": raw[:500].decode(errors="replace")}
+            if response.status >= 400:
+                raise ApiError(
+                    response.status,
+                    str(data.get("reason") or response.reason),
+                    str(data.get("message") or ""),
+                    f"{method} {path}",
+                )
+            return data
 
     async def get(self, path: str) -> dict[str, Any] | None:
         """The object, or None when it does not exist."""
@@ -198,7 +213,7 @@ async def with_retries(call: Callable[[], Awaitable[T]], *, attempts: int = 4, b
         except ApiError as error:
             if not error.retryable:
                 raise
-        except httpx.TransportError:
+        except (aiohttp.ClientError, asyncio.TimeoutError):
             pass
         await asyncio.sleep(backoff * 2**attempt)
     return await call()

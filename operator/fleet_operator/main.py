@@ -18,7 +18,6 @@ def run(settings: OperatorSettings, stop_flag: threading.Event | asyncio.Event |
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     if settings.log_level != "debug":  # kopf logs every handler call of every object at INFO
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     credentials = load_credentials(settings.kubeconfig, settings.context)

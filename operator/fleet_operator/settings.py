@@ -18,7 +18,7 @@ from controllers import PodDefaults, Policy
 
 ENV_PREFIX = "LLMFLEET_OPERATOR_"
 # Settings holding lists: the environment gives them comma-separated (namespaces) or shell-quoted (arguments).
-_LIST_FIELDS = {"namespaces": "comma", "worker_extra_args": "shell"}
+_LIST_FIELDS = {"namespaces": "comma", "worker_command": "shell", "worker_extra_args": "shell"}
 
 
 class SettingsError(ValueError):
@@ -58,6 +58,11 @@ class OperatorSettings(BaseModel):
         None, description="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz (unset = none)."
     )
     worker_image: str = Field(PodDefaults().image, min_length=1, description="Worker image unless the CR sets one.")
+    worker_command: list[str] = Field(
+        default_factory=lambda: list(PodDefaults().command),
+        min_length=1,
+        description="The worker entrypoint (engine flags follow it), e.g. a wrapper script of a custom image.",
+    )
     worker_extra_args: list[str] = Field(
         default_factory=list,
         description="Arguments appended to every worker command (later flags win), e.g. `--engine fake` for "
@@ -89,6 +94,7 @@ class OperatorSettings(BaseModel):
     def pod_defaults(self) -> PodDefaults:
         return PodDefaults(
             image=self.worker_image,
+            command=tuple(self.worker_command),
             startup_timeout_seconds=self.startup_timeout_seconds,
             cache_dir=self.worker_cache_dir,
             extra_args=tuple(self.worker_extra_args),

@@ -93,7 +93,7 @@ class FakeCluster:
                 del self.pods[action.name]
             elif isinstance(action, PatchStatus):
                 status = dict(self.resource.get("status") or {})
-                status.update({k: v for k, v in action.status.items()})
+                status.update(action.status)
                 self.resource["status"] = status
             elif isinstance(action, EnsureSecret):
                 self.secret = True
@@ -104,7 +104,9 @@ class FakeCluster:
         pod = self.pods[name]
         pod["status"]["conditions"] = [{"type": "Ready", "status": "True" if ready else "False"}]
 
-    def converge(self, *, ready: bool = True, passes: int = 20, check: Callable[[FakeCluster], None] | None = None) -> int:
+    def converge(
+        self, *, ready: bool = True, passes: int = 20, check: Callable[[FakeCluster], None] | None = None
+    ) -> int:
         """Plan/apply until a plan changes no pods; returns the passes used. `check` runs after each pass."""
         for used in range(1, passes + 1):
             plan = self.plan()

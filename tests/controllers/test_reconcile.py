@@ -173,7 +173,8 @@ def test_unrelated_edits_keep_the_revision(kit, edit):
     before = _revision(kit.reconcile(resource, Observed(), kit.now))
     edited = copy.deepcopy(resource)
     edit(edited["spec"])
-    after = [c.revision for c in kit.reconcile(edited, Observed(), kit.now).of_type(CreatePod) if c.variant == "default"]
+    creates = kit.reconcile(edited, Observed(), kit.now).of_type(CreatePod)
+    after = [c.revision for c in creates if c.variant == "default"]
     assert after and set(after) == {before}
 
 
@@ -387,3 +388,26 @@ def test_deletion_removes_every_pod_then_finishes(kit):
     assert plan.of_type(DeletePod) == [] and not plan.finished
     c.pods.clear()
     assert c.plan().finished
+
+
+def test_scaled_to_zero_is_available_and_keeps_an_endpoint(kit):
+    c = kit.cluster({"replicas": 1, "variants": [{"name": "a", "weight": 3}, {"name": "b", "weight": 1}]})
+    c.converge()
+    c.resource["spec"]["replicas"] = 0
+    c.converge()
+    status = c.resource["status"]
+    assert c.pods == {} and status["phase"] == "ScaledToZero"
+    available = {x["type"]: x for x in status["conditions"]}["Available"]
+    assert (available["status"], available["reason"]) == ("True", "ScaledToZero")
+    assert [(e["variant"], e["weight"]) for e in status["endpoints"]] == [("a", 300), ("b", 100)]
+
+
+def test_pods_without_a_revision_label_are_replaced_like_old_ones(kit):
+    c = kit.cluster({"replicas": 1})
+    c.converge()
+    (name,) = c.pods
+    del c.pods[name]["metadata"]["labels"]["llmfleet.io/revision"]
+    plan = c.plan()
+    assert len(plan.of_type(CreatePod)) == 1  # surge first: the unlabelled pod is ready, so it stays for now
+    c.converge()
+    assert name not in c.pods and len(c.pods) == 1

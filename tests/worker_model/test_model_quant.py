@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.model.quality import compare
+from worker.model.quality import compare, reference
 from worker.model.quant import (
     DenseLinear,
     Fp8Linear,
@@ -93,15 +93,19 @@ def quant_dir(tmp_path_factory):
     )
 
 
-@pytest.mark.parametrize("quant,floor,max_kl", [("fp8", 0.9, 0.05), ("int4", 0.75, 0.3)])
+# A random model has flat next-token distributions (near-ties everywhere), so floors here are loose; broken
+# quantization scores ~1/vocab agreement and KL of nats. SmolLM2 gets tighter floors in test_model_smollm2.py.
+@pytest.mark.parametrize("quant,floor,max_kl", [("fp8", 0.75, 0.02), ("int4", 0.5, 0.2)])
 def test_quantized_model_agrees_with_unquantized(quant_dir, quant, floor, max_kl):
     ref = ModelRunner(str(quant_dir), num_blocks=8)
     cand = ModelRunner(str(quant_dir), num_blocks=8, quantization=quant)
     assert cand.weight_bytes < ref.weight_bytes
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, ref.config.vocab_size, (n,), generator=gen).tolist() for n in (5, 17, 30)]
-    report = compare(ref, cand, prompts, max_tokens=10)
+    base = reference(ref, prompts, max_tokens=10)
+    report = compare(base, cand)
     assert report.positions == 30
     assert report.agreement >= floor
     assert report.mean_kl <= max_kl
-    assert compare(ref, ref, prompts[:1], max_tokens=4).agreement == 1.0
+    same = compare(base, ref)
+    assert same.agreement == 1.0 and same.mean_kl == pytest.approx(0.0, abs=1e-6)

@@ -7,7 +7,12 @@ this file by name).
 from __future__ import annotations
 
 import json
+import os
+import queue
+import random
+import re
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,7 +22,6 @@ from typing import Any
 import httpx
 import openai
 import pytest
-
 from worker.engine.protocol import EngineClient
 from worker.server.fake_engine import FakeEngine, thread_event_gate
 from worker.server.serve import WorkerServer
@@ -170,3 +174,60 @@ def raw_request() -> Iterator[Callable[[str, str, dict[str, Any]], socket.socket
     yield open_
     for sock in opened:
         sock.close()
+
+
+class WorkerProcess:
+    """A worker subprocess on a random 127.0.0.x address; stderr is pumped in a thread (so it never blocks) and
+    the bound port is read from uvicorn's start-up line."""
+
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None, start_timeout_s: float = 60.0) -> None:
+        self.host = f"127.0.0.{random.randint(2, 250)}"
+        self.proc = subprocess.Popen([*argv, "--host", self.host, "--port", "0"], stderr=subprocess.PIPE,
+                                     stdout=subprocess.DEVNULL, text=True, env={**os.environ, **(env or {})})
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.log: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.base_url = f"http://{self.host}:{self._port(start_timeout_s)}"
+
+    def _pump(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.put(line)
+
+    def _port(self, timeout_s: float) -> int:
+        pattern = re.compile(rf"running on http://{re.escape(self.host)}:(\d+)")
+        deadline = time.monotonic() + timeout_s
+        for _ in range(10_000):
+            try:
+                line = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            self.log.append(line)
+            match = pattern.search(line)
+            if match:
+                return int(match.group(1))
+        self.proc.kill()
+        pytest.fail("the worker did not start:\n" + "".join(self.log))
+
+    def wait_exit(self, timeout_s: float = 30.0) -> int:
+        return self.proc.wait(timeout=timeout_s)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def spawn_worker() -> Iterator[Callable[..., WorkerProcess]]:
+    """`spawn_worker(argv, env=None)`: start `argv` (a worker command without --host/--port) as a process."""
+    started: list[WorkerProcess] = []
+
+    def spawn(argv: list[str], env: dict[str, str] | None = None, start_timeout_s: float = 60.0) -> WorkerProcess:
+        process = WorkerProcess(argv, env, start_timeout_s)
+        started.append(process)
+        return process
+
+    yield spawn
+    for process in started:
+        process.kill()

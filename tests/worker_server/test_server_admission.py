@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from worker.server.admission import Limits, Load, admit
 from worker.server.errors import ApiError
 

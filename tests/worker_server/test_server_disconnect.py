@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from worker.server.fake_engine import FakeEngine
 
 

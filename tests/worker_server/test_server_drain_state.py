@@ -5,8 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
-from worker.server.drain import Decision, DrainState, Drainer, Phase, begin, decide, finish, hasten
+from worker.server.drain import Decision, Drainer, DrainState, Phase, begin, decide, finish, hasten
 
 SERVING = DrainState()
 DRAINING = DrainState(Phase.DRAINING, "SIGTERM", started_at=100.0, deadline=130.0)

@@ -8,7 +8,6 @@ import threading
 
 import openai
 import pytest
-
 from worker.server.fake_engine import FakeEngine
 from worker.server.settings import FaultSettings
 

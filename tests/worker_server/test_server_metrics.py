@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import httpx
-import pytest
-
 from worker.engine.protocol import EngineStats
 from worker.metrics import ServerGauges, WorkerMetrics
 

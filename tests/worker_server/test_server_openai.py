@@ -8,7 +8,6 @@ import json
 import httpx
 import openai
 import pytest
-
 from worker.server.fake_engine import DEFAULT_SCRIPT, FakeEngine
 
 CHAT = [{"role": "user", "content": "Hello"}]

@@ -6,9 +6,8 @@ from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
-
-from worker.server.faults import FaultInjector
 from worker.server.errors import ApiError
+from worker.server.faults import FaultInjector
 from worker.server.settings import FaultSettings, WorkerSettings, default_host, read_drain_token
 
 

@@ -119,3 +119,14 @@ podAntiAffinity:
             {{- include "llmfleet.selectorLabels" (list $root (index . 1)) | nindent 12 }}
 {{- end }}
 {{- end }}
+
+{{/*
+"true" when a peering object already exists in the cluster. Asks for its CRD first: looking up a kind the API
+server does not serve yet is an error, a missing CRD is not. Without a cluster (helm template) nothing exists.
+Call with (list CRD_NAME KIND NAMESPACE NAME).
+*/}}
+{{- define "llmfleet.peeringExists" -}}
+{{- if lookup "apiextensions.k8s.io/v1" "CustomResourceDefinition" "" (index . 0) }}
+{{- if lookup "kopf.dev/v1" (index . 1) (index . 2) (index . 3) }}true{{ end }}
+{{- end }}
+{{- end }}

@@ -215,9 +215,10 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
 def ensure_bundled(
     name: str,
     cache: str | Path | None = None,
-    convert: Callable[[Path, Path], Path] = convert_gguf,
+    convert: Callable[[Path, Path], object] | None = None,
 ) -> Path:
     """The converted folder of bundled model `name`, converting it first if absent (atomic, idempotent)."""
+    convert = convert or convert_gguf
     gguf_path = bundled_gguf_path(name)
     base = cache_dir(cache)
     target = base / name

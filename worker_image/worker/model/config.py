@@ -75,6 +75,10 @@ class ModelConfig(BaseModel):
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         """Build from a parsed `config.json`, raising `ValueError` naming what is unsupported."""
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        absent = [k for k in required if k not in raw]
+        if absent:
+            raise ValueError(f"config.json lacks {absent}: is this an HF causal-LM model folder?")
         archs = raw.get("architectures") or ["LlamaForCausalLM"]
         arch = archs[0]
         if arch not in SUPPORTED_ARCHITECTURES:

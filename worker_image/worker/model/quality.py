@@ -6,7 +6,8 @@ greedy continuation, so one early divergence does not decide every later positio
 * greedy-token agreement: the fraction of positions where both models' top-1 next token is the same;
 * mean KL(reference || candidate) of the next-token distributions, in nats.
 
-Used by `bench/quant.py` (the report) and the quantization tests (a floor on agreement).
+`reference(runner, prompts)` once, then `compare(ref, variant)` per variant. Used by `bench/quant.py` (the
+report) and the quantization tests (a floor on agreement).
 """
 
 from __future__ import annotations
@@ -32,19 +33,36 @@ def greedy_continuation(runner, prompt: list[int], max_tokens: int) -> list[int]
     return tokens[len(prompt) :]
 
 
-def compare(reference, candidate, prompts: Sequence[list[int]], max_tokens: int = 16) -> QualityReport:
-    """Agreement and mean KL of `candidate` against `reference` on the continuation positions of each prompt."""
+@dataclass(frozen=True)
+class Reference:
+    """The reference side of a comparison, computed once and compared against any number of variants."""
+
+    sequences: list[list[int]]  # prompt + greedy continuation
+    starts: list[int]  # row whose logits predict the first generated token
+    logprobs: list[torch.Tensor]  # reference log-probabilities at the continuation positions
+
+
+def reference(runner, prompts: Sequence[list[int]], max_tokens: int = 16) -> Reference:
+    if not prompts:
+        raise ValueError("a quality reference needs at least one prompt")
+    seqs, starts, lps = [], [], []
+    for prompt in prompts:
+        seq = list(prompt) + greedy_continuation(runner, prompt, max_tokens)
+        first = len(prompt) - 1
+        seqs.append(seq)
+        starts.append(first)
+        lps.append(torch.log_softmax(runner.score(seq)[first:-1], -1))
+    return Reference(seqs, starts, lps)
+
+
+def compare(ref: Reference, candidate) -> QualityReport:
+    """Agreement and mean KL of `candidate` against the reference on its continuation positions."""
     agree = 0
     kl_sum = 0.0
     total = 0
-    for prompt in prompts:
-        seq = list(prompt) + greedy_continuation(reference, prompt, max_tokens)
-        first = len(prompt) - 1  # logits at this row predict the first generated token
-        ref = torch.log_softmax(reference.score(seq)[first:-1], -1)
+    for seq, first, ref_lp in zip(ref.sequences, ref.starts, ref.logprobs):
         cand = torch.log_softmax(candidate.score(seq)[first:-1], -1)
-        agree += int((ref.argmax(-1) == cand.argmax(-1)).sum())
-        kl_sum += float((ref.exp() * (ref - cand)).sum(-1).sum())
-        total += ref.shape[0]
-    if total == 0:
-        raise ValueError("compare needs at least one prompt")
+        agree += int((ref_lp.argmax(-1) == cand.argmax(-1)).sum())
+        kl_sum += float((ref_lp.exp() * (ref_lp - cand)).sum(-1).sum())
+        total += ref_lp.shape[0]
     return QualityReport(agreement=agree / total, mean_kl=kl_sum / total, positions=total)

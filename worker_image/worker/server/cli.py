@@ -16,6 +16,7 @@ _ENGINE_HELP = "builtin (ours), vllm (vLLM AsyncLLM in-process), fake (tests onl
 
 def worker_command(
     model: Annotated[str, typer.Option("--model", help="bundled://NAME, a model folder or hf://ORG/REPO")],
+    revision: Annotated[str | None, typer.Option(help="model revision (hf:// sources)")] = None,
     engine: Annotated[str, typer.Option(help=_ENGINE_HELP)] = "builtin",
     quantization: Annotated[str, typer.Option(help="none | fp8 | int4 (weight-only)")] = "none",
     dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")] = "auto",
@@ -55,10 +56,10 @@ def worker_command(
     from worker.server.serve import WorkerServer
     from worker.server.settings import FaultSettings, WorkerSettings, read_drain_token
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = WorkerSettings(
             model=model,
+            revision=revision,
             served_model_name=served_model_name,
             engine=engine,
             quantization=quantization,
@@ -88,6 +89,7 @@ def worker_command(
     except ValueError as err:
         typer.echo(f"llmfleet worker: {err}", err=True)
         raise typer.Exit(2) from None
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.drain_token is None:
         logging.getLogger(__name__).warning("no drain token configured: POST /drain is disabled (SIGTERM drains)")
     server = WorkerServer(worker_engine, settings, log_level=log_level.lower())

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 log = logging.getLogger(__name__)
 
 
-class Phase(str, enum.Enum):
+class Phase(enum.StrEnum):
     SERVING = "serving"
     DRAINING = "draining"
     DRAINED = "drained"  # nothing left in flight (or the rest aborted): the process may exit
@@ -95,6 +95,7 @@ class Drainer:
         self._abort_grace_s = abort_grace_s
         self.state = DrainState()
         self._task: asyncio.Task[None] | None = None
+        self._waiter: asyncio.Future[None] | None = None
 
     def begin(self, reason: str) -> DrainState:
         """Start draining (idempotent); returns the state. Must run on the event loop."""
@@ -107,6 +108,8 @@ class Drainer:
 
     def hasten(self) -> None:
         self.state = hasten(self.state, self._clock())
+        if self._waiter is not None:
+            self._waiter.cancel()  # re-decide now
 
     def seconds_left(self) -> float | None:
         if self.state.phase is not Phase.DRAINING or self.state.deadline is None:
@@ -122,6 +125,14 @@ class Drainer:
         if self._task is not None and not self._task.done():
             self._task.cancel()
 
+    async def _sleep(self, timeout: float) -> None:
+        """Until the in-flight count changes, `timeout` passes or `hasten` interrupts."""
+        self._waiter = asyncio.ensure_future(self._wait_change(max(0.0, timeout)))
+        try:
+            await asyncio.wait({self._waiter})
+        finally:
+            self._waiter = None
+
     async def _run(self) -> None:
         timed_out = False
         while True:
@@ -136,8 +147,8 @@ class Drainer:
                 while self._inflight() and self._clock() < grace_end:
                     await self._wait_change(grace_end - self._clock())
                 break
-            # Wake on every in-flight change, and at least once a second so a hastened deadline is seen.
-            await self._wait_change(min(1.0, max(0.0, self.state.deadline - self._clock())))
+            assert self.state.deadline is not None
+            await self._sleep(self.state.deadline - self._clock())
         self.state = finish(self.state, timed_out)
         log.warning("drain finished (%s)", "timed out, rest aborted" if timed_out else "idle")
         self._on_drained()

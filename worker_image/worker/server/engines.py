@@ -22,16 +22,14 @@ class FakeOptions:
     gate_file: Path | None = None
 
 
-def resolve_model_source(source: str) -> str:
-    """A model source (`bundled://NAME`, a folder, `hf://ORG/REPO`) as a local folder the engine can load."""
-    try:
-        from worker.model.bundled import resolve_model_source as resolve
-    except ImportError:  # the model part's resolver is not there yet: local folders only
-        if not Path(source).is_dir():
-            raise ValueError(f"model source {source!r} is not a local folder (bundled:// and hf:// sources need "
-                             "worker.model.bundled)") from None
-        return source
-    return str(resolve(source))
+def resolve_model_source(settings: WorkerSettings) -> str:
+    """The model source (`bundled://NAME`, a folder, `hf://ORG/REPO`) as a local folder the engine can load.
+
+    Raises `ModelSourceError` (a ValueError) with what to do when it cannot.
+    """
+    from worker.model.source import resolve_model_source as resolve
+
+    return str(resolve(settings.model, revision=settings.revision))
 
 
 def builtin_engine_kwargs(settings: WorkerSettings, model_path: str, device: str) -> dict[str, Any]:
@@ -70,7 +68,7 @@ def build_engine(settings: WorkerSettings, device: str = "auto", fake: FakeOptio
             max_num_seqs=settings.max_num_seqs or 8,
             gate=file_gate(fake.gate_file) if fake.gate_file is not None else None,
         )
-    model_path = resolve_model_source(settings.model)
+    model_path = resolve_model_source(settings)
     if settings.engine == "vllm":
         from worker.backends.vllm import VllmEngine
 

@@ -11,8 +11,8 @@ import asyncio
 import logging
 import time
 import uuid
-from contextlib import aclosing
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 

@@ -121,7 +121,8 @@ class CompletionRequest(_GenerationRequest):
     def _single_prompt(cls, value: Any) -> Any:
         if isinstance(value, list) and value and isinstance(value[0], (str, list)):
             if len(value) != 1:
-                raise ValueError(f"batched prompts ({len(value)} prompts) are not supported: send one prompt per request")
+                raise ValueError(f"batched prompts ({len(value)} prompts) are not supported: send one prompt per "
+                                 "request")
             return value[0]
         if isinstance(value, list) and not value:
             raise ValueError("prompt must not be empty")

@@ -59,6 +59,7 @@ class WorkerSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     model: str = Field(min_length=1, description="model source: bundled://NAME, a local folder or hf://ORG/REPO")
+    revision: str | None = Field(None, min_length=1, description="model revision (hf:// sources)")
     served_model_name: str | None = Field(None, min_length=1, description="name clients send as `model`")
     engine: EngineKind = "builtin"
     quantization: Quantization = "none"

@@ -1,0 +1,178 @@
+"""Gateway overhead: TTFT, per-token latency and throughput through the gateway vs direct to the same workers.
+
+Stub workers (one process, `gateway.stub`: one SSE event per token, `--delay` seconds apart) stand in for the
+engine so the numbers isolate the gateway. For each concurrency (default 1, 64 and 512 concurrent streams) the
+same load runs twice, direct (round-robin over the workers) and through `llmfleet gateway` (its own process, with
+API-key auth on), and the report gives the ratios gateway/direct. Every loop is bounded in count and time.
+
+    .venv/bin/python bench/gateway.py                          # 1, 64, 512 streams, 32 tokens, 10 ms apart
+    .venv/bin/python bench/gateway.py --streams 1,64 --tokens 16 --json
+
+The load generator, the workers and the gateway share the machine's cores, so absolute figures depend on it;
+the ratios are the point. TTFT is measured from sending the request to the first `data:` event; per-token
+latency is the mean gap between events of a stream; throughput is tokens delivered per second over the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+# Run as a script, this file's folder comes first on sys.path and its name would shadow the `gateway` package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import httpx  # noqa: E402
+
+from gateway.testing import free_port, spawn, wait_http_ok  # noqa: E402
+from gateway.transport import PooledTransport  # noqa: E402
+
+KEY = "sk-bench-gateway-key"
+
+
+@dataclass
+class Run:
+    ttft: list[float]
+    itl: list[float]
+    tokens: int
+    errors: int
+    seconds: float
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "ttft_p50_ms": 1000 * statistics.median(self.ttft) if self.ttft else float("nan"),
+            "ttft_p95_ms": 1000 * _p95(self.ttft),
+            "itl_p50_ms": 1000 * statistics.median(self.itl) if self.itl else float("nan"),
+            "tokens_per_s": self.tokens / self.seconds if self.seconds else 0.0,
+            "errors": self.errors,
+        }
+
+
+def _p95(xs: list[float]) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(0.95 * len(s)))]
+
+
+async def one_stream(c: httpx.AsyncClient, url: str, tokens: int, i: int, run: Run) -> None:
+    body = {"model": "bench", "stream": True, "max_tokens": tokens, "messages": [{"role": "user", "content": f"request {i}"}]}
+    start = time.perf_counter()
+    last = None
+    gaps: list[float] = []
+    n = 0
+    async with c.stream("POST", url, json=body) as r:
+        if r.status_code != 200:
+            run.errors += 1
+            await r.aread()
+            return
+        async for chunk in r.aiter_raw():
+            events = chunk.count(b"data: {")
+            if not events:
+                continue
+            now = time.perf_counter()
+            if last is None:
+                run.ttft.append(now - start)
+            else:
+                gaps.append(now - last)
+            last = now
+            n += events
+    if n != tokens:
+        run.errors += 1
+    run.tokens += n
+    if gaps:
+        run.itl.append(sum(gaps) / len(gaps))
+
+
+async def load(urls: list[str], streams: int, per_stream: int, tokens: int, headers: dict[str, str]) -> Run:
+    """`streams` concurrent clients, each sending `per_stream` streamed requests one after another."""
+    run = Run([], [], 0, 0, 0.0)
+    transport = PooledTransport(max_keepalive_connections=max(streams, 16))
+    async with httpx.AsyncClient(transport=transport, timeout=120, headers=headers, trust_env=False) as c:
+
+        async def client(k: int) -> None:
+            for j in range(per_stream):
+                url = urls[(k * per_stream + j) % len(urls)] + "/v1/chat/completions"
+                try:
+                    await one_stream(c, url, tokens, k * per_stream + j, run)
+                except httpx.HTTPError:
+                    run.errors += 1
+
+        start = time.perf_counter()
+        async with asyncio.timeout(600):
+            await asyncio.gather(*(client(k) for k in range(streams)))
+        run.seconds = time.perf_counter() - start
+    return run
+
+
+async def bench(args: argparse.Namespace) -> list[dict[str, object]]:
+    stub_args = ["-m", "gateway.stub", "--count", str(args.workers), "--delay", str(args.delay), "--tokens", str(args.tokens)]
+    rows: list[dict[str, object]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        keys = Path(tmp) / "keys.txt"
+        keys.write_text(f"{KEY} premium\n")
+        async with spawn(sys.executable, *stub_args, ready_prefix="listening on") as stub:
+            urls = stub.first_line.removeprefix("listening on ").split()
+            port = free_port()
+            gw_args = ["-m", "llmfleet.cli", "gateway", "--port", str(port), "--backend", "bench=" + ",".join(urls),
+                       "--api-keys-file", str(keys), "--log-level", "warning"]
+            async with spawn(sys.executable, *gw_args):
+                gateway = f"http://127.0.0.1:{port}"
+                await wait_http_ok(gateway + "/ready")
+                auth = {"authorization": f"Bearer {KEY}"}
+                await load([gateway], 1, 2, args.tokens, auth)  # warm up both paths
+                await load(urls, 1, 2, args.tokens, {})
+                for streams in args.streams:
+                    per_stream = max(1, args.requests // streams)
+                    direct = (await load(urls, streams, per_stream, args.tokens, {})).summary()
+                    through = (await load([gateway], streams, per_stream, args.tokens, auth)).summary()
+                    rows.append({
+                        "streams": streams,
+                        "requests": streams * per_stream,
+                        "direct": direct,
+                        "gateway": through,
+                        "ttft_added_ms": through["ttft_p50_ms"] - direct["ttft_p50_ms"],
+                        "ttft_ratio": through["ttft_p50_ms"] / direct["ttft_p50_ms"],
+                        "itl_added_ms": through["itl_p50_ms"] - direct["itl_p50_ms"],
+                        "itl_ratio": through["itl_p50_ms"] / direct["itl_p50_ms"],
+                        "throughput_ratio": through["tokens_per_s"] / direct["tokens_per_s"],
+                    })
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--streams", default="1,64,512", help="comma-separated concurrency levels")
+    ap.add_argument("--tokens", type=int, default=32, help="tokens per streamed answer")
+    ap.add_argument("--delay", type=float, default=0.01, help="seconds between tokens at the stub workers")
+    ap.add_argument("--workers", type=int, default=4, help="stub workers (one process)")
+    ap.add_argument("--requests", type=int, default=512, help="requests per run (at least one per stream)")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = ap.parse_args()
+    args.streams = [int(s) for s in args.streams.split(",") if s.strip()]
+    rows = asyncio.run(bench(args))
+    if args.json:
+        print(json.dumps({"cpus": os.cpu_count(), "tokens": args.tokens, "delay_s": args.delay, "rows": rows}, indent=2))
+        return
+    print(f"gateway vs direct: {args.workers} stub workers, {args.tokens} tokens/answer {1000 * args.delay:.0f} ms apart, "
+          f"{os.cpu_count()} CPUs shared by load generator, workers and gateway")
+    head = f"{'streams':>7} {'TTFT p50 direct/gw ms':>22} {'+ms':>7} {'ratio':>6} {'ITL p50 direct/gw ms':>21} {'+ms':>6} {'ratio':>6} {'tok/s direct/gw':>16} {'ratio':>6} {'errors':>6}"
+    print(head)
+    for r in rows:
+        d, g = r["direct"], r["gateway"]
+        print(
+            f"{r['streams']:>7} {d['ttft_p50_ms']:>10.2f}/{g['ttft_p50_ms']:<11.2f} {r['ttft_added_ms']:>7.2f} {r['ttft_ratio']:>6.2f} "  # type: ignore[index]
+            f"{d['itl_p50_ms']:>10.2f}/{g['itl_p50_ms']:<10.2f} {r['itl_added_ms']:>6.2f} {r['itl_ratio']:>6.2f} "  # type: ignore[index]
+            f"{d['tokens_per_s']:>7.0f}/{g['tokens_per_s']:<8.0f} {r['throughput_ratio']:>6.2f} {d['errors'] + g['errors']:>6}"  # type: ignore[index]
+        )
+
+
+if __name__ == "__main__":
+    main()

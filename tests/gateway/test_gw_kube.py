@@ -1,0 +1,122 @@
+"""Kubernetes discovery on localkube: the gateway watches InferenceDeployments, their pods and the API-key Secret
+and routes to the stub workers those pods point at, following readiness, draining, canary weights and key
+rotation."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.sources import KubeConnection, KubeSource
+from gateway.testing import chat, eventually, run_gateway, stubs
+
+localkube = pytest.importorskip("localkube")
+render = pytest.importorskip("crds.render")
+
+NS = "default"
+KEY, NEW_KEY = "sk-kube-key-0001", "sk-kube-key-0002"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    workdir = tmp_path_factory.mktemp("lk-gateway")
+    with localkube.Cluster(kubeconfig=workdir / "kubeconfig", workdir=workdir, kubelet=False) as running:
+        with httpx.Client(base_url=running.url, timeout=10) as api:
+            crd = api.post("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", json=render.crd())
+            assert crd.status_code == 201, crd.text
+        yield running
+
+
+def secret(key: str) -> dict[str, Any]:
+    text = f"{key} premium\n".encode()
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "gw-keys"}, "data": {"api-keys": base64.b64encode(text).decode()}}
+
+
+def infd() -> dict[str, Any]:
+    return {
+        "apiVersion": "llmfleet.io/v1alpha1",
+        "kind": "InferenceDeployment",
+        "metadata": {"name": "smol"},
+        "spec": {"model": {"name": "smollm2", "source": "bundled://smollm2-135m-instruct"}, "variants": [{"name": "full"}]},
+    }
+
+
+def pod(name: str, port: int, revision: str) -> dict[str, Any]:
+    labels = {"llmfleet.io/deployment": "smol", "llmfleet.io/variant": "full", "llmfleet.io/revision": revision}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {"containers": [{"name": "worker", "image": "llmfleet/worker", "ports": [{"name": "http", "containerPort": port}]}]},
+    }
+
+
+READY = {"status": {"phase": "Running", "podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}}
+MERGE = {"content-type": "application/merge-patch+json"}
+
+
+def ok(r: httpx.Response) -> httpx.Response:
+    assert r.status_code < 300, r.text
+    return r
+
+
+async def served_by(c: httpx.AsyncClient, n: int = 6) -> set[str]:
+    """Which revisions answered n requests."""
+    seen = set()
+    for i in range(n):
+        r = await c.post("/v1/chat/completions", json=chat(model="smollm2", content=f"q{i}"))
+        assert r.status_code == 200, r.text
+        seen.add(r.headers["x-llmfleet-revision"])
+    return seen
+
+
+@pytest.mark.slow
+async def test_kubernetes_discovery_follows_the_cluster(cluster: Any, tmp_path: Path) -> None:
+    async with stubs(2, tokens=2) as (w1, w2), httpx.AsyncClient(base_url=cluster.url, timeout=10) as api:
+        ok(await api.post(f"/api/v1/namespaces/{NS}/secrets", json=secret(KEY)))
+        ok(await api.post(f"/apis/llmfleet.io/v1alpha1/namespaces/{NS}/inferencedeployments", json=infd()))
+        ok(await api.post(f"/api/v1/namespaces/{NS}/pods", json=pod("smol-a", w1.port, "r1")))
+        ok(await api.patch(f"/api/v1/namespaces/{NS}/pods/smol-a/status", json=READY, headers=MERGE))
+        source = KubeSource(KubeConnection.load(str(cluster.kubeconfig)), namespace=NS, keys_secret=(NS, "gw-keys"), retry_delay_s=0.1)
+        async with run_gateway(source) as gw, gw.client(headers={"authorization": f"Bearer {KEY}"}) as c:
+            assert not gw.state.keys.open_mode  # keys came from the Secret
+            assert (await c.post("/v1/chat/completions", json=chat(model="smollm2"), headers={"authorization": "Bearer nope-nope-nope"})).status_code == 401
+            assert await served_by(c) == {"r1"} and w1.stats.requests == 6
+
+            # a second pod (a new revision) becomes ready; status endpoints put all weight on it (canary promoted)
+            ok(await api.post(f"/api/v1/namespaces/{NS}/pods", json=pod("smol-b", w2.port, "r2")))
+            ok(await api.patch(f"/api/v1/namespaces/{NS}/pods/smol-b/status", json=READY, headers=MERGE))
+            endpoints = [{"variant": "full", "revision": "r1", "weight": 0}, {"variant": "full", "revision": "r2", "weight": 100, "canary": True}]
+            ok(await api.patch(
+                f"/apis/llmfleet.io/v1alpha1/namespaces/{NS}/inferencedeployments/smol/status",
+                json={"status": {"endpoints": endpoints}}, headers=MERGE,
+            ))
+            await eventually(lambda: {e.revision for e in gw.state.table.endpoints()} == {"r1", "r2"}, "both pods are routable")
+            await eventually(lambda: gw.state.table.deployments["smollm2"].variants[0].revisions[1].weight == 100, "weights seen")
+            assert await served_by(c) == {"r2"}
+
+            # the new pod is marked draining: traffic goes back to the one left
+            ok(await api.patch(f"/api/v1/namespaces/{NS}/pods/smol-b", json={"metadata": {"labels": {"llmfleet.io/draining": "true"}}}, headers=MERGE))
+            await eventually(lambda: [e.name for e in gw.state.table.endpoints()] == ["smol-a"], "the draining pod left the table")
+            assert await served_by(c) == {"r1"}
+
+            # the last pod is deleted: the model stays known (its requests would be held until it scales up)
+            ok(await api.delete(f"/api/v1/namespaces/{NS}/pods/smol-a", params={"gracePeriodSeconds": "0"}))
+            await eventually(lambda: gw.state.table.endpoints() == [], "no routable pod left")
+            assert "smollm2" in gw.state.table.deployments
+
+            # key rotation through the Secret
+            ok(await api.put(f"/api/v1/namespaces/{NS}/secrets/gw-keys", json=secret(NEW_KEY)))
+            await eventually(lambda: gw.state.keys.authenticate(f"Bearer {NEW_KEY}") is not None, "the new key is loaded")
+            assert gw.state.keys.authenticate(f"Bearer {KEY}") is None
+
+            # the deployment is deleted: its model disappears
+            ok(await api.delete(f"/apis/llmfleet.io/v1alpha1/namespaces/{NS}/inferencedeployments/smol"))
+            await eventually(lambda: gw.state.table.deployments == {}, "the model is gone")
+            r = await c.post("/v1/chat/completions", json=chat(model="smollm2"), headers={"authorization": f"Bearer {NEW_KEY}"})
+            assert r.status_code == 404

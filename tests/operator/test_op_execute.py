@@ -1,0 +1,113 @@
+"""The executor against a scripted in-memory API: idempotence, retries, error reporting, events."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from controllers import CreatePod, DeletePod, EmitEvent, EnsureSecret, EventType, PatchStatus, Plan
+from fleet_operator.execute import execute
+from fleet_operator.kube import ApiError
+
+RESOURCE = {
+    "apiVersion": "llmfleet.io/v1alpha1",
+    "kind": "InferenceDeployment",
+    "metadata": {"name": "m", "namespace": "ns", "uid": "u"},
+}
+
+
+class ScriptedApi:
+    """Records calls; `failures[(verb, path)]` is a list of ApiErrors raised by the next calls, in order."""
+
+    def __init__(self, failures: dict[tuple[str, str], list[ApiError]] | None = None) -> None:
+        self.failures = failures or {}
+        self.calls: list[tuple[str, str, Any]] = []
+
+    def _call(self, verb: str, path: str, body: Any) -> dict[str, Any]:
+        self.calls.append((verb, path, body))
+        queue = self.failures.get((verb, path)) or []
+        if queue:
+            raise queue.pop(0)
+        return {}
+
+    async def create(self, path: str, body: Any) -> dict[str, Any]:
+        return self._call("create", path, body)
+
+    async def delete(self, path: str, uid: str | None = None) -> dict[str, Any]:
+        return self._call("delete", path, uid)
+
+    async def merge_patch(self, path: str, body: Any) -> dict[str, Any]:
+        return self._call("patch", path, body)
+
+    def events(self) -> list[dict[str, Any]]:
+        return [body for verb, path, body in self.calls if verb == "create" and path.endswith("/events")]
+
+
+def _create(name: str) -> CreatePod:
+    return CreatePod({"metadata": {"name": name}}, "v", "r", "ScaleUp", "wants more")
+
+
+def _error(status: int, reason: str) -> ApiError:
+    return ApiError(status, reason, "msg", "call")
+
+
+def _run(api: ScriptedApi, plan: Plan) -> list[str]:
+    return asyncio.run(execute(api, plan, RESOURCE))  # type: ignore[arg-type]
+
+
+def test_already_exists_and_not_found_count_as_done():
+    api = ScriptedApi(
+        {
+            ("create", "/api/v1/namespaces/ns/pods"): [_error(409, "AlreadyExists")],
+            ("delete", "/api/v1/namespaces/ns/pods/gone"): [_error(404, "NotFound")],
+        }
+    )
+    plan = Plan(actions=(_create("p0"), DeletePod("gone", "uid-gone", "v", "r", "ScaleDown", "fewer")))
+    assert _run(api, plan) == []
+    assert ("delete", "/api/v1/namespaces/ns/pods/gone", "uid-gone") in api.calls  # uid precondition sent
+
+
+def test_conflicts_are_retried():
+    api = ScriptedApi({("patch", "/apis/llmfleet.io/v1alpha1/namespaces/ns/inferencedeployments/m/status"):
+                       [_error(409, "Conflict"), _error(503, "ServiceUnavailable")]})
+    assert _run(api, Plan(actions=(PatchStatus({"phase": "Available"}),))) == []
+    patches = [c for c in api.calls if c[0] == "patch"]
+    assert len(patches) == 3 and patches[-1][2] == {"status": {"phase": "Available"}}
+
+
+def test_failures_are_reported_not_raised_and_other_actions_still_run():
+    api = ScriptedApi({("create", "/api/v1/namespaces/ns/pods"): [_error(403, "Forbidden")]})
+    errors = _run(api, Plan(actions=(_create("p0"), EmitEvent(EventType.NORMAL, "Scaled", "1 -> 2"))))
+    assert len(errors) == 1 and "403 Forbidden" in errors[0] and "create pod p0" in errors[0]
+    reasons = {(e["type"], e["reason"]) for e in api.events()}
+    assert reasons == {("Normal", "Scaled"), ("Warning", "ApiError")}
+
+
+def test_successful_pod_changes_are_recorded_as_events():
+    api = ScriptedApi()
+    plan = Plan(actions=(_create("p0"), _create("p1"), DeletePod("p9", "u9", "v", "r", "ScaleDown", "fewer")))
+    assert _run(api, plan) == []
+    events = api.events()
+    assert sorted(e["reason"] for e in events) == ["CreatedPod", "CreatedPod", "DeletedPod"]
+    assert all(e["involvedObject"]["uid"] == "u" and e["source"]["component"] == "llmfleet-operator" for e in events)
+
+
+def test_secret_gets_a_random_token_and_is_never_overwritten():
+    manifest = {"metadata": {"name": "m-drain-token"}}
+    first, second = ScriptedApi(), ScriptedApi({("create", "/api/v1/namespaces/ns/secrets"):
+                                                [_error(409, "AlreadyExists")]})
+    assert _run(first, Plan(actions=(EnsureSecret(manifest, "token"),))) == []
+    assert _run(second, Plan(actions=(EnsureSecret(manifest, "token"),))) == []
+    (body,) = [b for v, p, b in first.calls if p.endswith("/secrets")]
+    token = body["data"]["token"]
+    assert len(token) >= 40
+    assert not [c for c in second.calls if c[0] == "patch"]
+
+
+@pytest.mark.parametrize("status", [400, 422])
+def test_invalid_requests_are_not_retried(status):
+    api = ScriptedApi({("create", "/api/v1/namespaces/ns/pods"): [_error(status, "Invalid")] * 4})
+    assert len(_run(api, Plan(actions=(_create("p0"),)))) == 1
+    assert len([c for c in api.calls if c[1].endswith("/pods")]) == 1
