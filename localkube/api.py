@@ -443,9 +443,13 @@ class ApiCore:
         """Write an object as a system component does: no validation, resourceVersion bumped, no-ops skipped."""
         meta = obj["metadata"]
         current = self.store.get(rt.storage, meta.get("namespace", ""), meta["name"])
-        if current is not None and _same(obj, current):
-            return current
-        if current is None:
+        if current is not None:
+            for key in ("uid", "creationTimestamp", "generation"):
+                if key in current["metadata"]:
+                    meta.setdefault(key, current["metadata"][key])
+            if _same(obj, current):
+                return current
+        else:
             meta.setdefault("uid", str(uuid.uuid4()))
             meta.setdefault("creationTimestamp", rfc3339())
             if rt.strategy.has_generation:

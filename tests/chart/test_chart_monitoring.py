@@ -145,7 +145,8 @@ def _alert_tests(ttft_fires: bool) -> list[dict[str, Any]]:
             "input_series": [
                 {"series": 'up{job="fleet-llmfleet-operator",namespace="llm",pod="op-0"}', "values": "0x20"},
                 {
-                    "series": 'llmfleet_operator_rollouts_total{namespace="llm",deployment="smollm2",result="rolled_back"}',
+                    "series": "llmfleet_operator_rollouts_total"
+                    '{namespace="llm",deployment="smollm2",result="rolled_back"}',
                     "values": "0 0 1 1 1 1",
                 },
             ],

@@ -134,7 +134,8 @@ def test_operator_alerts_token_comes_from_the_secret(rendered_sets):
 def test_one_operator_is_recreated_two_roll_with_a_budget_and_spread(rendered_sets):
     single = rendered_sets["defaults"].get("Deployment", OPERATOR)["spec"]
     assert single["replicas"] == 1 and single["strategy"]["type"] == "Recreate"
-    assert not [p for p in rendered_sets["defaults"].of_kind("PodDisruptionBudget") if "operator" in p["metadata"]["name"]]
+    budgets = rendered_sets["defaults"].of_kind("PodDisruptionBudget")
+    assert not [p for p in budgets if "operator" in p["metadata"]["name"]], "a budget for one replica blocks drains"
     two = rendered_sets["two-operators"]
     spec = two.get("Deployment", OPERATOR)["spec"]
     assert spec["replicas"] == 2 and spec["strategy"]["type"] == "RollingUpdate"
@@ -144,7 +145,9 @@ def test_one_operator_is_recreated_two_roll_with_a_budget_and_spread(rendered_se
     assert pdb["minAvailable"] == 1 and pdb["selector"] == spec["selector"]
 
 
-@pytest.mark.parametrize(("set_name", "kind"), [("two-operators", "KopfPeering"), ("two-operators-cluster-wide", "ClusterKopfPeering")])
+@pytest.mark.parametrize(
+    ("set_name", "kind"), [("two-operators", "KopfPeering"), ("two-operators-cluster-wide", "ClusterKopfPeering")]
+)
 def test_peering_object_is_a_post_install_hook_named_like_the_setting(rendered_sets, set_name, kind):
     (peering,) = rendered_sets[set_name].of_kind(kind)
     assert peering["metadata"]["name"] == "llmfleet"
@@ -173,7 +176,8 @@ def test_gateway_flags_are_real_options_and_follow_the_values(rendered_sets, set
     assert not unknown, f"llmfleet gateway has no option {unknown}"
     assert flags.get("namespace") == namespace
     assert flags.get("api-keys-secret") == secret
-    assert flags["host"] == "$(POD_IP)" and {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in container["env"]
+    assert flags["host"] == "$(POD_IP)", "the gateway binds to its pod IP"
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in container["env"]
     assert flags["port"] == str(next(p["containerPort"] for p in container["ports"] if p["name"] == "http"))
 
 
@@ -212,4 +216,5 @@ def test_services_select_their_pods_and_target_named_ports(value_set, rendered_s
         assert len(matching) == 1, f"Service {service['metadata']['name']} selects {len(matching)} Deployments"
         ports = {p["name"] for c in matching[0]["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
         for port in service["spec"]["ports"]:
-            assert port["targetPort"] in ports, f"{service['metadata']['name']} targets missing port {port['targetPort']}"
+            name = service["metadata"]["name"]
+            assert port["targetPort"] in ports, f"{name} targets missing port {port['targetPort']}"

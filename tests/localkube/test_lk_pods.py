@@ -141,6 +141,40 @@ def test_deletion_runs_prestop_then_sigterm(core, kubectl, namespace, tmp_path):
     assert gone(core, namespace, "graceful")
 
 
+def test_http_prestop_hook_and_readiness_gates(core, kubectl, namespace, tmp_path):
+    marks = tmp_path / "marks"
+    script = textwrap.dedent(f"""
+        import http.server, os, signal, sys
+        def stop(*_):
+            with open({str(marks)!r}, "a") as f:
+                f.write("sigterm\\n")
+            os._exit(0)
+        signal.signal(signal.SIGTERM, stop)
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                if self.path == "/drain":
+                    with open({str(marks)!r}, "a") as f:
+                        f.write("prestop-http\\n")
+                self.send_response(200)
+                self.end_headers()
+        http.server.HTTPServer((os.environ["LOCALKUBE_POD_IP"], 8080), Handler).serve_forever()
+    """)
+    body = pod("hooked", [PY, "-c", script], ports=[{"containerPort": 8080}],
+               readinessProbe={"httpGet": {"path": "/ready", "port": 8080}, "periodSeconds": 1},
+               lifecycle={"preStop": {"httpGet": {"path": "/drain", "port": 8080}}},
+               pod_spec={"readinessGates": [{"conditionType": "example.com/warm"}], "terminationGracePeriodSeconds": 20})
+    core.create_namespaced_pod(namespace, body)
+    waiting = wait_for(lambda: (x := read(core, namespace, "hooked")).status.container_statuses
+                       and x.status.container_statuses[0].ready and x, what="container ready")
+    assert not is_ready(waiting)  # its readiness gate is still closed
+    core.patch_namespaced_pod_status(  # strategic merge: conditions merge by type
+        "hooked", namespace, {"status": {"conditions": [{"type": "example.com/warm", "status": "True"}]}},
+        _content_type="application/strategic-merge-patch+json")
+    wait_for(lambda: is_ready(read(core, namespace, "hooked")), what="Ready once the gate opens")
+    kubectl("delete", "pod", "hooked", "-n", namespace, "--timeout=30s")
+    assert marks.read_text().splitlines() == ["prestop-http", "sigterm"]
+
+
 def test_grace_period_ends_with_sigkill_of_the_whole_group(core, namespace, tmp_path):
     script = textwrap.dedent(f"""
         import os, signal, subprocess, time

@@ -95,3 +95,13 @@ def test_operator_killed_mid_scale_up_converges_without_duplicates(fleet, kit):
     slots = sorted(int(p["metadata"]["name"].rsplit("-", 1)[1]) for p in pods)
     assert slots == [0, 1, 2, 3, 4]  # deterministic names: a re-created pod could only collide, never duplicate
     assert not [e for e in kube.events("grow") if e["reason"] == "DeletedPod"]  # nothing surplus to remove
+
+    # a deletion while the operator is down waits for it (the finalizer holds the CR), then completes
+    fleet.operator.kill()
+    kube.run("delete", "infd", "grow", "--wait=false")
+    resource = kube.get("infd", "grow")
+    assert resource["metadata"].get("deletionTimestamp") and "llmfleet.io/finalizer" in resource["metadata"]["finalizers"]
+    assert len(kube.pods("grow")) == 5
+    fleet.operator.start()
+    kit.wait_until(lambda: kube.get("infd", "grow") is None, "the CR to be removed after the restart")
+    assert kube.pods("grow") == []

@@ -1,0 +1,50 @@
+"""Greedy token agreement: the documented per-position definition, normalised by the longer sequence."""
+
+from __future__ import annotations
+
+import pytest
+
+from controllers.quality import PROBE_MAX_TOKENS, PROBE_PROMPTS, token_agreement
+
+CASES = [
+    ("identical", [[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 5]], 1.0, 2),
+    ("one token differs", [[1, 2, 3, 4]], [[1, 9, 3, 4]], 0.75, 0),
+    ("diverged then re-converged counts matching positions", [[1, 2, 3, 4]], [[1, 9, 9, 4]], 0.5, 0),
+    ("canary stops early: missing positions disagree", [[1, 2, 3, 4]], [[1, 2]], 0.5, 0),
+    ("canary runs on: extra positions disagree", [[1, 2]], [[1, 2, 3, 4]], 0.5, 0),
+    ("canary produced nothing", [[1, 2, 3, 4]], [[]], 0.0, 0),
+    ("token-weighted over prompts", [[1, 2, 3, 4, 5, 6], [1, 2]], [[1, 2, 3, 4, 5, 6], [7, 8]], 6 / 8, 1),
+    ("both empty is neutral", [[1, 2], []], [[1, 2], []], 1.0, 2),
+    ("nothing at all", [[], []], [[], []], None, 2),
+    ("no prompts", [], [], None, 0),
+    ("token strings work too", [["The", " cap"]], [["The", " Cap"]], 0.5, 0),
+]
+
+
+@pytest.mark.parametrize(
+    ("stable", "canary", "expected", "identical"), [pytest.param(*c[1:], id=c[0]) for c in CASES]
+)
+def test_agreement(stable: list[list[object]], canary: list[list[object]], expected: float | None,
+                   identical: int) -> None:
+    result = token_agreement(stable, canary)
+    assert result.value == (pytest.approx(expected) if expected is not None else None)
+    assert result.identical_sequences == identical
+    assert result.sequences == len(stable)
+
+
+def test_describe_names_the_counts() -> None:
+    text = token_agreement([[1, 2, 3, 4]], [[1, 9, 3, 4]]).describe()
+    assert text == "agreement 0.750 (3/4 tokens, 0/1 prompts identical)"
+    assert token_agreement([[]], [[]]).describe().startswith("no tokens to compare")
+
+
+def test_mismatched_prompt_counts_are_an_error() -> None:
+    with pytest.raises(ValueError, match="got 2 stable and 1 canary sequences"):
+        token_agreement([[1], [2]], [[1]])
+
+
+def test_probe_prompts_are_fixed_distinct_and_non_empty() -> None:
+    assert len(PROBE_PROMPTS) >= 4
+    assert len(set(PROBE_PROMPTS)) == len(PROBE_PROMPTS)
+    assert all(prompt.strip() for prompt in PROBE_PROMPTS)
+    assert 1 <= PROBE_MAX_TOKENS <= 64
