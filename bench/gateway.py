@@ -130,7 +130,7 @@ async def bench(args: argparse.Namespace) -> list[dict[str, object]]:
                 await load([gateway], 1, 2, args.tokens, auth)  # warm up both paths
                 await load(urls, 1, 2, args.tokens, {})
                 for streams in args.streams:
-                    per_stream = max(1, args.requests // streams)
+                    per_stream = min(args.max_per_stream, max(1, args.requests // streams))
                     direct = (await load(urls, streams, per_stream, args.tokens, {})).summary()
                     through = (await load([gateway], streams, per_stream, args.tokens, auth)).summary()
                     rows.append({
@@ -153,7 +153,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32, help="tokens per streamed answer")
     ap.add_argument("--delay", type=float, default=0.01, help="seconds between tokens at the stub workers")
     ap.add_argument("--workers", type=int, default=4, help="stub workers (one process)")
-    ap.add_argument("--requests", type=int, default=512, help="requests per run (at least one per stream)")
+    ap.add_argument("--requests", type=int, default=1024, help="requests per run (at least one per stream)")
+    ap.add_argument("--max-per-stream", type=int, default=16, help="most requests one stream sends in a run")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = ap.parse_args()
     args.streams = [int(s) for s in args.streams.split(",") if s.strip()]

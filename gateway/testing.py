@@ -157,10 +157,12 @@ class Process:
 
 
 @contextlib.asynccontextmanager
-async def spawn(*args: str, ready_prefix: str = "", timeout: float = 60.0) -> AsyncIterator[Process]:
+async def spawn(
+    *args: str, ready_prefix: str = "", timeout: float = 60.0, env: dict[str, str] | None = None
+) -> AsyncIterator[Process]:
     """Run a child process; wait (bounded) for a stdout line starting with `ready_prefix` when one is given."""
     proc = await asyncio.create_subprocess_exec(
-        *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT if ready_prefix else None
+        *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT if ready_prefix else None, env=env
     )
     p = Process(proc, "")
     try:

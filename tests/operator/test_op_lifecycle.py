@@ -100,7 +100,8 @@ def test_operator_killed_mid_scale_up_converges_without_duplicates(fleet, kit):
     fleet.operator.kill()
     kube.run("delete", "infd", "grow", "--wait=false")
     resource = kube.get("infd", "grow")
-    assert resource["metadata"].get("deletionTimestamp") and "llmfleet.io/finalizer" in resource["metadata"]["finalizers"]
+    meta = resource["metadata"]
+    assert meta.get("deletionTimestamp") and "llmfleet.io/finalizer" in meta["finalizers"]
     assert len(kube.pods("grow")) == 5
     fleet.operator.start()
     kit.wait_until(lambda: kube.get("infd", "grow") is None, "the CR to be removed after the restart")

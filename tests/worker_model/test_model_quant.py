@@ -45,7 +45,7 @@ def test_fp8_linear_matches_its_dequantized_weights(dtype):
     assert (lin.dequantize() - w).abs().max() <= w.abs().max() / 8
 
 
-@pytest.mark.parametrize("k,expected", [(576, 64), (1536, 128), (96, 32), (64, 64)])
+@pytest.mark.parametrize("k,expected", [(576, 32), (1536, 32), (96, 32), (64, 32), (80, 80), (192, 32)])
 def test_int4_group_size(k, expected):
     assert int4_group_size(k) == expected
 

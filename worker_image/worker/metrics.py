@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from worker.engine.protocol import EngineStats
@@ -46,48 +47,65 @@ class ServerGauges:
     remaining_tokens: int
 
 
-class _ScrapeTimeCollector:
-    """Series read at scrape time from the engine's and the server's snapshots."""
+class _Family:
+    @staticmethod
+    def gauge(name: str, doc: str, model: str, value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(name, doc, labels=["model_name"])
+        family.add_metric([model], value)
+        return family
 
-    def __init__(self, model_name: str, engine_stats: Callable[[], EngineStats],
-                 server_gauges: Callable[[], ServerGauges]) -> None:
+    @staticmethod
+    def counter(name: str, doc: str, model: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(name, doc, labels=["model_name"])
+        family.add_metric([model], value)
+        return family
+
+
+class _EngineCollector:
+    """vLLM's engine-level series, read at scrape time from the engine's snapshot."""
+
+    def __init__(self, model_name: str, engine_stats: Callable[[], EngineStats]) -> None:
         self._model = model_name
         self._engine_stats = engine_stats
-        self._server_gauges = server_gauges
-
-    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
-        family = GaugeMetricFamily(name, doc, labels=["model_name"])
-        family.add_metric([self._model], value)
-        return family
-
-    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
-        family = CounterMetricFamily(name, doc, labels=["model_name"])
-        family.add_metric([self._model], value)
-        return family
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._engine_stats()
-        server = self._server_gauges()
-        yield self._gauge("vllm:num_requests_running", "Requests in the engine's running batch.", stats.num_running)
-        yield self._gauge("vllm:num_requests_waiting", "Requests waiting in the engine's queue.", stats.num_waiting)
-        yield self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0 to 1 (1 = full).", stats.kv_cache_usage)
-        yield self._counter("vllm:num_preemptions", "Cumulative preemptions.", stats.num_preemptions_total)
-        yield self._counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                            stats.prefix_cache_queries_total)
-        yield self._counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                            stats.prefix_cache_hits_total)
-        yield self._gauge("llmfleet:draining", "1 while the worker drains (lame duck), else 0.", int(server.draining))
-        yield self._gauge("llmfleet:inflight_requests", "Generation requests the server is serving.", server.inflight)
-        yield self._gauge("llmfleet:remaining_tokens_estimate",
-                          "Sum of the remaining max_tokens of in-flight requests (how long a drain may take).",
-                          server.remaining_tokens)
+        stats, m = self._engine_stats(), self._model
+        yield _Family.gauge("vllm:num_requests_running", "Requests in the engine's running batch.", m,
+                            stats.num_running)
+        yield _Family.gauge("vllm:num_requests_waiting", "Requests waiting in the engine's queue.", m,
+                            stats.num_waiting)
+        yield _Family.gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0 to 1 (1 = full).", m,
+                            stats.kv_cache_usage)
+        yield _Family.counter("vllm:num_preemptions", "Cumulative preemptions.", m, stats.num_preemptions_total)
+        yield _Family.counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", m,
+                              stats.prefix_cache_queries_total)
+        yield _Family.counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", m,
+                              stats.prefix_cache_hits_total)
+
+
+class _ServerCollector:
+    """llmfleet's scrape-time series: drain state, in-flight requests, remaining-tokens estimate."""
+
+    def __init__(self, model_name: str, server_gauges: Callable[[], ServerGauges]) -> None:
+        self._model = model_name
+        self._server_gauges = server_gauges
+
+    def collect(self) -> Iterator[Metric]:
+        server, m = self._server_gauges(), self._model
+        yield _Family.gauge("llmfleet:draining", "1 while the worker drains (lame duck), else 0.", m,
+                            int(server.draining))
+        yield _Family.gauge("llmfleet:inflight_requests", "Generation requests the server is serving.", m,
+                            server.inflight)
+        yield _Family.gauge("llmfleet:remaining_tokens_estimate",
+                            "Sum of the remaining max_tokens of in-flight requests (how long a drain may take).", m,
+                            server.remaining_tokens)
 
 
 class _WithoutCreated:
     """The registry's metrics without the `*_created` samples prometheus-client adds (vLLM exports none; they
     only add series). Filtering here avoids prometheus-client's process-wide switch."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: Collector) -> None:
         self._registry = registry
 
     def collect(self) -> Iterator[Metric]:
@@ -97,24 +115,31 @@ class _WithoutCreated:
 
 
 class WorkerMetrics:
+    """`engine_registry`: a backend that exports vLLM's series itself (the vLLM backend) passes its registry;
+    then ours under vLLM's names are left out of `/metrics` (one family must not appear twice) and only the
+    `llmfleet:*` series are added to the backend's."""
+
     def __init__(self, model_name: str, engine_stats: Callable[[], EngineStats],
-                 server_gauges: Callable[[], ServerGauges]) -> None:
-        self.registry = CollectorRegistry()
+                 server_gauges: Callable[[], ServerGauges], engine_registry: Collector | None = None) -> None:
+        self.registry = CollectorRegistry()  # llmfleet:*
+        self.vllm_registry = CollectorRegistry()  # vllm:* (ours)
+        self._exported: list[Collector] = [self.registry, engine_registry or self.vllm_registry]
         label = ["model_name"]
-        reg = self.registry
+        reg, vreg = self.registry, self.vllm_registry
         self._ttft = Histogram("vllm:time_to_first_token_seconds", "Time from request arrival to its first token.",
-                               label, registry=reg, buckets=TTFT_BUCKETS).labels(model_name)
+                               label, registry=vreg, buckets=TTFT_BUCKETS).labels(model_name)
         self._itl = Histogram("vllm:inter_token_latency_seconds", "Time between consecutive outputs of a request.",
-                              label, registry=reg, buckets=ITL_BUCKETS).labels(model_name)
+                              label, registry=vreg, buckets=ITL_BUCKETS).labels(model_name)
         self._e2e = Histogram("vllm:e2e_request_latency_seconds", "Time from request arrival to its end.",
-                              label, registry=reg, buckets=E2E_BUCKETS).labels(model_name)
+                              label, registry=vreg, buckets=E2E_BUCKETS).labels(model_name)
         self._prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", label,
-                                      registry=reg).labels(model_name)
+                                      registry=vreg).labels(model_name)
         self._generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", label,
-                                          registry=reg).labels(model_name)
+                                          registry=vreg).labels(model_name)
         success = Counter("vllm:request_success", "Finished requests by finish reason.",
-                          ["model_name", "finished_reason"], registry=reg)
+                          ["model_name", "finished_reason"], registry=vreg)
         self._success = {r: success.labels(model_name, r.value) for r in FinishReason}
+        vreg.register(_EngineCollector(model_name, engine_stats))
         self._requests = Counter("llmfleet:requests", "Generation requests received (any outcome).", label,
                                  registry=reg).labels(model_name)
         self._errors = Counter(
@@ -123,7 +148,7 @@ class WorkerMetrics:
             "for failures after the response started.",
             ["model_name", "code"], registry=reg)
         self._model = model_name
-        reg.register(_ScrapeTimeCollector(model_name, engine_stats, server_gauges))
+        reg.register(_ServerCollector(model_name, server_gauges))
 
     def request_received(self) -> None:
         self._requests.inc()
@@ -146,4 +171,4 @@ class WorkerMetrics:
         self._e2e.observe(e2e_s)
 
     def render(self) -> bytes:
-        return generate_latest(_WithoutCreated(self.registry))  # type: ignore[arg-type]
+        return b"".join(generate_latest(_WithoutCreated(r)) for r in self._exported)  # type: ignore[arg-type]

@@ -25,14 +25,6 @@ class QualityReport:
     positions: int
 
 
-def greedy_continuation(runner, prompt: list[int], max_tokens: int) -> list[int]:
-    """The reference's greedy continuation (scratch cache via `score`, one full pass per token: offline only)."""
-    tokens = list(prompt)
-    for _ in range(max_tokens):
-        tokens.append(int(runner.score(tokens)[-1].argmax()))
-    return tokens[len(prompt) :]
-
-
 @dataclass(frozen=True)
 class Reference:
     """The reference side of a comparison, computed once and compared against any number of variants."""
@@ -47,7 +39,7 @@ def reference(runner, prompts: Sequence[list[int]], max_tokens: int = 16) -> Ref
         raise ValueError("a quality reference needs at least one prompt")
     seqs, starts, lps = [], [], []
     for prompt in prompts:
-        seq = list(prompt) + greedy_continuation(runner, prompt, max_tokens)
+        seq = list(prompt) + runner.greedy(prompt, max_tokens)
         first = len(prompt) - 1
         seqs.append(seq)
         starts.append(first)

@@ -9,7 +9,7 @@ quality, this docstring records the speed probe for SmolLM2's linear shapes, sum
   fp8 bit pattern into an fp16 bit pattern with integer ops (exact for every finite e4m3 value, subnormals
   included), convert to the activation dtype, matmul, and multiply the output columns by `scale * 2**8`
   (the exponent bias difference is folded into the scale). Costs ~0.6 ns per weight per call on top of the matmul.
-* int4 (group-wise asymmetric, 16 levels, group size 128/64/32 along the input dim). torch's
+* int4 (group-wise asymmetric, 16 levels, groups of 32 (else 64/128) along the input dim). torch's
   `_weight_int4pack_mm_for_cpu` is *very* slow with fp32 activations (230 ms/layer at 64 rows: a scalar path)
   but with bf16 activations it matches or beats a dense fp32 matmul for decode-sized batches (0.14 vs 0.23 ms
   at 1 row, 3.4 vs 2.0 ms at 64) and is ~2x slower for long prefill chunks. Dequantize-then-matmul costs
@@ -32,7 +32,7 @@ Quantization = Literal["fp8", "int4"]
 QUANTIZATIONS: tuple[str, ...] = ("fp8", "int4")
 FP8_MAX = 448.0
 FP8_TO_FP16_EXP_SHIFT = 2.0**8  # 2**(fp16 bias 15 - e4m3 bias 7)
-INT4_GROUP_SIZES = (128, 64, 32)
+INT4_GROUP_SIZES = (32, 64, 128)  # smallest first: quality; 32 is also GGUF's Q4 block
 
 
 class Linear(Protocol):

@@ -156,25 +156,45 @@ class ModelRunner:
             self._generators[req_id] = gen
         return gen
 
-    @torch.inference_mode()
-    def score(self, token_ids: list[int]) -> torch.Tensor:
-        """fp32 logits [n, vocab] at every position of one sequence (teacher forcing), for quality checks.
-
-        Uses a private scratch cache, so it never touches blocks the scheduler owns.
-        """
-        n = len(token_ids)
-        if not 0 < n <= self.max_model_len:
-            raise ValueError(f"score needs 1..{self.max_model_len} tokens, got {n}")
-        blocks = -(-n // self.block_size)
+    def _scratch_caches(self, num_tokens: int) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """A private cache for offline helpers, so they never touch blocks the scheduler owns."""
+        blocks = -(-num_tokens // self.block_size)
         cfg = self.config
         scratch = torch.zeros(
             cfg.num_hidden_layers, 2, blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim,
             dtype=self.dtype, device=self.device,
         )
-        caches = [(scratch[i, 0], scratch[i, 1]) for i in range(cfg.num_hidden_layers)]
-        meta = build_metadata([SeqSpan(0, n, list(range(blocks)))], self.block_size, self.device, self.dtype)
+        return list(range(blocks)), [(scratch[i, 0], scratch[i, 1]) for i in range(cfg.num_hidden_layers)]
+
+    def _check_offline_length(self, n: int) -> None:
+        if not 0 < n <= self.max_model_len:
+            raise ValueError(f"need 1..{self.max_model_len} tokens, got {n}")
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """fp32 logits [n, vocab] at every position of one sequence (teacher forcing), for quality checks."""
+        n = len(token_ids)
+        self._check_offline_length(n)
+        table, caches = self._scratch_caches(n)
+        meta = build_metadata([SeqSpan(0, n, table)], self.block_size, self.device, self.dtype)
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
         return self.model.compute_logits(self.model.forward(ids, meta, caches))
+
+    @torch.inference_mode()
+    def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
+        """Greedy continuation of one prompt (EOS does not stop it), offline, on a private cache."""
+        self._check_offline_length(len(prompt) + max_tokens)
+        table, caches = self._scratch_caches(len(prompt) + max_tokens)
+        tokens = list(prompt)
+        start = 0
+        for _ in range(max_tokens):
+            new = tokens[start:]
+            meta = build_metadata([SeqSpan(start, len(new), table)], self.block_size, self.device, self.dtype)
+            ids = torch.tensor(new, dtype=torch.int64, device=self.device)
+            hidden = self.model.forward(ids, meta, caches)
+            start = len(tokens)
+            tokens.append(int(self.model.compute_logits(hidden[-1:]).argmax()))
+        return tokens[len(prompt) :]
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:

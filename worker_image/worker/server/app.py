@@ -49,7 +49,9 @@ class WorkerService:
         self.created = int(time.time())
         self.inflight = InflightTable()
         self.faults = FaultInjector(settings.faults)
-        self.metrics = WorkerMetrics(self.model_name, engine.stats, self._gauges)
+        # A backend that exports vLLM's metrics itself offers them as `prometheus_registry` (see WorkerMetrics).
+        self.metrics = WorkerMetrics(self.model_name, engine.stats, self._gauges,
+                                     getattr(engine, "prometheus_registry", None))
         self.loaded = False
         self.load_error: str | None = None
         self._on_exit = on_exit
