@@ -2,8 +2,8 @@
 
     python bench/localkube.py [--objects 100] [--pods 50]
 
-Creates ``--objects`` custom objects one by one while a watch is open (latency = event received minus the moment
-the create request was sent), then ``--pods`` pods running ``sleep 3600`` (create throughput, time until all are
+Creates ``--objects`` custom objects one by one while one watch, then ``--watchers`` watches are open (latency =
+event received minus the moment the create request was sent), then ``--pods`` pods running ``sleep 3600`` (create throughput, time until all are
 Ready, time until all are deleted). Every loop is bounded in count and in time.
 """
 
@@ -43,26 +43,28 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def watch_latency(http: httpx.Client, url: str, count: int) -> dict:
+def watch_latency(http: httpx.Client, url: str, count: int, watchers: int) -> dict:
+    """Create ``count`` objects one by one while ``watchers`` watches are open; latency per (watch, object)."""
     base = f"{url}/apis/example.com/v1/namespaces/default/benches"
     rv = http.get(base).json()["metadata"]["resourceVersion"]
-    received: dict[str, float] = {}
-    done = threading.Event()
+    received: list[dict[str, float]] = [{} for _ in range(watchers)]
+    opened = threading.Barrier(watchers + 1, timeout=TIME_LIMIT)
 
-    def follow() -> None:
+    def follow(index: int) -> None:
         with httpx.Client(timeout=None) as watcher, watcher.stream(
                 "GET", base, params={"watch": "1", "resourceVersion": rv, "timeoutSeconds": str(int(TIME_LIMIT))}) as stream:
+            opened.wait()
             for line in stream.iter_lines():
                 event = json.loads(line)
                 if event["type"] == "ADDED":
-                    received[event["object"]["metadata"]["name"]] = time.perf_counter()
-                    if len(received) >= count:
+                    received[index][event["object"]["metadata"]["name"]] = time.perf_counter()
+                    if len(received[index]) >= count:
                         break
-        done.set()
 
-    thread = threading.Thread(target=follow, daemon=True)
-    thread.start()
-    time.sleep(0.2)
+    threads = [threading.Thread(target=follow, args=(i,), daemon=True) for i in range(watchers)]
+    for thread in threads:
+        thread.start()
+    opened.wait()
     sent: dict[str, float] = {}
     start = time.perf_counter()
     for n in range(count):
@@ -72,10 +74,12 @@ def watch_latency(http: httpx.Client, url: str, count: int) -> dict:
         if time.perf_counter() - start > TIME_LIMIT:
             break
     elapsed = time.perf_counter() - start
-    done.wait(TIME_LIMIT)
-    latencies = [(received[k] - sent[k]) * 1000 for k in sent if k in received]
+    for thread in threads:
+        thread.join(TIME_LIMIT)
+    latencies = [(got[k] - sent[k]) * 1000 for got in received for k in sent if k in got]
     return {"created": len(sent), "create_per_s": len(sent) / elapsed, "delivered": len(latencies),
-            "p50_ms": statistics.median(latencies), "p99_ms": percentile(latencies, 0.99), "max_ms": max(latencies)}
+            "expected": len(sent) * watchers, "p50_ms": statistics.median(latencies),
+            "p99_ms": percentile(latencies, 0.99), "max_ms": max(latencies)}
 
 
 def pods(http: httpx.Client, url: str, count: int) -> dict:
@@ -108,14 +112,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--objects", type=int, default=100)
     parser.add_argument("--pods", type=int, default=50)
+    parser.add_argument("--watchers", type=int, default=20, help="concurrent watches on the custom objects")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp, Cluster(kubeconfig=Path(tmp) / "kc", workdir=Path(tmp)) as cluster, \
             httpx.Client(timeout=30) as http:
         http.post(f"{cluster.url}/apis/apiextensions.k8s.io/v1/customresourcedefinitions", json=CRD).raise_for_status()
-        w = watch_latency(http, cluster.url, args.objects)
-        print(f"custom objects: {w['created']} created at {w['create_per_s']:.0f}/s (sequential HTTP); "
-              f"watch delivery p50 {w['p50_ms']:.2f} ms, p99 {w['p99_ms']:.2f} ms, max {w['max_ms']:.2f} ms "
-              f"({w['delivered']} events)")
+        for watchers in sorted({1, args.watchers}):
+            w = watch_latency(http, cluster.url, args.objects, watchers)
+            print(f"custom objects: {w['created']} created at {w['create_per_s']:.0f}/s (sequential HTTP) with "
+                  f"{watchers} watch(es) open; delivery p50 {w['p50_ms']:.2f} ms, p99 {w['p99_ms']:.2f} ms, "
+                  f"max {w['max_ms']:.2f} ms ({w['delivered']}/{w['expected']} events)")
+            http.request("DELETE", f"{cluster.url}/apis/example.com/v1/namespaces/default/benches").raise_for_status()
         p = pods(http, cluster.url, args.pods)
         print(f"pods: {p['pods']} created at {p['create_per_s']:.0f}/s; all Ready after {p['all_ready_s']:.2f} s; "
               f"all deleted (SIGTERM, grace) after {p['all_deleted_s']:.2f} s")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from enum import StrEnum
 from typing import Any, TypeVar
 
@@ -41,8 +42,8 @@ class CreatePod:
 class DeletePod:
     """Delete one worker pod (only the incarnation with `uid`: a recreated pod of the same name is left alone).
 
-    Until draining lands (issue 7) this is how every pod goes away; the drain path will put a `StartDrain` in
-    front of it for pods that may still serve requests.
+    A pod that may still serve requests is drained first (`StartDrain`, see `controllers.draining`); a delete is
+    planned directly only for pods that serve nothing (unready, ended) and for drained ones.
     """
 
     name: str
@@ -51,6 +52,50 @@ class DeletePod:
     revision: str | None
     reason: str  # CamelCase, e.g. ScaleDown, Failed, Rollout, Orphaned, Deletion
     message: str
+
+
+@dataclass(frozen=True)
+class StartDrain:
+    """Drain one worker pod: mark it (label + annotations, so routing stops at once and a restart resumes the
+    drain), then `POST /drain` to the worker at `address`. Both steps are idempotent: with `mark=False` (the pod
+    is already marked) the executor only sends the POST again."""
+
+    name: str
+    uid: str
+    address: str | None  # host:port of the worker; None when the pod has no IP (then only the mark is written)
+    variant: str | None
+    revision: str | None
+    reason: str  # a DrainReason value: ScaleDown, Rollout, Replace, Deletion
+    message: str
+    started_at: datetime
+    deadline: datetime
+    mark: bool = True
+
+
+@dataclass(frozen=True)
+class EnsurePdb:
+    """Create the PodDisruptionBudget of a variant, or update its spec to match `manifest`."""
+
+    manifest: Mapping[str, Any]
+
+    @property
+    def name(self) -> str:
+        return str(self.manifest["metadata"]["name"])
+
+
+@dataclass(frozen=True)
+class DeletePdb:
+    """Delete the PodDisruptionBudget of a variant that is no longer in the spec."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class RemoveAnnotations:
+    """Remove annotations from the InferenceDeployment (one-shot commands such as `llmfleet.io/promote` once
+    acted on)."""
+
+    keys: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -85,7 +130,18 @@ class EmitEvent:
     message: str
 
 
-Action = CreatePod | DeletePod | EnsureService | EnsureSecret | PatchStatus | EmitEvent
+Action = (
+    CreatePod
+    | DeletePod
+    | StartDrain
+    | EnsureService
+    | EnsureSecret
+    | EnsurePdb
+    | DeletePdb
+    | RemoveAnnotations
+    | PatchStatus
+    | EmitEvent
+)
 
 
 @dataclass(frozen=True)

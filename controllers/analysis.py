@@ -258,6 +258,8 @@ def histogram_quantile(q: float, buckets: Mapping[float, float] | Iterable[tuple
         start = previous_upper
         count -= previous_count
         rank -= previous_count
+    if count <= 0:  # only q == 0 with an empty first bucket: PromQL's 0/0 gives NaN; the lower edge is the answer
+        return start
     return start + (upper - start) * (rank / count)
 
 

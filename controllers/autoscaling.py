@@ -157,13 +157,6 @@ class RecommendationRecord(_Frozen):
     replicas: int = Field(ge=0)
 
 
-class ScaleUpRecord(_Frozen):
-    """The last scale-up: when, and per signal that asked for it, the replicas it asked for (the demand answered)."""
-
-    time: float
-    answered: dict[SignalName, int] = Field(default_factory=dict)
-
-
 class QueueRecord(_Frozen):
     """The total of waiting requests over the variant's ready pods at one evaluation."""
 
@@ -176,7 +169,10 @@ class AutoscalingState(_Frozen):
 
     window: tuple[RecommendationRecord, ...] = ()
     alerts: tuple[AlertIntent, ...] = ()
-    scale_up: ScaleUpRecord | None = Field(None, description="The last scale-up, for startup-aware holding.")
+    answered: dict[SignalName, RecommendationRecord] = Field(
+        default_factory=dict,
+        description="Per signal, the last scale-up it asked for: when, and to how many replicas.",
+    )
     queue: QueueRecord | None = Field(None, description="The last queue total seen, to tell a draining backlog.")
     last_active_at: float | None = Field(None, description="Last time traffic was seen (or could not be ruled out).")
 
@@ -367,7 +363,7 @@ def decide(
     elif signals:
         dominant = max(signals, key=lambda signal: signal.replicas)
         headline = _describe_signal(dominant)
-        effective = _startup_aware(policy, now, current_replicas, pods, state.scale_up, signals, notes)
+        effective = _startup_aware(policy, now, current_replicas, pods, state.answered, signals, notes)
         effective = _draining_queue(policy, now, current_replicas, fresh_metrics, state.queue, effective, notes)
         recommendation = max(effective.values())
     else:
@@ -417,11 +413,7 @@ def decide(
             window=window,
             alerts=alerts,
             last_active_at=last_active_at,
-            scale_up=ScaleUpRecord(
-                time=now, answered={name: wanted for name, wanted in effective.items() if wanted > current_replicas}
-            )
-            if desired > current_replicas
-            else state.scale_up,
+            answered=_answered(policy, now, state.answered, effective if desired > current_replicas else {}, current_replicas),
             queue=_queue_record(fresh_metrics) or state.queue,
         ),
         reason=reason,
@@ -447,12 +439,31 @@ def _missing_data_headline(metrics: MetricsSample | None, now: float) -> str:
     return f"{why}: holding, missing data never scales down"
 
 
+def _hold_period(policy: AutoscalingPolicy) -> float:
+    return policy.expected_startup_seconds + policy.settle_seconds
+
+
+def _answered(
+    policy: AutoscalingPolicy,
+    now: float,
+    previous: dict[SignalName, RecommendationRecord],
+    asked: dict[SignalName, int],
+    current: int,
+) -> dict[SignalName, RecommendationRecord]:
+    """Remember, per signal, the scale-up it asked for; forget what is older than any hold could last."""
+    kept = {name: record for name, record in previous.items() if now - record.time < _hold_period(policy)}
+    for name, replicas in asked.items():
+        if replicas > current:
+            kept[name] = RecommendationRecord(time=now, replicas=replicas)
+    return kept
+
+
 def _startup_aware(
     policy: AutoscalingPolicy,
     now: float,
     current: int,
     pods: PodCounts,
-    last_scale_up: ScaleUpRecord | None,
+    answered: dict[SignalName, RecommendationRecord],
     signals: tuple[SignalRecommendation, ...],
     notes: list[str],
 ) -> dict[SignalName, int]:
@@ -460,25 +471,22 @@ def _startup_aware(
 
     Starting pods are already in `current`, so a steady signal asks for nothing more while they load. But a queue
     keeps growing until new pods serve, and averages and percentiles over a range keep reporting the congestion
-    after they are ready, so those signals rise although the capacity that answers them is on its way. While pods
-    of the last scale-up still load (created less than `expected_startup_seconds` ago) or settle (ready for less
-    than `settle_seconds`), each signal that asked for that scale-up is held at what it asked for then. Signals
-    that did not ask for it are free: new demand of another kind (or after a small scale-up caused by noise in
-    another signal) is answered at once.
+    after they are ready, so signals rise although the capacity that answers them is on its way. While pods still
+    load (created less than `expected_startup_seconds` ago) or settle (ready for less than `settle_seconds`), a
+    signal that asked for a scale-up within that time is held at what it asked for. Signals that did not ask are
+    free: new demand of another kind (or after a small scale-up caused by noise in another signal) is answered
+    at once.
     """
     wanted = {signal.name: signal.replicas for signal in signals}
-    if max(wanted.values()) <= current or last_scale_up is None:
-        return wanted
-    if now - last_scale_up.time >= policy.expected_startup_seconds + policy.settle_seconds:
-        return wanted
     loading = [t for t in pods.starting_since if now - t < policy.expected_startup_seconds]
     settling = [t for t in pods.ready_since if now - t < policy.settle_seconds]
-    if not loading and not settling:
+    if max(wanted.values()) <= current or not (loading or settling):
         return wanted
-    held = {}
+    held = dict(wanted)
     for name, replicas in wanted.items():
-        answered = last_scale_up.answered.get(name)
-        held[name] = max(current, answered) if answered is not None and replicas > answered else replicas
+        record = answered.get(name)
+        if record is not None and now - record.time < _hold_period(policy) and replicas > record.replicas:
+            held[name] = max(current, record.replicas)
     if max(held.values()) < max(wanted.values()):
         what = f"{len(loading)} pod(s) starting" if loading else f"{len(settling)} new pod(s) settling"
         notes.append(f"{what}: holding at {max(held.values())} for the demand they answer")

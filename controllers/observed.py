@@ -1,24 +1,30 @@
 """What the operator saw in the cluster, as plain immutable data: the planner's only view of the world.
 
-The operator's shell reads the worker pods (by label), the Service and the drain-token Secret of one
-InferenceDeployment and turns them into an `Observed` with `Observed.from_objects`; `reconcile` never touches the
-API. Pods are summarised into `PodInfo` (phase, readiness, revision, age, failure signs) so that the planning rules
+The operator's shell reads the worker pods (by label), the Service, the drain-token Secret and the
+PodDisruptionBudgets of one InferenceDeployment, asks draining pods how their drain goes (`DrainProbe`) and runs a
+canary analysis check when one is due, and turns all that into an `Observed` with `Observed.from_objects`;
+`reconcile` never touches the API or the pods. Pods are summarised into `PodInfo` (phase, readiness, revision, age, failure signs) so that the planning rules
 read like the rules they implement, and so that tests can build observations in one line.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
+from crds.models import AnalysisResult
+
 LABEL_DEPLOYMENT = "llmfleet.io/deployment"
 LABEL_VARIANT = "llmfleet.io/variant"
 LABEL_REVISION = "llmfleet.io/revision"
-# Set by the drain path (issue 7) on a pod the gateway must stop routing to; read here only to count such pods.
+# A pod being drained carries this label ("true": the gateway and scrapers stop using it at once) and this
+# annotation (when the drain started), plus the deadline and reason annotations below; see controllers.draining.
 DRAINING = "llmfleet.io/draining"
+DRAIN_DEADLINE = "llmfleet.io/drain-deadline"
+DRAIN_REASON = "llmfleet.io/drain-reason"
 
 # Container waiting reasons that mean the pod will not become ready without help.
 STUCK_REASONS = frozenset(
@@ -62,6 +68,10 @@ class PodInfo:
     message: str = ""  # why the pod failed, when it did
     owner_uid: str | None = None  # uid of its controller ownerReference
     in_flight: int | None = None  # requests in flight, when the shell measured them
+    ip: str | None = None  # status.podIP
+    draining_since: datetime | None = None  # when its drain started (annotation), if draining
+    drain_deadline: datetime | None = None  # when it is deleted even with requests in flight (annotation)
+    drain_reason: str | None = None  # why it is drained (annotation), e.g. ScaleDown
 
     @property
     def failed(self) -> bool:
@@ -70,8 +80,8 @@ class PodInfo:
 
     @property
     def live(self) -> bool:
-        """The pod counts towards its variant's size: not going away and not ended."""
-        return not self.deleting and not self.failed
+        """The pod counts towards its variant's size: not going away (deleted or draining) and not ended."""
+        return not self.deleting and not self.draining and not self.failed
 
     @property
     def stuck(self) -> bool:
@@ -107,12 +117,34 @@ class PodInfo:
             ready=any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions),
             created_at=parse_time(meta.get("creationTimestamp")),
             deleting=meta.get("deletionTimestamp") is not None,
-            draining=DRAINING in labels or DRAINING in annotations,
+            draining=marked(labels.get(DRAINING)) or marked(annotations.get(DRAINING)),
             restarts=sum(int(c.get("restartCount") or 0) for c in containers if isinstance(c, Mapping)),
             waiting_reason=next((reason for reason in waiting if reason), None),
             message=str(status.get("message") or status.get("reason") or ""),
             owner_uid=owner_uid,
+            ip=status.get("podIP") or None,
+            draining_since=parse_time(annotations.get(DRAINING)),
+            drain_deadline=parse_time(annotations.get(DRAIN_DEADLINE)),
+            drain_reason=annotations.get(DRAIN_REASON),
         )
+
+
+class ProbeState(StrEnum):
+    """How a draining pod answered `GET /drain`."""
+
+    ANSWERED = "Answered"  # a drain state came back
+    UNREACHABLE = "Unreachable"  # nothing listens (the worker exited after draining, or the pod has no IP)
+    FAILED = "Failed"  # an error or timeout that may pass: ask again next pass
+
+
+@dataclass(frozen=True)
+class DrainProbe:
+    """What the shell learnt from a draining pod's `GET /drain`."""
+
+    state: ProbeState
+    draining: bool = False  # the worker is in lame-duck mode
+    in_flight: int | None = None  # requests still in flight
+    detail: str = ""  # error text, for messages
 
 
 @dataclass(frozen=True)
@@ -123,6 +155,9 @@ class Observed:
     service: Mapping[str, Any] | None = None  # the workers' Service, if it exists
     secret_exists: bool = False  # the drain-token Secret exists
     errors: tuple[str, ...] = ()  # API errors of the previous pass (shown as the Degraded condition)
+    drain_probes: Mapping[str, DrainProbe] = field(default_factory=dict)  # pod name -> GET /drain of draining pods
+    pdbs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # name -> the operator's PodDisruptionBudgets
+    analysis: AnalysisResult | None = None  # a canary analysis check the shell ran for this pass, if one was due
 
     @classmethod
     def from_objects(
@@ -131,14 +166,27 @@ class Observed:
         service: Mapping[str, Any] | None = None,
         secret: Mapping[str, Any] | None = None,
         errors: Iterable[str] = (),
+        *,
+        drain_probes: Mapping[str, DrainProbe] | None = None,
+        pdbs: Iterable[Mapping[str, Any]] = (),
+        analysis: AnalysisResult | None = None,
     ) -> Observed:
-        """Build from API objects (dicts): the labelled pods, the Service and the Secret (None when absent)."""
+        """Build from API objects (dicts): the labelled pods, the Service and the Secret (None when absent), the
+        PodDisruptionBudgets; plus what the shell measured (drain probes, a canary analysis check)."""
         return cls(
             pods=tuple(PodInfo.from_pod(pod) for pod in pods),
             service=service,
             secret_exists=secret is not None,
             errors=tuple(errors),
+            drain_probes=dict(drain_probes or {}),
+            pdbs={str((pdb.get("metadata") or {}).get("name", "")): pdb for pdb in pdbs},
+            analysis=analysis,
         )
+
+
+def marked(value: Any) -> bool:
+    """Whether a draining label/annotation value means "draining" (anything but empty, "false" or "0")."""
+    return value is not None and str(value).strip().lower() not in ("", "false", "0")
 
 
 def parse_time(value: Any) -> datetime | None:

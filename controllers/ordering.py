@@ -8,22 +8,24 @@ prefix cache and is the least proven. Ties end on the name so the order is total
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from datetime import datetime
 
 from controllers.observed import PodInfo
 
 
-def deletion_order(pods: Iterable[PodInfo], current_revision: str | None) -> list[PodInfo]:
-    """`pods` sorted so that the first is the best one to remove."""
-    return sorted(pods, key=lambda pod: _key(pod, current_revision))
+def deletion_order(pods: Iterable[PodInfo], current: str | Collection[str] | None) -> list[PodInfo]:
+    """`pods` sorted so that the first is the best one to remove. `current` is the revision (or, during a
+    canary, the revisions) the variant keeps; any other revision is old."""
+    keep = {current} if isinstance(current, str) or current is None else set(current)
+    return sorted(pods, key=lambda pod: _key(pod, keep))
 
 
-def _key(pod: PodInfo, current_revision: str | None) -> tuple[bool, bool, int, float, str]:
+def _key(pod: PodInfo, keep: Collection[str | None]) -> tuple[bool, bool, int, float, str]:
     created = pod.created_at.timestamp() if isinstance(pod.created_at, datetime) else float("inf")
     return (
         pod.ready,  # unready (False) first
-        pod.revision == current_revision,  # old revision (False) first
+        pod.revision in keep,  # old revision (False) first
         pod.in_flight or 0,  # least in flight first
         -created,  # youngest (latest creation) first; unknown creation time counts as youngest
         pod.name,

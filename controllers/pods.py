@@ -1,4 +1,5 @@
-"""The worker pod, Service and drain-token Secret of an InferenceDeployment, as manifests (plain dicts).
+"""The worker pod, Service, drain-token Secret and PodDisruptionBudgets of an InferenceDeployment, as manifests
+(plain dicts).
 
 `pod_template(deployment, spec, variant, defaults)` is everything about a variant's pods that does not depend on
 which pod it is; its hash is the revision (`controllers.revision`), so exactly what runs decides when pods roll.
@@ -68,6 +69,10 @@ def service_name(deployment: str) -> str:
 
 def secret_name(deployment: str) -> str:
     return f"{deployment}-drain-token"
+
+
+def pdb_name(deployment: str, variant: str) -> str:
+    return f"{deployment}-{variant}"
 
 
 def selector(deployment: str) -> dict[str, str]:
@@ -282,6 +287,43 @@ def service_matches(observed: Mapping[str, Any], wanted: Mapping[str, Any]) -> b
     have, want = observed.get("spec") or {}, wanted["spec"]
     ports = [{k: p.get(k) for k in ("name", "port", "targetPort", "protocol")} for p in have.get("ports") or []]
     return have.get("selector") == want["selector"] and ports == want["ports"]
+
+
+def pdb_manifest(meta: Mapping[str, Any], variant: str) -> dict[str, Any]:
+    """The PodDisruptionBudget of one variant: voluntary evictions (node drains, cluster autoscaler) may take at
+    most one of its pods at a time.
+
+    `maxUnavailable: 1` rather than a `minAvailable`: a variant of one pod must still let a node drain proceed
+    (minAvailable 1 would block it forever), and a variant of many pods is protected from losing more than one
+    at a time whatever its size, which the autoscaler changes. Unhealthy pods may always be evicted
+    (`unhealthyPodEvictionPolicy: AlwaysAllow`): a crash-looping pod must not block a node drain. The budget
+    covers evictions only; the operator's own removals are paced by its planner (surge and availability) and
+    drained (`controllers.draining`), and a pod that is draining is unready, so it already counts as the one
+    unavailable pod.
+    """
+    name = meta["name"]
+    labels = {LABEL_DEPLOYMENT: name, LABEL_VARIANT: variant}
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {
+            "name": pdb_name(name, variant),
+            "namespace": meta.get("namespace", "default"),
+            "labels": {**labels, "app.kubernetes.io/managed-by": MANAGED_BY},
+            "ownerReferences": [owner_reference(meta)],
+        },
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": labels},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
+
+
+def pdb_matches(observed: Mapping[str, Any], wanted: Mapping[str, Any]) -> bool:
+    """Whether an existing PodDisruptionBudget already has the spec we want."""
+    have, want = observed.get("spec") or {}, wanted["spec"]
+    return all(have.get(key) == value for key, value in want.items())
 
 
 def secret_manifest(meta: Mapping[str, Any]) -> dict[str, Any]:

@@ -197,6 +197,7 @@ class ProxyEndpoint:
         auth = headers.get(b"authorization")
         principal = state.keys.authenticate(auth.decode("latin-1") if auth else None)
         if principal is None:
+            state.metrics.requests.labels("unknown", "401").inc()
             await send_error(
                 send, 401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.", "invalid_api_key"
             )
@@ -206,6 +207,7 @@ class ProxyEndpoint:
         except _Disconnected:
             return
         except _Failure as f:
+            state.metrics.requests.labels("unknown", str(f.status)).inc()
             await send_error(send, f.status, f.message, f.code)
             return
         request = _Request(state, self.path, scope, principal, raw, headers, arrival)
@@ -370,6 +372,13 @@ class _Request:
             try:
                 request = client.build_request("POST", ep.url + self.path, content=self.raw, headers=forward)
                 response = await client.send(request, stream=True)
+            except httpx.PoolTimeout:
+                state.release_pod(ep.url)
+                state.metrics.errors.labels(self.model_label, "pool_timeout").inc()
+                raise _Failure(
+                    503, "the gateway has no free upstream connection (pool.max_connections reached), retry later",
+                    "overloaded", {"retry-after": str(s.retry_after_seconds)},
+                ) from None
             except _RETRYABLE_ERRORS as e:
                 last = _Failure(502, f"could not reach a backend for {model!r}: {type(e).__name__}", "upstream_unreachable")
                 state.metrics.retries.labels(self.model_label, "connect").inc()

@@ -260,12 +260,16 @@ class KubeSource:
                 log.warning("watch of %s failed (%s); relisting", coll.path, e)
                 await asyncio.sleep(self.retry_delay_s)
                 await self._retry(coll.relist(self._client, headers), on_change)
+            except Exception:  # a bug or an unexpected object must not end discovery silently
+                log.exception("watch of %s failed unexpectedly; relisting", coll.path)
+                await asyncio.sleep(self.retry_delay_s)
+                await self._retry(coll.relist(self._client, headers), on_change)
 
     async def _retry(self, relist: Awaitable[None], on_change: Callable[[], None]) -> None:
         try:
             await relist
             on_change()
-        except (httpx.HTTPError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - logged; the watch loop tries again
             log.warning("relist failed (%s); retrying", e)
             await asyncio.sleep(self.retry_delay_s)
 

@@ -50,7 +50,7 @@ class DeleteOptions:
     dry_run: bool = False
 
     @classmethod
-    def from_body(cls, body: dict | None, query: dict) -> "DeleteOptions":
+    def from_body(cls, body: dict | None, query: dict) -> DeleteOptions:
         body = body or {}
         opts = cls()
         grace = body.get("gracePeriodSeconds", query.get("gracePeriodSeconds"))
@@ -87,8 +87,6 @@ class ApiCore:
     def __init__(self, store: Store, registry: Registry) -> None:
         self.store = store
         self.registry = registry
-        self.cluster_ips: set[str] = set()
-        self.node_ports: set[int] = set()
 
     # ------------------------------------------------------------------------------------------------- reads
 
@@ -295,7 +293,7 @@ class ApiCore:
             return json_patch(target, patch)
         if not isinstance(patch, dict):
             raise errors.bad_request(f"the body of a {patch_type} PATCH must be a JSON object")
-        if patch_type == MERGE_PATCH or patch_type == APPLY_PATCH:
+        if patch_type in (MERGE_PATCH, APPLY_PATCH):
             return merge_patch(target, patch)
         if patch_type == STRATEGIC_PATCH:
             return strategic_merge_patch(target, patch)

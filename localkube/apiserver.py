@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import yaml
 from aiohttp import web
 
-from localkube import errors, openapi
+from localkube import errors, openapi, protobuf
 from localkube.api import APPLY_PATCH, PATCH_TYPES, DeleteOptions, WriteOptions
 from localkube.errors import ApiError
 from localkube.meta import utcnow
@@ -113,15 +113,10 @@ def _wants(request: web.Request, as_kind: str) -> bool:
     return False
 
 
-def _only_protobuf(request: web.Request) -> bool:
-    types = [c["type"] for c in _accept_parts(request) if c["type"]]
-    return bool(types) and all("protobuf" in t or "cbor" in t for t in types)
-
-
 class ApiServer:
     """Builds the aiohttp application for one ``LocalKube``."""
 
-    def __init__(self, kube: "LocalKube") -> None:
+    def __init__(self, kube: LocalKube) -> None:
         self.kube = kube
         self.app = web.Application(client_max_size=64 * 1024 * 1024)
         self.app.router.add_route("*", "/{tail:.*}", self.dispatch)
@@ -218,6 +213,10 @@ class ApiServer:
                 if rt.namespaced and route.namespace is None:
                     raise errors.not_found_path()
                 body = await self._body(request)
+                if rt.strategy.virtual:
+                    if not isinstance(body, dict):
+                        raise errors.bad_request("the body of the request must be a JSON object")
+                    return self._json(rt.strategy.respond(body), 201)
                 opts = self._write_options(query)
                 obj = core.create(rt, ns, body, opts)
                 return self._json(obj, 201, opts.warnings)
@@ -295,6 +294,8 @@ class ApiServer:
                 return None
             raise errors.bad_request("the body of the request is empty")
         content_type = request.content_type or _JSON
+        if content_type == protobuf.PROTOBUF:
+            return protobuf.decode(raw, content_type)
         if "protobuf" in content_type or "cbor" in content_type:
             raise errors.unsupported_media_type(content_type, [_JSON, "application/yaml"])
         return self._decode(raw, content_type)
@@ -398,7 +399,6 @@ class ApiServer:
         start_rv = store.rv
         if gone is None:
             store.subscribe(watch)
-        self.kube.watch_started()
         response = web.StreamResponse(status=200, headers={"Content-Type": _JSON, "Cache-Control": "no-cache, private"})
         response.enable_chunked_encoding()
         try:
@@ -415,7 +415,7 @@ class ApiServer:
                     first[0] = False
                 await response.write(_dumps({"type": kind, "object": out}) + b"\n")
 
-            for kind, obj, rv in pending:
+            for kind, obj, _rv in pending:
                 await send(kind, obj)
             if initial_events:
                 await response.write(_dumps({"type": "BOOKMARK", "object": self._bookmark(rt, start_rv, initial_end=True)}) + b"\n")
@@ -427,7 +427,7 @@ class ApiServer:
                     break
                 try:
                     item = await asyncio.wait_for(watch.queue.get(), min(remaining, _BOOKMARK_INTERVAL))
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     if bookmarks and loop.time() < deadline:
                         # the queue is empty, so every change up to the store's version has been delivered
                         await response.write(_dumps({"type": "BOOKMARK", "object": self._bookmark(rt, store.rv)}) + b"\n")
@@ -441,7 +441,6 @@ class ApiServer:
             raise
         finally:
             store.unsubscribe(watch)
-            self.kube.watch_stopped()
 
     def _bookmark(self, rt: ResourceType, rv: int, initial_end: bool = False) -> dict:
         meta: dict = {"resourceVersion": str(rv)}

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 from localkube.errors import Cause, forbidden, invalid_value, not_supported, required_value
 from localkube.meta import age, clone, parse_time, rfc3339, validate_dns1035_label, validate_dns_label
 from localkube.registry import ResourceType
-from localkube.selectors import selector_to_string
 from localkube.strategy import AGE_COLUMN, BASE_FIELD_SELECTORS, NAME_COLUMN, Column, Strategy
 
 if TYPE_CHECKING:
@@ -295,11 +294,12 @@ class PodStrategy(Strategy):
         restarts_text = str(restarts)
         if restarts and last_restart is not None:
             restarts_text = f"{restarts} ({age(rfc3339(last_restart), now)} ago)"
-        gates = spec.get("readinessGates") or []
+        gates = [g.get("conditionType") for g in spec.get("readinessGates") or []]
+        open_gates = sum(1 for c in status.get("conditions") or [] if c.get("type") in gates and c.get("status") == "True")
         return [obj["metadata"]["name"], f"{ready}/{total}", pod_status_reason(obj), restarts_text,
                 age(obj["metadata"].get("creationTimestamp"), now), _none(status.get("podIP")),
                 _none(spec.get("nodeName")), _none(status.get("nominatedNodeName")),
-                "<none>" if not gates else f"0/{len(gates)}"]
+                "<none>" if not gates else f"{open_gates}/{len(gates)}"]
 
 
 def pod_status_reason(pod: dict) -> str:
@@ -438,7 +438,7 @@ class ServiceStrategy(Strategy):
                 ",".join(ports) or "<none>", age(obj["metadata"].get("creationTimestamp"), now), selector or "<none>"]
 
 
-def _allocate_cluster_ip(core: "ApiCore") -> str:
+def _allocate_cluster_ip(core: ApiCore) -> str:
     used = {(s.get("spec") or {}).get("clusterIP") for s in core.store.list(("", "services"))}
     for host in SERVICE_CIDR.hosts():
         text = str(host)
@@ -447,7 +447,7 @@ def _allocate_cluster_ip(core: "ApiCore") -> str:
     raise RuntimeError("service CIDR exhausted")
 
 
-def _used_node_ports(core: "ApiCore") -> set[int]:
+def _used_node_ports(core: ApiCore) -> set[int]:
     return {p.get("nodePort") for s in core.store.list(("", "services"))
             for p in (s.get("spec") or {}).get("ports") or [] if isinstance(p, dict) and p.get("nodePort")}
 
@@ -685,6 +685,19 @@ class PodDisruptionBudgetStrategy(Strategy):
                 age(obj["metadata"].get("creationTimestamp"), now)]
 
 
+@dataclass
+class AccessReviewStrategy(Strategy):
+    """SelfSubjectAccessReview / SubjectAccessReview: localkube has no authorization, so everything is allowed."""
+
+    virtual: bool = True
+
+    def respond(self, obj):
+        out = clone(obj)
+        out.setdefault("metadata", {})
+        out["status"] = {"allowed": True, "reason": "localkube does not authorize requests: everything is allowed"}
+        return out
+
+
 # ----------------------------------------------------------------------------------------------------- catalog
 
 
@@ -719,5 +732,9 @@ def builtin_types(crd_strategy: Strategy) -> list[ResourceType]:
                      storage=("", "events"), storage_version="v1"),
         ResourceType("discovery.k8s.io", "v1", "endpointslices", "endpointslice", "EndpointSlice", True,
                      EndpointSliceStrategy()),
+        ResourceType("authorization.k8s.io", "v1", "selfsubjectaccessreviews", "", "SelfSubjectAccessReview", False,
+                     AccessReviewStrategy(), verbs=("create",)),
+        ResourceType("authorization.k8s.io", "v1", "subjectaccessreviews", "", "SubjectAccessReview", False,
+                     AccessReviewStrategy(), verbs=("create",)),
     ]
     return core + others

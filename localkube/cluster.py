@@ -57,7 +57,7 @@ class Cluster:
 
     # ------------------------------------------------------------------------------------------- lifecycle
 
-    def start(self) -> "Cluster":
+    def start(self) -> Cluster:
         if self._thread is not None:
             raise ClusterError("this cluster is already started")
         self._thread = threading.Thread(target=self._thread_main, name="localkube", daemon=True)
@@ -78,10 +78,10 @@ class Cluster:
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         return self.start()
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *_exc_info) -> None:
         self.stop()
 
     def _thread_main(self) -> None:

@@ -6,7 +6,8 @@
   ServiceAccount;
 - CRD cleanup: deleting a CRD deletes its custom resources first;
 - endpoints: Endpoints and EndpointSlices for every Service with a selector, from the pods it selects;
-- disruption: PodDisruptionBudget status (healthy pods, allowed disruptions), which the eviction API honours.
+- disruption: PodDisruptionBudget status (healthy pods, allowed disruptions), which the eviction API honours;
+- event expiry: Events older than the TTL (one hour, as a real API server's default) are deleted.
 
 They react to store events: each event marks work dirty and one task does the work shortly after, so bursts of
 writes cost one pass. Every write goes through ``ApiCore`` and skips no-op writes, so passes converge.
@@ -15,6 +16,7 @@ writes cost one pass. Every write goes through ``ApiCore`` and skips no-op write
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import logging
 import math
 from typing import TYPE_CHECKING
@@ -22,7 +24,7 @@ from typing import TYPE_CHECKING
 from localkube.api import DeleteOptions
 from localkube.custom import CLEANUP_FINALIZER
 from localkube.errors import ApiError
-from localkube.meta import clone, generate_suffix, rfc3339
+from localkube.meta import clone, generate_suffix, parse_time, rfc3339, utcnow
 from localkube.selectors import selector_from_map, selector_from_object
 from localkube.store import DELETED, Event
 
@@ -68,7 +70,7 @@ def _scaled(value, total: int, round_up: bool) -> int:
 
 
 class Controllers:
-    def __init__(self, kube: "LocalKube") -> None:
+    def __init__(self, kube: LocalKube) -> None:
         self.kube = kube
         self._wake = asyncio.Event()
         self._gc = True
@@ -77,6 +79,7 @@ class Controllers:
         self._endpoint_ns: set[str] = set()
         self._pdb_ns: set[str] = set()
         self._task: asyncio.Task | None = None
+        self._expiry: asyncio.Task | None = None
         kube.store.add_listener(self._on_event)
 
     # --------------------------------------------------------------------------------------------- dirtying
@@ -89,9 +92,7 @@ class Controllers:
         ns = meta.get("namespace", "")
         if event.type == DELETED or meta.get("ownerReferences") or meta.get("deletionTimestamp"):
             self._gc = True
-        if storage == NAMESPACES:
-            self._namespaces = True
-        elif meta.get("deletionTimestamp") or event.type == DELETED:
+        if storage == NAMESPACES or meta.get("deletionTimestamp") or event.type == DELETED:
             self._namespaces = True
         if storage == CRDS:
             self._crds = True
@@ -102,15 +103,38 @@ class Controllers:
         self._wake.set()
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="localkube-controllers")
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._run(), name="localkube-controllers")
+        self._expiry = loop.create_task(self._expire_events(), name="localkube-event-expiry")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in (self._task, self._expiry):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+
+    async def _expire_events(self) -> None:
+        ttl = self.kube.options.event_ttl
+        while True:
+            await asyncio.sleep(min(60.0, ttl / 2))
             try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+                self.expire_events(utcnow() - dt.timedelta(seconds=ttl))
+            except Exception:
+                log.exception("event expiry failed")
+
+    def expire_events(self, older_than: dt.datetime) -> int:
+        """Delete Events whose last activity is before ``older_than``; returns how many went."""
+        expired = 0
+        for event in self.kube.store.list(EVENTS):
+            stamp = parse_time(event.get("lastTimestamp") or event.get("eventTime")
+                               or event["metadata"].get("creationTimestamp"))
+            if stamp is not None and stamp < older_than:
+                self._delete(EVENTS, event)
+                expired += 1
+        return expired
 
     async def _run(self) -> None:
         while True:
@@ -165,15 +189,17 @@ class Controllers:
         for storage, obj in everything:
             meta = obj["metadata"]
             if meta.get("deletionTimestamp") and "foregroundDeletion" in (meta.get("finalizers") or []):
-                live = [(s, d) for s, d in dependents.get(meta["uid"], []) if store.get(s, d["metadata"].get("namespace", ""), d["metadata"]["name"]) is not None]
-                for s, d in live:
-                    if not d["metadata"].get("deletionTimestamp"):
-                        self._gc = True
-                blocking = [d for s, d in live if any(r.get("uid") == meta["uid"] and r.get("blockOwnerDeletion") for r in d["metadata"].get("ownerReferences") or [])]
-                if not blocking:
+                if not self._blocked(meta["uid"], dependents.get(meta["uid"], [])):
                     self.kube.core.remove_finalizer(self._rt(storage), obj, "foregroundDeletion")
-        if self._gc:
-            self._wake.set()
+
+    def _blocked(self, owner_uid: str, deps: list[tuple]) -> bool:
+        """Whether a dependent that blocks its owner's deletion still exists (deleting ones included)."""
+        for storage, dep in deps:
+            current = self.kube.store.get(storage, dep["metadata"].get("namespace", ""), dep["metadata"]["name"])
+            if current is not None and any(r.get("uid") == owner_uid and r.get("blockOwnerDeletion")
+                                           for r in current["metadata"].get("ownerReferences") or []):
+                return True
+        return False
 
     def _orphan(self, owner_uid: str, deps: list[tuple]) -> None:
         for storage, dep in deps:

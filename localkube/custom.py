@@ -56,6 +56,9 @@ class CRDStrategy(Strategy):
         result["status"] = self._status(result, old.get("status") or {})
         return result
 
+    def begin_deletion(self, obj):
+        obj["status"] = self._status(obj, obj.get("status") or {})
+
     @staticmethod
     def _defaults(obj: dict) -> None:
         spec = obj.setdefault("spec", {})

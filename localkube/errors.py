@@ -60,10 +60,6 @@ def duplicate(path: str, value: object) -> Cause:
     return Cause(path, "FieldValueDuplicate", f"Duplicate value: {render_value(value)}")
 
 
-def too_long(path: str, limit: int, unit: str = "bytes") -> Cause:
-    return Cause(path, "FieldValueTooLong", f"Too long: may not be more than {limit} {unit}")
-
-
 @dataclass
 class ApiError(Exception):
     """An error answered as a ``Status`` object."""

@@ -19,7 +19,7 @@ _EVENTS = ("", "events")
 
 
 class EventRecorder:
-    def __init__(self, kube: "LocalKube", component: str, host: str = "", max_tracked: int = 4096) -> None:
+    def __init__(self, kube: LocalKube, component: str, host: str = "", max_tracked: int = 4096) -> None:
         self.kube = kube
         self.component = component
         self.host = host

@@ -112,7 +112,7 @@ def _condition(kind: str, ok: bool, previous: dict, reason: str = "", message: s
 class ContainerRunner:
     """One container of one pod: its process, probes, restarts and status."""
 
-    def __init__(self, worker: "PodWorker", spec: dict, init: bool) -> None:
+    def __init__(self, worker: PodWorker, spec: dict, init: bool) -> None:
         self.worker = worker
         self.spec = spec
         self.name = spec["name"]
@@ -168,7 +168,7 @@ class ContainerRunner:
         self._wake.clear()
         try:
             await asyncio.wait_for(self._wake.wait(), seconds)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
     async def run(self) -> int:
@@ -178,7 +178,7 @@ class ContainerRunner:
         while not self.stopping:
             try:
                 argv, env = self._prepare()
-            except ContainerConfigError as exc:
+            except (ContainerConfigError, ValueError) as exc:  # ValueError: a malformed quantity
                 self.state = {"waiting": {"reason": "CreateContainerConfigError", "message": str(exc)}}
                 self._publish()
                 kubelet.recorder.record(self.worker.pod, "Warning", "Failed", f"Error: {exc}", self._field_path())
@@ -315,9 +315,15 @@ class ContainerRunner:
             await asyncio.sleep(delay)
 
     async def _check(self, probe: dict) -> Result:
-        kubelet = self.worker.kubelet
-        return await run_action(probe, self.spec, self.worker.ip or "", self.env, float(probe.get("timeoutSeconds") or 1),
-                                kubelet.session)
+        return await self._act(probe, float(probe.get("timeoutSeconds") or 1))
+
+    async def _act(self, action: dict, timeout: float) -> Result:
+        try:
+            return await run_action(action, self.spec, self.worker.ip or "", self.env, timeout, self.worker.kubelet.session)
+        except (asyncio.CancelledError, KeyboardInterrupt):
+            raise
+        except Exception as exc:  # a malformed probe or hook fails like a failing one; it must not stop the loop
+            return Result(False, f"error: {exc}")
 
     async def _probe_until(self, probe: dict, kind: str) -> bool:
         await self._wait_initial_delay(probe)
@@ -387,7 +393,7 @@ class ContainerRunner:
         if exited is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(exited), grace)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 kill_group(proc.pid, signal.SIGKILL)
 
     # ------------------------------------------------------------------------------------------- stopping
@@ -406,8 +412,7 @@ class ContainerRunner:
         if run_pre_stop and pre_stop:
             remaining = deadline - loop.time()
             if remaining > 0:
-                result = await run_action(pre_stop, self.spec, self.worker.ip or "", self.env, remaining,
-                                          self.worker.kubelet.session)
+                result = await self._act(pre_stop, remaining)
                 if not result.ok:
                     self.worker.kubelet.recorder.record(self.worker.pod, "Warning", "FailedPreStopHook",
                                                         f"PreStopHook failed: {result.message}", self._field_path())
@@ -420,7 +425,7 @@ class ContainerRunner:
                 break
             try:
                 await asyncio.wait_for(asyncio.shield(exited), min(remaining, 0.5))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 continue
         if exited is not None:
             await asyncio.shield(exited)
@@ -429,7 +434,7 @@ class ContainerRunner:
 class PodWorker:
     """Everything the kubelet does for one pod (keyed by uid)."""
 
-    def __init__(self, kubelet: "Kubelet", pod: dict) -> None:
+    def __init__(self, kubelet: Kubelet, pod: dict) -> None:
         self.kubelet = kubelet
         self.pod = pod
         meta = pod["metadata"]
@@ -590,7 +595,7 @@ class PodWorker:
 
 
 class Kubelet:
-    def __init__(self, kube: "LocalKube") -> None:
+    def __init__(self, kube: LocalKube) -> None:
         self.kube = kube
         self.node_name = kube.options.node_name
         self.backoff = kube.options.restart_backoff

@@ -30,17 +30,12 @@ def clone(value):
 
 
 def utcnow() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc)
+    return dt.datetime.now(dt.UTC)
 
 
 def rfc3339(when: dt.datetime | None = None) -> str:
     """A ``metav1.Time`` string: RFC 3339 with second precision, as the API server writes it."""
-    return (when or utcnow()).astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def rfc3339_micro(when: dt.datetime | None = None) -> str:
-    """A ``metav1.MicroTime`` string."""
-    return (when or utcnow()).astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return (when or utcnow()).astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def parse_time(text: str | None) -> dt.datetime | None:

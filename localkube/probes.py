@@ -98,7 +98,7 @@ async def _http_get(spec: dict, container: dict, pod_ip: str, timeout: float, se
             if 200 <= response.status < 400:
                 return Result(True)
             return Result(False, f"HTTP probe failed with statuscode: {response.status}" + (f" {body}" if body else ""))
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return Result(False, f'Get "{url}": context deadline exceeded (Client.Timeout exceeded while awaiting headers)')
     except (aiohttp.ClientError, OSError) as exc:
         return Result(False, f'Get "{url}": {exc}')
@@ -111,7 +111,7 @@ async def _tcp(spec: dict, container: dict, pod_ip: str, timeout: float) -> Resu
     host = spec.get("host") or pod_ip
     try:
         _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
-    except (asyncio.TimeoutError, OSError) as exc:
+    except (TimeoutError, OSError) as exc:
         return Result(False, f"dial tcp {host}:{port}: {exc or 'i/o timeout'}")
     writer.close()
     try:
@@ -132,7 +132,7 @@ async def _exec(command: list[str], env: dict[str, str], timeout: float, cwd: st
             return Result(False, f"exec failed: {exc}")
         try:
             code = await asyncio.wait_for(wait_process(proc), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             kill_group(proc.pid, signal.SIGKILL)
             await wait_process(proc)
             return Result(False, f"command {command!r} timed out after {timeout:g}s")

@@ -45,10 +45,6 @@ class ResourceType:
     def api_version(self) -> str:
         return f"{self.group}/{self.version}" if self.group else self.version
 
-    @property
-    def group_version(self) -> tuple[str, str]:
-        return (self.group, self.version)
-
     def discovery_entries(self) -> list[dict]:
         entry = {
             "name": self.plural,
@@ -105,12 +101,6 @@ class Registry:
             if rt.api_version == rt.storage_version:
                 return rt
         return views[0] if views else None
-
-    def by_kind(self, api_version: str, kind: str) -> ResourceType | None:
-        for rt in self._types.values():
-            if rt.api_version == api_version and rt.kind == kind:
-                return rt
-        return None
 
     def all(self) -> list[ResourceType]:
         return list(self._types.values())

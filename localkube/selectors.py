@@ -53,10 +53,6 @@ class LabelSelector:
         labels = labels or {}
         return all(r.matches(labels) for r in self.requirements)
 
-    @property
-    def empty(self) -> bool:
-        return not self.requirements
-
 
 def _split_top_level(text: str) -> list[str]:
     parts, depth, current = [], 0, []
@@ -118,24 +114,6 @@ def selector_from_map(labels: dict | None) -> LabelSelector | None:
     if not labels:
         return None
     return LabelSelector(tuple(Requirement(k, "=", (str(v),)) for k, v in labels.items()))
-
-
-def selector_to_string(selector: dict | None) -> str:
-    if not selector:
-        return ""
-    parts = [f"{k}={v}" for k, v in sorted((selector.get("matchLabels") or {}).items())]
-    for expr in selector.get("matchExpressions") or []:
-        op = expr.get("operator")
-        values = ",".join(expr.get("values") or [])
-        if op == "In":
-            parts.append(f"{expr['key']} in ({values})")
-        elif op == "NotIn":
-            parts.append(f"{expr['key']} notin ({values})")
-        elif op == "Exists":
-            parts.append(expr["key"])
-        elif op == "DoesNotExist":
-            parts.append(f"!{expr['key']}")
-    return ",".join(parts)
 
 
 @dataclass(frozen=True)

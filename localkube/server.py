@@ -48,6 +48,7 @@ class Options:
     node_capacity: dict[str, str] = field(default_factory=dict)  # extra resources, e.g. {"nvidia.com/gpu": "1"}
     restart_backoff: tuple[float, float] = (1.0, 60.0)
     event_log_size: int = 20_000
+    event_ttl: float = 3600.0  # seconds an Event lives after its last activity
     pod_subnet: str | None = None  # loopback /24 for pod IPs; a random one inside 127.0.0.0/8 when None
     kubeconfig: Path | None = None  # written once the API server listens; also given to pods as KUBECONFIG
 
@@ -68,7 +69,6 @@ class LocalKube:
         self._state_dirty: asyncio.Event | None = None
         self._save_task: asyncio.Task | None = None
         self.port = 0
-        self.active_watches = 0
 
     # ------------------------------------------------------------------------------------------- lifecycle
 
@@ -118,12 +118,6 @@ class LocalKube:
             except asyncio.CancelledError:
                 pass
             self._save_state()
-
-    def watch_started(self) -> None:
-        self.active_watches += 1
-
-    def watch_stopped(self) -> None:
-        self.active_watches -= 1
 
     # ------------------------------------------------------------------------------------------- bootstrap
 
@@ -284,6 +278,8 @@ class LocalKube:
                 self.store.load(storage, obj)
         self.store.rv = int(data.get("resourceVersion", 0))
         self.store.compacted_rv = self.store.rv
+        if self.options.pod_subnet is None and data.get("podSubnet"):
+            self.options.pod_subnet = data["podSubnet"]  # pods keep their addresses across restarts
         log.info("loaded %d objects from %s", len(objects), path)
 
     def _save_state(self) -> None:
@@ -291,7 +287,10 @@ class LocalKube:
         if path is None:
             return
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.store.snapshot(), separators=(",", ":")))
+        snapshot = self.store.snapshot()
+        if self.kubelet is not None:
+            snapshot["podSubnet"] = str(self.kubelet.ips.subnet)
+        tmp.write_text(json.dumps(snapshot, separators=(",", ":")))
         os.replace(tmp, path)
 
     async def _save_loop(self) -> None:

@@ -44,22 +44,23 @@ class Strategy:
     status_subresource: bool = False
     field_selectors: frozenset[str] = field(default=BASE_FIELD_SELECTORS)
     strategic_merge: bool = True  # custom resources answer 415 to strategic merge patches
+    virtual: bool = False  # create-only kinds that answer a question and store nothing (access reviews)
 
-    def prepare_create(self, obj: dict, core: "ApiCore") -> None:
+    def prepare_create(self, obj: dict, core: ApiCore) -> None:
         if self.status_subresource and "status" in obj:
             del obj["status"]
 
-    def validate(self, obj: dict, old: dict | None, core: "ApiCore") -> list[Cause]:
+    def validate(self, obj: dict, old: dict | None, core: ApiCore) -> list[Cause]:
         return []
 
-    def prepare_update(self, new: dict, old: dict, core: "ApiCore") -> None:
+    def prepare_update(self, new: dict, old: dict, core: ApiCore) -> None:
         if self.status_subresource:
             if "status" in old:
                 new["status"] = clone(old["status"])
             else:
                 new.pop("status", None)
 
-    def prepare_status_update(self, new: dict, old: dict, core: "ApiCore") -> dict:
+    def prepare_status_update(self, new: dict, old: dict, core: ApiCore) -> dict:
         """Only ``status`` comes from the request; everything else is the stored object's."""
         result = clone(old)
         if "status" in new:
@@ -104,6 +105,10 @@ class Strategy:
     def to_internal(self, obj: dict, storage_api_version: str) -> dict:
         obj["apiVersion"] = storage_api_version
         return obj
+
+    def respond(self, obj: dict) -> dict:
+        """The answer of a virtual kind to a create request."""
+        raise NotImplementedError
 
     def prune_and_default(self, obj: dict, api_version: str) -> list[str]:
         """Drop unknown fields and apply schema defaults; returns the pruned paths (custom resources only)."""

@@ -63,9 +63,7 @@ def prune(obj: object, schema: dict | None, path: str = "", root: bool = False) 
                 pruned += prune(obj[key], props[key], child_path)
             elif isinstance(additional, dict):
                 pruned += prune(obj[key], additional, child_path)
-            elif additional is True or preserve:
-                continue
-            elif props is None and additional is None and not _has_structure(schema):
+            elif additional is True or preserve or props is None and additional is None and not _has_structure(schema):
                 continue
             else:
                 del obj[key]
@@ -255,7 +253,7 @@ def check_structural(schema: object, path: str = "schema.openAPIV3Schema") -> li
         causes.append(invalid_value(f"{path}.type", schema.get("type"), "must be object at the root"))
     meta = (schema.get("properties") or {}).get("metadata")
     if isinstance(meta, dict):
-        extra = set((meta.get("properties") or {})) - {"name", "generateName"}
+        extra = set(meta.get("properties") or {}) - {"name", "generateName"}
         if extra:
             causes.append(Cause(f"{path}.properties[metadata]", "FieldValueForbidden",
                                 "Forbidden: must not specify anything other than name and generateName, but metadata is implicitly specified"))

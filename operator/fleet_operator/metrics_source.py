@@ -34,8 +34,11 @@ and per revision (S also holds `revision="..."`; W = the analysis interval, at l
     TTFT p95   histogram_quantile(0.95, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket{S}[W])))
     ITL p95    histogram_quantile(0.95, sum by (le) (rate(vllm:inter_token_latency_seconds_bucket{S}[W])))
     requests   sum(increase(llmfleet:requests_total{S}[W]))
-    errors     sum(increase(llmfleet:request_errors_total{S,code=~"5..|stream_aborted|stream_error"}[W]))
-               or (0 * sum(increase(llmfleet:requests_total{S}[W])))    # zero only where requests were counted
+    errors     with E = llmfleet:request_errors_total{S,code=~"5..|stream_aborted|stream_error"}:
+               (sum(increase(E[W]) and E offset W) or vector(0)) + (sum(E unless E offset W) or vector(0))
+               (a labelled counter is born at its first error, which `increase` cannot see: series born
+               inside the window count with their whole value; no series at all is 0 errors, and missing
+               request counts make the check inconclusive anyway)
     pods       count(llmfleet:requests_total{S})
     data time  min(timestamp(llmfleet:requests_total{S}))
 
@@ -343,7 +346,10 @@ def revision_queries(selector: Selector, window_s: float) -> dict[str, str]:
         "ttft_p95": f"histogram_quantile({QUANTILE}, sum by (le) (rate({TTFT}_bucket{s}[{w}])))",
         "itl_p95": f"histogram_quantile({QUANTILE}, sum by (le) (rate({ITL}_bucket{s}[{w}])))",
         "requests": f"sum(increase({REQUESTS}{s}[{w}]))",
-        "errors": f"sum(increase({ERRORS}{errors}[{w}])) or (0 * sum(increase({REQUESTS}{s}[{w}])))",
+        # A labelled error counter is born at its first error, so `increase` (which needs two samples) would
+        # miss that first error: series born inside the window count with their whole value.
+        "errors": f"(sum(increase({ERRORS}{errors}[{w}]) and {ERRORS}{errors} offset {w}) or vector(0))"
+        f" + (sum({ERRORS}{errors} unless {ERRORS}{errors} offset {w}) or vector(0))",
         "pods": f"count({REQUESTS}{s})",
         "observed_at": f"min(timestamp({REQUESTS}{s}))",
     }

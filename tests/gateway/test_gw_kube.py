@@ -5,6 +5,7 @@ rotation."""
 from __future__ import annotations
 
 import base64
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -120,3 +121,37 @@ async def test_kubernetes_discovery_follows_the_cluster(cluster: Any, tmp_path: 
             await eventually(lambda: gw.state.table.deployments == {}, "the model is gone")
             r = await c.post("/v1/chat/completions", json=chat(model="smollm2"), headers={"authorization": f"Bearer {NEW_KEY}"})
             assert r.status_code == 404
+
+
+def obj(name: str, rv: str) -> dict[str, Any]:
+    return {"metadata": {"namespace": NS, "name": name, "resourceVersion": rv}}
+
+
+async def test_list_then_watch_events_and_410() -> None:
+    from gateway.sources import _Collection, _Gone
+
+    lines = [
+        {"type": "ADDED", "object": obj("b", "11")},
+        {"type": "MODIFIED", "object": {**obj("a", "12"), "spec": {"x": 1}}},
+        {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "13"}}},
+        {"type": "DELETED", "object": obj("b", "14")},
+        {"type": "ERROR", "object": {"kind": "Status", "code": 410, "message": "too old"}},
+    ]
+    seen: list[dict[str, Any]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(dict(request.url.params))
+        if "watch" not in request.url.params:
+            return httpx.Response(200, json={"metadata": {"resourceVersion": "10"}, "items": [obj("a", "9")]})
+        return httpx.Response(200, content="\n".join(json.dumps(x) for x in lines).encode())
+
+    coll = _Collection("/api/v1/pods", {"labelSelector": "llmfleet.io/deployment"})
+    changes: list[list[str]] = []
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://api") as c:
+        await coll.relist(c, {})
+        assert (list(coll.objects), coll.resource_version) == ([(NS, "a")], "10")
+        with pytest.raises(_Gone):
+            await coll.watch(c, {}, 5, lambda: changes.append(sorted(n for _, n in coll.objects)))
+    assert changes == [["a", "b"], ["a", "b"], ["a"]]  # ADDED, MODIFIED, DELETED (not the bookmark)
+    assert coll.objects[(NS, "a")]["spec"] == {"x": 1} and coll.resource_version == "14"
+    assert seen[1] == {"labelSelector": "llmfleet.io/deployment", "watch": "1", "allowWatchBookmarks": "true", "timeoutSeconds": "5", "resourceVersion": "10"}

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 
-import httpx
 import pytest
 
 from gateway.routing import DeploymentRoute, RoutingTable
@@ -145,12 +143,6 @@ async def test_streamed_output_tokens_count_against_the_token_limit() -> None:
             second = await c.post("/v1/chat/completions", json=chat(stream=True, content="hi"))
     assert first.status_code == 200 and len(events(first.text)) == 31
     assert second.status_code == 429 and second.json()["error"]["message"].startswith("rate limit reached for tokens")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("failure", ["503", "429", "reset", "refused"])

@@ -47,6 +47,7 @@ def test_foreground_server_persists_state_and_stops_pods(tmp_path):
         core.create_namespaced_pod("default", {"metadata": {"name": "sleeper"}, "spec": {"containers": [
             {"name": "c", "image": "busybox", "command": ["sh", "-c", f"echo $$$$ > {tmp_path / 'pid'}; exec sleep 300"]}]}})
         pid = int(wait_for(lambda: (tmp_path / "pid").exists() and (tmp_path / "pid").read_text().strip(), what="pod pid"))
+        first_ip = core.read_namespaced_pod("sleeper", "default").status.pod_ip
         wait_for(lambda: (tmp_path / "state.json").exists(), what="state file")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
@@ -65,6 +66,7 @@ def test_foreground_server_persists_state_and_stops_pods(tmp_path):
                                what="the pod to run again after the restart"))
         pod = core.read_namespaced_pod("sleeper", "default")
         assert pod.status.container_statuses[0].restart_count >= 1 and new_pid != pid
+        assert pod.status.pod_ip == first_ip  # the pod subnet is kept in the state file
     finally:
         again.send_signal(signal.SIGTERM)
         again.wait(30)

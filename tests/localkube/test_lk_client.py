@@ -150,6 +150,7 @@ def test_watch_selector_transitions_and_initial_events(cluster, widgets, namespa
     widgets.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, obj)
     url = f"{cluster.url}/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}"
     events: list[dict] = []
+    open_before = cluster.call(lambda kube: kube.store.watch_count())
     with httpx.Client(timeout=10) as http:
         with http.stream("GET", url, params={"watch": "1", "labelSelector": "watched=yes", "sendInitialEvents": "true",
                                              "allowWatchBookmarks": "true", "resourceVersionMatch": "NotOlderThan",
@@ -160,6 +161,8 @@ def test_watch_selector_transitions_and_initial_events(cluster, widgets, namespa
             events.append(json.loads(next(lines)))
             widgets.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "sel", {"metadata": {"labels": {"watched": "no"}}})
             events.append(json.loads(next(lines)))
+    # the client went away long before timeoutSeconds: the server notices and forgets the watch
+    wait_for(lambda: cluster.call(lambda kube: kube.store.watch_count()) == open_before, what="the watch to be dropped")
     assert [e["type"] for e in events] == ["ADDED", "BOOKMARK", "DELETED"]
     assert events[1]["object"]["metadata"]["annotations"] == {"k8s.io/initial-events-end": "true"}
     assert events[2]["object"]["metadata"]["labels"] == {"watched": "no"}  # it left the selector
@@ -322,3 +325,16 @@ def test_namespace_lifecycle(api):
     with pytest.raises(ApiException) as missing:
         core.create_namespaced_config_map("short-lived", {"metadata": {"name": "later"}})
     assert missing.value.status == 404
+
+
+def test_old_events_expire(cluster, api, namespace):
+    import datetime as dt
+
+    core = kubernetes.client.CoreV1Api(api)
+    involved = {"kind": "ConfigMap", "name": "x", "namespace": namespace}
+    core.create_namespaced_event(namespace, {"metadata": {"name": "old"}, "involvedObject": involved, "reason": "R",
+                                             "lastTimestamp": "2020-01-01T00:00:00Z"})
+    core.create_namespaced_event(namespace, {"metadata": {"name": "new"}, "involvedObject": involved, "reason": "R"})
+    cutoff = dt.datetime.now(dt.UTC) - dt.timedelta(hours=1)
+    assert cluster.call(lambda kube: kube.controllers.expire_events(cutoff)) >= 1
+    assert [e.metadata.name for e in core.list_namespaced_event(namespace).items] == ["new"]

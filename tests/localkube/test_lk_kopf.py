@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import kubernetes
-import pytest
 from kubernetes.client import ApiException
 
 from localkube.testing import wait_for

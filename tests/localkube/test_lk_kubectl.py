@@ -29,7 +29,7 @@ def test_version_and_discovery(kubectl, crd):
     resources = kubectl("api-resources")
     for line in ("pods ", "customresourcedefinitions", "leases", "poddisruptionbudgets", "widgets"):
         assert line in resources
-    widgets_line = next(l for l in resources.splitlines() if l.startswith("widgets"))
+    widgets_line = next(line for line in resources.splitlines() if line.startswith("widgets"))
     assert widgets_line.split()[1:] == ["wd", "example.com/v1", "true", "Widget"]
     group = json.loads(kubectl("get", "--raw", "/apis/example.com/v1"))
     names = {r["name"] for r in group["resources"]}
@@ -178,9 +178,17 @@ def test_builtin_tables_and_configmaps(kubectl, namespace):
     assert "service/s created" in svc
     row = kubectl("get", "svc", "s", "-n", namespace, "--no-headers").split()
     assert row[1] == "ClusterIP" and row[2].startswith("10.96.") and row[4] == "80/TCP"
-    # typed generators send protobuf, which localkube answers with 415 (documented)
-    generated = kubectl.run("create", "configmap", "gen", "-n", namespace, "--from-literal=a=b", check=False)
-    assert generated.returncode != 0 and "application/json" in generated.stderr
+    # typed generators send protobuf: localkube reads it for the common kinds and answers 415 for the others
+    kubectl("create", "configmap", "gen", "-n", namespace, "--from-literal=a=b", "--from-literal=c=d")
+    generated = kubectl.json("get", "cm", "gen", "-n", namespace)
+    assert generated["data"] == {"a": "b", "c": "d"} and "generateName" not in generated["metadata"]
+    kubectl("create", "secret", "generic", "gen", "-n", namespace, "--from-literal=key=val")
+    assert kubectl.json("get", "secret", "gen", "-n", namespace)["data"] == {"key": "dmFs"}
+    kubectl("create", "service", "clusterip", "gensvc", "-n", namespace, "--tcp=80:http")
+    assert kubectl.json("get", "svc", "gensvc", "-n", namespace)["spec"]["ports"][0]["targetPort"] == "http"
+    assert kubectl("auth", "can-i", "delete", "pods").strip() == "yes"
+    unsupported = kubectl.run("create", "pdb", "gen", "-n", namespace, "--selector=a=b", "--min-available=1", check=False)
+    assert unsupported.returncode != 0 and "application/json" in unsupported.stderr
 
 
 def test_strategic_merge_for_builtins(kubectl, namespace):
@@ -208,3 +216,22 @@ def test_namespace_deletion_empties_it(kubectl, crd, api):
     kubectl("delete", "namespace", "doomed", "--timeout=30s")
     assert kubectl.run("get", "ns", "doomed", check=False).returncode != 0
     assert kubectl("get", "wd", "-n", "doomed", "-o", "name").strip() == ""
+
+
+def test_deleting_a_crd_deletes_its_objects_first(kubectl, widget_crd, namespace):
+    crd = json.loads(json.dumps(widget_crd).replace("widgets", "gadgets").replace("Widget", "Gadget")
+                     .replace("widget", "gadget").replace('"wd"', '"gd"'))
+    kubectl.apply(crd)
+    kubectl("wait", "--for=condition=established", "crd/gadgets.example.com", "--timeout=20s")
+    gadget = {"apiVersion": "example.com/v1", "kind": "Gadget", "metadata": {"name": "g1", "namespace": namespace,
+                                                                              "finalizers": ["example.com/hold"]},
+              "spec": {"size": "small"}}
+    kubectl.apply(gadget)
+    kubectl("delete", "crd", "gadgets.example.com", "--wait=false")
+    wait_for(lambda: kubectl.json("get", "gadgets", "g1", "-n", namespace)["metadata"].get("deletionTimestamp"),
+             what="the CRD's objects to be deleted first")
+    terminating = kubectl.json("get", "crd", "gadgets.example.com")
+    assert "Terminating" in {c["type"] for c in terminating["status"]["conditions"]}
+    kubectl("patch", "gadgets", "g1", "-n", namespace, "--type", "merge", "-p", '{"metadata":{"finalizers":null}}')
+    wait_for(lambda: kubectl.run("get", "crd", "gadgets.example.com", check=False).returncode != 0, what="CRD removal")
+    assert "gadgets" not in kubectl("api-resources")

@@ -1,22 +1,29 @@
-"""Metrics sources: pod scraping against stub workers that export the real worker metrics (fast), target and
-file_sd rendering, PromQL rendering, and error handling. The Prometheus-backed source is tested against a real
-Prometheus in test_metrics_source_prometheus.py."""
+"""Metrics sources: pod scraping against stub workers that export the real worker metrics, target and file_sd
+rendering, PromQL rendering and error handling (fast); the Prometheus-backed source against a real Prometheus
+process scraping the same stub workers (slow)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import shutil
+import socket
+import subprocess
 import threading
+import time
 from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+import yaml
 
 from controllers.analysis import RevisionSample, analyse, histogram_quantile
 from controllers.autoscaling import MetricsSample
 from crds.models import AnalysisSpec, Verdict
-from datetime import datetime, timezone
 from fleet_operator.metrics_source import (
     LoadSample,
     MetricsSource,
@@ -49,7 +56,7 @@ class StubWorker:
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            def do_GET(self) -> None:
                 if stub.mode == "error":
                     self.send_response(500)
                     self.end_headers()
@@ -66,7 +73,9 @@ class StubWorker:
 
         self.server = ThreadingHTTPServer((ip, 0), Handler)
         self.address = f"{ip}:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
         self.thread.start()
 
     def _fresh_metrics(self) -> WorkerMetrics:
@@ -375,3 +384,151 @@ def test_load_sample_rejects_impossible_values() -> None:
     with pytest.raises(ValueError):
         LoadSample(kv_cache_utilization=1.5)
     assert RevisionSample().stale is False  # the analysis sample's own default: judged by its values
+
+
+# ------------------------------------------------------------------------------------------- real Prometheus
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _poll(predicate: Callable[[], Any], what: str, timeout_s: float, poll_s: float = 0.25) -> Any:
+    last = None
+    for _ in range(int(timeout_s / poll_s) + 1):
+        last = predicate()
+        if last:
+            return last
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}; last: {last!r}")
+
+
+async def _apoll(predicate: Callable[[], Any], what: str, timeout_s: float, poll_s: float = 0.25) -> Any:
+    last = None
+    for _ in range(int(timeout_s / poll_s) + 1):
+        last = await predicate()
+        if last:
+            return last
+        await asyncio.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}; last: {last!r}")
+
+
+@pytest.fixture
+def prometheus(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """A real Prometheus (Debian package) on a free loopback port, scraping the file_sd targets every second."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.fail("prometheus is missing: install Debian `prometheus` (scripts/setup-system.sh does it)")
+    sd_path = tmp_path / "workers.json"
+    write_file_sd(sd_path, [])
+    config = tmp_path / "prometheus.yml"
+    config.write_text(yaml.safe_dump(local_prometheus_config(sd_path, scrape_interval_s=1)))
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "prometheus.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
+             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
+    try:
+        def ready() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(f"prometheus exited: {log_path.read_text()[-2000:]}")
+            try:
+                return httpx.get(f"{url}/-/ready", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        _poll(ready, "prometheus to be ready", 30)
+        yield url, sd_path
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(15)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_prometheus_source_against_a_real_prometheus(
+    stubs: Callable[..., StubWorker], prometheus: tuple[str, Path]
+) -> None:
+    url, sd_path = prometheus
+    stable, canary = stubs("s1", revision="old"), stubs("c1", revision="new")
+    stable.stats = EngineStats(num_waiting=2, num_running=1, kv_cache_usage=0.5)
+    canary.stats = EngineStats(num_waiting=4, num_running=2, kv_cache_usage=0.3)
+    write_file_sd(sd_path, [stable.target(), canary.target()])
+    src = PrometheusSource(url, timeout_s=5, max_age_s=30, ttft_window_s=20, min_window_s=10)
+    try:
+        async def both_scraped() -> LoadSample | None:
+            sample = await src.load(VARIANT, [])
+            return sample if sample.ready_pods == 2 else None
+
+        load = await _apoll(both_scraped, "both pods scraped", 40)
+        assert load.queue_depth_per_replica == pytest.approx(3.0)
+        assert load.kv_cache_utilization == pytest.approx(0.4)
+        assert (load.waiting_requests, load.running_requests) == (6.0, 3.0)
+        assert not load.stale and load.to_autoscaling() is not None
+
+        stable.serve(40, ttft_s=0.1, itl_s=0.01)
+        canary.serve(20, ttft_s=0.7, itl_s=0.01, errors=(503, 404, *["stream_aborted"] * 10))
+        stable_sel, canary_sel = Selector("ns", "smol", revision="old"), Selector("ns", "smol", revision="new")
+
+        async def canary_counted() -> RevisionSample | None:
+            sample = await src.revision(canary_sel, [], 20)
+            return sample if (sample.requests or 0) >= 32 * 0.99 else None
+
+        c = await _apoll(canary_counted, "canary requests in Prometheus", 30)
+        s = await src.revision(stable_sel, [], 20)
+
+        # Errors on series older than the window count through increase(): a 4 s window, 5 s after the first
+        # 503 (born above), sees only the new ones.
+        await asyncio.sleep(5)
+        canary.serve(0, ttft_s=0.1, errors=(503, 503, 503))
+        short = PrometheusSource(url, timeout_s=5, max_age_s=30, min_window_s=1)
+        try:
+            async def new_errors_counted() -> RevisionSample | None:
+                sample = await short.revision(canary_sel, [], 4)
+                return sample if (sample.errors or 0) >= 3 * 0.99 else None
+
+            later = await _apoll(new_errors_counted, "later canary errors in Prometheus", 20)
+        finally:
+            await short.aclose()
+    finally:
+        await src.aclose()
+
+    # Extrapolated, but without the 11 errors from before the window (counting whole series would give 14).
+    assert later.errors <= 3 * 2
+
+    # increase() extrapolates towards the window's ends, so counts over a short history come out high.
+    assert 32 * 0.99 <= c.requests <= 32 * 2 and 40 * 0.99 <= s.requests <= 40 * 2
+    # Error series born inside the window (the counter has no series before its first error) count whole:
+    # 503 and stream_aborted count, 404 does not.
+    assert c.errors == pytest.approx(11)
+    assert s.errors == 0 and (s.pods, c.pods) == (1, 1) and not c.stale
+    # Prometheus's histogram_quantile over rates agrees with ours over the same increases.
+    assert c.ttft_p95_seconds == pytest.approx(histogram_quantile(0.95, _cumulative(TTFT_BUCKETS, 0.7, 20)))
+    assert s.ttft_p95_seconds == pytest.approx(histogram_quantile(0.95, _cumulative(TTFT_BUCKETS, 0.1, 40)))
+    assert s.itl_p95_seconds == pytest.approx(c.itl_p95_seconds)
+    result = analyse(AnalysisSpec(min_requests=10), s, c, step=0, now=datetime(2025, 1, 1, tzinfo=timezone.utc))
+    assert result.verdict == Verdict.FAIL and "TTFT p95 ratio" in result.message
+
+
+def test_every_query_is_valid_promql(tmp_path: Path) -> None:
+    """promtool parses each query (as a recording rule), so a typo fails here, not at run time."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.fail("promtool is missing: install Debian `prometheus` (scripts/setup-system.sh does it)")
+    queries = [*load_queries(VARIANT, 60).values(), *revision_queries(Selector("n", 'd"x', revision="r"), 30).values()]
+    rules = {"groups": [{"name": "q", "rules": [{"record": f"q:{i}", "expr": q} for i, q in enumerate(queries)]}]}
+    path = tmp_path / "rules.yaml"
+    path.write_text(yaml.safe_dump(rules))
+    result = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(queries)} rules found" in result.stdout

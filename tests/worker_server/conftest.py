@@ -92,7 +92,8 @@ class Launcher:
     def __init__(self) -> None:
         self.started: list[Live] = []
 
-    def __call__(self, engine: EngineClient | None = None, wait_loaded: bool = True, **overrides: Any) -> Live:
+    def __call__(self, engine: EngineClient | None = None, wait_loaded: bool = True, load_timeout_s: float = 10.0,
+                 **overrides: Any) -> Live:
         engine = engine if engine is not None else FakeEngine()
         fields: dict[str, Any] = {"model": "fake://fake-model", "engine": "fake", "host": "127.0.0.1", "port": 0}
         fields.update(overrides)
@@ -104,7 +105,8 @@ class Launcher:
         live = Live(worker, engine, thread, f"http://127.0.0.1:{worker.port}")
         self.started.append(live)
         if wait_loaded:
-            wait_until(lambda: worker.service.loaded or worker.service.load_error, "the engine to load")
+            wait_until(lambda: worker.service.loaded or worker.service.load_error, "the engine to load",
+                       timeout_s=load_timeout_s, poll_s=0.05)
         return live
 
     def stop_all(self) -> None:

@@ -104,3 +104,18 @@ def test_two_apps_in_one_process_do_not_share_metrics() -> None:
     a.generated(5)
     assert 'vllm:generation_tokens_total{model_name="a"} 5.0' in a.render().decode()
     assert 'vllm:generation_tokens_total{model_name="b"} 0.0' in b.render().decode()
+
+
+def test_a_backend_registry_replaces_our_vllm_series() -> None:
+    """The vLLM backend exports vLLM's own series: ours under the same names must then be left out."""
+    from prometheus_client import CollectorRegistry, Gauge
+
+    backend = CollectorRegistry()
+    Gauge("vllm:num_requests_running", "vLLM's own", ["model_name", "engine"], registry=backend).labels("m", "0").set(7)
+    metrics = WorkerMetrics("m", lambda: EngineStats(num_running=3), lambda: ServerGauges(True, 1, 2), backend)
+    metrics.generated(5)
+    lines = metrics.render().decode().splitlines()
+    assert 'vllm:num_requests_running{engine="0",model_name="m"} 7.0' in lines
+    assert not any(line.startswith("vllm:generation_tokens") for line in lines)
+    assert sum(line.startswith("# TYPE vllm:num_requests_running ") for line in lines) == 1
+    assert 'llmfleet:draining{model_name="m"} 1.0' in lines
