@@ -11,7 +11,8 @@ API-key auth on), and the report gives the ratios gateway/direct. Every loop is 
 The load generator, the workers and the gateway share the machine's cores, so absolute figures depend on it;
 the ratios are the point. TTFT is measured from sending the request to the first `data:` event; per-token
 latency (ITL) is (last event - first event) / (tokens - 1) of a stream, so bursts count as they are felt;
-throughput is tokens delivered per second over the run.
+throughput is tokens delivered per second over the run. The gateway's own CPU time per request and per token
+(Linux /proc) is the figure least disturbed by other load on the machine.
 """
 
 from __future__ import annotations
@@ -54,6 +55,15 @@ class Run:
             "tokens_per_s": self.tokens / self.seconds if self.seconds else 0.0,
             "errors": self.errors,
         }
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc), 0.0 where unavailable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _p95(xs: list[float]) -> float:
@@ -121,7 +131,7 @@ async def bench(args: argparse.Namespace) -> list[dict[str, object]]:
             port = free_port()
             gw_args = ["-m", "llmfleet.cli", "gateway", "--port", str(port), "--backend", "bench=" + ",".join(urls),
                        "--api-keys-file", str(keys), "--log-level", "warning"]
-            async with spawn(sys.executable, *gw_args):
+            async with spawn(sys.executable, *gw_args) as gw_proc:
                 gateway = f"http://127.0.0.1:{port}"
                 await wait_http_ok(gateway + "/ready")
                 auth = {"authorization": f"Bearer {KEY}"}
@@ -130,7 +140,10 @@ async def bench(args: argparse.Namespace) -> list[dict[str, object]]:
                 for streams in args.streams:
                     per_stream = min(args.max_per_stream, max(1, args.requests // streams))
                     direct = (await load(urls, streams, per_stream, args.tokens, {})).summary()
-                    through = (await load([gateway], streams, per_stream, args.tokens, auth)).summary()
+                    cpu0 = cpu_seconds(gw_proc.proc.pid)
+                    through_run = await load([gateway], streams, per_stream, args.tokens, auth)
+                    cpu = cpu_seconds(gw_proc.proc.pid) - cpu0
+                    through = through_run.summary()
                     rows.append({
                         "streams": streams,
                         "requests": streams * per_stream,
@@ -141,6 +154,8 @@ async def bench(args: argparse.Namespace) -> list[dict[str, object]]:
                         "itl_added_ms": through["itl_p50_ms"] - direct["itl_p50_ms"],
                         "itl_ratio": through["itl_p50_ms"] / direct["itl_p50_ms"],
                         "throughput_ratio": through["tokens_per_s"] / direct["tokens_per_s"],
+                        "gateway_cpu_ms_per_request": 1000 * cpu / (streams * per_stream),
+                        "gateway_cpu_us_per_token": 1e6 * cpu / max(1, through_run.tokens),
                     })
     return rows
 
@@ -162,14 +177,16 @@ def main() -> None:
         return
     print(f"gateway vs direct: {args.workers} stub workers, {args.tokens} tokens/answer {1000 * args.delay:.0f} ms apart, "
           f"{os.cpu_count()} CPUs shared by load generator, workers and gateway")
-    head = f"{'streams':>7} {'TTFT p50 direct/gw ms':>22} {'+ms':>7} {'ratio':>6} {'ITL p50 direct/gw ms':>21} {'+ms':>6} {'ratio':>6} {'tok/s direct/gw':>16} {'ratio':>6} {'errors':>6}"
+    head = (f"{'streams':>7} {'TTFT p50 direct/gw ms':>22} {'+ms':>7} {'ratio':>6} {'ITL p50 direct/gw ms':>21} {'+ms':>6} "
+            f"{'ratio':>6} {'tok/s direct/gw':>16} {'ratio':>6} {'errors':>6} {'gw CPU ms/req':>13} {'us/token':>8}")
     print(head)
     for r in rows:
         d, g = r["direct"], r["gateway"]
         print(
             f"{r['streams']:>7} {d['ttft_p50_ms']:>10.2f}/{g['ttft_p50_ms']:<11.2f} {r['ttft_added_ms']:>7.2f} {r['ttft_ratio']:>6.2f} "  # type: ignore[index]
             f"{d['itl_p50_ms']:>10.2f}/{g['itl_p50_ms']:<10.2f} {r['itl_added_ms']:>6.2f} {r['itl_ratio']:>6.2f} "  # type: ignore[index]
-            f"{d['tokens_per_s']:>7.0f}/{g['tokens_per_s']:<8.0f} {r['throughput_ratio']:>6.2f} {d['errors'] + g['errors']:>6}"  # type: ignore[index]
+            f"{d['tokens_per_s']:>7.0f}/{g['tokens_per_s']:<8.0f} {r['throughput_ratio']:>6.2f} {d['errors'] + g['errors']:>6} "  # type: ignore[index]
+            f"{r['gateway_cpu_ms_per_request']:>13.2f} {r['gateway_cpu_us_per_token']:>8.0f}"
         )
 
 

@@ -3,23 +3,30 @@
 from controllers.actions import (
     Action,
     CreatePod,
+    DeletePdb,
     DeletePod,
     EmitEvent,
+    EnsurePdb,
     EnsureSecret,
     EnsureService,
     EventType,
     PatchStatus,
     Plan,
+    RemoveAnnotations,
+    StartDrain,
 )
-from controllers.observed import Observed, PodInfo
+from controllers.observed import DrainProbe, Observed, PodInfo, ProbeState
 from controllers.pods import PodDefaults
 from controllers.reconcile import Policy, reconcile
 
 __all__ = [
     "Action",
     "CreatePod",
+    "DeletePdb",
     "DeletePod",
+    "DrainProbe",
     "EmitEvent",
+    "EnsurePdb",
     "EnsureSecret",
     "EnsureService",
     "EventType",
@@ -29,5 +36,8 @@ __all__ = [
     "PodDefaults",
     "PodInfo",
     "Policy",
+    "ProbeState",
+    "RemoveAnnotations",
+    "StartDrain",
     "reconcile",
 ]

@@ -439,6 +439,11 @@ def _missing_data_headline(metrics: MetricsSample | None, now: float) -> str:
     return f"{why}: holding, missing data never scales down"
 
 
+# Signals aggregated over a time range (a 1-minute average, a 1-minute percentile): they keep reporting the old
+# congestion for that long after new pods serve. The queue is an instant gauge.
+_LAGGING: frozenset[SignalName] = frozenset({"kvCacheUtilization", "ttftP95Seconds"})
+
+
 def _hold_period(policy: AutoscalingPolicy) -> float:
     return policy.expected_startup_seconds + policy.settle_seconds
 
@@ -472,10 +477,10 @@ def _startup_aware(
     Starting pods are already in `current`, so a steady signal asks for nothing more while they load. But a queue
     keeps growing until new pods serve, and averages and percentiles over a range keep reporting the congestion
     after they are ready, so signals rise although the capacity that answers them is on its way. While pods still
-    load (created less than `expected_startup_seconds` ago) or settle (ready for less than `settle_seconds`), a
-    signal that asked for a scale-up within that time is held at what it asked for. Signals that did not ask are
-    free: new demand of another kind (or after a small scale-up caused by noise in another signal) is answered
-    at once.
+    load (created less than `expected_startup_seconds` ago), a signal that asked for a scale-up within that time
+    is held at what it asked for; range-aggregated signals stay held while new pods settle (ready for less than
+    `settle_seconds`). Signals that did not ask are free: new demand of another kind (or after a small scale-up
+    caused by noise in another signal) is answered at once.
     """
     wanted = {signal.name: signal.replicas for signal in signals}
     loading = [t for t in pods.starting_since if now - t < policy.expected_startup_seconds]
@@ -485,7 +490,9 @@ def _startup_aware(
     held = dict(wanted)
     for name, replicas in wanted.items():
         record = answered.get(name)
-        if record is not None and now - record.time < _hold_period(policy) and replicas > record.replicas:
+        if record is None or now - record.time >= _hold_period(policy) or replicas <= record.replicas:
+            continue
+        if loading or name in _LAGGING:
             held[name] = max(current, record.replicas)
     if max(held.values()) < max(wanted.values()):
         what = f"{len(loading)} pod(s) starting" if loading else f"{len(settling)} new pod(s) settling"

@@ -5,17 +5,22 @@ returns the actions that move the cluster one safe step towards the spec, plus t
 it stands. Run it again after the actions land and it asks for the next step; run it twice on the same input
 and it asks for the same thing (actions are idempotent: deterministic pod names, uid-guarded deletes).
 
-Rules, per variant (sizes from `controllers.sizing`, revisions from `controllers.revision`):
+Rules, per variant (sizes from `controllers.sizing`, revisions and canary steps from `controllers.rollout`):
+- The rollout machine decides which revisions the variant runs (the stable one, and during a canary the canary
+  beside it, each with its pod count and traffic share); pods of any other revision are old.
 - Ended pods (Failed/Succeeded) are deleted and replaced.
-- Pods to remove are the old-revision pods and the surplus beyond the desired size; they go in
+- Pods to remove are the old-revision pods and the surplus beyond each wanted revision's count; they go in
   `controllers.ordering` order. An unready pod may always go (it serves nothing); a ready one only while the
-  variant keeps at least `desired - policy.max_unavailable` ready pods.
-- New pods are created up to the desired size; while old-revision pods remain, the variant may hold up to
-  `desired + policy.max_surge` pods, so a revision change replaces pods without dropping capacity.
-- Pods of variants no longer in the spec are deleted; pods labelled for the deployment but controlled by
-  another owner are left alone.
-An invalid spec changes nothing running: the pass only reports it (InvalidSpec condition, Warning Event).
-A deployment being deleted has all its pods deleted; the plan is `finished` once none is left.
+  variant keeps at least `wanted - policy.max_unavailable` ready pods. Removal means draining
+  (`controllers.draining`): a serving pod is marked and drained, then deleted; one serving nothing is deleted.
+- New pods are created up to each wanted count; while old-revision pods remain, the variant may hold up to
+  `wanted + policy.max_surge` pods (draining and terminating ones included), so a revision change replaces pods
+  without dropping capacity or holding more than `max_surge` extra pods' worth of resources.
+- Pods of variants no longer in the spec are removed (drained); pods labelled for the deployment but controlled
+  by another owner are left alone. Each variant has a PodDisruptionBudget (`controllers.pods.pdb_manifest`).
+An invalid spec changes nothing running (drains already under way finish): the pass only reports it
+(InvalidSpec condition, Warning Event). A deployment being deleted has all its pods drained and deleted; the
+plan is `finished` once none is left.
 """
 
 from __future__ import annotations
@@ -27,16 +32,21 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from controllers import draining, rollout
 from controllers.actions import (
     Action,
     CreatePod,
+    DeletePdb,
     DeletePod,
     EmitEvent,
+    EnsurePdb,
     EnsureSecret,
     EnsureService,
     EventType,
     PatchStatus,
     Plan,
+    RemoveAnnotations,
+    StartDrain,
 )
 from controllers.conditions import WantedCondition, find, merge_conditions
 from controllers.observed import Observed, PodInfo
@@ -45,30 +55,36 @@ from controllers.pods import (
     DRAIN_TOKEN_KEY,
     PodDefaults,
     label_selector,
+    pdb_manifest,
+    pdb_matches,
+    pdb_name,
     pod_manifest,
     pod_name,
-    pod_template,
     secret_manifest,
     service_manifest,
     service_matches,
 )
-from controllers.revision import revision_of
 from controllers.sizing import VariantSize, desired_sizes, shares_spec_replicas, split_by_weight
 from crds.helpers import dump_status, parse_spec, parse_status
 from crds.models import (
     ConditionStatus,
     ConditionType,
+    DrainReason,
+    DrainSpec,
+    DrainStatus,
     Endpoint,
     InferenceDeploymentSpec,
     InferenceDeploymentStatus,
     Phase,
     RevisionReplicas,
+    RolloutPhase,
+    RolloutStatus,
     VariantSpec,
     VariantStatus,
 )
 from crds.validate import validate
 
-# Status fields this controller writes; the rest (rollout, autoscaling, drains) belong to other controllers.
+# Status fields this controller writes; the rest (autoscaling) belong to other controllers.
 OWNED_STATUS_FIELDS = (
     "observedGeneration",
     "phase",
@@ -79,9 +95,12 @@ OWNED_STATUS_FIELDS = (
     "conditions",
     "variants",
     "endpoints",
+    "rollout",
+    "drains",
 )
 MAX_REVISIONS_PER_VARIANT = 8
 MAX_ENDPOINTS = 64
+MAX_DRAINS = 256
 _PERCENT = 100
 
 
@@ -97,7 +116,7 @@ class Policy:
 @dataclass(frozen=True)
 class _VariantOutcome:
     creates: tuple[CreatePod, ...]
-    deletes: tuple[DeletePod, ...]
+    removals: tuple[Action, ...]  # DeletePod (serves nothing) or StartDrain (may serve)
     status: VariantStatus
     endpoints: tuple[Endpoint, ...]
     progressing: str  # why it is still moving, "" when settled
@@ -111,10 +130,10 @@ def reconcile(resource: Mapping[str, Any], observed: Observed, now: datetime, po
     previous = _previous_status(resource.get("status"))
     own = tuple(pod for pod in observed.pods if pod.owner_uid == meta.get("uid"))
     if meta.get("deletionTimestamp"):
-        return _deleting(meta, previous, own, now)
+        return _deleting(meta, resource.get("spec"), previous, own, observed, now, policy)
     problems = validate(resource.get("spec"))
     if problems:
-        return _invalid(meta, previous, [str(problem) for problem in problems], now)
+        return _invalid(meta, resource.get("spec"), previous, [str(p) for p in problems], own, observed, now, policy)
     return _converge(meta, parse_spec(resource["spec"]), previous, own, observed, now, policy)
 
 
@@ -133,6 +152,8 @@ def _converge(
     name = meta["name"]
     generation = meta.get("generation")
     sizes = desired_sizes(spec, previous.autoscaling)
+    desired = {variant: size.replicas for variant, size in sizes.items()}
+    timeout, port = spec.drain.timeout_seconds, policy.defaults.port
     actions: list[Action] = []
     events: list[EmitEvent] = []
     if not observed.secret_exists:
@@ -140,21 +161,30 @@ def _converge(
     service = service_manifest(meta, policy.defaults)
     if observed.service is None or not service_matches(observed.service, service):
         actions.append(EnsureService(service))
+    actions += _pdb_actions(meta, spec, observed)
 
+    decision, revisions = _rollout(meta, spec, previous.rollout, pods, desired, observed, now, policy)
+    plans = rollout.variant_rollouts(decision.status, revisions, desired)
+    progress = draining.advance(pods, observed.drain_probes, now, timeout_s=timeout, port=port)
     outcomes = [
-        _plan_variant(meta, spec, variant, sizes[variant.name], pods, policy) for variant in spec.variants
+        _plan_variant(meta, variant, sizes[variant.name], plans[variant.name], pods, policy, now, timeout)
+        for variant in spec.variants
     ]
     names = {variant.name for variant in spec.variants}
     orphans = tuple(
-        DeletePod(p.name, p.uid, p.variant, p.revision, "Orphaned", f"variant {p.variant!r} is no longer in the spec")
+        draining.remove(p, DrainReason.SCALE_DOWN, f"variant {p.variant!r} is no longer in the spec", now, timeout,
+                        port)
         for p in pods
-        if p.variant not in names and not p.deleting
+        if p.variant not in names and not p.deleting and not p.draining
     )
+    actions += progress.actions
     for outcome in outcomes:
-        actions += outcome.deletes
+        actions += outcome.removals
     actions += orphans
     for outcome in outcomes:
         actions += outcome.creates
+    if decision.remove_annotations:
+        actions.append(RemoveAnnotations(decision.remove_annotations))
 
     old_sizes = {v.name: v.desired_replicas for v in previous.variants}
     for outcome in outcomes:
@@ -181,8 +211,11 @@ def _converge(
     invalid_before = find(previous.conditions, ConditionType.INVALID_SPEC)
     if invalid_before is not None and invalid_before.status == ConditionStatus.TRUE:
         events.append(EmitEvent(EventType.NORMAL, "SpecValid", "the spec is valid again; reconciling it"))
+    events += decision.events
 
-    status = _status(name, generation, previous, outcomes, orphans, observed, now)
+    starts = [a for a in actions if isinstance(a, StartDrain) and a.mark]
+    drains = _drains(progress.drains, starts)
+    status = _status(name, generation, previous, outcomes, orphans, observed, now, decision.status, drains)
     patch = _status_patch(previous, status)
     if patch is not None:
         actions.append(PatchStatus(patch))
@@ -191,28 +224,91 @@ def _converge(
         + (f", {o.progressing}" if o.progressing else "")
         for o in outcomes
     )
-    return Plan(actions=tuple(actions) + tuple(events), notes=notes)
+    if decision.status.phase != RolloutPhase.STABLE:
+        notes += (f"rollout {decision.status.phase.value}: {decision.status.message}",)
+    waits = [w for w in (progress.requeue_after, decision.requeue_after) if w is not None]
+    return Plan(
+        actions=tuple(actions) + tuple(events), requeue_after=min(waits) if waits else None, notes=notes
+    )
+
+
+def _rollout(
+    meta: Mapping[str, Any],
+    spec: InferenceDeploymentSpec,
+    previous: RolloutStatus,
+    pods: Sequence[PodInfo],
+    desired: Mapping[str, int],
+    observed: Observed,
+    now: datetime,
+    policy: Policy,
+) -> tuple[rollout.RolloutDecision, dict[str, rollout.VariantRevisions]]:
+    """Run the rollout machine; return its decision and the revisions under the stable snapshot it leaves."""
+    name = meta["name"]
+    stable = rollout.stable_spec_of(spec, previous.stable_spec)
+    revisions = rollout.variant_revisions(name, spec, stable, policy.defaults)
+    decision = rollout.advance(
+        rollout.RolloutInput(
+            canary=spec.rollout.canary if spec.rollout is not None else None,
+            previous=previous,
+            revisions=revisions,
+            snapshot=rollout.pod_snapshot(spec),
+            pods=pods,
+            desired=desired,
+            annotations=meta.get("annotations") or {},
+            analysis=observed.analysis,
+            now=now,
+        )
+    )
+    if decision.status.stable_spec != previous.stable_spec:
+        stable = rollout.stable_spec_of(spec, decision.status.stable_spec)
+        revisions = rollout.variant_revisions(name, spec, stable, policy.defaults)
+    return decision, revisions
+
+
+def _pdb_actions(meta: Mapping[str, Any], spec: InferenceDeploymentSpec, observed: Observed) -> list[Action]:
+    """A PodDisruptionBudget per variant; budgets of removed variants (ones this deployment controls) go."""
+    actions: list[Action] = []
+    wanted = {pdb_name(meta["name"], v.name): pdb_manifest(meta, v.name) for v in spec.variants}
+    for name, manifest in wanted.items():
+        have = observed.pdbs.get(name)
+        if have is None or not pdb_matches(have, manifest):
+            actions.append(EnsurePdb(manifest))
+    for name, have in sorted(observed.pdbs.items()):
+        owners = (have.get("metadata") or {}).get("ownerReferences") or []
+        ours = any(ref.get("controller") and ref.get("uid") == meta.get("uid") for ref in owners)
+        if name not in wanted and ours:
+            actions.append(DeletePdb(name))
+    return actions
+
+
+def _drains(progress: Sequence[DrainStatus], starts: Sequence[StartDrain]) -> list[DrainStatus]:
+    """status.drains: the drains going on plus the ones starting now (bounded)."""
+    known = {entry.pod for entry in progress}
+    fresh = [draining.status_of(start) for start in starts if start.name not in known]
+    return sorted([*progress, *fresh], key=lambda entry: entry.started_at)[:MAX_DRAINS]
 
 
 def _plan_variant(
     meta: Mapping[str, Any],
-    spec: InferenceDeploymentSpec,
     variant: VariantSpec,
     size: VariantSize,
+    plan: rollout.VariantRollout,
     all_pods: Sequence[PodInfo],
     policy: Policy,
+    now: datetime,
+    timeout: int,
 ) -> _VariantOutcome:
-    template = pod_template(meta["name"], spec, variant, policy.defaults)
-    revision = revision_of(template)
-    desired = size.replicas
+    wanted = {w.revision: w for w in plan.wanted}
+    primary = plan.primary
+    total = sum(w.replicas for w in plan.wanted)
+    port = policy.defaults.port
     pods = [p for p in all_pods if p.variant == variant.name]
-    ended = [p for p in pods if p.failed and not p.deleting]
+    ended = [p for p in pods if p.failed and not p.deleting and not p.draining]
     live = [p for p in pods if p.live]
     going = [p for p in pods if not p.live and not p.failed]  # deleting or draining
-    current = [p for p in live if p.revision == revision]
-    old = [p for p in live if p.revision != revision]
+    old = [p for p in live if p.revision not in wanted]
 
-    deletes = [
+    removals: list[Action] = [
         DeletePod(
             p.name,
             p.uid,
@@ -223,56 +319,70 @@ def _plan_variant(
         )
         for p in ended
     ]
-    surplus = deletion_order(current, revision)[: max(0, len(current) - desired)]
-    budget = sum(p.ready for p in live) - max(0, desired - policy.max_unavailable)
-    for pod in deletion_order(old + surplus, revision):
+    surplus: list[PodInfo] = []
+    for want in plan.wanted:
+        mine = [p for p in live if p.revision == want.revision]
+        surplus += deletion_order(mine, want.revision)[: max(0, len(mine) - want.replicas)]
+    budget = sum(p.ready for p in live) - max(0, total - policy.max_unavailable)
+    for pod in deletion_order(old + surplus, wanted.keys()):
         if pod.ready:
             if budget <= 0:
                 continue
             budget -= 1
-        if pod.revision != revision:
-            reason, why = "Rollout", f"revision {pod.revision} replaced by {revision}"
+        if pod.revision not in wanted:
+            reason, why = DrainReason.ROLLOUT, f"revision {pod.revision} replaced by {primary.revision}"
         else:
-            reason, why = "ScaleDown", f"variant {variant.name} scales down to {desired}"
-        state = "ready" if pod.ready else "unready"
-        deletes.append(DeletePod(pod.name, pod.uid, variant.name, pod.revision, reason, f"{why} ({state} pod)"))
+            count = wanted[pod.revision].replicas
+            reason, why = DrainReason.SCALE_DOWN, f"variant {variant.name} revision {pod.revision} scales down to {count}"
+        removals.append(draining.remove(pod, reason, why, now, timeout, port))
 
-    removed = {d.name for d in deletes}
+    removed = {getattr(action, "name", None) for action in removals}
     remaining = [p for p in live if p.name not in removed]
-    old_left = any(p.revision != revision for p in remaining)
-    room = desired + (policy.max_surge if old_left else 0) - len(remaining)
-    count = max(0, min(desired - len(current), room))
+    old_left = any(p.revision not in wanted for p in remaining)
+    # Up to the wanted count of live pods always; beyond it, while old pods remain, `max_surge` more, counting
+    # pods still draining or terminating (they hold their node's resources, GPUs included, until they are gone).
+    leaving = len(going) + sum(p.name in removed for p in live)
+    room = total - len(remaining) + (max(0, policy.max_surge - leaving) if old_left else 0)
     taken = {p.name for p in pods}
     creates: list[CreatePod] = []
-    slot = 0
-    while len(creates) < count:
-        if pod_name(meta["name"], variant.name, revision, slot) not in taken:
-            reason = "Rollout" if old else ("Replace" if ended else "ScaleUp")
-            creates.append(
-                CreatePod(
-                    pod_manifest(meta, template, variant.name, revision, slot),
-                    variant.name,
-                    revision,
-                    reason,
-                    f"variant {variant.name} wants {desired} pods of revision {revision}, has {len(current)}",
+    for want in plan.wanted:
+        have = sum(p.revision == want.revision for p in live)
+        count = max(0, min(want.replicas - have, room))
+        room -= count
+        made, slot = 0, 0
+        while made < count:
+            if pod_name(meta["name"], variant.name, want.revision, slot) not in taken:
+                if want.canary:
+                    reason = "Canary"
+                else:
+                    reason = "Rollout" if old else ("Replace" if ended else "ScaleUp")
+                creates.append(
+                    CreatePod(
+                        pod_manifest(meta, want.template, variant.name, want.revision, slot),
+                        variant.name,
+                        want.revision,
+                        reason,
+                        f"variant {variant.name} wants {want.replicas} pods of revision {want.revision}, has {have}",
+                    )
                 )
-            )
-        slot += 1
+                made += 1
+            slot += 1
 
     ready = sum(p.ready for p in live)
-    progressing = _progress_reason(desired, current, old, going, creates, deletes)
+    current = [p for p in live if p.revision in wanted]
+    progressing = _progress_reason(total, current, old, going, creates, removals)
     return _VariantOutcome(
         creates=tuple(creates),
-        deletes=tuple(deletes),
+        removals=tuple(removals),
         status=VariantStatus(
             name=variant.name,
             replicas=len(live),
             ready_replicas=ready,
-            desired_replicas=desired,
+            desired_replicas=size.replicas,
             draining_replicas=len(going),
-            revisions=_revision_status(revision, desired, live),
+            revisions=_revision_status(plan, live),
         ),
-        endpoints=_endpoints(variant, revision, live),
+        endpoints=_endpoints(variant, plan, live),
         progressing=progressing,
         stuck=tuple(p.name for p in live if p.stuck),
         failed=tuple(p.name for p in ended),
@@ -285,51 +395,62 @@ def _progress_reason(
     old: list[PodInfo],
     going: list[PodInfo],
     creates: list[CreatePod],
-    deletes: list[DeletePod],
+    removals: list[Action],
 ) -> str:
     if old:
         return f"replacing {len(old)} pod(s) of an old revision"
     if len(current) + len(creates) < desired or creates:
         return f"scaling up to {desired}"
-    if len(current) > desired or any(d.reason == "ScaleDown" for d in deletes):
+    if len(current) > desired or any(getattr(r, "reason", "") == DrainReason.SCALE_DOWN.value for r in removals):
         return f"scaling down to {desired}"
     starting = sum(not p.ready for p in current)
     if starting:
         return f"{starting} pod(s) starting"
     if going:
-        return f"{len(going)} pod(s) terminating"
+        return f"{len(going)} pod(s) draining or terminating"
     return ""
 
 
-def _revision_status(revision: str, desired: int, live: list[PodInfo]) -> list[RevisionReplicas]:
-    revisions = [revision] + sorted({p.revision or "" for p in live} - {revision})
+def _revision_status(plan: rollout.VariantRollout, live: list[PodInfo]) -> list[RevisionReplicas]:
+    counts = {w.revision: w.replicas for w in plan.wanted}
+    revisions = list(counts) + sorted({p.revision or "" for p in live} - set(counts))
     return [
         RevisionReplicas(
             revision=rev,
             replicas=sum(p.revision == rev for p in live),
             ready_replicas=sum(p.revision == rev and p.ready for p in live),
-            desired_replicas=desired if rev == revision else 0,
+            desired_replicas=counts.get(rev, 0),
         )
         for rev in revisions[:MAX_REVISIONS_PER_VARIANT]
     ]
 
 
-def _endpoints(variant: VariantSpec, revision: str, live: list[PodInfo]) -> tuple[Endpoint, ...]:
-    """Routing groups of a variant: one per revision with pods (the current one always), the variant's weight
-    split between them by ready pods (x100 so shares stay integers; weights are relative)."""
-    revisions = [revision] + sorted({p.revision for p in live if p.revision} - {revision})
+def _endpoints(variant: VariantSpec, plan: rollout.VariantRollout, live: list[PodInfo]) -> tuple[Endpoint, ...]:
+    """Routing groups of a variant: one per revision with pods (the wanted ones always), weights x100 so shares
+    stay integers (weights are relative). During a canary the stable and canary revisions get their step's
+    percentages and any other revision none; otherwise the variant's weight is split between its revisions by
+    ready pods, except rejected (muted) revisions, which get none."""
+    wanted = [w.revision for w in plan.wanted]
+    revisions = wanted + sorted({p.revision for p in live if p.revision} - set(wanted))
     revisions = revisions[:MAX_REVISIONS_PER_VARIANT]
-    ready = [sum(p.revision == rev and p.ready for p in live) for rev in revisions]
-    if sum(ready) == 0:
-        ready = [1] + [0] * (len(revisions) - 1)
-    percents = split_by_weight(_PERCENT, ready)
+    split = {w.revision: w.weight for w in plan.wanted if w.weight is not None}
+    if split:
+        percents = [split.get(rev, 0) for rev in revisions]
+    else:
+        ready = [0 if rev in plan.muted else sum(p.revision == rev and p.ready for p in live) for rev in revisions]
+        if sum(ready) == 0:
+            ready = [1] + [0] * (len(revisions) - 1)
+        percents = split_by_weight(_PERCENT, ready)
+    canaries = {w.revision for w in plan.wanted if w.canary}
+    quantization = {w.revision: w.quantization for w in plan.wanted}
     return tuple(
         Endpoint(
             variant=variant.name,
             revision=rev,
             weight=variant.weight * percent,
             tiers=list(variant.tiers),
-            quantization=variant.quantization,
+            quantization=quantization.get(rev, variant.quantization),
+            canary=rev in canaries,
         )
         for rev, percent in zip(revisions, percents, strict=True)
     )
@@ -343,9 +464,11 @@ def _status(
     generation: int | None,
     previous: InferenceDeploymentStatus,
     outcomes: list[_VariantOutcome],
-    orphans: tuple[DeletePod, ...],
+    orphans: tuple[Action, ...],
     observed: Observed,
     now: datetime,
+    rollout_status: RolloutStatus,
+    drains: list[DrainStatus],
 ) -> InferenceDeploymentStatus:
     variants = [o.status for o in outcomes]
     desired = sum(v.desired_replicas for v in variants)
@@ -371,13 +494,7 @@ def _status(
     moving = [f"{o.status.name}: {o.progressing}" for o in outcomes if o.progressing]
     if orphans:
         moving.append(f"removing {len(orphans)} pod(s) of removed variants")
-    progressing = (
-        WantedCondition(ConditionType.PROGRESSING, ConditionStatus.TRUE, "ReplicasUpdating", "; ".join(moving))
-        if moving
-        else WantedCondition(
-            ConditionType.PROGRESSING, ConditionStatus.FALSE, "ReplicasUpToDate", "all variants at desired size"
-        )
-    )
+    progressing = _progressing_condition(rollout_status, moving)
     stuck = [pod for o in outcomes for pod in o.stuck]
     failed = [pod for o in outcomes for pod in o.failed]
     troubles = []
@@ -401,7 +518,7 @@ def _status(
         phase = Phase.DEGRADED
     elif available.status != ConditionStatus.TRUE:
         phase = Phase.PENDING
-    elif moving:
+    elif progressing.status == ConditionStatus.TRUE:
         phase = Phase.PROGRESSING
     else:
         phase = Phase.AVAILABLE
@@ -419,17 +536,54 @@ def _status(
             ),
             "variants": variants,
             "endpoints": endpoints,
+            "rollout": rollout_status,
+            "drains": drains,
         }
     )
 
 
+# Progressing=True reasons while the rollout machine is moving.
+_ROLLOUT_REASONS = {
+    RolloutPhase.PROGRESSING: "CanaryProgressing",
+    RolloutPhase.PROMOTING: "Promoting",
+    RolloutPhase.ROLLING_BACK: "CanaryRollingBack",
+}
+
+
+def _progressing_condition(rollout_status: RolloutStatus, moving: list[str]) -> WantedCondition:
+    """Progressing: True while pods move or a rollout is under way; False with `CanaryRolledBack` when the spec's
+    revision was rejected (the spec is not what runs, and nothing will change until it does)."""
+    phase = rollout_status.phase
+    if phase in _ROLLOUT_REASONS:
+        message = "; ".join([rollout_status.message, *moving]) if rollout_status.message else "; ".join(moving)
+        return WantedCondition(ConditionType.PROGRESSING, ConditionStatus.TRUE, _ROLLOUT_REASONS[phase], message)
+    if moving:
+        return WantedCondition(ConditionType.PROGRESSING, ConditionStatus.TRUE, "ReplicasUpdating", "; ".join(moving))
+    if phase == RolloutPhase.ROLLED_BACK:
+        return WantedCondition(
+            ConditionType.PROGRESSING, ConditionStatus.FALSE, "CanaryRolledBack", rollout_status.message
+        )
+    return WantedCondition(
+        ConditionType.PROGRESSING, ConditionStatus.FALSE, "ReplicasUpToDate", "all variants at desired size"
+    )
+
+
 def _status_patch(previous: InferenceDeploymentStatus, status: InferenceDeploymentStatus) -> dict[str, Any] | None:
-    """The owned status fields when any changed (None = nothing to write). Removed fields are sent as null."""
+    """The owned status fields when any changed (None = nothing to write), as a JSON merge patch: removed
+    fields, at any depth of an object, are sent as null (lists are replaced whole)."""
     before, after = dump_status(previous), dump_status(status)
-    patch = {key: after.get(key) for key in OWNED_STATUS_FIELDS}
-    if all(before.get(key) == patch[key] for key in OWNED_STATUS_FIELDS):
+    if all(before.get(key) == after.get(key) for key in OWNED_STATUS_FIELDS):
         return None
-    return patch
+    return {key: _replacing(before.get(key), after.get(key)) for key in OWNED_STATUS_FIELDS}
+
+
+def _replacing(before: Any, after: Any) -> Any:
+    """`after` as a merge-patch value that turns `before` into `after`."""
+    if isinstance(before, dict) and isinstance(after, dict):
+        patch = {key: _replacing(before.get(key), value) for key, value in after.items()}
+        patch.update({key: None for key in before if key not in after})
+        return patch
+    return after
 
 
 def _previous_status(raw: Any) -> InferenceDeploymentStatus:
@@ -440,25 +594,47 @@ def _previous_status(raw: Any) -> InferenceDeploymentStatus:
         return InferenceDeploymentStatus()
 
 
+def _drain_timeout(raw_spec: Any) -> int:
+    """drain.timeoutSeconds of a spec that may not parse (invalid, or being deleted): the default if unreadable."""
+    drain = raw_spec.get("drain") if isinstance(raw_spec, Mapping) else None
+    try:
+        return DrainSpec.model_validate(drain or {}).timeout_seconds
+    except ValidationError:
+        return DrainSpec().timeout_seconds
+
+
 # ------------------------------------------------------------------------------------------ invalid and deleting
 
 
 def _invalid(
-    meta: Mapping[str, Any], previous: InferenceDeploymentStatus, problems: list[str], now: datetime
+    meta: Mapping[str, Any],
+    raw_spec: Any,
+    previous: InferenceDeploymentStatus,
+    problems: list[str],
+    pods: Sequence[PodInfo],
+    observed: Observed,
+    now: datetime,
+    policy: Policy,
 ) -> Plan:
     generation = meta.get("generation")
     message = "; ".join(problems)
     condition = WantedCondition(ConditionType.INVALID_SPEC, ConditionStatus.TRUE, "ValidationFailed", message)
     keep = [c for c in previous.conditions if c.type != ConditionType.INVALID_SPEC.value]
+    # Drains already under way finish (their workers refuse new requests); nothing else changes.
+    progress = draining.advance(
+        pods, observed.drain_probes, now, timeout_s=_drain_timeout(raw_spec), port=policy.defaults.port
+    )
+    starts = [a for a in progress.actions if isinstance(a, StartDrain) and a.mark]
     status = previous.model_copy(
         update={
             "observed_generation": generation,
             "phase": Phase.INVALID_SPEC,
             "label_selector": label_selector(meta["name"]),
             "conditions": merge_conditions(keep, [condition], now, generation),
+            "drains": _drains(progress.drains, starts),
         }
     )
-    actions: list[Action] = []
+    actions: list[Action] = list(progress.actions)
     patch = _status_patch(previous, status)
     if patch is not None:
         actions.append(PatchStatus(patch))
@@ -476,17 +652,29 @@ def _invalid(
                 f"spec generation {generation} is invalid; running pods are left as they are: {message}",
             )
         )
-    return Plan(actions=tuple(actions), notes=(f"invalid spec: {message}",))
+    return Plan(actions=tuple(actions), requeue_after=progress.requeue_after, notes=(f"invalid spec: {message}",))
 
 
 def _deleting(
-    meta: Mapping[str, Any], previous: InferenceDeploymentStatus, pods: Sequence[PodInfo], now: datetime
+    meta: Mapping[str, Any],
+    raw_spec: Any,
+    previous: InferenceDeploymentStatus,
+    pods: Sequence[PodInfo],
+    observed: Observed,
+    now: datetime,
+    policy: Policy,
 ) -> Plan:
-    deletes = tuple(
-        DeletePod(p.name, p.uid, p.variant, p.revision, "Deletion", "the InferenceDeployment is being deleted")
+    timeout, port = _drain_timeout(raw_spec), policy.defaults.port
+    progress = draining.advance(pods, observed.drain_probes, now, timeout_s=timeout, port=port)
+    why = "the InferenceDeployment is being deleted"
+    removals: list[Action] = [
+        draining.remove(p, DrainReason.DELETION, why, now, timeout, port) for p in pods if p.live
+    ]
+    removals += [
+        DeletePod(p.name, p.uid, p.variant, p.revision, DrainReason.DELETION.value, f"{why} (ended pod)")
         for p in pods
-        if not p.deleting
-    )
+        if p.failed and not p.deleting and not p.draining
+    ]
     left = len(pods)
     condition = WantedCondition(
         ConditionType.PROGRESSING,
@@ -495,18 +683,24 @@ def _deleting(
         f"removing {left} pod(s) before the InferenceDeployment goes",
     )
     keep = [c for c in previous.conditions if c.type != ConditionType.PROGRESSING.value]
+    starts = [a for a in (*progress.actions, *removals) if isinstance(a, StartDrain) and a.mark]
     status = previous.model_copy(
         update={
             "phase": Phase.TERMINATING,
             "conditions": merge_conditions(keep, [condition], now, meta.get("generation")),
+            "drains": _drains(progress.drains, starts),
         }
     )
-    actions: list[Action] = list(deletes)
+    actions: list[Action] = [*progress.actions, *removals]
     if left:
         patch = _status_patch(previous, status)
         if patch is not None:
             actions.append(PatchStatus(patch))
     if previous.phase != Phase.TERMINATING and left:
         actions.append(EmitEvent(EventType.NORMAL, "Terminating", f"removing {left} pod(s) before deletion"))
-    return Plan(actions=tuple(actions), finished=left == 0, notes=(f"deleting: {left} pod(s) left",))
-
+    return Plan(
+        actions=tuple(actions),
+        requeue_after=progress.requeue_after,
+        finished=left == 0,
+        notes=(f"deleting: {left} pod(s) left",),
+    )

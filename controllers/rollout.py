@@ -48,9 +48,10 @@ from controllers.actions import EmitEvent, EventType
 from controllers.observed import PodInfo, marked
 from controllers.pods import PodDefaults, pod_template
 from controllers.revision import revision_of
-from crds.helpers import dump_spec, parse_spec
+from crds.helpers import dump_spec, parse_spec, parse_status
 from crds.models import (
     AnalysisResult,
+    AnalysisSpec,
     CanarySpec,
     InferenceDeploymentSpec,
     Quantization,
@@ -58,6 +59,7 @@ from crds.models import (
     RolloutStatus,
     Verdict,
 )
+from crds.validate import validate
 
 PROMOTE = "llmfleet.io/promote"
 ABORT = "llmfleet.io/abort"
@@ -513,6 +515,7 @@ class WantedRevision:
     template: Mapping[str, Any]
     replicas: int
     weight: int | None  # percent of the variant's traffic; None = shared with old revisions by ready pods
+    quantization: Quantization = Quantization.NONE
     canary: bool = False
 
 
@@ -541,15 +544,21 @@ def variant_rollouts(
             stable_n, canary_n = shares(status.canary_weight, count)
             plans[name] = VariantRollout(
                 (
-                    WantedRevision(r.stable, r.stable_template, stable_n, _PERCENT - status.canary_weight),
-                    WantedRevision(r.target, r.target_template, canary_n, status.canary_weight, canary=True),
+                    WantedRevision(r.stable, r.stable_template, stable_n, _PERCENT - status.canary_weight,
+                                   r.stable_quantization),
+                    WantedRevision(r.target, r.target_template, canary_n, status.canary_weight,
+                                   r.target_quantization, canary=True),
                 )
             )
         elif running:
-            plans[name] = VariantRollout((WantedRevision(r.target, r.target_template, count, _PERCENT),))
+            plans[name] = VariantRollout(
+                (WantedRevision(r.target, r.target_template, count, _PERCENT, r.target_quantization),)
+            )
         else:
             muted = frozenset({r.target}) if r.changed else frozenset()
-            plans[name] = VariantRollout((WantedRevision(r.stable, r.stable_template, count, None),), muted)
+            plans[name] = VariantRollout(
+                (WantedRevision(r.stable, r.stable_template, count, None, r.stable_quantization),), muted
+            )
     return plans
 
 
@@ -588,3 +597,44 @@ def combine(results: Mapping[str, AnalysisResult], *, step: int, now: datetime) 
     if len(message) > 4096:
         message = message[:4093] + "..."
     return worst.model_copy(update={"message": message, "time": now, "step": step})
+
+
+@dataclass(frozen=True)
+class AnalysisRequest:
+    """A canary analysis check that is due now: what to compare, against which thresholds."""
+
+    step: int
+    comparisons: tuple[Comparison, ...]
+    spec: AnalysisSpec
+    model: str  # the served model name (quality-probe requests name it)
+    window_s: float  # the interval the check covers
+
+
+def analysis_request(
+    resource: Mapping[str, Any], now: datetime, defaults: PodDefaults
+) -> AnalysisRequest | None:
+    """The check the operator should run for this InferenceDeployment now, or None: no canary runs, the spec is
+    invalid, the deployment is being deleted, the check is not due yet, or the spec has moved on from the
+    running canary (the next reconcile pass supersedes it; analysing it would be wasted)."""
+    meta = resource.get("metadata") or {}
+    if meta.get("deletionTimestamp") or validate(resource.get("spec")):
+        return None
+    spec = parse_spec(resource["spec"])
+    try:
+        status = parse_status(resource.get("status") if isinstance(resource.get("status"), Mapping) else None)
+    except ValidationError:
+        return None
+    canary = spec.rollout.canary if spec.rollout is not None else None
+    if canary is None or not analysis_due(status.rollout, canary, now):
+        return None
+    revisions = variant_revisions(meta["name"], spec, stable_spec_of(spec, status.rollout.stable_spec), defaults)
+    compared = comparisons(revisions)
+    if not compared or revision_id({c.variant: c.canary for c in compared}) != status.rollout.canary_revision:
+        return None
+    return AnalysisRequest(
+        step=status.rollout.step,
+        comparisons=compared,
+        spec=canary.analysis,
+        model=spec.model.name,
+        window_s=float(canary.analysis.interval_seconds),
+    )

@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.auth import KeyStore
 from gateway.errors import error_body
@@ -55,6 +56,18 @@ def create_app(
 
     app = FastAPI(title="llmfleet gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = state
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """Unknown paths and methods answer in OpenAI's error shape too."""
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return Response(
+            error_body(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code),
+            status_code=exc.status_code,
+            media_type="application/json",
+            headers=exc.headers,
+        )
+
     app.add_route("/v1/chat/completions", ProxyEndpoint(state, "/v1/chat/completions"))
     app.add_route("/v1/completions", ProxyEndpoint(state, "/v1/completions"))
 

@@ -87,5 +87,6 @@ def gateway_command(
         log_level=log_level.lower(),
         backlog=4096,
         timeout_keep_alive=30,
+        timeout_graceful_shutdown=settings.shutdown_grace_seconds,
         access_log=False,
     )

@@ -287,7 +287,7 @@ class _Request:
         self.model_label = dep.model
         prompt = prompt_text(body)
         verdict = state.limiter.check(self.principal.key_id, key_tier, estimate_prompt_tokens(prompt), state.clock())
-        self.response_headers = dict(verdict.headers)
+        self.response_headers = {**verdict.headers, "x-request-id": self.request_id}
         if not verdict.allowed:
             state.metrics.rate_limited.labels(key_tier.name, verdict.limit or "").inc()
             retry = self.response_headers.pop("retry-after")
@@ -301,7 +301,7 @@ class _Request:
             state.metrics.shed.labels(tier.name, r.reason).inc()
             raise _Failure(503, r.message, "overloaded", {"retry-after": str(s.retry_after_seconds)}) from None
         try:
-            return await self._route_and_proxy(send, watch, body, dep, suffix, tier, key_tier, stream, prompt)
+            return await self._route_and_proxy(send, watch, dep, suffix, tier, key_tier, stream, prompt)
         finally:
             state.admission.release()
 
@@ -309,7 +309,6 @@ class _Request:
         self,
         send: Send,
         watch: _DisconnectWatch,
-        body: dict[str, Any],
         dep: DeploymentRoute,
         suffix: str | None,
         tier: TierSettings,
@@ -333,7 +332,6 @@ class _Request:
         key = affinity_key(prompt, s.affinity_prefix_chars)
         upstream = await self._open(dep.model, variant.name, key, stream)
         try:
-            self.response_headers["x-request-id"] = self.request_id
             self.response_headers["x-llmfleet-variant"] = upstream.variant
             self.response_headers["x-llmfleet-revision"] = upstream.revision
             if upstream.first_chunk is None:

@@ -99,6 +99,9 @@ class GatewaySettings(_Strict):
     health_interval_seconds: float = Field(default=2.0, gt=0, description="Static mode: GET /ready period.")
     health_timeout_seconds: float = Field(default=2.0, gt=0, description="Static mode: timeout of one GET /ready.")
     retry_after_seconds: int = Field(default=1, ge=1, description="Retry-After sent with the gateway's own 503s.")
+    shutdown_grace_seconds: float = Field(
+        default=30.0, ge=0, description="On SIGTERM, how long streams in progress may finish before they are cut."
+    )
     seed: int | None = Field(default=None, description="Seed of the routing randomness (tests); unset = random.")
 
     @field_validator("tiers")

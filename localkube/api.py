@@ -202,9 +202,10 @@ class ApiCore:
 
     def _write_update(self, rt: ResourceType, current: dict, new: dict, subresource: str, opts: WriteOptions) -> dict:
         name = current["metadata"]["name"]
-        if subresource != "status":
-            pruned = rt.strategy.prune_and_default(new, rt.api_version)
-            self._field_validation(rt, pruned, opts)
+        pruned = rt.strategy.prune_and_default(new, rt.api_version)  # status writes are pruned too
+        if subresource == "status":
+            pruned = [p for p in pruned if p == "status" or p.startswith("status.") or p.startswith("status[")]
+        self._field_validation(rt, pruned, opts)
         new = rt.strategy.to_internal(new, rt.storage_version)
         old_meta = current["metadata"]
         meta = new.setdefault("metadata", {})
@@ -235,9 +236,7 @@ class ApiCore:
                 raise errors.invalid(rt.kind, rt.group, name, [Cause(
                     "metadata.finalizers", "FieldValueForbidden",
                     f"Forbidden: no new finalizers can be added if the object is being deleted, found new finalizers {json.dumps(sorted(added))}")])
-        causes = self._validate_meta(rt, new, current)
-        if subresource != "status":
-            causes += rt.strategy.validate_schema(new, rt.api_version)
+        causes = self._validate_meta(rt, new, current) + rt.strategy.validate_schema(new, rt.api_version)
         causes += rt.strategy.validate(new, current, self)
         if causes:
             raise errors.invalid(rt.kind, rt.group, name, causes)

@@ -175,6 +175,20 @@ class PodStrategy(Strategy):
 
     def prepare_create(self, obj, core):
         spec = obj.setdefault("spec", {})
+        self._default_spec(spec)
+        spec.setdefault("tolerations", [
+            {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300},
+            {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300},
+        ])
+        obj["status"] = {"phase": "Pending", "qosClass": _qos(spec)}
+
+    def prepare_update(self, new, old, core):
+        super().prepare_update(new, old, core)
+        if isinstance(new.get("spec"), dict):
+            self._default_spec(new["spec"])  # defaults apply to every write, so a replace equals the stored spec
+
+    @staticmethod
+    def _default_spec(spec: dict) -> None:
         spec.setdefault("restartPolicy", "Always")
         spec.setdefault("terminationGracePeriodSeconds", 30)
         spec.setdefault("dnsPolicy", "ClusterFirst")
@@ -188,14 +202,9 @@ class PodStrategy(Strategy):
         else:
             spec["serviceAccountName"] = "default"
         spec["serviceAccount"] = spec["serviceAccountName"]
-        spec.setdefault("tolerations", [
-            {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300},
-            {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300},
-        ])
         for c in (spec.get("containers") or []) + (spec.get("initContainers") or []):
             if isinstance(c, dict):
                 _default_container(c)
-        obj["status"] = {"phase": "Pending", "qosClass": _qos(spec)}
 
     def validate(self, obj, old, core):
         spec = obj.get("spec")

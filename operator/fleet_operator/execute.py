@@ -3,9 +3,14 @@
 Each action is one API call: AlreadyExists on create and NotFound on delete mean "already done"; a delete is
 guarded by the pod's uid, so a pod recreated under the same name is never hit by a stale decision; conflicts,
 throttling and server errors are retried a few times (`kube.with_retries`). Independent calls run
-concurrently; each successful pod create or delete is recorded as a Kubernetes Event on the InferenceDeployment (so
-`kubectl describe infd` tells the story). Failures come back as strings: the next pass shows them in the
-Degraded condition and a Warning Event, and the operator keeps running.
+concurrently; each successful pod create, delete or drain is recorded as a Kubernetes Event on the
+InferenceDeployment (so `kubectl describe infd` tells the story). Failures come back as strings: the next pass
+shows them in the Degraded condition and a Warning Event, and the operator keeps running.
+
+A `StartDrain` is two calls in order: the pod's mark (a merge patch of its label and annotations: routing stops,
+and the drain survives an operator restart), then `POST /drain` to the worker with the deployment's drain token.
+A failed POST is not an API error: it is logged, and the drain machine sees on its next probe whether the worker
+drains, asks again, or deletes a worker that no longer answers.
 """
 
 from __future__ import annotations
@@ -22,29 +27,38 @@ from typing import Any
 
 from controllers import (
     CreatePod,
+    DeletePdb,
     DeletePod,
     EmitEvent,
+    EnsurePdb,
     EnsureSecret,
     EnsureService,
     EventType,
     PatchStatus,
     Plan,
+    RemoveAnnotations,
+    StartDrain,
 )
+from controllers.draining import mark_patch
 from controllers.pods import MANAGED_BY
+from fleet_operator.drain_client import WorkerDrains
 from fleet_operator.kube import ApiError, KubeApi, namespaced, with_retries
-from fleet_operator.observe import deployment_path
+from fleet_operator.observe import deployment_path, drain_token, pdbs_path
 
 log = logging.getLogger(__name__)
 COMPONENT = MANAGED_BY
 MAX_EVENT_MESSAGE = 1024
 
 
-async def execute(api: KubeApi, plan: Plan, resource: Mapping[str, Any]) -> list[str]:
-    """Run the plan's actions; returns the errors, empty if none.
+async def execute(
+    api: KubeApi, plan: Plan, resource: Mapping[str, Any], drains: WorkerDrains | None = None
+) -> list[str]:
+    """Run the plan's actions; returns the errors, empty if none. Without `drains` no `POST /drain` is sent (the
+    pods are still marked; their preStop hook drains them when they are deleted).
 
-    Order: the drain-token Secret; then the Service, pod deletes and pod creates together; then the status patch
-    and the Events together (an Event per successful create/delete, the plan's own Events, and one Warning that
-    lists any failures)."""
+    Order: the drain-token Secret; then the Service, the budgets, pod deletes, drains and pod creates together;
+    then the status patch, annotation removals and the Events together (an Event per successful create, delete
+    or drain, the plan's own Events, and one Warning that lists any failures)."""
     meta = resource["metadata"]
     namespace = meta.get("namespace", "default")
     errors: list[str] = []
@@ -63,17 +77,37 @@ async def execute(api: KubeApi, plan: Plan, resource: Mapping[str, Any]) -> list
         await attempt("create drain-token Secret", lambda a=secret: _create_secret(api, namespace, a))
     services = plan.of_type(EnsureService)
     deletes = plan.of_type(DeletePod)
+    starts = plan.of_type(StartDrain)
     creates = plan.of_type(CreatePod)
-    outcomes = await asyncio.gather(
+    token = await _token(api, namespace, meta["name"]) if starts and drains is not None else None
+    await asyncio.gather(
         *(attempt("ensure Service", lambda a=a: _ensure_service(api, namespace, a)) for a in services),
+        *(attempt(f"ensure PodDisruptionBudget {b.name}", lambda b=b: _ensure_pdb(api, namespace, b))
+          for b in plan.of_type(EnsurePdb)),
+        *(attempt(f"delete PodDisruptionBudget {b.name}", lambda b=b: _delete_pdb(api, namespace, b))
+          for b in plan.of_type(DeletePdb)),
+    )
+    outcomes = await asyncio.gather(
         *(attempt(f"delete pod {d.name}", lambda d=d: _delete_pod(api, namespace, d)) for d in deletes),
+        *(attempt(f"mark pod {s.name} draining", lambda s=s: _mark(api, namespace, s)) for s in starts),
         *(attempt(f"create pod {c.name}", lambda c=c: _create_pod(api, namespace, c)) for c in creates),
     )
-    done, made = outcomes[len(services) : len(services) + len(deletes)], outcomes[len(services) + len(deletes) :]
+    done = outcomes[: len(deletes)]
+    marked = outcomes[len(deletes) : len(deletes) + len(starts)]
+    made = outcomes[len(deletes) + len(starts) :]
+    if drains is not None:
+        await asyncio.gather(
+            *(_post_drain(drains, s, token, namespace) for s, ok in zip(starts, marked, strict=True) if ok)
+        )
     events: list[EmitEvent] = [
         EmitEvent(EventType.NORMAL, "DeletedPod", f"deleted pod {d.name} ({d.reason}): {d.message}")
         for d, ok in zip(deletes, done, strict=True)
         if ok
+    ]
+    events += [
+        EmitEvent(EventType.NORMAL, "DrainingPod", f"draining pod {s.name} ({s.reason}): {s.message}")
+        for s, ok in zip(starts, marked, strict=True)
+        if ok and s.mark
     ]
     events += [
         EmitEvent(EventType.NORMAL, "CreatedPod", f"created pod {c.name} ({c.reason}): {c.message}")
@@ -84,6 +118,8 @@ async def execute(api: KubeApi, plan: Plan, resource: Mapping[str, Any]) -> list
     await asyncio.gather(
         *(attempt("patch status", lambda p=p: _patch_status(api, namespace, meta["name"], p))
           for p in plan.of_type(PatchStatus)),
+        *(attempt("remove annotations", lambda r=r: _remove_annotations(api, namespace, meta["name"], r))
+          for r in plan.of_type(RemoveAnnotations)),
         *(_post_event(api, resource, event) for event in events),
     )
     if errors:
@@ -105,6 +141,59 @@ async def _delete_pod(api: KubeApi, namespace: str, action: DeletePod) -> None:
     except ApiError as error:
         # NotFound: already gone. Conflict: the uid precondition failed, the name now belongs to a new pod.
         if not (error.not_found or error.status == 409):
+            raise
+
+
+async def _mark(api: KubeApi, namespace: str, action: StartDrain) -> None:
+    """Label and annotate a pod as draining (NotFound: the pod is gone, nothing to drain)."""
+    if not action.mark:
+        return
+    try:
+        await api.merge_patch(namespaced(namespace, "pods", action.name), mark_patch(action))
+    except ApiError as error:
+        if not error.not_found:
+            raise
+
+
+async def _post_drain(drains: WorkerDrains, action: StartDrain, token: str | None, namespace: str) -> None:
+    if action.address is None:
+        return
+    problem = await drains.post(action.address, token)
+    if problem is not None:
+        log.info("%s/%s: %s (the next probe decides what follows)", namespace, action.name, problem)
+
+
+async def _token(api: KubeApi, namespace: str, name: str) -> str | None:
+    try:
+        return await drain_token(api, namespace, name)
+    except Exception as error:  # noqa: BLE001 - without a token the POST is refused; the drain still times out
+        log.warning("%s/%s: cannot read the drain token: %s", namespace, name, error)
+        return None
+
+
+async def _ensure_pdb(api: KubeApi, namespace: str, action: EnsurePdb) -> None:
+    try:
+        await api.create(pdbs_path(namespace), action.manifest)
+    except ApiError as error:
+        if not error.already_exists:
+            raise
+        await api.merge_patch(pdbs_path(namespace, action.name), {"spec": action.manifest["spec"]})
+
+
+async def _delete_pdb(api: KubeApi, namespace: str, action: DeletePdb) -> None:
+    try:
+        await api.delete(pdbs_path(namespace, action.name))
+    except ApiError as error:
+        if not error.not_found:
+            raise
+
+
+async def _remove_annotations(api: KubeApi, namespace: str, name: str, action: RemoveAnnotations) -> None:
+    body = {"metadata": {"annotations": {key: None for key in action.keys}}}
+    try:
+        await api.merge_patch(deployment_path(namespace, name), body)
+    except ApiError as error:
+        if not error.not_found:
             raise
 
 

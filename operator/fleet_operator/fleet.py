@@ -1,5 +1,8 @@
 """The reconcile loop of each InferenceDeployment: observe -> `controllers.reconcile` -> execute, then wait.
 
+A pass observes the CR and its children (asking draining pods how their drain goes), runs the canary analysis
+check when one is due (`analysis_runner`), plans, and executes the plan (marking and draining pods included).
+
 `Fleet.run` is the body of the per-deployment kopf daemon: it makes one pass, then sleeps until something
 changes (a watch event on the CR or one of its pods calls `wake`), until the plan asks to look again, or until
 the resync interval passes. Passes of one deployment never overlap (a lock per deployment; the deletion handler
@@ -14,10 +17,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 
 from controllers import Plan, Policy, reconcile
+from fleet_operator.analysis_runner import AnalysisRunner
+from fleet_operator.drain_client import WorkerDrains
 from fleet_operator.execute import execute
 from fleet_operator.kube import KubeApi
 from fleet_operator.observe import observe
@@ -44,6 +49,8 @@ class Fleet:
     api: KubeApi
     policy: Policy
     settings: OperatorSettings
+    drains: WorkerDrains | None = None  # None: pods are marked but not sent POST /drain, nor probed
+    analysis: AnalysisRunner | None = None  # None: no canary analysis (a canary then waits for a manual promote)
     _wakeups: dict[Key, set[asyncio.Event]] = field(default_factory=dict)  # one per loop of that deployment
     _locks: dict[Key, asyncio.Lock] = field(default_factory=dict)
     _errors: dict[Key, tuple[str, ...]] = field(default_factory=dict)
@@ -59,15 +66,29 @@ class Fleet:
         async with self._locks.setdefault(key, asyncio.Lock()):
             started = time.monotonic()
             try:
-                resource, observed = await observe(self.api, namespace, name, self._errors.get(key, ()))
+                seen = await observe(
+                    self.api, namespace, name, self._errors.get(key, ()), drains=self.drains,
+                    port=self.policy.defaults.port,
+                )
             except Exception as error:  # noqa: BLE001 - the API may be down: back off, never crash
                 log.warning("%s/%s: cannot read the deployment: %s", namespace, name, error)
                 self._errors[key] = (f"observe: {error}"[:500],)
                 return PassResult(None, self._errors[key])
+            resource, observed = seen.resource, seen.observed
             if resource is None:
                 return PassResult(None, gone=True)
-            plan = reconcile(resource, observed, datetime.now(timezone.utc), self.policy)
-            errors = tuple(await execute(self.api, plan, resource))
+            now = datetime.now(timezone.utc)
+            if self.analysis is not None:
+                try:
+                    result = await self.analysis.check(resource, seen.pods, now)
+                except Exception:  # noqa: BLE001 - analysis must never stop reconciling; no result is no verdict
+                    log.exception("%s/%s: canary analysis failed", namespace, name)
+                    result = None
+                if result is not None:
+                    log.info("%s/%s: canary analysis: %s", namespace, name, result.message)
+                    observed = replace(observed, analysis=result)
+            plan = reconcile(resource, observed, now, self.policy)
+            errors = tuple(await execute(self.api, plan, resource, self.drains))
             if plan.actions:
                 log.info(
                     "%s/%s: %d action(s) in %.0f ms; %s",

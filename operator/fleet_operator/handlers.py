@@ -1,7 +1,8 @@
 """kopf handlers: thin wiring from watch events and lifecycles to `Fleet` (all decisions live in `controllers`).
 
 - startup/cleanup: configure kopf (our finalizer name, annotation storage under `llmfleet.io`, only warnings as
-  kopf's own Events) and open/close the API client; login: the credentials found at start-up.
+  kopf's own Events) and open/close the API client, the workers' drain client and the canary analysis runner
+  (its metrics source: Prometheus when configured, else pod scraping); login: the credentials found at start-up.
 - a daemon per InferenceDeployment runs its reconcile loop (`Fleet.run`); kopf starts one for every existing CR
   when the operator starts (resume) and for every new one, and stops it when the CR is deleted.
 - `on.event` for the CRs and for pods labelled `llmfleet.io/deployment` wakes the owning deployment's loop, so
@@ -22,6 +23,8 @@ import kopf
 
 from controllers.observed import LABEL_DEPLOYMENT
 from crds.models import GROUP, PLURAL, VERSION
+from fleet_operator.analysis_runner import AnalysisRunner, metrics_source
+from fleet_operator.drain_client import WorkerDrains
 from fleet_operator.fleet import Fleet
 from fleet_operator.kube import Credentials, KubeApi
 from fleet_operator.settings import OperatorSettings
@@ -43,10 +46,13 @@ def build_registry(operator_settings: OperatorSettings, credentials: Credentials
             prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
         )
         settings.posting.level = logging.WARNING
+        policy = operator_settings.policy()
         memo.fleet = Fleet(
             KubeApi(credentials, timeout=operator_settings.api_timeout_seconds),
-            operator_settings.policy(),
+            policy,
             operator_settings,
+            drains=WorkerDrains(),
+            analysis=AnalysisRunner(metrics_source(operator_settings.prometheus_url), policy.defaults),
         )
 
     @kopf.on.cleanup(registry=registry)
@@ -54,6 +60,10 @@ def build_registry(operator_settings: OperatorSettings, credentials: Credentials
         fleet: Fleet | None = getattr(memo, "fleet", None)
         if fleet is not None:
             await fleet.api.aclose()
+            if fleet.drains is not None:
+                await fleet.drains.aclose()
+            if fleet.analysis is not None:
+                await fleet.analysis.aclose()
 
     @kopf.on.login(registry=registry)
     async def login(**_: Any) -> kopf.ConnectionInfo:

@@ -1,5 +1,5 @@
 """Builders for planner tests: InferenceDeployment dicts, pods in given states, and a tiny fake cluster that
-applies plans so multi-pass behaviour (convergence, rollouts) can be checked without an API server.
+applies plans so multi-pass behaviour (convergence, drains, rollouts) can be checked without an API server.
 
 Tests get them through the `kit` fixture (test modules cannot import this file by name under importlib mode)."""
 
@@ -14,8 +14,25 @@ from typing import Any
 
 import pytest
 
-from controllers import CreatePod, DeletePod, EnsureSecret, EnsureService, Observed, PatchStatus, Plan, reconcile
+from controllers import (
+    CreatePod,
+    DeletePdb,
+    DeletePod,
+    DrainProbe,
+    EnsurePdb,
+    EnsureSecret,
+    EnsureService,
+    Observed,
+    PatchStatus,
+    Plan,
+    ProbeState,
+    RemoveAnnotations,
+    StartDrain,
+    reconcile,
+)
+from controllers.draining import mark_patch
 from controllers.reconcile import Policy
+from crds.models import AnalysisResult
 
 NOW = datetime(2025, 1, 1, 12, 0, tzinfo=timezone.utc)
 UID = "uid-1"
@@ -38,6 +55,19 @@ def make_resource(spec: Mapping[str, Any] | None = None, **overrides: Any) -> di
     return resource
 
 
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch, as the API server applies `application/merge-patch+json`."""
+    if not isinstance(patch, Mapping):
+        return copy.deepcopy(patch)
+    result = dict(target) if isinstance(target, Mapping) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(result.get(key), value)
+    return result
+
+
 def pod_object(
     manifest: Mapping[str, Any],
     *,
@@ -46,6 +76,7 @@ def pod_object(
     age_s: float = 60,
     deleting: bool = False,
     waiting: str | None = None,
+    ip: str | None = "10.0.0.1",
 ) -> dict[str, Any]:
     """A pod as the API would return it after `manifest` was created and the kubelet ran it."""
     pod = copy.deepcopy(dict(manifest))
@@ -61,28 +92,52 @@ def pod_object(
         "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
         "containerStatuses": [container],
     }
+    if ip is not None:
+        pod["status"]["podIP"] = ip
     return pod
 
 
 @dataclass
 class FakeCluster:
-    """Pods and the CR, changed only by applying plans (plus the test's own pokes)."""
+    """Pods and the CR, changed only by applying plans (plus the test's own pokes).
+
+    Draining pods answer the drain probe with `in_flight[name]` requests in flight (0 unless a test sets it), so
+    by default a drain finishes on the pass after it started. `analysis` is handed to the next pass only (as the
+    operator's analysis runner would), and `now` is the pass's time."""
 
     resource: dict[str, Any]
     policy: Policy = field(default_factory=Policy)
     pods: dict[str, dict[str, Any]] = field(default_factory=dict)
     secret: bool = False
     service: dict[str, Any] | None = None
+    pdbs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    in_flight: dict[str, int] = field(default_factory=dict)
+    posts: list[str] = field(default_factory=list)  # pods that were sent POST /drain, in order
+    analysis: AnalysisResult | None = None
+    now: datetime = NOW
     clock: int = 0
 
     def observed(self) -> Observed:
-        return Observed.from_objects(self.pods.values(), self.service, {} if self.secret else None)
+        probes = {
+            name: DrainProbe(ProbeState.ANSWERED, draining=name in self.posts, in_flight=self.in_flight.get(name, 0))
+            for name, pod in self.pods.items()
+            if "llmfleet.io/draining" in (pod["metadata"].get("labels") or {})
+        }
+        analysis, self.analysis = self.analysis, None
+        return Observed.from_objects(
+            self.pods.values(),
+            self.service,
+            {} if self.secret else None,
+            drain_probes=probes,
+            pdbs=self.pdbs.values(),
+            analysis=analysis,
+        )
 
     def plan(self) -> Plan:
-        return reconcile(self.resource, self.observed(), NOW, self.policy)
+        return reconcile(self.resource, self.observed(), self.now, self.policy)
 
     def apply(self, plan: Plan, *, ready: bool = True) -> None:
-        """Creates become pods (ready or not), deletes remove pods at once, status patches land."""
+        """Creates become pods (ready or not), drains mark pods, deletes remove pods at once, patches land."""
         for action in plan.actions:
             if isinstance(action, CreatePod):
                 self.clock += 1
@@ -91,14 +146,25 @@ class FakeCluster:
             elif isinstance(action, DeletePod):
                 assert self.pods[action.name]["metadata"]["uid"] == action.uid
                 del self.pods[action.name]
+            elif isinstance(action, StartDrain):
+                pod = self.pods[action.name]
+                if action.mark:
+                    pod["metadata"] = merge_patch(pod["metadata"], mark_patch(action)["metadata"])
+                self.posts.append(action.name)
             elif isinstance(action, PatchStatus):
-                status = dict(self.resource.get("status") or {})
-                status.update(action.status)
-                self.resource["status"] = status
+                self.resource["status"] = merge_patch(self.resource.get("status") or {}, dict(action.status))
             elif isinstance(action, EnsureSecret):
                 self.secret = True
             elif isinstance(action, EnsureService):
                 self.service = dict(action.manifest)
+            elif isinstance(action, EnsurePdb):
+                self.pdbs[action.name] = copy.deepcopy(dict(action.manifest))
+            elif isinstance(action, DeletePdb):
+                del self.pdbs[action.name]
+            elif isinstance(action, RemoveAnnotations):
+                annotations = self.resource["metadata"].get("annotations") or {}
+                for key in action.keys:
+                    annotations.pop(key, None)
 
     def set_ready(self, name: str, ready: bool = True) -> None:
         pod = self.pods[name]
@@ -110,7 +176,7 @@ class FakeCluster:
         """Plan/apply until a plan changes no pods; returns the passes used. `check` runs after each pass."""
         for used in range(1, passes + 1):
             plan = self.plan()
-            changes = plan.of_type(CreatePod) + plan.of_type(DeletePod)
+            changes = plan.of_type(CreatePod) + plan.of_type(DeletePod) + plan.of_type(StartDrain)
             self.apply(plan, ready=ready)
             if check is not None:
                 check(self)
@@ -133,5 +199,11 @@ def build_cluster(spec: Mapping[str, Any] | None = None, policy: Policy | None =
 @pytest.fixture
 def kit() -> SimpleNamespace:
     return SimpleNamespace(
-        now=NOW, uid=UID, resource=make_resource, pod=pod_object, cluster=build_cluster, reconcile=reconcile
+        now=NOW,
+        uid=UID,
+        resource=make_resource,
+        pod=pod_object,
+        cluster=build_cluster,
+        reconcile=reconcile,
+        merge_patch=merge_patch,
     )

@@ -7,7 +7,16 @@ from datetime import timedelta
 
 import pytest
 
-from controllers import CreatePod, DeletePod, EmitEvent, EnsureSecret, EnsureService, Observed, PatchStatus
+from controllers import (
+    CreatePod,
+    DeletePod,
+    EmitEvent,
+    EnsureSecret,
+    EnsureService,
+    Observed,
+    PatchStatus,
+    StartDrain,
+)
 from controllers.reconcile import Policy
 
 
@@ -18,6 +27,11 @@ def _conditions(plan):
 
 def _revision(plan) -> str:
     return plan.of_type(CreatePod)[0].revision
+
+
+def _removals(plan):
+    """Pods the plan removes, in order: drained (ready ones) or deleted at once (ones serving nothing)."""
+    return [a for a in plan.actions if isinstance(a, (StartDrain, DeletePod))]
 
 
 # ---------------------------------------------------------------------------------------------------- scaling
@@ -68,8 +82,9 @@ def test_scale_to_spec_replicas(kit, existing, replicas, creates, deletes):
     c.resource["spec"]["replicas"] = replicas
     plan = c.plan()
     assert len(plan.of_type(CreatePod)) == creates
-    assert len(plan.of_type(DeletePod)) == deletes
-    assert {d.reason for d in plan.of_type(DeletePod)} <= {"ScaleDown"}
+    assert len(_removals(plan)) == deletes
+    assert plan.of_type(DeletePod) == []  # the pods are ready: they are drained first
+    assert {d.reason for d in _removals(plan)} <= {"ScaleDown"}
     c.converge()
     assert len(c.pods) == replicas
 
@@ -80,8 +95,9 @@ def test_scale_down_removes_unready_then_youngest(kit):
     names = sorted(c.pods, key=lambda n: c.pods[n]["metadata"]["creationTimestamp"])  # oldest first
     c.set_ready(names[0], False)  # the oldest pod is unready: it goes first despite its age
     c.resource["spec"]["replicas"] = 2
-    deleted = [d.name for d in c.plan().of_type(DeletePod)]
-    assert deleted == [names[0], names[3]]
+    removals = _removals(c.plan())
+    assert [d.name for d in removals] == [names[0], names[3]]
+    assert [type(d) for d in removals] == [DeletePod, StartDrain]  # the unready one serves nothing: no drain
 
 
 def test_steady_state_plans_nothing(kit):
@@ -246,9 +262,11 @@ def test_pods_of_a_removed_variant_are_deleted(kit):
     c.converge()
     c.resource["spec"]["variants"] = [{"name": "a"}]
     plan = c.plan()
-    (delete,) = plan.of_type(DeletePod)
-    assert delete.variant == "b" and delete.reason == "Orphaned"
+    (drain,) = _removals(plan)
+    assert isinstance(drain, StartDrain) and drain.variant == "b" and "no longer in the spec" in drain.message
     assert plan.of_type(CreatePod) == []
+    c.converge()
+    assert {p["metadata"]["labels"]["llmfleet.io/variant"] for p in c.pods.values()} == {"a"}
 
 
 def test_pods_of_another_owner_are_ignored(kit):
@@ -378,8 +396,8 @@ def test_deletion_removes_every_pod_then_finishes(kit):
     c.converge()
     c.resource["metadata"]["deletionTimestamp"] = "2025-01-01T12:00:00Z"
     plan = c.plan()
-    assert {d.name for d in plan.of_type(DeletePod)} == set(c.pods)
-    assert {d.reason for d in plan.of_type(DeletePod)} == {"Deletion"}
+    assert {d.name for d in plan.of_type(StartDrain)} == set(c.pods)  # ready pods are drained first
+    assert {d.reason for d in plan.of_type(StartDrain)} == {"Deletion"}
     assert not plan.finished and plan.of_type(CreatePod) == []
     assert plan.of_type(PatchStatus)[0].status["phase"] == "Terminating"
     for name in list(c.pods):  # deletes take a while: the pods are terminating

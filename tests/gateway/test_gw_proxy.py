@@ -81,11 +81,13 @@ async def test_bad_requests_get_openai_error_bodies(path: str, kwargs: dict, sta
     assert ws[0].stats.requests == 0
 
 
-async def test_method_not_allowed() -> None:
+async def test_method_not_allowed_and_unknown_paths() -> None:
     async with stubs(1) as ws, run_gateway(StaticSource([static("m", ws)]), KEYS, settings()) as gw:
         async with gw.client(headers=AUTH) as c:
             r = await c.get("/v1/chat/completions")
+            missing = await c.post("/v1/embeddings", json={})
     assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
 
 
 @pytest.mark.parametrize("header", [None, "Bearer sk-wrong-key-000", f"Token {KEY}"])

@@ -1,5 +1,6 @@
 """Bounded soak: 1000 concurrent SSE streams through `llmfleet gateway` (its own process) to stub workers (another
-process) on loopback: zero errors, every token delivered, and afterwards no leaked tasks, requests or connections."""
+process) on loopback: zero errors, every token delivered, and afterwards no leaked tasks, requests or connections.
+Each stream is 20 tokens 50 ms apart, so 1000 of them overlap even on a slow machine."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ async def test_soak_1000_concurrent_streams(tmp_path: Path) -> None:
     keys = tmp_path / "keys.txt"
     keys.write_text(f"{KEY} premium\n")
     port = free_port()
-    async with spawn(sys.executable, "-m", "gateway.stub", "--count", "4", "--delay", "0.02", "--tokens", str(TOKENS), ready_prefix="listening on") as stub:
+    async with spawn(sys.executable, "-m", "gateway.stub", "--count", "4", "--delay", "0.05", "--tokens", str(TOKENS), ready_prefix="listening on") as stub:
         urls = stub.first_line.removeprefix("listening on ").split()
         args = ["-m", "llmfleet.cli", "gateway", "--port", str(port), "--backend", "soak=" + ",".join(urls), "--api-keys-file", str(keys), "--log-level", "warning"]
         async with spawn(sys.executable, *args) as _gateway:
@@ -74,7 +75,10 @@ async def test_soak_1000_concurrent_streams(tmp_path: Path) -> None:
             stats = await stub_stats(urls)
             assert sum(s["completed"] for s in stats) == STREAMS + 1
             assert sum(s["disconnects"] for s in stats) == 0 and sum(s["active"] for s in stats) == 0
-            assert max(s["max_connections"] for s in stats) >= STREAMS // 4 // 2  # the streams really ran concurrently
+            # the streams really overlapped (each lasts >= 1 s): print the peak for the record, require a quarter
+            peak = sum(s["max_connections"] for s in stats)
+            print(f"peak concurrent upstream connections: {peak}")
+            assert peak >= STREAMS // 4
             # upstream connections: only idle keep-alive ones remain, bounded by the pool, and both ends agree
             # (each stub counts the connection its /stats answer travels on: minus one each)
             for _ in range(100):

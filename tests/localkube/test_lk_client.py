@@ -338,3 +338,36 @@ def test_old_events_expire(cluster, api, namespace):
     cutoff = dt.datetime.now(dt.UTC) - dt.timedelta(hours=1)
     assert cluster.call(lambda kube: kube.controllers.expire_events(cutoff)) >= 1
     assert [e.metadata.name for e in core.list_namespaced_event(namespace).items] == ["new"]
+
+
+def test_status_writes_are_pruned_and_validated(api, namespace):
+    ext = kubernetes.client.ApiextensionsV1Api(api)
+    ext.create_custom_resource_definition({
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "metadata": {"name": "typedstatuses.example.com"},
+        "spec": {"group": "example.com", "scope": "Namespaced",
+                 "names": {"plural": "typedstatuses", "kind": "TypedStatus"},
+                 "versions": [{"name": "v1", "served": True, "storage": True, "subresources": {"status": {}},
+                               "schema": {"openAPIV3Schema": {"type": "object", "properties": {
+                                   "spec": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+                                   "status": {"type": "object", "properties": {
+                                       "replicas": {"type": "integer", "minimum": 0}}}}}}}]}})
+    objects = kubernetes.client.CustomObjectsApi(api)
+    wait_for(lambda: _served(objects, namespace), what="the new resource to be served")
+    objects.create_namespaced_custom_object("example.com", "v1", namespace, "typedstatuses",
+                                            {"apiVersion": "example.com/v1", "kind": "TypedStatus", "metadata": {"name": "t"}})
+    written = objects.patch_namespaced_custom_object_status("example.com", "v1", namespace, "typedstatuses", "t",
+                                                            {"status": {"replicas": 2, "undeclared": "dropped"}})
+    assert written["status"] == {"replicas": 2}
+    with pytest.raises(ApiException) as invalid:
+        objects.patch_namespaced_custom_object_status("example.com", "v1", namespace, "typedstatuses", "t",
+                                                      {"status": {"replicas": -1}})
+    assert invalid.value.status == 422 and status_of(invalid.value)["details"]["causes"][0]["field"] == "status.replicas"
+
+
+def _served(objects, namespace: str) -> bool:
+    try:
+        objects.list_namespaced_custom_object("example.com", "v1", namespace, "typedstatuses")
+        return True
+    except ApiException:
+        return False

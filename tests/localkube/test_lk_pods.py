@@ -325,3 +325,16 @@ def test_eviction_honours_disruption_budgets(core, api, namespace):
              .status.disruptions_allowed == 1, what="budget to allow one disruption")
     core.create_namespaced_pod_eviction("member0", namespace, {"metadata": {"name": "member0"}})
     assert deleting_or_gone(core, namespace, "member0")
+
+
+def test_pod_spec_is_immutable_but_metadata_and_images_are_not(core, kubectl, namespace):
+    manifest = pod("fixed", ["sleep", "300"])
+    kubectl.apply(manifest, "-n", namespace)
+    kubectl("label", "pod", "fixed", "-n", namespace, "role=test")
+    manifest["spec"]["containers"][0]["image"] = "python:3.12"
+    kubectl.apply(manifest, "-n", namespace)  # image changes are allowed (and defaults do not count as changes)
+    assert read(core, namespace, "fixed").spec.containers[0].image == "python:3.12"
+    live = kubectl.json("get", "pod", "fixed", "-n", namespace)
+    live["spec"]["containers"][0]["command"] = ["sleep", "1"]
+    refused = kubectl.run("replace", "-f", "-", input=json.dumps(live), check=False)
+    assert refused.returncode != 0 and "pod updates may not change fields other than" in refused.stderr

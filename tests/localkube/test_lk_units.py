@@ -6,11 +6,12 @@ import base64
 
 import pytest
 
-from localkube import structural
+from localkube import protobuf, structural
 from localkube.apiserver import Route, parse_route
 from localkube.builtins import pod_status_reason
 from localkube.errors import ApiError
 from localkube.jsonpath import compile_path, find
+from localkube.kubelet import IPAllocator
 from localkube.meta import human_duration
 from localkube.patches import json_patch, merge_patch, strategic_merge_patch
 from localkube.podenv import ContainerConfigError, command_line, container_env, expand
@@ -332,3 +333,36 @@ def test_watch_translates_selector_transitions():
     assert watch.translate(Event(3, ("", "pods"), "MODIFIED", inside, outside)) == ("ADDED", inside)
     assert watch.translate(Event(4, ("", "pods"), "MODIFIED", inside, inside)) == ("MODIFIED", inside)
     assert watch.translate(Event(5, ("", "pods"), "ADDED", elsewhere, None)) is None
+
+
+def _pb_field(number: int, payload: bytes) -> bytes:
+    return bytes([(number << 3) | 2, len(payload)]) + payload
+
+
+def test_protobuf_envelope_decoding():
+    meta = _pb_field(1, b"cm") + _pb_field(2, b"")  # an empty generateName, as Go sends it
+    entry = _pb_field(1, b"k") + _pb_field(2, b"v")
+    raw = _pb_field(1, meta) + _pb_field(2, entry)
+    body = b"k8s\x00" + _pb_field(1, _pb_field(1, b"v1") + _pb_field(2, b"ConfigMap")) + _pb_field(2, raw)
+    assert protobuf.decode(body, protobuf.PROTOBUF) == {
+        "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cm"}, "data": {"k": "v"}}
+    unknown = b"k8s\x00" + _pb_field(1, _pb_field(1, b"apps/v1") + _pb_field(2, b"Deployment")) + _pb_field(2, b"")
+    with pytest.raises(ApiError) as exc:
+        protobuf.decode(unknown, protobuf.PROTOBUF)
+    assert exc.value.code == 415
+    with pytest.raises(ApiError) as truncated:
+        protobuf.decode(b"k8s\x00\x0a\x09v1", protobuf.PROTOBUF)
+    assert truncated.value.code == 400
+
+
+def test_ip_allocator_round_robin_and_release():
+    ips = IPAllocator("127.251.7.0/29")
+    got = [ips.allocate() for _ in range(5)]
+    assert got == ["127.251.7.2", "127.251.7.3", "127.251.7.4", "127.251.7.5", "127.251.7.6"]  # .1 is skipped
+    with pytest.raises(RuntimeError):
+        ips.allocate()
+    ips.release("127.251.7.4")
+    assert ips.allocate() == "127.251.7.4"
+    assert IPAllocator("127.9.9.0/24").allocate("127.9.9.77") == "127.9.9.77"  # a pod keeps its address on restart
+    with pytest.raises(ValueError):
+        IPAllocator("10.0.0.0/24")

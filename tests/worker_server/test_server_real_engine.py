@@ -113,3 +113,18 @@ def test_drain_lets_a_real_stream_finish(start_worker, model_dir, offline) -> No
     assert not live.thread.is_alive() and live.worker.exit_code == 0
     with pytest.raises(httpx.ConnectError):
         httpx.get(live.base_url + "/health", timeout=5)
+
+
+@pytest.mark.slow
+def test_cli_serves_a_model_folder_with_the_builtin_engine(spawn_worker, model_dir, wait) -> None:
+    import signal
+    import sys
+
+    worker = spawn_worker([sys.executable, "-m", "llmfleet.cli", "worker", "--model", str(model_dir),
+                           "--served-model-name", "tiny", "--kv-cache-bytes", str(KV_BYTES), "--max-num-seqs", "4"])
+    http = httpx.Client(base_url=worker.base_url, timeout=60)
+    wait(lambda: http.get("/ready").status_code == 200, "the model to load", timeout_s=60, poll_s=0.1)
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 5})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+    worker.proc.send_signal(signal.SIGTERM)
+    assert worker.wait_exit() == 0

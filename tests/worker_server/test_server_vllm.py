@@ -45,7 +45,7 @@ def live(vllm_env, module_launcher, tmp_path_factory):
     model = testing.make_tiny_llama(tmp_path_factory.mktemp("tiny"), hidden_size=128, num_attention_heads=2,
                                     num_key_value_heads=1, intermediate_size=128)
     settings = WorkerSettings(model=str(model), engine="vllm", served_model_name="tiny", max_model_len=512,
-                              dtype="float32")
+                              dtype="float32", kv_cache_bytes=32_000_000)  # explicit: no memory-fraction check
     engine = VllmEngine(vllm_engine_args(settings, str(model), device_is_cpu=True))
     live = module_launcher(engine, load_timeout_s=300, model=str(model), served_model_name="tiny",
                            drain_token="tok")

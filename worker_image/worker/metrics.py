@@ -123,7 +123,7 @@ class WorkerMetrics:
                  server_gauges: Callable[[], ServerGauges], engine_registry: Collector | None = None) -> None:
         self.registry = CollectorRegistry()  # llmfleet:*
         self.vllm_registry = CollectorRegistry()  # vllm:* (ours)
-        self._exported: list[Collector] = [self.registry, engine_registry or self.vllm_registry]
+        self._engine_registry = engine_registry
         label = ["model_name"]
         reg, vreg = self.registry, self.vllm_registry
         self._ttft = Histogram("vllm:time_to_first_token_seconds", "Time from request arrival to its first token.",
@@ -171,4 +171,7 @@ class WorkerMetrics:
         self._e2e.observe(e2e_s)
 
     def render(self) -> bytes:
-        return b"".join(generate_latest(_WithoutCreated(r)) for r in self._exported)  # type: ignore[arg-type]
+        ours = generate_latest(_WithoutCreated(self.registry))  # type: ignore[arg-type]
+        if self._engine_registry is not None:  # the backend's own series, unchanged
+            return ours + generate_latest(self._engine_registry)  # type: ignore[arg-type]
+        return ours + generate_latest(_WithoutCreated(self.vllm_registry))  # type: ignore[arg-type]

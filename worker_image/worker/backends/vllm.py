@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +53,16 @@ class _Snapshot:
             self.preemptions += iteration_stats.num_preempted_reqs
 
 
+class _VllmMetrics:
+    """vLLM's own Prometheus series, wherever vLLM keeps them (the default registry, or its multiprocess
+    directory when PROMETHEUS_MULTIPROC_DIR is set)."""
+
+    def collect(self) -> Iterator[Any]:
+        from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+        yield from get_prometheus_registry().collect()
+
+
 def vllm_engine_args(settings: WorkerSettings, model_path: str, device_is_cpu: bool) -> dict[str, Any]:
     """AsyncEngineArgs keyword arguments from the worker settings (unset sizing flags keep vLLM's defaults)."""
     if settings.quantization == "int4":
@@ -87,7 +97,7 @@ class VllmEngine:
         self._llm: Any = None
         self._tokenizer: Any = None
         self._snapshot = _Snapshot()
-        self.prometheus_registry: Any = None
+        self.prometheus_registry = _VllmMetrics()
 
     @classmethod
     def from_settings(cls, settings: WorkerSettings, model_path: str) -> VllmEngine:
@@ -98,7 +108,6 @@ class VllmEngine:
     async def start(self) -> None:
         if self._llm is not None:
             return
-        from prometheus_client import REGISTRY
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -122,7 +131,6 @@ class VllmEngine:
                                             stat_loggers=[SnapshotLogger])
         self._tokenizer = self._llm.get_tokenizer()
         self.max_model_len = self._llm.model_config.max_model_len
-        self.prometheus_registry = REGISTRY
 
     async def shutdown(self) -> None:
         if self._llm is not None:

@@ -1,0 +1,74 @@
+"""The operator's side of the worker's drain API: `POST /drain` (bearer token) and `GET /drain`, over httpx.
+
+Why it exists: the drain state machine (`controllers.draining`) is pure and decides from `DrainProbe`s; this is
+the one place that talks to workers about draining and turns what happens on the wire into those probes:
+
+    GET /drain answered 200 with JSON        ANSWERED (draining flag, in-flight count)
+    connection refused / no route            UNREACHABLE (nothing listens: the worker exited after draining)
+    timeout, other status, bad JSON          FAILED (ask again on the next pass)
+
+It never raises: a failed POST is logged and returned as text (the next probe shows whether the worker drains).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable, Mapping
+
+import httpx
+
+from controllers.draining import address
+from controllers.observed import DrainProbe, PodInfo, ProbeState
+
+log = logging.getLogger(__name__)
+
+
+class WorkerDrains:
+    """Drain calls to worker pods, with one shared connection pool."""
+
+    def __init__(self, timeout_s: float = 3.0, client: httpx.AsyncClient | None = None) -> None:
+        self._client = client or httpx.AsyncClient(timeout=timeout_s)
+        self._owns_client = client is None
+
+    async def aclose(self) -> None:
+        if self._owns_client:
+            await self._client.aclose()
+
+    async def post(self, worker: str, token: str | None) -> str | None:
+        """`POST /drain` to the worker at host:port; None when it accepted, else why not."""
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        try:
+            response = await self._client.post(f"http://{worker}/drain", headers=headers)
+        except httpx.HTTPError as error:
+            return f"POST http://{worker}/drain: {type(error).__name__}: {error}"
+        if response.status_code >= 300:
+            return f"POST http://{worker}/drain: HTTP {response.status_code}: {response.text[:200]}"
+        return None
+
+    async def probe(self, worker: str | None) -> DrainProbe:
+        """`GET /drain` of the worker at host:port (None: the pod has no IP)."""
+        if worker is None:
+            return DrainProbe(ProbeState.UNREACHABLE, detail="the pod has no IP")
+        url = f"http://{worker}/drain"
+        try:
+            response = await self._client.get(url)
+        except httpx.ConnectError as error:
+            return DrainProbe(ProbeState.UNREACHABLE, detail=f"GET {url}: {error}")
+        except httpx.HTTPError as error:
+            return DrainProbe(ProbeState.FAILED, detail=f"GET {url}: {type(error).__name__}: {error}")
+        if response.status_code != 200:
+            return DrainProbe(ProbeState.FAILED, detail=f"GET {url}: HTTP {response.status_code}")
+        try:
+            body = response.json()
+            in_flight = int(body["inflight"])
+            draining = bool(body.get("draining"))
+        except (ValueError, KeyError, TypeError) as error:
+            return DrainProbe(ProbeState.FAILED, detail=f"GET {url}: unexpected answer ({error})")
+        return DrainProbe(ProbeState.ANSWERED, draining=draining, in_flight=max(0, in_flight))
+
+    async def probe_all(self, pods: Iterable[PodInfo], port: int) -> Mapping[str, DrainProbe]:
+        """Probes of the pods marked draining (and not already being deleted), by pod name."""
+        marked = [p for p in pods if p.draining and not p.deleting]
+        probes = await asyncio.gather(*(self.probe(address(p, port)) for p in marked))
+        return {pod.name: probe for pod, probe in zip(marked, probes, strict=True)}

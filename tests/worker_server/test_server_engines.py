@@ -1,0 +1,73 @@
+"""Building the engine from the worker settings: the builtin engine's and vLLM's arguments, the fake engine, the
+vLLM stat snapshot (pure parts; the vLLM backend itself runs in test_server_vllm.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from worker.backends.vllm import _Snapshot, vllm_engine_args
+from worker.server.engines import FakeOptions, build_engine, builtin_engine_kwargs
+from worker.server.fake_engine import FakeEngine
+from worker.server.settings import WorkerSettings
+
+
+def test_builtin_engine_kwargs_pass_only_what_was_set() -> None:
+    settings = WorkerSettings(model="bundled://m", served_model_name="chat", quantization="int4", max_num_seqs=4,
+                              kv_cache_bytes=1 << 20, enable_prefix_caching=False, max_waiting=9)
+    kwargs = builtin_engine_kwargs(settings, "/models/m", "cpu")
+    assert kwargs == {"model": "/models/m", "served_model_name": "chat", "dtype": "float32", "quantization": "int4",
+                      "device": "cpu", "enable_prefix_caching": False, "max_waiting": 9, "max_num_seqs": 4,
+                      "kv_cache_bytes": 1 << 20}
+
+
+@pytest.mark.parametrize(("dtype", "device", "expected"), [
+    ("auto", "cpu", "float32"), ("auto", "cuda", "bfloat16"), ("auto", "cuda:1", "bfloat16"),
+    ("float16", "cpu", "float16"),
+])
+def test_builtin_dtype(dtype: str, device: str, expected: str) -> None:
+    assert builtin_engine_kwargs(WorkerSettings(model="m", dtype=dtype), "/m", device)["dtype"] == expected
+
+
+def test_builtin_kwargs_are_a_valid_engine_config() -> None:
+    from worker.config import EngineConfig
+
+    settings = WorkerSettings(model="m", max_model_len=256, max_num_batched_tokens=512, max_num_seqs=8)
+    assert EngineConfig(**builtin_engine_kwargs(settings, "/m", "cpu")).max_model_len == 256
+
+
+def test_vllm_engine_args() -> None:
+    settings = WorkerSettings(model="m", engine="vllm", quantization="fp8", max_model_len=2048, kv_cache_bytes=10**9)
+    args = vllm_engine_args(settings, "/models/m", device_is_cpu=True)
+    assert args["quantization"] == "fp8" and args["enforce_eager"] and args["kv_cache_memory_bytes"] == 10**9
+    assert args["max_model_len"] == 2048 and "max_num_seqs" not in args and args["served_model_name"] == "m"
+    assert vllm_engine_args(WorkerSettings(model="m"), "/m", device_is_cpu=False)["quantization"] is None
+    with pytest.raises(ValueError, match="pre-quantized"):
+        vllm_engine_args(WorkerSettings(model="m", quantization="int4"), "/m", device_is_cpu=True)
+
+
+def test_vllm_snapshot_keeps_gauges_and_adds_counters() -> None:
+    snap = _Snapshot()
+    prefix = SimpleNamespace(queries=32, hits=16)
+    sched = SimpleNamespace(num_running_reqs=3, num_waiting_reqs=2, num_skipped_waiting_reqs=1, kv_cache_usage=0.25,
+                            prefix_cache_stats=prefix)
+    snap.record(sched, SimpleNamespace(num_preempted_reqs=1))
+    snap.record(sched, SimpleNamespace(num_preempted_reqs=2))
+    snap.record(None, None)
+    assert (snap.num_running, snap.num_waiting, snap.kv_cache_usage) == (3, 3, 0.25)
+    assert (snap.preemptions, snap.prefix_queries, snap.prefix_hits) == (3, 64, 32)
+
+
+def test_build_fake_engine(tmp_path: Path) -> None:
+    settings = WorkerSettings(model="fake://m", engine="fake", served_model_name="x", max_model_len=64,
+                              max_num_seqs=2)
+    engine = build_engine(settings, fake=FakeOptions(ttft_ms=5, gate_file=tmp_path / "gate"))
+    assert isinstance(engine, FakeEngine)
+    assert (engine.model_name, engine.max_model_len) == ("x", 64)
+
+
+def test_unknown_model_source_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        build_engine(WorkerSettings(model=str(tmp_path / "absent")))
