@@ -211,16 +211,17 @@ async def bench(args: argparse.Namespace, model: str) -> list[dict]:
 
 
 async def bench_vllm(args: argparse.Namespace, model: str, prompts: list[str], host: str) -> list[dict]:
-    env_note = "VLLM_CPU_OMP_THREADS_BIND=0-1 is set for both"
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    async with serving(worker_argv(args.vllm_python, model, "vllm", host, []), host, "/ready", 600,
-                       UVICORN_PORT) as base:
+    """The same sweep against `llmfleet worker --engine vllm` and vLLM's own OpenAI server (same engine args)."""
+    kv_bytes = str(args.kv_cache_bytes or 1 << 30)  # explicit: vLLM-CPU then skips its memory-fraction check
+    env_note = f"VLLM_CPU_OMP_THREADS_BIND={os.environ.setdefault('VLLM_CPU_OMP_THREADS_BIND', '0-1')}, KV {kv_bytes} B"
+    async with serving(worker_argv(args.vllm_python, model, "vllm", host, ["--kv-cache-bytes", kv_bytes,
+                                                                           "--dtype", "float32"]),
+                       host, "/ready", 600, UVICORN_PORT) as base:
         ours = await sweep(base, prompts, args)
     port = 18000 + random.randint(0, 999)
     vllm_argv = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                  "--served-model-name", "bench", "--host", host, "--port", str(port), "--enforce-eager",
-                 "--max-num-seqs", "32", "--dtype", "float32", "--disable-log-requests"]
+                 "--max-num-seqs", "32", "--dtype", "float32", "--kv-cache-memory-bytes", kv_bytes]
     async with serving(vllm_argv, host, "/health", 600, port=port) as base:
         theirs = await sweep(base, prompts, args)
     rows = []
@@ -266,17 +267,18 @@ def main() -> None:
 
             model = str(resolve_model_source(args.model))
         rows = asyncio.run(bench(args, model))
+    model_label = "tiny" if args.tiny else args.model
     print(f"worker server vs offline engine: {args.tokens} tokens/answer, {args.requests_per_stream} requests/stream, "
-          f"{os.cpu_count()} CPUs shared by load generator, server and engine; model {args.model if not args.tiny else 'tiny'}")
+          f"{os.cpu_count()} CPUs shared by load generator, server and engine; model {model_label}; "
+          f"reference: offline API (builtin) or vLLM's own server (vllm)")
     print(f"{'engine':>8} {'streams':>7} {'server tok/s':>12} {'ref tok/s':>10} {'ratio':>6} {'TTFT p50 ms':>11} "
           f"{'ITL p50 ms':>10} {'errors':>6}")
     for r in rows:
         s = r["server"] if r["engine"] == "builtin" else r["llmfleet_worker"]
         ref = r["offline"] if r["engine"] == "builtin" else r["vllm_server"]
-        ratio = r["throughput_ratio"]
+        ratio = r["throughput_ratio"] if r["throughput_ratio"] is not None else float("nan")
         print(f"{r['engine']:>8} {r['streams']:>7} {s['tokens_per_s']:>12.1f} {ref['tokens_per_s']:>10.1f} "
-              f"{ratio if ratio is not None else float('nan'):>6.2f} {s['ttft_p50_ms']:>11.1f} {s['itl_p50_ms']:>10.1f} "
-              f"{s['errors'] + ref['errors']:>6}")
+              f"{ratio:>6.2f} {s['ttft_p50_ms']:>11.1f} {s['itl_p50_ms']:>10.1f} {s['errors'] + ref['errors']:>6}")
     print(json.dumps({"cpus": os.cpu_count(), "tokens": args.tokens, "rows": rows}))
 
 

@@ -427,9 +427,9 @@ def _step_waits(
     """What the current step still waits for, or None when it is complete."""
     step = canary.steps[status.step]
     started = status.step_started_at or inp.now
-    left = (started + timedelta(seconds=step.pause_seconds) - inp.now).total_seconds()
-    if left > 0:
-        return f"pausing {left:.0f}s more"
+    until = started + timedelta(seconds=step.pause_seconds)
+    if inp.now < until:
+        return f"pausing until {until.isoformat(timespec='seconds')}"
     for name, revisions in changed.items():
         _, want = shares(status.canary_weight, inp.desired.get(name, 0))
         ready = sum(

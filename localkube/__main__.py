@@ -47,7 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def _run(options: Options) -> None:
     kube = LocalKube(options)
     await kube.start()
-    print(f"localkube: API server at {kube.url}; kubeconfig written to {options.kubeconfig}", flush=True)
+    print(f"localkube: API server at {kube.url}; kubeconfig written to {options.kubeconfig}; "
+          f"pod logs under {options.workdir}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

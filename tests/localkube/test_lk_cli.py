@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import kubernetes
-import pytest
 
 from localkube.testing import wait_for
 
@@ -36,7 +35,6 @@ def pid_alive(pid: int) -> bool:
     return status.exists() and "State:\tZ" not in status.read_text()
 
 
-@pytest.mark.slow
 def test_foreground_server_persists_state_and_stops_pods(tmp_path):
     port = free_port()
     proc = start(tmp_path, port)

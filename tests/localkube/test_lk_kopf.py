@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import kubernetes
+import pytest
 from kubernetes.client import ApiException
 
 from localkube.testing import wait_for
@@ -19,7 +20,19 @@ def calls(log: Path) -> list[dict]:
     return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
 
-def test_kopf_handlers_fire_once_each(cluster, api, widgets, namespace, tmp_path, monkeypatch):
+@pytest.fixture
+def own_registry():
+    """A fresh kopf registry for this operator, so its handlers never leak into other tests' kopf runs."""
+    import kopf
+
+    previous = kopf.get_default_registry()
+    registry = kopf.OperatorRegistry()
+    kopf.set_default_registry(registry)
+    yield registry
+    kopf.set_default_registry(previous)
+
+
+def test_kopf_handlers_fire_once_each(cluster, api, widgets, namespace, tmp_path, monkeypatch, own_registry):
     from kopf.testing import KopfRunner
 
     log = tmp_path / "calls.jsonl"
@@ -30,7 +43,8 @@ def test_kopf_handlers_fire_once_each(cluster, api, widgets, namespace, tmp_path
     def get() -> dict:
         return widgets.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "op")
 
-    with KopfRunner(["run", "--standalone", "--namespace", namespace, str(OPERATOR)], timeout=60) as runner:
+    with KopfRunner(["run", "--standalone", "--namespace", namespace, str(OPERATOR)], timeout=60,
+                    registry=own_registry) as runner:
         widgets.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, {
             "apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "op"}, "spec": {"size": "small"}})
         created = wait_for(lambda: (o := get()).get("status", {}).get("phase") == "Created" and o, timeout=30,

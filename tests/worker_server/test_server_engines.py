@@ -7,7 +7,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
 from worker.backends.vllm import _Snapshot, vllm_engine_args
 from worker.server.engines import FakeOptions, build_engine, builtin_engine_kwargs
 from worker.server.fake_engine import FakeEngine

@@ -267,3 +267,20 @@ def test_engine_failure_mid_stream_is_an_error_event(start_worker) -> None:
     assert "".join(texts) == DEFAULT_SCRIPT[:3]
     with pytest.raises(openai.InternalServerError):
         live.openai().completions.create(model="fake-model", prompt="x", max_tokens=10)
+
+
+class RefusingEngine(FakeEngine):
+    """An engine that refuses every request up front, as a real one does for a prompt it cannot hold."""
+
+    async def generate(self, prompt, params, request_id, priority=0):
+        raise ValueError("the prompt has 9 tokens, but this engine serves at most 8")
+        yield  # an async generator, like the real ones
+
+
+def test_engine_refusal_is_400(start_worker) -> None:
+    live = start_worker(RefusingEngine())
+    with pytest.raises(openai.BadRequestError) as info:
+        live.openai().completions.create(model="fake-model", prompt="x", max_tokens=2)
+    error = _error(info)
+    assert error["code"] == "engine_rejected" and "at most 8" in error["message"]
+    assert live.metric("llmfleet:request_errors_total", code="400") == 1

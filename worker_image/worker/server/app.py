@@ -40,6 +40,8 @@ BodyT = TypeVar("BodyT", bound=BaseModel)
 
 
 class WorkerService:
+    """Everything one worker app knows and decides with; the routes only translate HTTP to calls on it."""
+
     def __init__(self, engine: EngineClient, settings: WorkerSettings, on_exit: Callable[[int], None],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.engine = engine

@@ -122,14 +122,16 @@ def abort_error(reason: str | None, timeout_s: float | None) -> ApiError:
 async def drive(service: WorkerService, prep: Prepared, entry: InflightRequest) -> AsyncIterator[RequestOutput]:
     """The engine's outputs for one request, with the deadline, server-side aborts, fault delays and metrics.
 
-    Raises ApiError when the server aborts the request (deadline: 504, drain timeout: 503) or the engine fails
-    (500). Cancellation (the client went away) propagates after the engine request is aborted.
+    Raises ApiError when the server aborts the request (deadline: 504, drain timeout: 503), the engine refuses it
+    before its first output with a ValueError (400) or fails (500). Cancellation (the client went away)
+    propagates after the engine request is aborted.
     """
     engine, metrics, faults = service.engine, service.metrics, service.faults
     loop = asyncio.get_running_loop()
     deadline = loop.time() + prep.timeout_s if prep.timeout_s is not None else None
     stream = engine.generate(prep.prompt_ids, prep.params, prep.request_id, prep.priority)
     finished = False
+    received = False  # any output yet: a ValueError before the first one is the engine refusing the request
     last_token_at: float | None = None
     try:
         while True:
@@ -149,11 +151,17 @@ async def drive(service: WorkerService, prep: Prepared, entry: InflightRequest) 
                                code="engine_error") from None
             except (ApiError, asyncio.CancelledError):
                 raise
+            except ValueError as err:
+                if received:
+                    log.exception("engine failure in request %s", prep.request_id)
+                    raise ApiError(500, f"engine error: {err}", code="engine_error") from err
+                raise ApiError(400, f"the engine refused the request: {err}", code="engine_rejected") from err
             except Exception as err:
                 log.exception("engine failure in request %s", prep.request_id)
                 raise ApiError(500, f"engine error: {type(err).__name__}: {err}", code="engine_error") from err
             finally:
                 entry.timeout = None
+            received = True
             now = service.clock()
             if out.new_token_ids:
                 if last_token_at is None:

@@ -1,0 +1,370 @@
+"""Engine throughput and latency: our continuous-batching engine vs transformers static batching (and vLLM-CPU).
+
+One fixed workload (default: 64 requests, prompt lengths 32..512 and output lengths 16..256 drawn from a fixed
+seed; prompts are random token ids, greedy decoding, EOS ignored so every system generates exactly the same
+tokens), run on the same machine in one process run, by:
+
+* `ours`: `worker` EngineCore with continuous batching (all requests arrive at t=0);
+* `ours_seq1`: the same engine with `max_num_seqs=1` (no batching);
+* `hf_static`: transformers `generate` with left padding, batches of 8 in arrival order;
+* `vllm`: vLLM-CPU's offline engine, run in the interpreter given by `--vllm-python` (default `.venv-vllm`
+  when present), with `VLLM_CPU_OMP_THREADS_BIND` set to all cores.
+
+For each it prints useful tokens/s (generated tokens the requests asked for, per wall second), TTFT and ITL
+p50/p99, and the ratios to `hf_static` and to `vllm`; plus the machine's fp32 GEMM rate measured here and the
+throughput ceiling it implies for this workload (all linear-layer FLOPs of prompt and output tokens at that
+rate, attention ignored), and the engine's per-step overhead outside the model (scheduler, KV bookkeeping,
+detokenisation: step time minus runner time) at the largest batch. The LAST line printed is one JSON object.
+
+    .venv/bin/python bench/engine.py                # SmolLM2-135M fp32, full workload (~10-20 min on 2 cores)
+    .venv/bin/python bench/engine.py --quick        # 12 short requests: a smoke run in about a minute
+    .venv/bin/python bench/engine.py --dtype bfloat16 --skip hf_static,ours_seq1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+# Run as `python bench/engine.py`, Python puts bench/ first on sys.path, where bench/worker.py would shadow the
+# `worker` package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+SYSTEMS = ("ours", "ours_seq1", "hf_static", "vllm")
+HF_BATCH = 8
+
+
+def make_workload(n: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab: int, seed: int):
+    """[(prompt token ids, output length)], reproducible from the seed. Token ids avoid the low special ids."""
+    rng = random.Random(seed)
+    work = []
+    for _ in range(n):
+        plen = rng.randint(*prompt_range)
+        work.append(([rng.randrange(100, vocab) for _ in range(plen)], rng.randint(*output_range)))
+    return work
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+
+
+def summarize(name: str, wall: float, useful: int, ttft: list[float], itl: list[float], **extra: Any) -> dict:
+    return {
+        "system": name,
+        "wall_s": round(wall, 2),
+        "useful_tokens": useful,
+        "tok_s": round(useful / wall, 2),
+        "ttft_p50_s": round(pct(ttft, 50), 4),
+        "ttft_p99_s": round(pct(ttft, 99), 4),
+        "itl_p50_ms": round(pct(itl, 50) * 1e3, 2),
+        "itl_p99_ms": round(pct(itl, 99) * 1e3, 2),
+        **extra,
+    }
+
+
+def run_ours(path: str, work, *, dtype: str, max_num_seqs: int, batched_tokens: int, name: str) -> dict:
+    from worker.engine.llm import LLM
+    from worker.request import SamplingParams
+
+    need = sum(len(p) + n for p, n in work) if max_num_seqs > 1 else max(len(p) + n for p, n in work)
+    llm = LLM(
+        path,
+        dtype=dtype,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max(batched_tokens, max_num_seqs),
+        num_blocks=need // 16 + 2 * len(work) + 16,
+        enable_prefix_caching=False,  # random prompts share nothing; keep the comparison about batching
+    )
+    core = llm.engine
+    runner = core.runner
+    runner_time = [0.0]
+    execute = runner.execute_model
+
+    def timed_execute(sched):
+        t = time.perf_counter()
+        try:
+            return execute(sched)
+        finally:
+            runner_time[0] += time.perf_counter() - t
+
+    llm.generate([work[0][0][:32]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    core.runner.execute_model = timed_execute
+    t0 = time.perf_counter()
+    for i, (prompt, n) in enumerate(work):
+        core.add_request(f"b{i}", prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    itl: list[float] = []
+    overhead: list[tuple[int, float]] = []  # (running requests, step time outside the runner)
+    produced = 0
+    while core.has_unfinished_requests():
+        running = core.scheduler.num_running
+        before = runner_time[0]
+        s = time.perf_counter()
+        outs = core.step()
+        now = time.perf_counter()
+        overhead.append((running, (now - s) - (runner_time[0] - before)))
+        for o in outs:
+            if not o.new_token_ids:
+                continue
+            produced += len(o.new_token_ids)
+            if o.request_id in last:
+                itl.append((now - last[o.request_id]) / len(o.new_token_ids))
+            else:
+                first[o.request_id] = now - t0
+            last[o.request_id] = now
+    wall = time.perf_counter() - t0
+    core.runner.execute_model = execute
+    peak = max(r for r, _ in overhead)
+    at_peak = [o for r, o in overhead if r == peak]
+    return summarize(
+        name, wall, produced, list(first.values()), itl,
+        steps=len(overhead),
+        overhead_ms_p50=round(pct([o for _, o in overhead], 50) * 1e3, 3),
+        overhead_ms_at_peak_p50=round(pct(at_peak, 50) * 1e3, 3),
+        overhead_ms_at_peak_p99=round(pct(at_peak, 99) * 1e3, 3),
+        peak_running=peak,
+        runner_s=round(runner_time[0], 2),
+    )
+
+
+def run_hf_static(path: str, work, *, dtype: str) -> dict:
+    import torch
+    from transformers import LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
+
+    model = LlamaForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+
+    class StepClock(LogitsProcessor):
+        """Called once per generated position: its timestamps are the batch's token times."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores):
+            self.times.append(time.perf_counter())
+            return scores
+
+    pad = 0
+    ttft: list[float] = []
+    itl: list[float] = []
+    useful = 0
+    with torch.no_grad():
+        model.generate(torch.tensor([work[0][0][:16]]), max_new_tokens=2, do_sample=False)  # warm-up
+        t0 = time.perf_counter()
+        for b in range(0, len(work), HF_BATCH):
+            batch = work[b : b + HF_BATCH]
+            width = max(len(p) for p, _ in batch)
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+            steps = max(n for _, n in batch)
+            clock = StepClock()
+            model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                logits_processor=LogitsProcessorList([clock]), pad_token_id=pad,
+            )
+            for _, n in batch:
+                useful += n
+                ttft.append(clock.times[0] - t0)
+                itl.extend(b2 - a for a, b2 in zip(clock.times[: n - 1], clock.times[1:n]))
+        wall = time.perf_counter() - t0
+    return summarize("hf_static", wall, useful, ttft, itl, batch_size=HF_BATCH)
+
+
+def run_vllm_inprocess(path: str, work, *, dtype: str) -> dict:
+    """Runs inside the vLLM interpreter (see --backend vllm)."""
+    from vllm import LLM as VLLM
+    from vllm import SamplingParams as VSP
+    from vllm.inputs import TokensPrompt
+
+    total = sum(len(p) + n for p, n in work)
+    llm = VLLM(model=path, dtype=dtype, enforce_eager=True, max_num_seqs=64, enable_prefix_caching=False,
+               max_model_len=max(len(p) + n for p, n in work) + 16, max_num_batched_tokens=max(2048, 64))
+    engine = llm.llm_engine
+    llm.generate([TokensPrompt(prompt_token_ids=work[0][0][:32])], VSP(max_tokens=4, temperature=0.0))
+    t0 = time.perf_counter()
+    for i, (prompt, n) in enumerate(work):
+        engine.add_request(f"v{i}", TokensPrompt(prompt_token_ids=prompt),
+                           VSP(max_tokens=n, temperature=0.0, ignore_eos=True))
+    counts: dict[str, int] = {}
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    itl: list[float] = []
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            n = len(o.outputs[0].token_ids) if o.outputs else 0
+            new = n - counts.get(o.request_id, 0)
+            if new <= 0:
+                continue
+            counts[o.request_id] = n
+            if o.request_id in last:
+                itl.append((now - last[o.request_id]) / new)
+            else:
+                first[o.request_id] = now - t0
+            last[o.request_id] = now
+    wall = time.perf_counter() - t0
+    return summarize("vllm", wall, sum(counts.values()), list(first.values()), itl, total_tokens=total)
+
+
+def run_vllm(python: str, path: str, work, *, dtype: str, timeout_s: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        wfile = Path(tmp) / "work.json"
+        wfile.write_text(json.dumps(work))
+        env = dict(os.environ)
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        env.setdefault("VLLM_CACHE_ROOT", str(Path(tmp) / "vllm-cache"))
+        env["TMPDIR"] = tmp
+        proc = subprocess.run(
+            [python, __file__, "--backend", "vllm", "--model-path", path, "--workload-file", str(wfile),
+             "--dtype", dtype],
+            capture_output=True, text=True, timeout=timeout_s, env=env, check=False,
+        )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout)[-800:]
+        return {"system": "vllm", "error": f"exit {proc.returncode}: {tail}"}
+    return json.loads(lines[-1])
+
+
+def gemm_ceiling(path: str, work, dtype: str) -> dict:
+    """Measured dense GEMM rate on the model's layer shapes, and the tok/s it allows for this workload."""
+    import torch
+
+    from worker.model.config import ModelConfig
+
+    cfg = ModelConfig.from_dir(path)
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    shapes = [(cfg.q_size + 2 * cfg.kv_size, h), (h, cfg.q_size), (2 * i, h), (h, i)]
+    layer_params = sum(n * k for n, k in shapes)
+    dt = getattr(torch, dtype)
+    rows = 256
+    flops = 0.0
+    secs = 0.0
+    for n, k in shapes:
+        x = torch.randn(rows, k, dtype=dt)
+        w = torch.randn(n, k, dtype=dt)
+        for _ in range(3):
+            torch.nn.functional.linear(x, w)
+        reps = 20
+        t = time.perf_counter()
+        for _ in range(reps):
+            torch.nn.functional.linear(x, w)
+        secs += time.perf_counter() - t
+        flops += 2.0 * rows * n * k * reps
+    rate = flops / secs
+    prompt_tokens = sum(len(p) for p, _ in work)
+    output_tokens = sum(n for _, n in work)
+    work_flops = 2.0 * cfg.num_hidden_layers * layer_params * (prompt_tokens + output_tokens)
+    work_flops += 2.0 * cfg.vocab_size * h * output_tokens  # the output head, for sampled rows only
+    return {
+        "gemm_gflops": round(rate / 1e9, 1),
+        "model_gflop_per_token": round((2.0 * cfg.num_hidden_layers * layer_params + 2.0 * cfg.vocab_size * h) / 1e9, 3),
+        "ceiling_tok_s": round(output_tokens / (work_flops / rate), 1),
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+    }
+
+
+def print_table(result: dict) -> None:
+    rows = [r for r in result["systems"] if "tok_s" in r]
+    print(f"\nworkload: {result['workload']}")
+    c = result["ceiling"]
+    print(f"fp32 GEMM here: {c['gemm_gflops']} GFLOP/s -> ceiling {c['ceiling_tok_s']} useful tok/s "
+          f"({c['prompt_tokens']} prompt + {c['output_tokens']} output tokens)")
+    print(f"{'system':10} {'tok/s':>8} {'wall s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}"
+          f" {'x hf':>6} {'x vllm':>7}")
+    for r in rows:
+        print(f"{r['system']:10} {r['tok_s']:8.1f} {r['wall_s']:8.1f} {r['ttft_p50_s']:8.2f}s {r['ttft_p99_s']:8.2f}s"
+              f" {r['itl_p50_ms']:6.0f}ms {r['itl_p99_ms']:6.0f}ms {r.get('x_hf_static', float('nan')):6.2f}"
+              f" {r.get('x_vllm', float('nan')):7.2f}")
+    for r in result["systems"]:
+        if "error" in r:
+            print(f"{r['system']}: not run ({r['error'][:300]})")
+    ours = next((r for r in rows if r["system"] == "ours"), None)
+    if ours:
+        print(f"engine overhead per step outside the model at {ours['peak_running']} running: "
+              f"p50 {ours['overhead_ms_at_peak_p50']} ms, p99 {ours['overhead_ms_at_peak_p99']} ms")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="bundled://smollm2-135m-instruct")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="12 requests, prompts 16..96, outputs 8..32")
+    ap.add_argument("--skip", default="", help=f"comma-separated systems to skip: {','.join(SYSTEMS)}")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (default: .venv-vllm)")
+    ap.add_argument("--vllm-timeout", type=int, default=1800)
+    ap.add_argument("--backend", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--workload-file", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args.backend == "vllm":  # child mode, inside the vLLM interpreter
+        work = [(p, n) for p, n in json.loads(Path(args.workload_file).read_text())]
+        print(json.dumps(run_vllm_inprocess(args.model_path, work, dtype=args.dtype)))
+        return
+
+    from worker.model.source import resolve_model_source
+
+    path = str(resolve_model_source(args.model))
+    vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+    if args.quick:
+        n, prange, orange = min(args.requests, 12), (16, 96), (8, 32)
+    else:
+        n, prange, orange = args.requests, (32, 512), (16, 256)
+    work = make_workload(n, prange, orange, vocab, args.seed)
+    skip = {s for s in args.skip.split(",") if s}
+    unknown = skip - set(SYSTEMS)
+    if unknown:
+        ap.error(f"unknown systems in --skip: {sorted(unknown)}")
+    systems: list[dict] = []
+    if "ours" not in skip:
+        systems.append(run_ours(path, work, dtype=args.dtype, max_num_seqs=64,
+                                batched_tokens=args.max_num_batched_tokens, name="ours"))
+    if "ours_seq1" not in skip:
+        systems.append(run_ours(path, work, dtype=args.dtype, max_num_seqs=1,
+                                batched_tokens=args.max_num_batched_tokens, name="ours_seq1"))
+    if "hf_static" not in skip:
+        systems.append(run_hf_static(path, work, dtype=args.dtype))
+    if "vllm" not in skip:
+        vpy = args.vllm_python or str(Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python")
+        if Path(vpy).is_file():
+            systems.append(run_vllm(vpy, path, work, dtype=args.dtype, timeout_s=args.vllm_timeout))
+        else:
+            systems.append({"system": "vllm", "error": f"no vLLM interpreter at {vpy} (pass --vllm-python)"})
+    by = {r["system"]: r for r in systems if "tok_s" in r}
+    for r in by.values():
+        for ref in ("hf_static", "vllm"):
+            if ref in by:
+                r[f"x_{ref}"] = round(r["tok_s"] / by[ref]["tok_s"], 3)
+    result = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "workload": {"requests": n, "prompt_len": prange, "output_len": orange, "seed": args.seed,
+                     "greedy": True, "ignore_eos": True},
+        "ceiling": gemm_ceiling(path, work, args.dtype),
+        "systems": systems,
+    }
+    print_table(result)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
