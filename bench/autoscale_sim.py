@@ -22,7 +22,7 @@ import statistics
 import sys
 import time
 
-from controllers.autoscaling import AutoscalingPolicy
+from controllers.autoscaling import policy_from_spec
 from controllers.autoscaling_sim import (
     Autoscaler,
     EngineProfile,
@@ -38,6 +38,7 @@ from controllers.autoscaling_sim import (
     spike_trace,
     step_trace,
 )
+from crds.models import AutoscalingSpec, AutoscalingTargets
 
 # Seconds from `python -m` start to the first generated token of SmolLM2-135M-Instruct (safetensors, fp32, CPU)
 # on this project's 2-core machine: 3.8, 4.5 and 5.9 s in three runs (import torch ~1 s, load ~2.5 s, first
@@ -78,13 +79,17 @@ def calibrate(profile: EngineProfile, workload: Workload, utilization: float, se
 
 
 def make_autoscalers(targets: dict[str, float], args: argparse.Namespace) -> dict[str, Autoscaler]:
-    policy = AutoscalingPolicy(
+    # Our policy is what a CR with these targets gets: every other field keeps the CRD's default.
+    spec = AutoscalingSpec(
         min_replicas=1,
         max_replicas=args.max_replicas,
-        kv_cache_utilization=round(targets["kv"], 3),
-        ttft_p95_seconds=args.slo_ttft_s if args.ttft_signal else None,
-        expected_startup_seconds=max(args.startup_s * 3, 60.0),
+        targets=AutoscalingTargets(
+            queue_depth_per_replica=args.queue_target,
+            kv_cache_utilization=round(targets["kv"], 3),
+            ttft_p95_seconds=args.slo_ttft_s if args.ttft_signal else None,
+        ),
     )
+    policy = policy_from_spec(spec, expected_startup_seconds=max(args.startup_s * 3, 60.0))
     return {
         "llmfleet": LlmfleetAutoscaler(policy, interval_s=10.0),
         "kubeai": KubeAIAutoscaler(
@@ -92,7 +97,7 @@ def make_autoscalers(targets: dict[str, float], args: argparse.Namespace) -> dic
         ),
         "keda": KedaHpaAutoscaler(
             running_target=round(targets["running"], 2),
-            waiting_target=policy.queue_depth_per_replica or 1.0,
+            waiting_target=args.queue_target,
             min_replicas=1,
             max_replicas=args.max_replicas,
         ),
@@ -184,10 +189,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--slo-ttft-s", type=float, default=6.0, help="p95 TTFT target of the SLO")
     parser.add_argument("--utilization", type=float, default=0.75, help="operating point all targets aim at")
     parser.add_argument("--base-replicas", type=int, default=2, help="replicas the base load needs")
+    parser.add_argument(
+        "--queue-target", type=float, default=2.0, help="queueDepthPerReplica (llmfleet) and the waiting threshold (keda)"
+    )
     parser.add_argument("--max-replicas", type=int, default=20)
     parser.add_argument("--scale", type=float, default=1.0, help="stretch (or shrink) every trace's durations")
     parser.add_argument(
-        "--ttft-signal", action=argparse.BooleanOptionalAction, default=True,
+        "--ttft-signal", action=argparse.BooleanOptionalAction, default=False,
         help="give llmfleet the SLO as its ttftP95Seconds target",
     )
     parser.add_argument("--verbose", action="store_true", help="print every llmfleet scaling reason")

@@ -286,9 +286,10 @@ class LlmfleetAutoscaler(Autoscaler):
 
     name = "llmfleet"
 
-    def __init__(self, policy: AutoscalingPolicy, interval_s: float = 10.0) -> None:
+    def __init__(self, policy: AutoscalingPolicy, interval_s: float = 10.0, kv_average_1m: bool = True) -> None:
         self.policy = policy
         self.interval_s = interval_s
+        self.kv_average_1m = kv_average_1m
         self.state = AutoscalingState()
         self.reasons: list[str] = []
 
@@ -300,7 +301,7 @@ class LlmfleetAutoscaler(Autoscaler):
                 observed_at=view.now,
                 ready_pods=len(ready),
                 queue_depth_per_replica=view.waiting_total / len(ready),
-                kv_cache_utilization=min(1.0, view.kv_total_60s / len(ready)) if view.kv_total_60s else 0.0,
+                kv_cache_utilization=self._kv(view),
                 ttft_p95_seconds=view.ttft_p95_60s,
                 running_requests=view.running_total,
                 waiting_requests=view.waiting_total,
@@ -323,6 +324,14 @@ class LlmfleetAutoscaler(Autoscaler):
         if decision.direction != "none":
             self.reasons.append(f"t={view.now:.0f}s {decision.reason}")
         return decision.desired_replicas
+
+
+    def _kv(self, view: FleetView) -> float:
+        """Mean KV-cache utilisation of the ready pods: instantaneous (avg(vllm:kv_cache_usage_perc)), or over the
+        last minute (sum(avg_over_time(...[1m])) / ready pods, so a changing pod count does not skew it)."""
+        if self.kv_average_1m:
+            return min(1.0, (view.kv_total_60s or 0.0) / len(view.ready))
+        return sum(replica.kv_utilization() for replica in view.ready) / len(view.ready)
 
 
 class KubeAIAutoscaler(Autoscaler):

@@ -3,8 +3,9 @@
 The operator's shell reads the worker pods (by label), the Service, the drain-token Secret and the
 PodDisruptionBudgets of one InferenceDeployment, asks draining pods how their drain goes (`DrainProbe`) and runs a
 canary analysis check when one is due, and turns all that into an `Observed` with `Observed.from_objects`;
-`reconcile` never touches the API or the pods. Pods are summarised into `PodInfo` (phase, readiness, revision, age, failure signs) so that the planning rules
-read like the rules they implement, and so that tests can build observations in one line.
+`reconcile` never touches the API or the pods. Pods are summarised into `PodInfo` (phase, readiness, revision,
+age, failure signs, drain marks) so that the planning rules read like the rules they implement, and so that tests
+can build observations in one line.
 """
 
 from __future__ import annotations

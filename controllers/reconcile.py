@@ -13,9 +13,9 @@ Rules, per variant (sizes from `controllers.sizing`, revisions and canary steps 
   `controllers.ordering` order. An unready pod may always go (it serves nothing); a ready one only while the
   variant keeps at least `wanted - policy.max_unavailable` ready pods. Removal means draining
   (`controllers.draining`): a serving pod is marked and drained, then deleted; one serving nothing is deleted.
-- New pods are created up to each wanted count; while old-revision pods remain, the variant may hold up to
-  `wanted + policy.max_surge` pods (draining and terminating ones included), so a revision change replaces pods
-  without dropping capacity or holding more than `max_surge` extra pods' worth of resources.
+- New pods are created up to each wanted count; while old-revision (or surplus) pods remain, the variant may
+  hold up to `wanted + policy.max_surge` pods (draining and terminating ones included), so a revision change
+  replaces pods without dropping capacity or holding more than `max_surge` extra pods' worth of resources.
 - Pods of variants no longer in the spec are removed (drained); pods labelled for the deployment but controlled
   by another owner are left alone. Each variant has a PodDisruptionBudget (`controllers.pods.pdb_manifest`).
 An invalid spec changes nothing running (drains already under way finish): the pass only reports it
@@ -333,16 +333,21 @@ def _plan_variant(
             reason, why = DrainReason.ROLLOUT, f"revision {pod.revision} replaced by {primary.revision}"
         else:
             count = wanted[pod.revision].replicas
-            reason, why = DrainReason.SCALE_DOWN, f"variant {variant.name} revision {pod.revision} scales down to {count}"
+            reason = DrainReason.SCALE_DOWN
+            why = f"variant {variant.name} revision {pod.revision} scales down to {count}"
         removals.append(draining.remove(pod, reason, why, now, timeout, port))
 
     removed = {getattr(action, "name", None) for action in removals}
     remaining = [p for p in live if p.name not in removed]
-    old_left = any(p.revision not in wanted for p in remaining)
-    # Up to the wanted count of live pods always; beyond it, while old pods remain, `max_surge` more, counting
+    # Pods kept only for availability: old revisions, or more of a wanted revision than it should have (a canary
+    # step moves pods from stable to canary). While there are any, the variant may surge.
+    excess = any(p.revision not in wanted for p in remaining) or any(
+        sum(p.revision == w.revision for p in remaining) > w.replicas for w in plan.wanted
+    )
+    # Up to the wanted count of live pods always; beyond it, while pods are in excess, `max_surge` more, counting
     # pods still draining or terminating (they hold their node's resources, GPUs included, until they are gone).
     leaving = len(going) + sum(p.name in removed for p in live)
-    room = total - len(remaining) + (max(0, policy.max_surge - leaving) if old_left else 0)
+    room = total - len(remaining) + (max(0, policy.max_surge - leaving) if excess else 0)
     taken = {p.name for p in pods}
     creates: list[CreatePod] = []
     for want in plan.wanted:

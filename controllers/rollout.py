@@ -229,14 +229,19 @@ def _idle(
         if promote:
             events.append(EmitEvent(EventType.NORMAL, "PromoteIgnored", f"{PROMOTE}: nothing to promote"))
         phase = _settled(prev.phase, _leftovers(inp), changed=False)
+        stable_id = revision_id({n: r.stable for n, r in inp.revisions.items()})
+        if prev.phase == RolloutPhase.ROLLED_BACK:
+            why = ("SpecReverted", f"the spec is back at stable revision {stable_id}")
+        else:
+            why = ("Stable", f"revision {stable_id} is stable")
         status = prev.model_copy(
             update={
                 "phase": phase,
-                "stable_revision": revision_id({n: r.stable for n, r in inp.revisions.items()}),
+                "stable_revision": stable_id,
                 "canary_revision": None,
                 "canary_weight": 0,
                 "stable_spec": dict(inp.snapshot),
-                **_reason(prev, phase, "Stable", "all pods run the stable revision"),
+                **_reason(prev, phase, *why),
             }
         )
         return RolloutDecision(status, tuple(events))
@@ -302,7 +307,8 @@ def _running(
         return _rolled_back(inp, "ManualAbort", f"{ABORT}: canary {canary_id} rolled back by request")
     if promote:
         why = f"{PROMOTE}: canary {canary_id} promoted at step {prev.step + 1} without further analysis"
-        return RolloutDecision(_promoted(inp, "ManualPromote", why), (EmitEvent(EventType.NORMAL, "CanaryPromoted", why),))
+        promoted = _promoted(inp, "ManualPromote", why)
+        return RolloutDecision(promoted, (EmitEvent(EventType.NORMAL, "CanaryPromoted", why),))
 
     canary = inp.canary
     steps = canary.steps
@@ -464,10 +470,10 @@ def _leftovers(inp: RolloutInput) -> bool:
 
 
 def _reason(prev: RolloutStatus, phase: RolloutPhase, reason: str, message: str) -> dict[str, Any]:
-    """Reason and message change only when the phase does (a settled phase keeps why it got there)."""
-    if phase == prev.phase:
-        return {}
-    if prev.phase == RolloutPhase.ROLLING_BACK and phase == RolloutPhase.ROLLED_BACK:
+    """Reason and message for a settled phase: a phase reached by settling (Promoting -> Stable, RollingBack ->
+    RolledBack or Stable) keeps why it got there; a fresh status or a jump from another phase takes these."""
+    settling = {RolloutPhase.PROMOTING, RolloutPhase.ROLLING_BACK}
+    if prev.reason and (phase == prev.phase or prev.phase in settling):
         return {}
     return {"reason": reason, "message": message}
 
@@ -588,7 +594,9 @@ def comparisons(revisions: Mapping[str, VariantRevisions]) -> tuple[Comparison, 
 def combine(results: Mapping[str, AnalysisResult], *, step: int, now: datetime) -> AnalysisResult:
     """One check from per-variant checks: the worst verdict, the values of the worst variant, every message."""
     if not results:
-        return AnalysisResult(time=now, step=step, verdict=Verdict.INCONCLUSIVE, message="Inconclusive: nothing to compare")
+        return AnalysisResult(
+            time=now, step=step, verdict=Verdict.INCONCLUSIVE, message="Inconclusive: nothing to compare"
+        )
     if len(results) == 1:
         return next(iter(results.values()))
     worst_name = max(results, key=lambda n: _VERDICT_RANK[results[n].verdict])

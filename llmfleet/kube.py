@@ -196,6 +196,11 @@ class Kube:
         selector = f"llmfleet.io/deployment={deployment}" if deployment else "llmfleet.io/deployment"
         return self.list("v1", "Pod", namespace, selector=selector, all_namespaces=namespace is None)
 
+    def pod_log(self, name: str, namespace: str = "default", tail_lines: int = 40) -> str:
+        response = self._http.get(f"/api/v1/namespaces/{namespace}/pods/{name}/log",
+                                  params={"tailLines": str(tail_lines)})
+        return response.text if response.status_code == 200 else f"(no log: HTTP {response.status_code})"
+
     def events(self, deployment: str, namespace: str = "default") -> list[dict[str, Any]]:
         """Events about one InferenceDeployment, oldest first."""
         events = [

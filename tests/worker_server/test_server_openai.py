@@ -178,6 +178,10 @@ def _error(excinfo) -> dict:
         ({"max_tokens": 5000}, "max_tokens", "maximum context length is 2048"),
         ({"prompt": ["a", "b"]}, "prompt", "batched prompts"),
         ({"stop": [""]}, "stop", "non-empty"),
+        ({"prompt": [5, -1]}, "prompt", "non-negative"),
+        ({"prompt": [[1, 2], [3]]}, "prompt", "batched prompts (2 prompts)"),
+        ({"prompt": {"text": "x"}}, "prompt", "a string or a list of token ids"),
+        ({"prompt": []}, "prompt", "must not be empty"),
     ],
 )
 def test_bad_completion_requests_are_400(live, kwargs, param, needle) -> None:

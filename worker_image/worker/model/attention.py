@@ -20,7 +20,7 @@ The cache of one layer is a pair of tensors `[num_blocks, block_size, kv_heads, 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,16 +50,29 @@ class AttentionMetadata:
     positions: torch.Tensor  # [T] int64
     slot_mapping: torch.Tensor  # [T] int64
     num_decode: int  # rows 0 .. num_decode are single-token sequences
-    decode_block_idx: torch.Tensor | None  # [num_decode * decode_blocks] int64, padded block tables flattened
-    decode_blocks: int
-    decode_mask: torch.Tensor | None  # additive [num_decode, 1, 1, decode_blocks * block_size]
+    decode_block_tables: torch.Tensor | None  # [num_decode (+ padding), max_blocks] int64, padded with block 0
+    decode_context_lens: torch.Tensor | None  # [num_decode (+ padding)] int64
+    decode_mask: torch.Tensor | None  # additive [num_decode, 1, 1, max_blocks * block_size] (eager path only)
     prefills: tuple[PrefillChunk, ...]
 
 
+# The fused decode kernel is compiled for symbolic sizes; sizes 0 and 1 would get their own specialised
+# compilations, so its inputs are padded to at least this many rows and blocks.
+FUSED_MIN_SIZE = 2
+
+
 def build_metadata(
-    spans: Sequence[SeqSpan], block_size: int, device: torch.device, mask_dtype: torch.dtype
+    spans: Sequence[SeqSpan],
+    block_size: int,
+    device: torch.device,
+    mask_dtype: torch.dtype,
+    fused_decode: bool = False,
 ) -> AttentionMetadata:
-    """Metadata for a batch whose single-token spans all come before the multi-token ones."""
+    """Metadata for a batch whose single-token spans all come before the multi-token ones.
+
+    `fused_decode` prepares the decode inputs for `decode_attention_fused` (block tables + lengths, padded to
+    `FUSED_MIN_SIZE`); otherwise for the eager SDPA path (block tables + an additive mask).
+    """
     positions: list[int] = []
     slots: list[int] = []
     num_decode = 0
@@ -83,9 +96,7 @@ def build_metadata(
             decode_lens.append(end)
         else:
             positions.extend(range(start, end))
-            slots.extend(
-                table[p // block_size] * block_size + p % block_size for p in range(start, end)
-            )
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
             block_idx = mask = None
             if start > 0:
                 block_idx = torch.tensor(table[:num_blocks], dtype=torch.int64, device=device)
@@ -96,25 +107,78 @@ def build_metadata(
                 mask = mask[None, None]
             prefills.append(PrefillChunk(q_start, n, start, block_idx, mask))
         q_start += n
-    decode_block_idx = decode_mask = None
-    decode_blocks = 0
+    tables = lens = decode_mask = None
     if num_decode:
-        decode_blocks = max(len(t) for t in decode_tables)
-        padded = [list(t) + [0] * (decode_blocks - len(t)) for t in decode_tables]
-        decode_block_idx = torch.tensor(padded, dtype=torch.int64, device=device).view(-1)
-        lens = torch.tensor(decode_lens, device=device)
-        k_pos = torch.arange(decode_blocks * block_size, device=device)
-        decode_mask = torch.zeros(num_decode, 1, 1, k_pos.numel(), dtype=mask_dtype, device=device)
-        decode_mask.masked_fill_((k_pos[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
+        max_blocks = max(len(t) for t in decode_tables)
+        if fused_decode:
+            max_blocks = max(max_blocks, FUSED_MIN_SIZE)
+            while len(decode_tables) < FUSED_MIN_SIZE:
+                decode_tables.append([0])
+                decode_lens.append(1)
+        tables = torch.tensor(
+            [list(t) + [0] * (max_blocks - len(t)) for t in decode_tables], dtype=torch.int64, device=device
+        )
+        lens = torch.tensor(decode_lens, dtype=torch.int64, device=device)
+        if not fused_decode:
+            k_pos = torch.arange(max_blocks * block_size, device=device)
+            decode_mask = torch.zeros(num_decode, 1, 1, k_pos.numel(), dtype=mask_dtype, device=device)
+            decode_mask.masked_fill_((k_pos[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
     return AttentionMetadata(
         positions=torch.tensor(positions, dtype=torch.int64, device=device),
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         num_decode=num_decode,
-        decode_block_idx=decode_block_idx,
-        decode_blocks=decode_blocks,
+        decode_block_tables=tables,
+        decode_context_lens=lens,
         decode_mask=decode_mask,
         prefills=tuple(prefills),
     )
+
+
+def decode_attention_sdpa(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_idx: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Eager decode attention: gather the padded block tables, then one batched SDPA call. Returns [D, H * hd]."""
+    d, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    ctx = block_idx.numel() // d * block_size
+    k = k_cache.index_select(0, block_idx).view(d, ctx, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache.index_select(0, block_idx).view(d, ctx, num_kv_heads, head_dim).transpose(1, 2)
+    qd = q.view(d, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(d, num_heads * head_dim)
+
+
+def decode_attention_fused(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention written for `torch.compile`: the block-table gather is fused into the score and value
+    reductions, so K/V are read once from the cache instead of being copied out first (eager, this would
+    materialise a huge product: never call it uncompiled). Returns [D, H * hd]."""
+    d, max_blocks = block_tables.shape
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    group = q.shape[1] // num_kv_heads
+    ctx = max_blocks * block_size
+    k = k_cache[block_tables].view(d, ctx, num_kv_heads, 1, head_dim).float()
+    v = v_cache[block_tables].view(d, ctx, num_kv_heads, 1, head_dim).float()
+    scores = (q.view(d, 1, num_kv_heads, group, head_dim).float() * k).sum(-1) * scale  # [D, ctx, KVH, G]
+    pos = torch.arange(ctx, device=q.device)
+    scores = scores.masked_fill((pos[None, :] >= context_lens[:, None])[:, :, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=1)
+    out = (probs[..., None] * v).sum(1)  # [D, KVH, G, hd]
+    return out.reshape(d, num_kv_heads * group * head_dim).to(q.dtype)
+
+
+DecodeFn = Callable[..., torch.Tensor]
 
 
 def paged_attention(
@@ -125,22 +189,23 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    fused_decode: DecodeFn | None = None,
 ) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend. q: [T, H, D]; k, v: [T, KVH, D]. Returns [T, H * D]."""
+    """Write this step's K/V into the cache, then attend. q: [T, H, D]; k, v: [T, KVH, D]. Returns [T, H * D].
+
+    `fused_decode` is the compiled `decode_attention_fused` (metadata built with `fused_decode=True`), or None
+    for the eager SDPA path.
+    """
     num_tokens, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    group = num_heads // num_kv_heads
+    num_kv_heads = k_cache.shape[2]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-    out = q.new_empty(num_tokens, num_heads * head_dim)
     d = meta.num_decode
+    if d == num_tokens and fused_decode is not None:  # a pure decode step: no copy into `out` needed
+        return _decode(q, k_cache, v_cache, meta, scale, fused_decode)[:d]
+    out = q.new_empty(num_tokens, num_heads * head_dim)
     if d:
-        ctx = meta.decode_blocks * block_size
-        kd = k_cache.index_select(0, meta.decode_block_idx).view(d, ctx, num_kv_heads, head_dim).transpose(1, 2)
-        vd = v_cache.index_select(0, meta.decode_block_idx).view(d, ctx, num_kv_heads, head_dim).transpose(1, 2)
-        qd = q[:d].view(d, num_kv_heads, group, head_dim)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
-        out[:d] = od.reshape(d, num_heads * head_dim)
+        out[:d] = _decode(q[:d], k_cache, v_cache, meta, scale, fused_decode)[:d]
     for chunk in meta.prefills:
         rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
         qc = q[rows].transpose(0, 1)[None]
@@ -158,3 +223,42 @@ def paged_attention(
             )
         out[rows] = oc[0].transpose(0, 1).reshape(chunk.q_len, num_heads * head_dim)
     return out
+
+
+def compile_fused_decode(
+    block_size: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> tuple[DecodeFn | None, str | None]:
+    """`torch.compile` the fused decode kernel and run it once (distinct sizes >= 2, so the graph stays fully
+    symbolic and later steps reuse it). Returns (kernel, None), or (None, why) when compiling is impossible
+    here (no C++ compiler, unsupported backend): the caller then uses the eager path."""
+    fn = torch.compile(decode_attention_fused, dynamic=True)
+    rows, blocks, cache_blocks = FUSED_MIN_SIZE + 1, FUSED_MIN_SIZE + 3, FUSED_MIN_SIZE + 7
+    cache = torch.zeros(cache_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    q = torch.zeros(rows, num_heads, head_dim, dtype=dtype, device=device)
+    tables = torch.arange(rows * blocks, device=device).remainder(cache_blocks).view(rows, blocks)
+    lens = torch.arange(1, rows + 1, device=device) * (block_size + 1)
+    try:
+        with torch.inference_mode():
+            fn(q, cache, cache, tables, lens, 1.0)
+    except Exception as exc:  # inductor raises many types (compiler missing, codegen limits)
+        return None, f"{type(exc).__name__}: {str(exc)[:300]}"
+    return fn, None
+
+
+def _decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    fused_decode: DecodeFn | None,
+) -> torch.Tensor:
+    assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
+    if fused_decode is None:
+        assert meta.decode_mask is not None
+        flat = meta.decode_block_tables.view(-1)
+        return decode_attention_sdpa(q, k_cache, v_cache, flat, meta.decode_mask, scale)
+    rows = meta.decode_block_tables.shape[0]
+    if rows > q.shape[0]:  # padded to FUSED_MIN_SIZE rows
+        q = torch.cat([q, q.new_zeros(rows - q.shape[0], *q.shape[1:])])
+    return fused_decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)

@@ -110,23 +110,30 @@ class _GenerationRequest(BaseModel):
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[int] = Field(description="a string or token ids; a one-element batch is accepted")
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
     def _single_prompt(cls, value: Any) -> Any:
-        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+        """One prompt: a string or a list of non-negative token ids (OpenAI's batch forms with one element too)."""
+        if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
             if len(value) != 1:
                 raise ValueError(f"batched prompts ({len(value)} prompts) are not supported: send one prompt per "
                                  "request")
-            return value[0]
-        if isinstance(value, list) and not value:
-            raise ValueError("prompt must not be empty")
-        return value
+            value = value[0]
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            if not value:
+                raise ValueError("prompt must not be empty")
+            if min(value) < 0:
+                raise ValueError(f"token ids must be non-negative, got {min(value)}")
+            return value
+        raise ValueError("prompt must be a string or a list of token ids (non-negative integers)")
 
     @field_validator("logprobs")
     @classmethod
