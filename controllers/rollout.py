@@ -298,8 +298,12 @@ def _running(
                                (EmitEvent(EventType.NORMAL, "CanaryPromoted", why),))
     if target_id != canary_id:
         if target_id == prev.rejected_revision:
-            return _rolled_back(inp, "SupersededByRejected",
-                                f"the spec now asks for rejected revision {target_id}: canary {canary_id} stops")
+            why = f"the spec now asks for rejected revision {target_id}: canary {canary_id} stops, its pods drain"
+            status = prev.model_copy(
+                update={"phase": RolloutPhase.ROLLING_BACK, "canary_revision": None, "canary_weight": 0,
+                        "step_started_at": None, "reason": "RevisionRejected", "message": why}
+            )
+            return RolloutDecision(status, (EmitEvent(EventType.NORMAL, "CanaryAborted", why),))
         events = [EmitEvent(EventType.NORMAL, "CanarySuperseded",
                             f"canary {canary_id} superseded by {target_id} (the spec changed); its pods drain")]
         return _start(inp, target_id, "CanarySuperseded", f"canary {target_id} replaced canary {canary_id}", events)

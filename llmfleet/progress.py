@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Any
 
 from rich.console import Console
@@ -178,7 +177,3 @@ def watch_until(console: Console, kube: Kube, name: str, namespace: str,
                 break
             time.sleep(poll_s)
     return False, time.monotonic() - started
-
-
-def now_utc() -> datetime:
-    return datetime.now(timezone.utc)

@@ -123,6 +123,13 @@ def _rollout(resource: Mapping[str, Any] | None) -> Mapping[str, Any]:
     return ((resource or {}).get("status") or {}).get("rollout") or {}
 
 
+def rollout_settled(resource: Mapping[str, Any] | None, generation: int, phases: Sequence[str]) -> bool:
+    """The operator has seen `generation` (the change just made) and the rollout rests in one of `phases`
+    (a read taken before the operator reacted still shows the previous rollout's outcome)."""
+    status = (resource or {}).get("status") or {}
+    return int(status.get("observedGeneration") or 0) >= generation and _rollout(resource).get("phase") in phases
+
+
 def _ready_pods(ctx: TourContext) -> int:
     return sum(1 for p in ctx.kube.pods(ctx.name, ctx.namespace) if pod_ready(p))
 
@@ -146,9 +153,10 @@ def int4_canary(ctx: TourContext) -> None:
     ctx.console.print(f"  applying {manifest.name}: the same model with int4 weights, rolled out as a canary")
     narrator = Narrator(ctx)
     with StreamLoad(ctx.gateway_url, ctx.api_key, ctx.model, workers=3, deadline_s=ctx.timeout_s) as load:
-        ctx.kube.apply_all(load_manifests(manifest), ctx.namespace)
-        _follow(ctx, narrator, lambda r: _rollout(r).get("phase") in ("Stable", "RolledBack")
-                and bool(_rollout(r).get("analysis")), ctx.timeout_s, load)
+        (applied,) = ctx.kube.apply_all(load_manifests(manifest), ctx.namespace)
+        generation = applied["metadata"]["generation"]
+        _follow(ctx, narrator, lambda r: rollout_settled(r, generation, ("Stable", "RolledBack")), ctx.timeout_s,
+                load)
     rollout = _rollout(narrator.look())
     ctx.console.print(f"  rollout: {rollout.get('phase')} ({rollout.get('reason')}); traffic: {load.summary()}")
 
@@ -159,8 +167,10 @@ def faulty_canary(ctx: TourContext) -> None:
                       "of its requests")
     narrator = Narrator(ctx)
     with StreamLoad(ctx.gateway_url, ctx.api_key, ctx.model, workers=3, deadline_s=ctx.timeout_s) as load:
-        ctx.kube.merge_patch(*INFD, ctx.name, {"spec": {"template": {"env": env}}}, ctx.namespace)
-        _follow(ctx, narrator, lambda r: _rollout(r).get("phase") == "RolledBack", ctx.timeout_s, load)
+        patched = ctx.kube.merge_patch(*INFD, ctx.name, {"spec": {"template": {"env": env}}}, ctx.namespace)
+        generation = patched["metadata"]["generation"]
+        _follow(ctx, narrator, lambda r: rollout_settled(r, generation, ("RolledBack", "Stable")), ctx.timeout_s,
+                load)
     rollout = _rollout(narrator.look())
     ctx.console.print(f"  rollout: {rollout.get('phase')} - {rollout.get('message', '')[:300]}")
     ctx.console.print(f"  traffic: {load.summary()}")

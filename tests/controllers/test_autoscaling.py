@@ -73,9 +73,9 @@ CASES = [
     # --- max over signals
     Case(
         "max over signals",
-        2,
+        4,
         7,
-        sample(queue_depth_per_replica=5.0, kv_cache_utilization=2.0 * 0.6 * 3.4 / 2),
+        sample(ready=4, queue_depth_per_replica=2.5, kv_cache_utilization=0.99),
         reason_has=("KV-cache utilisation",),
     ),
     # --- tolerance band: |demand / current - 1| <= 0.1 changes nothing
@@ -203,6 +203,7 @@ CASES = [
     Case("max bound", 4, 20, sample(ready=4, queue_depth_per_replica=30.0), reason_has=("maxReplicas 20",)),
     Case("lowered max applies at once", 12, 10, None, policy=policy(max_replicas=10)),
     Case("raised min scales up", 2, 5, None, policy=policy(min_replicas=5)),
+    Case("a new variant starts at min", 0, 2, None, policy=policy(min_replicas=2), reason_has=("minReplicas 2",)),
     Case("no load keeps one pod", 2, 1, sample(kv_cache_utilization=0.0, running_requests=0.0),
          state=AutoscalingState(window=window((300, 1)))),
     # --- missing or stale data never scales down
@@ -368,7 +369,8 @@ def test_stabilisation_window_survives_a_restart() -> None:
     current = 2
     history = []
     for tick in range(0, 200, 10):
-        kv = 0.9 if tick < 30 else 0.2
+        total_kv = 1.8 if tick < 30 else 0.6  # three pods' worth of load at target 0.6, then one
+        kv = total_kv / current
         decision = decide(p, now=NOW + tick, current_replicas=current, pods=PodCounts(ready=current),
                           metrics=MetricsSample(observed_at=NOW + tick, ready_pods=current, kv_cache_utilization=kv,
                                                 running_requests=1, waiting_requests=0), state=state)
@@ -378,7 +380,8 @@ def test_stabilisation_window_survives_a_restart() -> None:
         history.append((tick, current))
     assert history[0] == (0, 3)  # scaled up at once
     down_at = next(tick for tick, replicas in history if replicas < 3)
-    assert down_at >= 20 + 120  # the last high recommendation (t=20) held for the whole window
+    assert down_at == 150  # the last recommendation of 3 (t=20) holds until the window has moved past t=30
+    assert history[-1] == (190, 1)
 
 
 @pytest.mark.parametrize(

@@ -390,3 +390,40 @@ def test_status_patch_clears_fields_that_went_away(kit):
     (patch,) = plan.of_type(PatchStatus)
     assert patch.status["rollout"]["canaryRevision"] is None  # sent as null: a merge patch removes it
     assert patch.status["rollout"]["stepStartedAt"] is None
+
+
+def test_only_changed_variants_run_a_canary(kit):
+    c = kit.cluster(_spec(replicas=4, variants=[{"name": "a", "weight": 1}, {"name": "b", "weight": 1}]))
+    c.converge()
+    before = dict(c.pods)
+    c.resource["spec"]["variants"][0]["extraArgs"] = {"enforce-eager": True}
+    _pass(c)
+    _settle(c)
+    rollout = _rollout(c)
+    endpoints = [(e["variant"], e.get("canary", False), e["weight"]) for e in c.resource["status"]["endpoints"]]
+    assert endpoints == [("a", False, 75), ("a", True, 25), ("b", False, 100)]
+    canary_pods = [n for n, p in c.pods.items() if p["metadata"]["labels"]["llmfleet.io/revision"]
+                   == rollout["canaryRevision"]]
+    assert len(canary_pods) == 1 and canary_pods[0].startswith("smollm2-a-")
+    assert {n: p for n, p in c.pods.items() if n.startswith("smollm2-b-")} == {
+        n: p for n, p in before.items() if n.startswith("smollm2-b-")}
+
+
+def test_superseding_a_canary_with_the_rejected_revision_stops_it_without_rejecting_it(kit):
+    c, stable, _ = _started(kit)
+    rejected = _rollout(c)["canaryRevision"]
+    _settle(c)
+    c.resource["metadata"]["annotations"] = {"llmfleet.io/abort": "true"}
+    _settle(c)
+    c.resource["spec"]["template"] = {"env": [{"name": "NEW", "value": "2"}]}
+    _pass(c)
+    second = _rollout(c)["canaryRevision"]
+    assert _rollout(c)["phase"] == "Progressing" and _rollout(c)["rejectedRevision"] == rejected
+    _settle(c)
+    c.resource["spec"]["template"] = {"env": [{"name": "NEW", "value": "1"}]}  # back to the rejected one
+    plan = _pass(c)
+    assert len(_events(plan, "CanaryAborted")) == 1 and _events(plan, "CanaryStarted") == []
+    _settle(c)
+    rollout = _rollout(c)
+    assert (rollout["phase"], rollout["rejectedRevision"]) == ("RolledBack", rejected)  # not `second`
+    assert _live_revisions(c) == Counter({stable: 4}) and second not in _live_revisions(c)

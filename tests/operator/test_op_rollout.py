@@ -1,8 +1,8 @@
 """Canary rollouts and lame-duck draining with the real operator, real `llmfleet worker` pods (fake engine) and
 the real gateway (Kubernetes mode) on localkube, with analysis from scraping the pods (no Prometheus).
 
-- a canary promotes through all its steps while a bounded load generator streams through the gateway, then the
-  fleet scales down: not one stream fails or ends early;
+- a canary to int4 (so the quality probe runs too) promotes through all its steps while a bounded load generator
+  streams through the gateway, then the fleet scales down: not one stream fails or ends early;
 - a canary with injected errors (LLMFLEET_FAULT_ERROR_RATE via spec.template.env) is rolled back automatically,
   with the reason in status and a Warning Event;
 - the operator killed mid-step resumes at the same step (same step start, same pods), then a manual promote by
@@ -35,7 +35,9 @@ LLMFLEET = str(Path(sys.executable).parent / "llmfleet")
 # Fake engine: 50 ms to the first token, then 20 ms per token: a 24-token stream lasts about half a second.
 ENGINE = {"extraArgs": {"fake-ttft-ms": 50, "fake-itl-ms": 20}}
 MAX_TOKENS = 24
-ANALYSIS = {"intervalSeconds": 5, "failureLimit": 2, "minRequests": 3, "ttftP95MaxRatio": 3, "itlP95MaxRatio": 3,
+# Latency ratios are generous: two fake-engine pods on a busy 2-core machine are not always equally fast, and
+# these tests are about the machinery, not about telling 50 ms from 60 ms.
+ANALYSIS = {"intervalSeconds": 5, "failureLimit": 2, "minRequests": 3, "ttftP95MaxRatio": 5, "itlP95MaxRatio": 5,
             "errorRateMax": 0.05}
 
 
@@ -194,8 +196,9 @@ def test_canary_promotes_through_all_steps_and_no_stream_breaks_through_rollout_
     stable = kit.wait_until(lambda: _settled(kit, kube, "promo", 3), "3 ready pods of one revision", timeout_s=90)
     with StreamLoad(gateway, "promo") as load:
         kit.wait_until(lambda: load.completed >= 6, "streams through the gateway", timeout_s=30)
+        # the canary changes the quantization: the quality probe joins latency and errors in the analysis
         kube.run("patch", "infd", "promo", "--type", "merge", "-p",
-                 json.dumps({"spec": {"template": {"env": [{"name": "CANARY", "value": "1"}]}}}))
+                 json.dumps({"spec": {"variants": [{"name": "default", "quantization": "int4"}]}}))
         started = kit.wait_until(
             lambda: (r := _rollout(kube, "promo")).get("phase") == "Progressing" and r, "the canary to start"
         )
@@ -203,8 +206,8 @@ def test_canary_promotes_through_all_steps_and_no_stream_breaks_through_rollout_
         assert canary != stable and started["stableRevision"] == stable and started["canaryWeight"] == 34
         kit.wait_until(lambda: _rollout(kube, "promo").get("step") == 1, "step 2", timeout_s=90)
         endpoints = kube.get("infd", "promo")["status"]["endpoints"]
-        weights = {(e["revision"], e.get("canary", False)): e["weight"] for e in endpoints}
-        assert weights[(canary, True)] == 67 and weights[(stable, False)] == 33
+        weights = {(e["revision"], e.get("canary", False), e["quantization"]): e["weight"] for e in endpoints}
+        assert weights == {(canary, True, "int4"): 67, (stable, False, "none"): 33}
         kit.wait_until(lambda: _settled(kit, kube, "promo", 3) == canary, "the canary promoted", timeout_s=90)
         kit.wait_until(lambda: load.revisions[canary] >= 6, "streams served by the promoted revision")
 
@@ -223,9 +226,15 @@ def test_canary_promotes_through_all_steps_and_no_stream_breaks_through_rollout_
     assert verdicts.count("Pass") >= 2 and "Fail" not in verdicts
     passes = [a for a in rollout["analysis"] if a["verdict"] == "Pass"]
     assert {a["step"] for a in passes} == {0, 1}  # each step passed its own check
+    assert all(a["qualityAgreement"] == 1.0 for a in passes)  # the fake engine ignores quantization
     reasons = Counter(e["reason"] for e in kube.events("promo"))
     assert reasons["CanaryStarted"] == 1 and reasons["CanaryStep"] == 1 and reasons["CanaryPromoted"] == 1
     assert reasons["DrainingPod"] >= 5  # 3 old stable pods after promotion, 2 on the scale-down (+ canary steps)
+    drained = {e["message"].split()[2] for e in kube.events("promo") if e["reason"] == "DrainingPod"}
+    deleted = {e["message"].split()[2]: e["message"] for e in kube.events("promo") if e["reason"] == "DeletedPod"}
+    assert drained <= set(deleted)  # every drained pod was deleted by the operator, once its drain ended
+    for pod in drained:
+        assert "drained: no request in flight" in deleted[pod] or "no longer answers" in deleted[pod], deleted[pod]
     assert reasons["AnalysisPass"] >= 2
     pdbs = kube.get("poddisruptionbudgets")
     assert [(p["metadata"]["name"], p["spec"]["maxUnavailable"]) for p in pdbs] == [("promo-default", 1)]
@@ -245,7 +254,7 @@ def test_faulty_canary_rolls_back_with_the_reason_in_status(fleet: Any, kit: Any
             lambda: (r := _rollout(kube, "faulty")).get("phase") == "RolledBack" and r, "the rollback", timeout_s=90
         )
         kit.wait_until(lambda: load.completed >= 10, "streams after the rollback")
-    assert load.revisions[canary] == 0 or any("HTTP 500" in f for f in load.failures)  # the canary did serve
+    assert any("HTTP 500" in f for f in load.failures)  # clients saw the canary's injected errors (not retried)
     assert rolled["rejectedRevision"] == canary and rolled["stableRevision"] == stable
     assert rolled["reason"] == "AnalysisFailed" and "error rate" in rolled["message"]
     assert rolled["canaryWeight"] == 0 and not rolled.get("canaryRevision")

