@@ -71,7 +71,7 @@ class TourContext:
 class Step:
     title: str
     needs: tuple[str, ...]
-    run: Callable[[TourContext], None]
+    run: Callable[[TourContext], str]  # returns what came of it, in a few words
     explain: str
 
 
@@ -137,18 +137,20 @@ def _ready_pods(ctx: TourContext) -> int:
 # ---------------------------------------------------------------------------------------------------- steps
 
 
-def load_burst(ctx: TourContext) -> None:
+def load_burst(ctx: TourContext) -> str:
     before = _ready_pods(ctx)
     ctx.console.print(f"  {before} ready pod(s); sending 24 concurrent streams for up to 90 s")
     narrator = Narrator(ctx)
     with StreamLoad(ctx.gateway_url, ctx.api_key, ctx.model, workers=24, deadline_s=90, max_tokens=64) as load:
         _follow(ctx, narrator, lambda _r: _ready_pods(ctx) > before, 90, load)
     ctx.console.print(f"  traffic: {load.summary()}")
+    peak = _ready_pods(ctx)
     ctx.console.print("  load stopped; waiting (up to 120 s) for the scale-down after the stabilisation window")
     _follow(ctx, narrator, lambda _r: _ready_pods(ctx) <= before, 120)
+    return f"{before} -> {peak} -> {_ready_pods(ctx)} ready pods; {load.summary()}"
 
 
-def int4_canary(ctx: TourContext) -> None:
+def int4_canary(ctx: TourContext) -> str:
     manifest = ctx.examples / "smollm2-int4-canary.yaml"
     ctx.console.print(f"  applying {manifest.name}: the same model with int4 weights, rolled out as a canary")
     narrator = Narrator(ctx)
@@ -159,9 +161,10 @@ def int4_canary(ctx: TourContext) -> None:
                 load)
     rollout = _rollout(narrator.look())
     ctx.console.print(f"  rollout: {rollout.get('phase')} ({rollout.get('reason')}); traffic: {load.summary()}")
+    return _outcome(rollout)
 
 
-def faulty_canary(ctx: TourContext) -> None:
+def faulty_canary(ctx: TourContext) -> str:
     env = [{"name": "LLMFLEET_FAULT_ERROR_RATE", "value": "0.5"}, {"name": "LLMFLEET_FAULT_SEED", "value": "1"}]
     ctx.console.print("  patching the pod template with LLMFLEET_FAULT_ERROR_RATE=0.5: a canary that fails half "
                       "of its requests")
@@ -174,6 +177,11 @@ def faulty_canary(ctx: TourContext) -> None:
     rollout = _rollout(narrator.look())
     ctx.console.print(f"  rollout: {rollout.get('phase')} - {rollout.get('message', '')[:300]}")
     ctx.console.print(f"  traffic: {load.summary()}")
+    return _outcome(rollout)
+
+
+def _outcome(rollout: Mapping[str, Any]) -> str:
+    return f"{rollout.get('phase')} ({rollout.get('reason') or 'no reason'}: {rollout.get('message', '')[:160]})"
 
 
 TOUR: tuple[Step, ...] = (
@@ -187,7 +195,8 @@ TOUR: tuple[Step, ...] = (
 
 
 def run_tour(ctx: TourContext, steps: Sequence[Step] = TOUR) -> list[tuple[str, str]]:
-    """Run the steps that can run; returns (title, outcome) for each ("done", "skipped: why" or "failed: why")."""
+    """Run the steps that can run; returns (title, outcome) for each ("ran: what came of it", "skipped: why" or
+    "failed: why")."""
     results = []
     for index, (step, skip) in enumerate(plan_steps(steps), 1):
         ctx.console.rule(f"scenario {index}/{len(steps)}: {step.title}")
@@ -197,8 +206,7 @@ def run_tour(ctx: TourContext, steps: Sequence[Step] = TOUR) -> list[tuple[str, 
             results.append((step.title, f"skipped: {skip}"))
             continue
         try:
-            step.run(ctx)
-            results.append((step.title, "done"))
+            results.append((step.title, f"ran: {step.run(ctx)}"))
         except Exception as error:  # noqa: BLE001 - one failing step must not end the tour or the fleet
             ctx.console.print(f"  [red]failed[/]: {error}")
             results.append((step.title, f"failed: {error}"))

@@ -20,9 +20,11 @@ def prompts(n: int, lengths: list[int], vocab: int, seed: int = 0) -> list[list[
     return [[rng.randrange(3, vocab) for _ in range(length)] for length in lengths[:n]]
 
 
-@pytest.fixture(scope="module")
-def runner(tiny_dir):
-    return ModelRunner(str(tiny_dir), num_blocks=128, block_size=4)
+@pytest.fixture(scope="module", params=[False, True], ids=["native-decode", "eager"])
+def runner(tiny_dir, request):
+    r = ModelRunner(str(tiny_dir), num_blocks=128, block_size=4, enforce_eager=request.param)
+    assert (r.decode_kernel is None) == request.param
+    return r
 
 
 @pytest.fixture(scope="module")

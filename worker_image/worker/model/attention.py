@@ -20,11 +20,13 @@ The cache of one layer is a pair of tensors `[num_blocks, block_size, kv_heads, 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from worker.model.kernels import PagedDecode
 
 
 @dataclass(frozen=True)
@@ -50,15 +52,10 @@ class AttentionMetadata:
     positions: torch.Tensor  # [T] int64
     slot_mapping: torch.Tensor  # [T] int64
     num_decode: int  # rows 0 .. num_decode are single-token sequences
-    decode_block_tables: torch.Tensor | None  # [num_decode (+ padding), max_blocks] int64, padded with block 0
-    decode_context_lens: torch.Tensor | None  # [num_decode (+ padding)] int64
+    decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks] int64, padded with block 0
+    decode_context_lens: torch.Tensor | None  # [num_decode] int64
     decode_mask: torch.Tensor | None  # additive [num_decode, 1, 1, max_blocks * block_size] (eager path only)
     prefills: tuple[PrefillChunk, ...]
-
-
-# The fused decode kernel is compiled for symbolic sizes; sizes 0 and 1 would get their own specialised
-# compilations, so its inputs are padded to at least this many rows and blocks.
-FUSED_MIN_SIZE = 2
 
 
 def build_metadata(
@@ -66,12 +63,12 @@ def build_metadata(
     block_size: int,
     device: torch.device,
     mask_dtype: torch.dtype,
-    fused_decode: bool = False,
+    decode_kernel: bool = False,
 ) -> AttentionMetadata:
     """Metadata for a batch whose single-token spans all come before the multi-token ones.
 
-    `fused_decode` prepares the decode inputs for `decode_attention_fused` (block tables + lengths, padded to
-    `FUSED_MIN_SIZE`); otherwise for the eager SDPA path (block tables + an additive mask).
+    With `decode_kernel` the decode rows go to the native kernel (block tables + lengths); otherwise to the
+    eager path, which also needs an additive mask over the padded block tables.
     """
     positions: list[int] = []
     slots: list[int] = []
@@ -110,16 +107,11 @@ def build_metadata(
     tables = lens = decode_mask = None
     if num_decode:
         max_blocks = max(len(t) for t in decode_tables)
-        if fused_decode:
-            max_blocks = max(max_blocks, FUSED_MIN_SIZE)
-            while len(decode_tables) < FUSED_MIN_SIZE:
-                decode_tables.append([0])
-                decode_lens.append(1)
         tables = torch.tensor(
             [list(t) + [0] * (max_blocks - len(t)) for t in decode_tables], dtype=torch.int64, device=device
         )
         lens = torch.tensor(decode_lens, dtype=torch.int64, device=device)
-        if not fused_decode:
+        if not decode_kernel:
             k_pos = torch.arange(max_blocks * block_size, device=device)
             decode_mask = torch.zeros(num_decode, 1, 1, k_pos.numel(), dtype=mask_dtype, device=device)
             decode_mask.masked_fill_((k_pos[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
@@ -153,34 +145,6 @@ def decode_attention_sdpa(
     return out.reshape(d, num_heads * head_dim)
 
 
-def decode_attention_fused(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Decode attention written for `torch.compile`: the block-table gather is fused into the score and value
-    reductions, so K/V are read once from the cache instead of being copied out first (eager, this would
-    materialise a huge product: never call it uncompiled). Returns [D, H * hd]."""
-    d, max_blocks = block_tables.shape
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
-    group = q.shape[1] // num_kv_heads
-    ctx = max_blocks * block_size
-    k = k_cache[block_tables].view(d, ctx, num_kv_heads, 1, head_dim).float()
-    v = v_cache[block_tables].view(d, ctx, num_kv_heads, 1, head_dim).float()
-    scores = (q.view(d, 1, num_kv_heads, group, head_dim).float() * k).sum(-1) * scale  # [D, ctx, KVH, G]
-    pos = torch.arange(ctx, device=q.device)
-    scores = scores.masked_fill((pos[None, :] >= context_lens[:, None])[:, :, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=1)
-    out = (probs[..., None] * v).sum(1)  # [D, KVH, G, hd]
-    return out.reshape(d, num_kv_heads * group * head_dim).to(q.dtype)
-
-
-DecodeFn = Callable[..., torch.Tensor]
-
-
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -189,23 +153,23 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
-    fused_decode: DecodeFn | None = None,
+    decode_kernel: PagedDecode | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend. q: [T, H, D]; k, v: [T, KVH, D]. Returns [T, H * D].
 
-    `fused_decode` is the compiled `decode_attention_fused` (metadata built with `fused_decode=True`), or None
-    for the eager SDPA path.
+    `decode_kernel` is the native paged decode kernel (`kernels.load_paged_decode`; metadata built with
+    `decode_kernel=True`), or None for the eager gather + SDPA path.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     d = meta.num_decode
-    if d == num_tokens and fused_decode is not None:  # a pure decode step: no copy into `out` needed
-        return _decode(q, k_cache, v_cache, meta, scale, fused_decode)[:d]
+    if d == num_tokens:  # a pure decode step: no copy into `out` needed
+        return _decode(q, k_cache, v_cache, meta, scale, decode_kernel)
     out = q.new_empty(num_tokens, num_heads * head_dim)
     if d:
-        out[:d] = _decode(q[:d], k_cache, v_cache, meta, scale, fused_decode)[:d]
+        out[:d] = _decode(q[:d], k_cache, v_cache, meta, scale, decode_kernel)
     for chunk in meta.prefills:
         rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
         qc = q[rows].transpose(0, 1)[None]
@@ -225,40 +189,16 @@ def paged_attention(
     return out
 
 
-def compile_fused_decode(
-    block_size: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
-) -> tuple[DecodeFn | None, str | None]:
-    """`torch.compile` the fused decode kernel and run it once (distinct sizes >= 2, so the graph stays fully
-    symbolic and later steps reuse it). Returns (kernel, None), or (None, why) when compiling is impossible
-    here (no C++ compiler, unsupported backend): the caller then uses the eager path."""
-    fn = torch.compile(decode_attention_fused, dynamic=True)
-    rows, blocks, cache_blocks = FUSED_MIN_SIZE + 1, FUSED_MIN_SIZE + 3, FUSED_MIN_SIZE + 7
-    cache = torch.zeros(cache_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
-    q = torch.zeros(rows, num_heads, head_dim, dtype=dtype, device=device)
-    tables = torch.arange(rows * blocks, device=device).remainder(cache_blocks).view(rows, blocks)
-    lens = torch.arange(1, rows + 1, device=device) * (block_size + 1)
-    try:
-        with torch.inference_mode():
-            fn(q, cache, cache, tables, lens, 1.0)
-    except Exception as exc:  # inductor raises many types (compiler missing, codegen limits)
-        return None, f"{type(exc).__name__}: {str(exc)[:300]}"
-    return fn, None
-
-
 def _decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
-    fused_decode: DecodeFn | None,
+    decode_kernel: PagedDecode | None,
 ) -> torch.Tensor:
     assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
-    if fused_decode is None:
-        assert meta.decode_mask is not None
-        flat = meta.decode_block_tables.view(-1)
-        return decode_attention_sdpa(q, k_cache, v_cache, flat, meta.decode_mask, scale)
-    rows = meta.decode_block_tables.shape[0]
-    if rows > q.shape[0]:  # padded to FUSED_MIN_SIZE rows
-        q = torch.cat([q, q.new_zeros(rows - q.shape[0], *q.shape[1:])])
-    return fused_decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+    if decode_kernel is not None:
+        return decode_kernel(q.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+    assert meta.decode_mask is not None
+    return decode_attention_sdpa(q, k_cache, v_cache, meta.decode_block_tables.view(-1), meta.decode_mask, scale)

@@ -107,6 +107,14 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head dims");
   TORCH_CHECK(tables.size(0) == S && lens_c.size(0) == S, "one table and length per sequence");
+  const int64_t NB = k_cache.size(0), MB = tables.size(1);
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lens_c.data_ptr<int64_t>();
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(lp[s] >= 1 && lp[s] <= MB * BS, "context length out of range of its block table");
+    for (int64_t b = 0; b < (lp[s] + BS - 1) / BS; ++b)
+      TORCH_CHECK(tp[s * MB + b] >= 0 && tp[s * MB + b] < NB, "block id out of range of the cache");
+  }
   auto out = torch::empty({S, H * D}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     paged_decode_impl<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from worker.model.attention import AttentionMetadata, DecodeFn, paged_attention
+from worker.model.attention import AttentionMetadata, paged_attention
 from worker.model.config import ModelConfig
+from worker.model.kernels import PagedDecode
 from worker.model.quant import Linear, make_linear
 
 
@@ -156,7 +157,7 @@ class LlamaModel:
         input_ids: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        fused_decode: DecodeFn | None = None,
+        decode_kernel: PagedDecode | None = None,
     ) -> torch.Tensor:
         cfg = self.cfg
         t = input_ids.shape[0]
@@ -173,7 +174,7 @@ class LlamaModel:
             q = qk[:, :heads]
             k = qk[:, heads:]
             v = qkv[:, q_size + kv_size :].view(t, kv_heads, head_dim)
-            h = h + layer.o_proj(paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, fused_decode))
+            h = h + layer.o_proj(paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, decode_kernel))
             gu = layer.gate_up(rms_norm(h, layer.post_norm, eps))
             h = h + layer.down(F.silu(gu[:, :inter]) * gu[:, inter:])
         return rms_norm(h, self.norm, eps)

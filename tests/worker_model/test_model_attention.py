@@ -1,0 +1,99 @@
+"""Paged attention pieces: step metadata (positions, slots, block tables) and the native decode kernel against
+the eager gather + SDPA path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.model.attention import SeqSpan, build_metadata, decode_attention_sdpa
+from worker.model.kernels import load_paged_decode
+
+
+@pytest.mark.parametrize(
+    "spans,positions,slots",
+    [
+        ([SeqSpan(0, 1, [7])], [0], [28]),
+        ([SeqSpan(5, 1, [2, 9])], [5], [37]),
+        ([SeqSpan(3, 3, [1, 4])], [3, 4, 5], [7, 16, 17]),
+        ([SeqSpan(9, 1, [0, 1, 2]), SeqSpan(0, 2, [5])], [9, 0, 1], [9, 20, 21]),
+    ],
+)
+def test_positions_and_slot_mapping(spans, positions, slots):
+    meta = build_metadata(spans, 4, torch.device("cpu"), torch.float32)
+    assert meta.positions.tolist() == positions
+    assert meta.slot_mapping.tolist() == slots
+
+
+def test_decode_tables_and_masks():
+    spans = [SeqSpan(4, 1, [3, 8, 9]), SeqSpan(0, 1, [6])]
+    meta = build_metadata(spans, 4, torch.device("cpu"), torch.float32)
+    assert meta.num_decode == 2
+    assert meta.decode_block_tables.tolist() == [[3, 8], [6, 0]]  # only blocks holding the context, padded
+    assert meta.decode_context_lens.tolist() == [5, 1]
+    visible = (meta.decode_mask[:, 0, 0] == 0).tolist()
+    assert visible == [[True] * 5 + [False] * 3, [True] + [False] * 7]
+    assert build_metadata(spans, 4, torch.device("cpu"), torch.float32, decode_kernel=True).decode_mask is None
+
+
+def test_prefix_chunk_mask_is_lower_right_causal():
+    meta = build_metadata([SeqSpan(3, 2, [0, 1])], 4, torch.device("cpu"), torch.float32)
+    (chunk,) = meta.prefills
+    assert chunk.block_idx.tolist() == [0, 1]
+    assert (chunk.mask[0, 0] == 0).tolist() == [[True] * 4 + [False], [True] * 5]
+    assert build_metadata([SeqSpan(0, 2, [0])], 4, torch.device("cpu"), torch.float32).prefills[0].mask is None
+
+
+@pytest.mark.parametrize(
+    "spans,match",
+    [
+        ([SeqSpan(0, 5, [0])], "cannot hold"),
+        ([SeqSpan(0, 2, [0]), SeqSpan(3, 1, [1])], "before multi-token"),
+    ],
+)
+def test_metadata_rejects_bad_batches(spans, match):
+    with pytest.raises(ValueError, match=match):
+        build_metadata(spans, 4, torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    fn, why = load_paged_decode()
+    if fn is None:
+        pytest.skip(f"native kernel cannot be built here: {why}")
+    return fn
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (8, 1)])
+def test_native_decode_matches_sdpa(kernel, dtype, tol, heads, kv_heads):
+    gen = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    bs, hd, nb = 16, 32, 40
+    k_cache = torch.randn(nb, bs, kv_heads, hd, generator=gen).to(dtype)
+    v_cache = torch.randn(nb, bs, kv_heads, hd, generator=gen).to(dtype)
+    lens = [1, 15, 16, 17, 100, 3]
+    spans = []
+    for i, n in enumerate(lens):
+        blocks = torch.randperm(nb, generator=gen)[: -(-n // bs)].tolist()
+        spans.append(SeqSpan(n - 1, 1, blocks))
+    q = torch.randn(len(lens), heads, hd, generator=gen).to(dtype)
+    eager = build_metadata(spans, bs, torch.device("cpu"), dtype)
+    native = build_metadata(spans, bs, torch.device("cpu"), dtype, decode_kernel=True)
+    ref = decode_attention_sdpa(q, k_cache, v_cache, eager.decode_block_tables.view(-1), eager.decode_mask, 0.2)
+    out = kernel(q, k_cache, v_cache, native.decode_block_tables, native.decode_context_lens, 0.2)
+    assert out.dtype == dtype and out.shape == (len(lens), heads * hd)
+    assert torch.allclose(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_native_decode_rejects_bad_input(kernel):
+    q = torch.zeros(2, 4, 8)
+    cache = torch.zeros(3, 4, 2, 8)
+    tables = torch.zeros(2, 1, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="int64"):
+        kernel(q, cache, cache, tables.int(), torch.ones(2, dtype=torch.int64), 1.0)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        kernel(q, cache, cache, tables + 3, torch.ones(2, dtype=torch.int64), 1.0)
+    with pytest.raises(RuntimeError, match="context length out of range"):
+        kernel(q, cache, cache, tables, torch.tensor([1, 5]), 1.0)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernel(q.transpose(0, 1), cache, cache, tables, torch.ones(2, dtype=torch.int64), 1.0)
