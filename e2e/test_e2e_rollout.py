@@ -100,7 +100,7 @@ def test_faulty_canary_is_rolled_back_automatically(scene, fleet, figures) -> No
 
 
 def test_operator_restarted_mid_rollout_resumes(scene, fleet, figures) -> None:
-    steps = [{"weight": 50, "pauseSeconds": 12}]
+    steps = [{"weight": 50, "pauseSeconds": 20}]  # long enough for the restart to land inside the step
     scene.apply(_canary(scene, "resume", 2, steps))
     stable = scene.wait_until(lambda: scene.settled("resume", 2), "2 ready pods", timeout_s=90)
     with StreamLoad(fleet.gateway_url, fleet.api_key, "resume", workers=2, deadline_s=150) as load:
@@ -110,6 +110,8 @@ def test_operator_restarted_mid_rollout_resumes(scene, fleet, figures) -> None:
             "the canary step to start")
         canary = before["canaryRevision"]
         scene.wait_until(lambda: _revisions(scene.ready_pods("resume"))[canary] >= 1, "a ready canary pod")
+        at_kill = scene.rollout("resume")
+        assert (at_kill.get("phase"), at_kill.get("canaryRevision")) == ("Progressing", canary)
         restart_started = time.monotonic()
         fleet.restart_operator(crash=True)
         restart_s = time.monotonic() - restart_started

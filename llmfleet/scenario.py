@@ -194,11 +194,12 @@ TOUR: tuple[Step, ...] = (
 )
 
 
-def run_tour(ctx: TourContext, steps: Sequence[Step] = TOUR) -> list[tuple[str, str]]:
+def run_tour(ctx: TourContext, steps: Sequence[Step] = TOUR,
+             present: Callable[[str], bool] = module_present) -> list[tuple[str, str]]:
     """Run the steps that can run; returns (title, outcome) for each ("ran: what came of it", "skipped: why" or
     "failed: why")."""
     results = []
-    for index, (step, skip) in enumerate(plan_steps(steps), 1):
+    for index, (step, skip) in enumerate(plan_steps(steps, present), 1):
         ctx.console.rule(f"scenario {index}/{len(steps)}: {step.title}")
         ctx.console.print(f"  [dim]{step.explain}[/]")
         if skip:

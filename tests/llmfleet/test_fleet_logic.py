@@ -194,3 +194,47 @@ def test_fleet_settings_reject_bad_values(fields, error):
 def test_rollout_settled_needs_the_new_generation(observed, phase, settled):
     resource = {"status": {"observedGeneration": observed, "rollout": {"phase": phase}}}
     assert rollout_settled(resource, 5, ("RolledBack", "Stable")) is settled
+
+
+def test_run_tour_reports_each_step_and_survives_a_failing_one():
+    import io
+
+    from rich.console import Console
+
+    from llmfleet.scenario import Step, TourContext, run_tour
+
+    def boom(_ctx):
+        raise RuntimeError("no pods")
+
+    steps = (Step("works", ("canary",), lambda _ctx: "Stable", "e1"),
+             Step("breaks", ("canary",), boom, "e2"),
+             Step("waits", ("autoscaling",), lambda _ctx: "never", "e3"))
+    out = io.StringIO()
+    ctx = TourContext(Console(file=out, width=200), kube=None, gateway_url="", api_key="", namespace="default",
+                      name="d", model="d", examples=REPO / "examples")
+    results = run_tour(ctx, steps, present=lambda module: "autoscal" not in module)
+    assert [r[1].split(":")[0] for r in results] == ["ran", "failed", "skipped"]
+    assert results[0][1] == "ran: Stable" and "no pods" in results[1][1] and "autoscaler.py" in results[2][1]
+    assert "skipped" in out.getvalue() and "scenario 3/3: waits" in out.getvalue()
+
+
+def test_a_work_dir_serves_one_fleet_at_a_time_and_only_the_fleets_files_are_reset(tmp_path):
+    from llmfleet.localfleet import LocalFleet
+    from llmfleet.processes import ProcessError
+
+    (tmp_path / "kubeconfig").write_text("old")
+    (tmp_path / "prometheus-data").mkdir()
+    (tmp_path / "notes.txt").write_text("mine")
+    first = LocalFleet(FleetSettings(work_dir=tmp_path))
+    first._prepare_work_dir()
+    try:
+        assert not (tmp_path / "kubeconfig").exists() and not (tmp_path / "prometheus-data").exists()
+        assert (tmp_path / "notes.txt").read_text() == "mine"
+        with pytest.raises(ProcessError, match="another local fleet is running"):
+            LocalFleet(FleetSettings(work_dir=tmp_path))._prepare_work_dir()
+    finally:
+        first.stop()
+    second = LocalFleet(FleetSettings(work_dir=tmp_path))
+    second._prepare_work_dir()  # free again once the first stopped
+    second.stop()
+    assert tmp_path.is_dir()  # a given work dir is never removed

@@ -25,11 +25,9 @@ from collections.abc import Iterable
 from worker.config import EngineConfig
 from worker.core.kv_cache_manager import KVCacheManager, token_slice
 from worker.core.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from worker.errors import QueueFullError
 from worker.request import Request, RequestStatus
 
-
-class QueueFullError(RuntimeError):
-    """Admission refused: `max_waiting` requests are already waiting (the server answers 503, retry later)."""
 
 
 class Scheduler:

@@ -20,14 +20,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from worker.config import EngineConfig
-from worker.core.scheduler import QueueFullError
+from worker.errors import EngineDeadError, QueueFullError
 from worker.engine.core import EngineCore, Runner
 from worker.engine.protocol import EngineStats, RequestOutput
 from worker.request import SamplingParams
 
-
-class EngineDeadError(RuntimeError):
-    """The engine loop failed (e.g. the model raised); every request in flight ends with this error."""
 
 
 def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:

@@ -65,6 +65,11 @@ class EngineCore:
     ) -> Request:
         """Queue a request. Raises ValueError (bad prompt, duplicate id) or QueueFullError (admission cap)."""
         prompt_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        vocab_size = getattr(self.runner, "vocab_size", None)
+        bad = [t for t in prompt_ids if not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size)]
+        if bad:
+            limit = f"0..{vocab_size - 1}" if vocab_size is not None else "non-negative integers"
+            raise ValueError(f"prompt token ids must be in {limit}; got {bad[:5]}")
         request = Request(
             request_id=request_id,
             prompt_token_ids=prompt_ids,

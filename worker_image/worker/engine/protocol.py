@@ -10,7 +10,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from worker.errors import EngineDeadError, QueueFullError
 from worker.request import FinishReason, SamplingParams
+
+__all__ = ["EngineClient", "EngineDeadError", "EngineStats", "QueueFullError", "RequestOutput"]
 
 
 @dataclass

@@ -108,6 +108,7 @@ class ModelRunner:
             keep_freed_memory_mapped()
         self.model_path = str(Path(model_path))
         self.config = ModelConfig.from_dir(model_path)
+        self.vocab_size: int = self.config.vocab_size
         self.dtype = DTYPES[dtype]
         self.device = torch.device(device)
         self.quantization = None if quantization in (None, "none") else quantization

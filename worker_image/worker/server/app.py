@@ -91,6 +91,13 @@ class WorkerService:
         self.loaded = True
         log.info("model %s loaded (max_model_len %d); ready", self.model_name, self.engine.max_model_len)
 
+    def engine_died(self, err: Exception) -> None:
+        """The engine failed for good: stop being ready and exit non-zero so the kubelet restarts the pod."""
+        if self.load_error is None:
+            log.error("the engine died: %s; exiting", err)
+            self.load_error = f"engine died: {err}"
+            self._on_exit(1)
+
     async def shutdown(self) -> None:
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()

@@ -16,7 +16,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from worker.engine.protocol import RequestOutput
+from worker.engine.protocol import EngineDeadError, QueueFullError, RequestOutput
 from worker.metrics import CLIENT_DISCONNECT, STREAM_ABORTED, STREAM_ERROR
 from worker.request import FinishReason, SamplingParams
 from worker.server import openai_models as oai
@@ -151,6 +151,13 @@ async def drive(service: WorkerService, prep: Prepared, entry: InflightRequest) 
                                code="engine_error") from None
             except (ApiError, asyncio.CancelledError):
                 raise
+            except QueueFullError as err:
+                raise ApiError(429, f"the worker's engine queue is full: {err}; retry later or elsewhere",
+                               code="queue_full", retry_after_s=1) from err
+            except EngineDeadError as err:
+                service.engine_died(err)
+                raise ApiError(503, f"the engine has failed and the worker is restarting: {err}",
+                               code="engine_dead", retry_after_s=1) from err
             except ValueError as err:
                 if received:
                     log.exception("engine failure in request %s", prep.request_id)
