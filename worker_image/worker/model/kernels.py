@@ -36,60 +36,63 @@ static void paged_decode_impl(
     const int64_t* __restrict__ block_tables, const int64_t* __restrict__ lens, scalar_t* __restrict__ out,
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
     int64_t max_blocks, float scale) {
+  // One work item per sequence: its blocks are read whole (all KV heads, contiguous), once for K and once
+  // for V. scores[head][t] holds the logits, then the probabilities, of every query head.
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;
   const int64_t block_stride = block_size * token_stride;
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
-    for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t s = idx / num_kv_heads, h = idx % num_kv_heads;
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(num_heads * head_dim), acc(num_heads * head_dim), scores;
+    for (int64_t s = begin; s < end; ++s) {
       const int64_t len = lens[s];
       const int64_t* table = block_tables + s * max_blocks;
-      const scalar_t* qs = q + (s * num_heads + h * group) * head_dim;
-      for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = static_cast<float>(qs[i]) * scale;
-      scores.resize(group * len);
+      const scalar_t* qs = q + s * num_heads * head_dim;
+      for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = static_cast<float>(qs[i]) * scale;
+      scores.resize(num_heads * len);
       for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const scalar_t* kb = k_cache + table[t0 / block_size] * block_stride + h * head_dim;
+        const scalar_t* kb = k_cache + table[t0 / block_size] * block_stride;
         const int64_t n = std::min(block_size, len - t0);
         for (int64_t j = 0; j < n; ++j) {
-          const scalar_t* kp = kb + j * token_stride;
-          for (int64_t g = 0; g < group; ++g) {
-            const float* qg = qf.data() + g * head_dim;
+          for (int64_t h = 0; h < num_heads; ++h) {
+            const scalar_t* kp = kb + j * token_stride + (h / group) * head_dim;
+            const float* qh = qf.data() + h * head_dim;
             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t i = 0; i < head_dim; ++i) dot += qg[i] * static_cast<float>(kp[i]);
-            scores[g * len + t0 + j] = dot;
+            for (int64_t i = 0; i < head_dim; ++i) dot += qh[i] * static_cast<float>(kp[i]);
+            scores[h * len + t0 + j] = dot;
           }
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * len;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sg[t]);
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* sh = scores.data() + h * len;
+        float mx = sh[0];
+        for (int64_t t = 1; t < len; ++t) mx = std::max(mx, sh[t]);
         float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < len; ++t) {
-          sg[t] = std::exp(sg[t] - mx);
-          sum += sg[t];
+          sh[t] = std::exp(sh[t] - mx);
+          sum += sh[t];
         }
         const float inv = 1.f / sum;
-        for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+#pragma omp simd
+        for (int64_t t = 0; t < len; ++t) sh[t] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const scalar_t* vb = v_cache + table[t0 / block_size] * block_stride + h * head_dim;
+        const scalar_t* vb = v_cache + table[t0 / block_size] * block_stride;
         const int64_t n = std::min(block_size, len - t0);
         for (int64_t j = 0; j < n; ++j) {
-          const scalar_t* vp = vb + j * token_stride;
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * len + t0 + j];
-            float* ag = acc.data() + g * head_dim;
+          for (int64_t h = 0; h < num_heads; ++h) {
+            const scalar_t* vp = vb + j * token_stride + (h / group) * head_dim;
+            const float p = scores[h * len + t0 + j];
+            float* ah = acc.data() + h * head_dim;
 #pragma omp simd
-            for (int64_t i = 0; i < head_dim; ++i) ag[i] += p * static_cast<float>(vp[i]);
+            for (int64_t i = 0; i < head_dim; ++i) ah[i] += p * static_cast<float>(vp[i]);
           }
         }
       }
-      scalar_t* os = out + (s * num_heads + h * group) * head_dim;
-      for (int64_t i = 0; i < group * head_dim; ++i) os[i] = static_cast<scalar_t>(acc[i]);
+      scalar_t* os = out + s * num_heads * head_dim;
+      for (int64_t i = 0; i < num_heads * head_dim; ++i) os[i] = static_cast<scalar_t>(acc[i]);
     }
   });
 }
