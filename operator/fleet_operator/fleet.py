@@ -17,8 +17,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
+from typing import Any
 
 from controllers import Plan, Policy, reconcile
 from fleet_operator.analysis_runner import AnalysisRunner
@@ -51,6 +53,7 @@ class Fleet:
     settings: OperatorSettings
     drains: WorkerDrains | None = None  # None: pods are marked but not sent POST /drain, nor probed
     analysis: AnalysisRunner | None = None  # None: no canary analysis (a canary then waits for a manual promote)
+    on_pass: Callable[[Mapping[str, Any], Plan], None] | None = None  # sees each executed plan (operator metrics)
     _wakeups: dict[Key, set[asyncio.Event]] = field(default_factory=dict)  # one per loop of that deployment
     _locks: dict[Key, asyncio.Lock] = field(default_factory=dict)
     _errors: dict[Key, tuple[str, ...]] = field(default_factory=dict)
@@ -89,6 +92,8 @@ class Fleet:
                     observed = replace(observed, analysis=result)
             plan = reconcile(resource, observed, now, self.policy)
             errors = tuple(await execute(self.api, plan, resource, self.drains))
+            if self.on_pass is not None:
+                self.on_pass(resource, plan)
             if plan.actions:
                 log.info(
                     "%s/%s: %d action(s) in %.0f ms; %s",

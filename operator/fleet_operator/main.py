@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import threading
 
 import kopf
@@ -28,8 +29,16 @@ def run(settings: OperatorSettings, stop_flag: threading.Event | asyncio.Event |
         namespaces=settings.namespaces,
         standalone=settings.peering is None,
         peering_name=settings.peering,
-        priority=settings.priority,
+        priority=peering_priority(settings, random.SystemRandom()),
         liveness_endpoint=settings.liveness_endpoint,
         memo=kopf.Memo(),
         stop_flag=stop_flag,
     )
+
+
+def peering_priority(settings: OperatorSettings, rng: random.Random) -> int:
+    """The configured priority; unset with peering, a random one, because kopf pauses every replica when it sees
+    another of the same priority (replicas of one Deployment cannot be told apart otherwise); else 0."""
+    if settings.priority is not None:
+        return settings.priority
+    return rng.randint(1, 2**31 - 1) if settings.peering else 0

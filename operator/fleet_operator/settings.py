@@ -12,7 +12,7 @@ import shlex
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 from controllers import PodDefaults, Policy
 
@@ -53,7 +53,11 @@ class OperatorSettings(BaseModel):
     peering: str | None = Field(
         None, description="kopf peering object name for active/standby HA (several replicas); unset = standalone."
     )
-    priority: int = Field(0, description="Peering priority of this replica (highest wins).")
+    priority: int | None = Field(
+        None,
+        description="Peering priority of this replica (highest wins); unset = random per process with peering "
+        "(kopf pauses replicas of equal priority), else 0.",
+    )
     liveness_endpoint: str | None = Field(
         None, description="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz (unset = none)."
     )
@@ -80,13 +84,39 @@ class OperatorSettings(BaseModel):
         0, ge=0, le=100, description="Ready pods a variant may lose at once while it rolls (0 = never below size)."
     )
     log_level: str = Field("info", pattern="^(debug|info|warning|error)$", description="Operator log level.")
+    http_host: str = Field(
+        "127.0.0.1", min_length=1, description="Bind address of the operator's HTTP server (/alerts, /metrics)."
+    )
+    http_port: int = Field(8081, ge=0, le=65_535, description="Port of the operator's HTTP server; 0 = any free port.")
+    alerts_token: SecretStr | None = Field(
+        None, description="Bearer token Alertmanager sends to POST /alerts; unset = alert-driven scaling is off."
+    )
+    alert_step: int = Field(1, ge=1, le=100, description="Pods a firing alert adds unless it names a step.")
+    alert_max_step: int = Field(4, ge=1, le=100, description="Most pods one alert may add (caps its step label).")
+    alert_ttl_seconds: float = Field(
+        300.0, gt=0, le=86_400, description="An alert's scale-up intent expires this long after it was last received."
+    )
+    autoscale_interval_seconds: float = Field(
+        10.0, gt=0, le=3600, description="How often every InferenceDeployment's autoscaled variants are evaluated."
+    )
+    expected_startup_seconds: float = Field(
+        300.0,
+        gt=0,
+        le=86_400,
+        description="How long a starting worker pod counts as capacity on its way (a bit above a real start-up).",
+    )
+    gateway_url: str | None = Field(
+        None,
+        description="Gateway base URL whose GET /internal/queued wakes variants at zero; unset = Prometheus's "
+        "llmfleet_gateway_queued_at_zero when configured, else none.",
+    )
 
     @field_validator("namespaces")
     @classmethod
     def _clean_namespaces(cls, value: list[str]) -> list[str]:
         return sorted({item.strip() for item in value if item.strip()})
 
-    @field_validator("worker_cache_dir")
+    @field_validator("worker_cache_dir", "gateway_url")
     @classmethod
     def _empty_is_none(cls, value: str | None) -> str | None:
         return value or None

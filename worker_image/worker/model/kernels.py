@@ -157,7 +157,7 @@ def load_paged_decode() -> tuple[PagedDecode | None, str | None]:
             name=extension_name(),
             cpp_sources=[CPP_SOURCE],
             functions=["paged_decode"],
-            extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math"],
             verbose=False,
         )
     except Exception as exc:  # compiler missing, headers missing, ninja missing, build error
