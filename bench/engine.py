@@ -272,7 +272,7 @@ def gemm_ceiling(path: str, work, dtype: str) -> dict:
     work_flops += 2.0 * cfg.vocab_size * h * output_tokens  # the output head, for sampled rows only
     return {
         "gemm_gflops": round(rate / 1e9, 1),
-        "model_gflop_per_token": round((2.0 * cfg.num_hidden_layers * layer_params + 2.0 * cfg.vocab_size * h) / 1e9, 3),
+        "model_gflop_per_token": round(2.0 * (cfg.num_hidden_layers * layer_params + cfg.vocab_size * h) / 1e9, 3),
         "ceiling_tok_s": round(output_tokens / (work_flops / rate), 1),
         "prompt_tokens": prompt_tokens,
         "output_tokens": output_tokens,

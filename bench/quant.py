@@ -29,12 +29,14 @@ PROMPTS = [
     "Give me a tip for learning to play the guitar.",
     "What does a CPU do?",
 ]
-VARIANTS = [("fp32", "float32", None), ("bf16", "bfloat16", None), ("fp8", "float32", "fp8"), ("int4", "float32", "int4")]
+VARIANTS = [
+    ("fp32", "float32", None), ("bf16", "bfloat16", None), ("fp8", "float32", "fp8"), ("int4", "float32", "int4")
+]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="bundled://smollm2-135m-instruct", help="model source (default: bundled SmolLM2)")
+    ap.add_argument("--model", default="bundled://smollm2-135m-instruct", help="model source (default: SmolLM2)")
     ap.add_argument("--tokens", type=int, default=24, help="generated positions compared per prompt")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = ap.parse_args()

@@ -22,7 +22,11 @@ app = typer.Typer(
 )
 app.add_typer(crd_app, name="crd", help="The InferenceDeployment CRD: render, validate.")
 app.add_typer(model_app, name="model", help="Models: pull/convert the bundled model.")
-app.command("worker", help="Run a worker: engine + OpenAI-compatible server.")(worker_command)
+app.command(
+    "worker",
+    help="Run a worker: engine + OpenAI-compatible server. Unknown --flags go to the vLLM engine.",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)(worker_command)
 app.command("gateway", help="Run the OpenAI-compatible gateway.")(gateway_command)
 app.command("operator", help="Run the operator (kopf).")(operator_command)
 app.command("up", help="Start a local fleet (localkube, Prometheus, operator, gateway, a model).")(up_command)

@@ -7,6 +7,8 @@
   when the operator starts (resume) and for every new one, and stops it when the CR is deleted.
 - `on.event` for the CRs and for pods labelled `llmfleet.io/deployment` wakes the owning deployment's loop, so
   a dead pod or a `kubectl scale` is acted on at once rather than at the next resync.
+- the autoscaler's timer, its Alertmanager/metrics HTTP server and the operator metrics are registered by
+  `autoscaler.register_autoscaling`.
 - `on.delete` holds the finalizer until the deployment's pods are gone: it runs deletion passes until the plan
   says `finished` (`Fleet.run_deletion`). kopf records in the CR's annotations that the handler has not
   finished, so an operator restart mid-deletion runs it again.
@@ -24,6 +26,7 @@ import kopf
 from controllers.observed import LABEL_DEPLOYMENT
 from crds.models import GROUP, PLURAL, VERSION
 from fleet_operator.analysis_runner import AnalysisRunner, metrics_source
+from fleet_operator.autoscaler import register_autoscaling
 from fleet_operator.drain_client import WorkerDrains
 from fleet_operator.fleet import Fleet
 from fleet_operator.kube import Credentials, KubeApi
@@ -111,4 +114,5 @@ def build_registry(operator_settings: OperatorSettings, credentials: Credentials
     async def pod_changed(namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
         memo.fleet.wake(namespace, labels[LABEL_DEPLOYMENT])
 
+    register_autoscaling(registry, operator_settings, credentials)  # after startup above: it hooks into memo.fleet
     return registry

@@ -149,7 +149,7 @@ class OperatorHttpServer:
             return False
         sock.setblocking(False)
         self.port = int(sock.getsockname()[1])
-        config = uvicorn.Config(self._app, lifespan="off", log_level="warning", access_log=False)
+        config = uvicorn.Config(self._app, lifespan="off", log_config=None, log_level="warning", access_log=False)
         self._server = _KopfOwnsSignals(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="llmfleet-operator-http")
         log.info("serving /alerts and /metrics on %s:%d", self.host, self.port)

@@ -127,7 +127,12 @@ class OperatorMetrics:
                 self.rollouts.labels(namespace, name, ROLLOUT_RESULTS[event.reason]).inc()
 
     def count_scale_decision(
-        self, namespace: str, name: str, variant: str, direction: Literal["up", "down"], source: Literal["timer", "alert"]
+        self,
+        namespace: str,
+        name: str,
+        variant: str,
+        direction: Literal["up", "down"],
+        source: Literal["timer", "alert"],
     ) -> None:
         self.scale_decisions.labels(namespace, name, variant, direction, source).inc()
 

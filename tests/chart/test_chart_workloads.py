@@ -22,10 +22,9 @@ from llmfleet.cli import app as llmfleet_app
 
 OPERATOR = "fleet-llmfleet-operator"
 GATEWAY = "fleet-llmfleet-gateway"
-# Settings the chart passes that the operator does not accept yet: the Alertmanager webhook server (issue 8).
-# OperatorSettings rejects unknown LLMFLEET_OPERATOR_* names, so until it knows these the chart's operator
-# would stop at start-up with "unknown setting" when alerts are on. Remove a name here once the operator has it.
-PENDING_OPERATOR_SETTINGS = {"HTTP_HOST", "HTTP_PORT", "ALERTS_TOKEN"}
+# Settings the chart passes that the operator does not accept yet (OperatorSettings rejects unknown
+# LLMFLEET_OPERATOR_* names, so the chart's operator would stop at start-up). Remove a name once the operator has it.
+PENDING_OPERATOR_SETTINGS: set[str] = set()
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 

@@ -32,13 +32,7 @@ def _commands(example: str) -> list[tuple[str, list[str]]]:
     [
         "smollm2-cpu.yaml",
         "smollm2-int4-canary.yaml",
-        pytest.param(
-            "llama3-8b-gpu.yaml",
-            marks=pytest.mark.xfail(
-                strict=True, raises=typer.TyperException,
-                reason="the worker CLI does not yet pass engine.extraArgs (--gpu-memory-utilization) to the engine",
-            ),
-        ),
+        "llama3-8b-gpu.yaml",
     ],
 )
 def test_worker_accepts_the_operator_command_line(example):

@@ -156,3 +156,36 @@ def test_logits_close_to_reference(runner, tiny_hf):
     assert tok == int(ref.argmax())
     assert out.logprobs["l"] == pytest.approx(float(ref[tok]), abs=1e-4)
     runner.execute_model(SchedulerOutput([], 0, finished_req_ids=frozenset({"l"})))
+
+
+def test_offline_helpers_match_reference(runner, tiny_hf, cases):
+    ps, expected = cases
+    assert runner.greedy(ps[3], N_OUT) == expected[3]
+    with torch.no_grad():
+        ref = tiny_hf(torch.tensor([ps[3]])).logits[0]
+    assert torch.allclose(runner.score(ps[3]), ref, atol=1e-4)
+    with pytest.raises(ValueError, match="tokens"):
+        runner.score([])
+
+
+def test_missing_or_misshapen_weights_are_clear_errors(tiny_dir):
+    from worker.model.config import ModelConfig
+    from worker.model.llama import LlamaModel
+    from worker.model.loader import load_weights
+
+    cfg = ModelConfig.from_dir(tiny_dir)
+    weights = load_weights(tiny_dir, torch.float32)
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(ValueError, match="missing weights: model.layers.1.mlp.up_proj.weight"):
+        LlamaModel(cfg, weights)
+    weights = load_weights(tiny_dir, torch.float32)
+    weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"][:-1]
+    with pytest.raises(ValueError, match="embed_tokens has shape"):
+        LlamaModel(cfg, weights)
+
+
+def test_no_weights_in_folder(tmp_path, tiny_dir):
+    (tmp_path / "config.json").write_bytes((tiny_dir / "config.json").read_bytes())
+    (tmp_path / "tokenizer.json").write_bytes((tiny_dir / "tokenizer.json").read_bytes())
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        ModelRunner(str(tmp_path), enforce_eager=True)

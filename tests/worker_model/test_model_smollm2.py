@@ -17,7 +17,8 @@ NAME = "smollm2-135m-instruct"
 QUESTIONS = [
     "What is the capital of France?",
     "Write one sentence about the sea.",
-    "List three colors and explain, in a short paragraph, why people like each of them so much; mention numbers 1, 2 and 3.",
+    "List three colors and explain, in a short paragraph, why people like each of them so much; "
+    "mention numbers 1, 2 and 3.",
 ]
 
 
@@ -55,7 +56,8 @@ def test_conversion_matches_transformers_gguf_reader(tmp_path):
     for text in [*QUESTIONS, "café 東京 😀\n\n  x=12345;", "<|im_start|>user\nhi<|im_end|>\n"]:
         assert tok.encode(text) == ref_tok.encode(text), text
     msgs = [{"role": "user", "content": QUESTIONS[0]}]
-    assert tok.apply_chat_template(msgs) == ref_tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    expected = ref_tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert tok.apply_chat_template(msgs) == expected
     assert tok.eos_token_id == ref_tok.eos_token_id == 2
 
 
@@ -63,12 +65,14 @@ def test_capital_of_france(smol_runner, driver_cls, seq_cls):
     ids = chat_ids(smol_runner.tokenizer, QUESTIONS[0])
     seq = seq_cls("fr", ids, 12)
     driver_cls(smol_runner).run([seq])
-    out = seq.output[: seq.output.index(smol_runner.eos_token_id)] if smol_runner.eos_token_id in seq.output else seq.output
+    eos = smol_runner.eos_token_id
+    out = seq.output[: seq.output.index(eos)] if eos in seq.output else seq.output
     assert smol_runner.tokenizer.decode(out) == "The capital of France is Paris."
 
 
-def test_greedy_matches_transformers_batched_chunked_and_prefix_cached(smol_dir, smol_runner, driver_cls, seq_cls,
-                                                                      load_hf_fn, hf_greedy_fn):
+def test_greedy_matches_transformers_batched_chunked_and_prefix_cached(
+    smol_dir, smol_runner, driver_cls, seq_cls, load_hf_fn, hf_greedy_fn
+):
     hf = load_hf_fn(smol_dir)
     tok = smol_runner.tokenizer
     prompts = [chat_ids(tok, q) for q in QUESTIONS]

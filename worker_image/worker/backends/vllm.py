@@ -84,6 +84,10 @@ def vllm_engine_args(settings: WorkerSettings, model_path: str, device_is_cpu: b
         "kv_cache_memory_bytes": settings.kv_cache_bytes,
     }
     args.update({k: v for k, v in optional.items() if v is not None})
+    clash = sorted(set(settings.engine_extra_args) & set(args))
+    if clash:
+        raise ValueError(f"extra engine flags {clash} are set by the worker itself: use the worker's own flags")
+    args.update(settings.engine_extra_args)
     return args
 
 

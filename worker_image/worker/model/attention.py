@@ -199,6 +199,7 @@ def _decode(
 ) -> torch.Tensor:
     assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
     if decode_kernel is not None:
-        return decode_kernel(q.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+        tables, lens = meta.decode_block_tables, meta.decode_context_lens
+        return decode_kernel(q.contiguous(), k_cache, v_cache, tables, lens, scale)
     assert meta.decode_mask is not None
     return decode_attention_sdpa(q, k_cache, v_cache, meta.decode_block_tables.view(-1), meta.decode_mask, scale)

@@ -138,7 +138,8 @@ def gguf_weights(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for t in reader.tensors:
         name = hf_tensor_name(t.name)
-        w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # a copy: the reader's arrays are read-only maps
+        # a copy: the reader's arrays are read-only maps of the file
+        w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         w = w.reshape(shape) if len(shape) > 1 else w.reshape(-1)
         if name.endswith("q_proj.weight"):

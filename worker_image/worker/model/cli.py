@@ -15,7 +15,9 @@ def pull(
     name: Annotated[str, typer.Argument(help="Model to fetch: a bundled name (smollm2-135m-instruct) or any source.")],
     cache_dir: Annotated[
         Optional[Path],  # noqa: UP045 - typer needs Optional here
-        typer.Option("--cache-dir", help="Where converted models go (default $LLMFLEET_CACHE_DIR or ~/.cache/llmfleet/models)."),
+        typer.Option(
+            "--cache-dir", help="Where converted models go (default $LLMFLEET_CACHE_DIR or ~/.cache/llmfleet/models)."
+        ),
     ] = None,
 ) -> None:
     """Convert/fetch a model once and print its local folder (a second pull is instant)."""

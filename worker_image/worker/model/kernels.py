@@ -128,6 +128,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 }
 """
 
+CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math"]
+
 PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
@@ -144,7 +146,8 @@ def _cpu_fingerprint() -> str:
 
 
 def extension_name() -> str:
-    digest = hashlib.sha256((CPP_SOURCE + _cpu_fingerprint() + torch.__version__).encode()).hexdigest()[:12]
+    key = "\n".join([CPP_SOURCE, *CFLAGS, _cpu_fingerprint(), torch.__version__])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return f"llmfleet_paged_decode_{digest}"
 
 
@@ -157,7 +160,7 @@ def load_paged_decode() -> tuple[PagedDecode | None, str | None]:
             name=extension_name(),
             cpp_sources=[CPP_SOURCE],
             functions=["paged_decode"],
-            extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math"],
+            extra_cflags=CFLAGS,
             verbose=False,
         )
     except Exception as exc:  # compiler missing, headers missing, ninja missing, build error

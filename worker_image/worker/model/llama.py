@@ -31,6 +31,21 @@ class DecoderLayer:
     down: Linear
 
 
+def expected_weight_names(cfg: ModelConfig) -> list[str]:
+    """The HF tensor names a Llama checkpoint must provide for this config."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not cfg.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}"
+        names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
+        projections = [f"{p}.self_attn.{n}_proj" for n in "qkvo"]
+        names += [f"{n}.weight" for n in projections] + [f"{n}.bias" for n in projections if cfg.attention_bias]
+        mlp = [f"{p}.mlp.{n}_proj" for n in ("gate", "up", "down")]
+        names += [f"{n}.weight" for n in mlp] + [f"{n}.bias" for n in mlp if cfg.mlp_bias]
+    return names
+
+
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse RoPE frequencies [head_dim/2] in fp32, after the checkpoint's scaling, computed as HF does."""
     dim = cfg.head_dim
@@ -75,60 +90,42 @@ class LlamaModel:
         self.dtype = dtype
         self.device = torch.device(device)
         self.scale = cfg.head_dim**-0.5
-        missing: list[str] = []
-
-        def take(name: str, required: bool = True) -> torch.Tensor | None:
-            t = weights.get(name)
-            if t is None:
-                if required:
-                    missing.append(name)
-                return None
-            return t.to(self.device)
-
-        def norm(name: str) -> torch.Tensor:
-            t = take(name)
-            return t.to(dtype) if t is not None else torch.empty(0)
-
-        def linear(names: list[str], bias: bool) -> Linear:
-            ws = [take(f"{n}.weight") for n in names]
-            bs = [take(f"{n}.bias") for n in names] if bias else []
-            if any(w is None for w in ws) or any(b is None for b in bs):
-                return make_linear(torch.zeros(1, 1), None, None, dtype)
-            return make_linear(
-                torch.cat(ws) if len(ws) > 1 else ws[0],
-                (torch.cat(bs) if len(bs) > 1 else bs[0]) if bs else None,
-                quantization,
-                dtype,
-            )
-
-        embed = take("model.embed_tokens.weight")
-        self.layers: list[DecoderLayer] = []
-        for i in range(cfg.num_hidden_layers):
-            p = f"model.layers.{i}"
-            attn, mlp = f"{p}.self_attn", f"{p}.mlp"
-            self.layers.append(
-                DecoderLayer(
-                    input_norm=norm(f"{p}.input_layernorm.weight"),
-                    qkv=linear([f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"], cfg.attention_bias),
-                    o_proj=linear([f"{attn}.o_proj"], cfg.attention_bias),
-                    post_norm=norm(f"{p}.post_attention_layernorm.weight"),
-                    gate_up=linear([f"{mlp}.gate_proj", f"{mlp}.up_proj"], cfg.mlp_bias),
-                    down=linear([f"{mlp}.down_proj"], cfg.mlp_bias),
-                )
-            )
-        self.norm = norm("model.norm.weight")
-        head = take("lm_head.weight", required=not cfg.tie_word_embeddings)
+        names = expected_weight_names(cfg)
+        missing = [n for n in names if n not in weights]
         if missing:
             shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
             raise ValueError(f"checkpoint is missing weights: {shown}")
-        assert embed is not None
-        self.embed = embed.to(dtype)
+        embed = weights["model.embed_tokens.weight"]
         if embed.shape != (cfg.vocab_size, cfg.hidden_size):
             raise ValueError(
                 f"embed_tokens has shape {tuple(embed.shape)}, config says ({cfg.vocab_size}, {cfg.hidden_size})"
             )
+
+        def take(name: str) -> torch.Tensor:
+            return weights[name].to(device=self.device, dtype=dtype)
+
+        def linear(prefixes: list[str], bias: bool) -> Linear:
+            w = torch.cat([weights[f"{p}.weight"] for p in prefixes]).to(self.device)
+            b = torch.cat([weights[f"{p}.bias"] for p in prefixes]).to(self.device) if bias else None
+            return make_linear(w, b, quantization, dtype)
+
+        self.layers: list[DecoderLayer] = []
+        for i in range(cfg.num_hidden_layers):
+            attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+            self.layers.append(
+                DecoderLayer(
+                    input_norm=take(f"model.layers.{i}.input_layernorm.weight"),
+                    qkv=linear([f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"], cfg.attention_bias),
+                    o_proj=linear([f"{attn}.o_proj"], cfg.attention_bias),
+                    post_norm=take(f"model.layers.{i}.post_attention_layernorm.weight"),
+                    gate_up=linear([f"{mlp}.gate_proj", f"{mlp}.up_proj"], cfg.mlp_bias),
+                    down=linear([f"{mlp}.down_proj"], cfg.mlp_bias),
+                )
+            )
+        self.norm = take("model.norm.weight")
+        self.embed = take("model.embed_tokens.weight")
         # The output head stays dense (as in vLLM's weight-only schemes): it is one matmul per sampled row.
-        self.lm_head = self.embed if head is None else head.to(dtype)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else take("lm_head.weight")
         self.inv_freq = rope_inv_freq(cfg).to(self.device)
 
     @property

@@ -22,8 +22,8 @@ import torch
 
 from worker.core.outputs import ModelRunnerOutput, SchedulerOutput
 from worker.model.attention import SeqSpan, build_metadata
-from worker.model.kernels import load_paged_decode
 from worker.model.config import ModelConfig
+from worker.model.kernels import load_paged_decode
 from worker.model.llama import LlamaModel
 from worker.model.loader import load_weights
 from worker.model.quant import QUANTIZATIONS
@@ -143,9 +143,12 @@ class ModelRunner:
         if not enforce_eager and self.device.type == "cpu":
             self.decode_kernel, self.kernel_error = load_paged_decode()
             if self.kernel_error:
-                warnings.warn(f"decode attention runs eagerly: native kernel unavailable ({self.kernel_error})", stacklevel=2)
+                warnings.warn(
+                    f"decode attention runs eagerly: native kernel unavailable ({self.kernel_error})", stacklevel=2
+                )
         self._generators: dict[str, torch.Generator] = {}
-        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(int.from_bytes(os.urandom(8), "little") >> 1))
+        unseeded = torch.Generator(device=self.device).manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+        self.sampler = Sampler(unseeded)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -202,9 +205,8 @@ class ModelRunner:
         start = 0
         for _ in range(max_tokens):
             new = tokens[start:]
-            meta = build_metadata(
-                [SeqSpan(start, len(new), table)], self.block_size, self.device, self.dtype, self.decode_kernel is not None
-            )
+            span = SeqSpan(start, len(new), table)
+            meta = build_metadata([span], self.block_size, self.device, self.dtype, self.decode_kernel is not None)
             ids = torch.tensor(new, dtype=torch.int64, device=self.device)
             hidden = self.model.forward(ids, meta, caches, self.decode_kernel)
             start = len(tokens)

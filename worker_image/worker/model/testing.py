@@ -125,7 +125,8 @@ def make_tiny_llama(
     tensors["model.norm.weight"] = norm()
     if not tie_word_embeddings:
         tensors["lm_head.weight"] = rand(vocab, hidden_size)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(root / "model.safetensors"), metadata={"format": "pt"})
+    weights = {k: v.contiguous() for k, v in tensors.items()}
+    save_file(weights, str(root / "model.safetensors"), metadata={"format": "pt"})
     (root / "config.json").write_text(json.dumps(config, indent=2))
     tok.save(str(root / "tokenizer.json"))
     tokenizer_config = {

@@ -65,10 +65,13 @@ class Tokenizer:
         self.add_bos_token = bool(cfg.get("add_bos_token", False))
         self.eos_token_id = self._eos_id(root)
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
-        self._special_tokens = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        names = ("bos_token", "eos_token", "unk_token", "pad_token")
+        self._special_tokens = {k: _token_text(cfg.get(k)) for k in names}
         self._template = None
         if template is not None:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            )
             env.filters["tojson"] = _tojson
             env.globals["raise_exception"] = _raise_exception
             env.globals["strftime_now"] = _strftime_now

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -14,7 +14,34 @@ from worker.server.settings import default_host
 _ENGINE_HELP = "builtin (ours), vllm (vLLM AsyncLLM in-process), fake (tests only: no model)"
 
 
+def parse_extra_flags(argv: list[str]) -> dict[str, Any]:
+    """`--gpu-memory-utilization 0.9 --enforce-eager` -> {"gpu_memory_utilization": 0.9, "enforce_eager": True}.
+
+    Values are read as YAML scalars (numbers, booleans, strings); a flag followed by another flag or nothing is True.
+    """
+    import yaml
+
+    flags: dict[str, Any] = {}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if not token.startswith("--") or len(token) == 2:
+            raise ValueError(f"unexpected argument {token!r}: extra engine flags look like --name [value]")
+        name, eq, inline = token[2:].partition("=")
+        key = name.replace("-", "_")
+        if eq:
+            flags[key] = yaml.safe_load(inline)
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            flags[key] = yaml.safe_load(argv[i + 1])
+            i += 1
+        else:
+            flags[key] = True
+        i += 1
+    return flags
+
+
 def worker_command(
+    ctx: typer.Context,
     model: Annotated[str, typer.Option("--model", help="bundled://NAME, a model folder or hf://ORG/REPO")],
     revision: Annotated[str | None, typer.Option(help="model revision (hf:// sources)")] = None,
     engine: Annotated[str, typer.Option(help=_ENGINE_HELP)] = "builtin",
@@ -58,6 +85,7 @@ def worker_command(
 
     try:
         settings = WorkerSettings(
+            engine_extra_args=parse_extra_flags(list(ctx.args)),
             model=model,
             revision=revision,
             served_model_name=served_model_name,

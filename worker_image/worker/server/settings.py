@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 DRAIN_TOKEN_ENV = "LLMFLEET_DRAIN_TOKEN"
 FAULT_ENV_PREFIX = "LLMFLEET_FAULT_"
@@ -81,6 +81,19 @@ class WorkerSettings(BaseModel):
     drain_token: SecretStr | None = Field(None, description="bearer token of POST /drain; None disables POST /drain")
     retry_after_s: int = Field(1, ge=1, description="Retry-After of 429 and 503 answers")
     faults: FaultSettings = FaultSettings()
+
+    engine_extra_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="engine flags with no field here (`spec.engine.extraArgs`), passed to vLLM's engine arguments",
+    )
+
+    @model_validator(mode="after")
+    def _extra_args_need_vllm(self) -> "WorkerSettings":
+        if self.engine_extra_args and self.engine != "vllm":
+            flags = ", ".join(f"--{k.replace('_', '-')}" for k in self.engine_extra_args)
+            raise ValueError(f"unknown flags for the {self.engine} engine: {flags}. Extra engine flags are passed "
+                             "to vLLM only: use --engine vllm, or remove them (spec.engine.extraArgs)")
+        return self
 
     @field_validator("drain_token")
     @classmethod
