@@ -335,17 +335,25 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown systems in --skip: {sorted(unknown)}")
     systems: list[dict] = []
+
+    def progress(name: str) -> None:
+        print(f"[bench] {time.strftime('%H:%M:%S')} running {name} ...", file=sys.stderr, flush=True)
+
     if "ours" not in skip:
+        progress("ours")
         systems.append(run_ours(path, work, dtype=args.dtype, max_num_seqs=64,
                                 batched_tokens=args.max_num_batched_tokens, name="ours"))
     if "ours_seq1" not in skip:
+        progress("ours_seq1")
         systems.append(run_ours(path, work, dtype=args.dtype, max_num_seqs=1,
                                 batched_tokens=args.max_num_batched_tokens, name="ours_seq1"))
     if "hf_static" not in skip:
+        progress("hf_static")
         systems.append(run_hf_static(path, work, dtype=args.dtype))
     if "vllm" not in skip:
         vpy = args.vllm_python or str(Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python")
         if Path(vpy).is_file():
+            progress("vllm")
             systems.append(run_vllm(vpy, path, work, dtype=args.dtype, timeout_s=args.vllm_timeout))
         else:
             systems.append({"system": "vllm", "error": f"no vLLM interpreter at {vpy} (pass --vllm-python)"})

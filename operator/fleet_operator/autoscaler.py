@@ -189,6 +189,17 @@ def intents_for(
     ]
 
 
+def collapse_runs(records: Sequence[Recommendation]) -> list[Recommendation]:
+    """Keep the first record of each run of equal recommendations. The window is piecewise constant (a record
+    holds until the next one), so this changes no decision, and a steady variant's window stops changing: its
+    status is not rewritten at every tick."""
+    kept: list[Recommendation] = []
+    for record in records:
+        if not kept or kept[-1].replicas != record.replicas:
+            kept.append(record)
+    return kept
+
+
 def compact_window(records: Sequence[Recommendation], limit: int = MAX_WINDOW_RECORDS) -> list[Recommendation]:
     """Bound the stabilisation window kept in status: past `limit` records, drop every record (but the oldest,
     which shows how far back the history reaches) that a later record equals or exceeds. The window's maximum
@@ -212,16 +223,17 @@ def record_decision(
     trigger: DecisionTrigger,
     alert_details: Mapping[str, tuple[str | None, str]] | None = None,
 ) -> VariantAutoscalingStatus:
-    """`variant_status`, plus two bounds of its own: a decision that repeats the previous one (same trigger,
-    sizes and reason) replaces it instead of pushing older, different decisions out of `lastDecisions`, and the
-    window is compacted before it could outgrow the CRD's limit."""
+    """`variant_status`, with bounds of its own: a decision that repeats the previous one (same trigger, sizes
+    and reason) is not recorded again (the record keeps the time it was first made: the size has held since),
+    so it neither pushes older, different decisions out of `lastDecisions` nor rewrites the status at every
+    tick; the window keeps the first record of each run of equal ones and is compacted before it could outgrow
+    the CRD's limit."""
     entry = variant_status(decision, previous, name=name, trigger=trigger, alert_details=alert_details)
     decisions = entry.last_decisions
     if len(decisions) >= 2 and _same(decisions[-1], decisions[-2]):
-        decisions = [*decisions[:-2], decisions[-1]]
-    return entry.model_copy(
-        update={"last_decisions": decisions, "recommendations": compact_window(entry.recommendations)}
-    )
+        decisions = decisions[:-1]
+    window = compact_window(collapse_runs(entry.recommendations))
+    return entry.model_copy(update={"last_decisions": decisions, "recommendations": window})
 
 
 def _same(a: Any, b: Any) -> bool:

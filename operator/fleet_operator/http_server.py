@@ -160,8 +160,8 @@ class OperatorHttpServer:
             return
         self._server.should_exit = True
         try:
-            await asyncio.wait_for(self._task, timeout_s)
-        except (asyncio.TimeoutError, asyncio.CancelledError):
-            self._task.cancel()
+            await asyncio.wait_for(self._task, timeout_s)  # cancels the server task when it takes longer
+        except asyncio.TimeoutError:
+            log.warning("the HTTP server did not stop within %.0f s; cancelled it", timeout_s)
         finally:
             self._server = self._task = None

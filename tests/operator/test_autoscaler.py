@@ -22,6 +22,7 @@ from fleet_operator.autoscaler import (
     Autoscaler,
     VariantInputs,
     autoscaling_patch,
+    collapse_runs,
     compact_window,
     evaluate_variants,
     intents_for,
@@ -177,6 +178,15 @@ def test_compacting_the_window_keeps_the_oldest_record_and_every_suffix_maximum(
         assert max(r.replicas for r in kept[1:] if r.time >= since) == max(r.replicas for r in records[start:])
 
 
+@pytest.mark.parametrize(
+    ("replicas", "kept"),
+    [([], []), ([2, 2, 2], [0]), ([2, 3, 3, 1, 1, 2], [0, 1, 3, 5])],
+)
+def test_collapse_runs_keeps_the_first_record_of_each_run(replicas, kept):
+    records = [Recommendation(time=datetime.fromtimestamp(T0 + i, tz=UTC), replicas=r) for i, r in enumerate(replicas)]
+    assert collapse_runs(records) == [records[i] for i in kept]
+
+
 SPEC = {
     "model": {"name": "m", "source": "bundled://smollm2-135m-instruct"},
     "variants": [
@@ -246,13 +256,14 @@ def test_gateway_queue_wakes_a_variant_at_zero():
     assert woken.entry.last_decisions[-1].inputs.gateway_queued == 5
 
 
-def test_repeated_decisions_update_their_time_instead_of_piling_up():
+def test_repeated_decisions_and_recommendations_are_recorded_once():
     status = AutoscalingStatus()
     for tick in range(4):
         (outcome,) = _evaluate(status, {"default": VariantInputs(_ready(1), _metrics(2))}, now=T0 + tick)
         status = AutoscalingStatus(variants=[outcome.entry])
     (only,) = status.variants[0].last_decisions
-    assert only.time.timestamp() == T0 + 3 and only.desired_replicas == 1
+    assert only.time.timestamp() == T0 and only.desired_replicas == 1  # held since then
+    assert [r.time.timestamp() for r in status.variants[0].recommendations] == [T0]
     (outcome,) = _evaluate(status, {"default": VariantInputs(_ready(1), _metrics(8))}, now=T0 + 4)
     assert [d.desired_replicas for d in outcome.entry.last_decisions] == [1, 4]
 
@@ -407,6 +418,17 @@ def test_a_conflict_decides_again_on_the_new_status():
     (outcome,) = asyncio.run(scaler.evaluate(NS, NAME))
     assert outcome.decision.desired_replicas == 4 and len(api.patches()) == 3
     assert [v for v, p, _ in api.calls].count("get") == 3  # the first read, then one per conflict
+
+
+def test_a_steady_variant_is_not_rewritten_at_every_tick():
+    api = ScriptedApi(_resource(), [pod("a", ready_at=T0 - 300)])
+    scaler, _, _ = _autoscaler(api, ScriptedSource(_load(2)))
+    ticks = iter(range(100))
+    scaler.clock = lambda: T0 + next(ticks)  # metrics stay fresh (observed at T0)
+    for _ in range(5):
+        asyncio.run(scaler.evaluate(NS, NAME))
+    (patch,) = api.patches()  # the first decision only: the same one since
+    assert patch["status"]["autoscaling"]["variants"][0]["desiredReplicas"] == 1
 
 
 def test_no_change_means_no_event_and_no_wake_and_unavailable_metrics_hold():

@@ -1,0 +1,90 @@
+"""ModelRunner plumbing: KV-cache sizing, argument validation, contract attributes, step validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.core.outputs import ScheduledSeq, SchedulerOutput
+from worker.model.config import ModelConfig
+from worker.model.runner import ModelRunner, kv_block_bytes, plan_num_blocks
+from worker.request import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def test_kv_block_bytes_formula(tiny_dir):
+    cfg = ModelConfig.from_dir(tiny_dir)  # 2 layers, 2 KV heads, head_dim 12
+    assert kv_block_bytes(cfg, 16, torch.float32) == 2 * 2 * 16 * 2 * 12 * 4
+    assert kv_block_bytes(cfg, 16, torch.bfloat16) == 2 * 2 * 16 * 2 * 12 * 2
+
+
+@pytest.mark.parametrize(
+    "block_bytes,max_len,num_blocks,kv_bytes,expected",
+    [
+        (1000, 64, 7, None, 7),  # explicit count wins
+        (1000, 64, None, 10_500, 10),  # bytes // block bytes
+        (1000, 64, None, None, 32),  # default: 8 sequences of max_model_len (4 blocks each) ...
+        (10**8, 64, None, None, 5),  # ... capped by 512 MiB, but never below one full sequence (4 blocks)
+        (10**9, 4096, None, None, 256),
+    ],
+)
+def test_plan_num_blocks(block_bytes, max_len, num_blocks, kv_bytes, expected):
+    assert plan_num_blocks(block_bytes, 16, max_len, num_blocks, kv_bytes) == expected
+
+
+@pytest.mark.parametrize("num_blocks,kv_bytes,match", [(0, None, "at least 1"), (None, 10, "holds no KV block")])
+def test_plan_num_blocks_errors(num_blocks, kv_bytes, match):
+    with pytest.raises(ValueError, match=match):
+        plan_num_blocks(1000, 16, 64, num_blocks, kv_bytes)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"dtype": "float64"}, "dtype must be one of"),
+        ({"quantization": "int3"}, "quantization must be"),
+        ({"block_size": 0}, "block_size"),
+        ({"max_model_len": 10**6}, "max_model_len"),
+    ],
+)
+def test_bad_arguments(tiny_dir, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ModelRunner(str(tiny_dir), enforce_eager=True, **kwargs)
+
+
+def test_contract_attributes(tiny_dir):
+    block = kv_block_bytes(ModelConfig.from_dir(tiny_dir), 16, torch.float32)
+    r = ModelRunner(str(tiny_dir), kv_cache_bytes=10 * block + block // 2, max_model_len=100)
+    assert (r.num_blocks, r.block_size, r.max_model_len) == (10, 16, 100)
+    assert r.eos_token_id == r.tokenizer.eos_token_id == 2
+    assert r.kv_cache.shape == (2, 2, 10, 16, 2, 12)
+    assert r.kv_cache_bytes == 10 * r.block_bytes
+
+
+def test_step_validation(tiny_dir):
+    r = ModelRunner(str(tiny_dir), num_blocks=4, block_size=4, max_model_len=12)
+    with pytest.raises(ValueError, match="over max_model_len"):
+        r.execute_model(SchedulerOutput([ScheduledSeq("a", list(range(3, 16)), 0, [0, 1, 2, 3], True, GREEDY)], 13))
+    with pytest.raises(ValueError, match="no tokens"):
+        r.execute_model(SchedulerOutput([ScheduledSeq("a", [], 0, [0], True, GREEDY)], 0))
+    with pytest.raises(ValueError, match="cannot hold"):
+        r.execute_model(SchedulerOutput([ScheduledSeq("a", [5] * 6, 0, [0], True, GREEDY)], 6))
+    assert r.execute_model(SchedulerOutput([], 0)).sampled_token_ids == {}
+
+
+def test_only_sampling_rows_get_tokens_and_logprobs(tiny_dir):
+    r = ModelRunner(str(tiny_dir), num_blocks=8, block_size=4)
+    lp = SamplingParams(temperature=0.0, logprobs=True)
+    out = r.execute_model(
+        SchedulerOutput(
+            [
+                ScheduledSeq("chunk", [5, 6, 7, 8, 9], 0, [0, 1], False, GREEDY),  # mid-prefill: no sample
+                ScheduledSeq("lp", [10, 11], 0, [2], True, lp),
+                ScheduledSeq("plain", [12], 0, [3], True, GREEDY),
+            ],
+            8,
+        )
+    )
+    assert set(out.sampled_token_ids) == {"lp", "plain"}
+    assert set(out.logprobs) == {"lp"} and out.logprobs["lp"] <= 0.0
