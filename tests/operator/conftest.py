@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
@@ -226,3 +227,45 @@ def kit() -> Any:
             "deployment": staticmethod(deployment),
         },
     )()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def gateway(fleet: Any, localkube_cluster: Any, tmp_path: Path) -> Iterator[str]:
+    """`llmfleet gateway` in Kubernetes mode for the test's namespace; yields its base URL."""
+    port = free_port()
+    log = open(tmp_path / "gateway.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [LLMFLEET, "gateway", "--port", str(port), "--kubeconfig", str(localkube_cluster.kubeconfig),
+         "--namespace", fleet.namespace, "--log-level", "warning"],
+        env={**os.environ}, stdout=log, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(240):
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None:
+                raise AssertionError(f"the gateway exited: {(tmp_path / 'gateway.log').read_text()[-2000:]}")
+            time.sleep(0.25)
+        else:
+            raise AssertionError("the gateway did not come up")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(20)
+        log.close()

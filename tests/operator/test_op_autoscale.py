@@ -11,13 +11,10 @@ wait in the pod's queue, which is what the autoscaler measures. Slow (processes 
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,40 +44,6 @@ def operator_http(monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setenv("LLMFLEET_OPERATOR_HTTP_PORT", str(port))
     monkeypatch.setenv("LLMFLEET_OPERATOR_ALERTS_TOKEN", TOKEN)
     return f"http://127.0.0.1:{port}"
-
-
-@pytest.fixture
-def gateway(fleet: Any, localkube_cluster: Any, tmp_path: Path) -> Iterator[str]:
-    """`llmfleet gateway` in Kubernetes mode for the test's namespace; yields its base URL."""
-    port = _free_port()
-    log = open(tmp_path / "gateway.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [LLMFLEET, "gateway", "--port", str(port), "--kubeconfig", str(localkube_cluster.kubeconfig),
-         "--namespace", fleet.namespace, "--log-level", "warning"],
-        env={**os.environ}, stdout=log, stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(240):
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None:
-                raise AssertionError(f"the gateway exited: {(tmp_path / 'gateway.log').read_text()[-2000:]}")
-            time.sleep(0.25)
-        else:
-            raise AssertionError("the gateway did not come up")
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(20)
-        log.close()
 
 
 def _autoscaled(name: str, gate: Path, *, max_replicas: int = 3, window_s: int = 4) -> dict[str, Any]:

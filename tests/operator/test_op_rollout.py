@@ -14,14 +14,10 @@ Short pauses and 5 s analysis intervals (the minimum) keep each test to a few do
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -39,46 +35,6 @@ MAX_TOKENS = 24
 # these tests are about the machinery, not about telling 50 ms from 60 ms.
 ANALYSIS = {"intervalSeconds": 5, "failureLimit": 2, "minRequests": 3, "ttftP95MaxRatio": 5, "itlP95MaxRatio": 5,
             "errorRateMax": 0.05}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture
-def gateway(fleet: Any, localkube_cluster: Any, tmp_path: Path) -> Iterator[str]:
-    """`llmfleet gateway` in Kubernetes mode for the test's namespace; yields its base URL."""
-    port = _free_port()
-    log = open(tmp_path / "gateway.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [LLMFLEET, "gateway", "--port", str(port), "--kubeconfig", str(localkube_cluster.kubeconfig),
-         "--namespace", fleet.namespace, "--log-level", "warning"],
-        env={**os.environ}, stdout=log, stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(240):
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None:
-                raise AssertionError(f"the gateway exited: {(tmp_path / 'gateway.log').read_text()[-2000:]}")
-            time.sleep(0.25)
-        else:
-            raise AssertionError("the gateway did not come up")
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(20)
-        log.close()
 
 
 class StreamLoad:
