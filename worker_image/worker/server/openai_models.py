@@ -326,6 +326,15 @@ def chat_response(
     }
 
 
+def _stream_chunk(request_id: str, obj: str, model: str, created: int, choice: dict[str, Any],
+                  with_usage_field: bool) -> dict[str, Any]:
+    """One streamed chunk with one choice; `usage: null` on every chunk but the last when include_usage is on."""
+    chunk: dict[str, Any] = {"id": request_id, "object": obj, "created": created, "model": model, "choices": [choice]}
+    if with_usage_field:
+        chunk["usage"] = None
+    return chunk
+
+
 def completion_chunk(
     request_id: str,
     model: str,
@@ -335,16 +344,8 @@ def completion_chunk(
     logprobs: dict[str, Any] | None,
     with_usage_field: bool,
 ) -> dict[str, Any]:
-    chunk: dict[str, Any] = {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": _reason(finish_reason), "logprobs": logprobs}],
-    }
-    if with_usage_field:
-        chunk["usage"] = None
-    return chunk
+    choice = {"index": 0, "text": text, "finish_reason": _reason(finish_reason), "logprobs": logprobs}
+    return _stream_chunk(request_id, "text_completion", model, created, choice, with_usage_field)
 
 
 def chat_chunk(
@@ -356,16 +357,8 @@ def chat_chunk(
     logprobs: dict[str, Any] | None,
     with_usage_field: bool,
 ) -> dict[str, Any]:
-    chunk: dict[str, Any] = {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "delta": delta, "finish_reason": _reason(finish_reason), "logprobs": logprobs}],
-    }
-    if with_usage_field:
-        chunk["usage"] = None
-    return chunk
+    choice = {"index": 0, "delta": delta, "finish_reason": _reason(finish_reason), "logprobs": logprobs}
+    return _stream_chunk(request_id, "chat.completion.chunk", model, created, choice, with_usage_field)
 
 
 def usage_chunk(request_id: str, obj: str, model: str, created: int, usage_body: dict[str, Any]) -> dict[str, Any]:
