@@ -97,3 +97,32 @@ def test_native_decode_rejects_bad_input(kernel):
         kernel(q, cache, cache, tables, torch.tensor([1, 5]), 1.0)
     with pytest.raises(RuntimeError, match="contiguous"):
         kernel(q.transpose(0, 1), cache, cache, tables, torch.ones(2, dtype=torch.int64), 1.0)
+
+
+V3 = "avx avx2 bmi1 bmi2 f16c fma abm movbe xsave sse4_2"
+
+
+@pytest.mark.parametrize(
+    "machine,flags,march,portable",
+    [
+        ("x86_64", V3, "-march=x86-64-v3", True),
+        ("x86_64", V3 + " avx512f", "-march=x86-64-v3", True),
+        ("x86_64", V3.replace("avx2 ", ""), "-march=native", False),
+        ("aarch64", "fp asimd", "-march=native", False),
+    ],
+)
+def test_kernel_target_choice(monkeypatch, machine, flags, march, portable):
+    from worker.model import kernels
+
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: (machine, frozenset(flags.split())))
+    cflags, target = kernels.arch_flags()
+    assert cflags == [march]
+    assert (target == "x86-64-v3") == portable
+
+
+def test_loading_twice_reuses_the_build(kernel):
+    from worker.model import kernels
+
+    name = kernels.extension_name()
+    again, why = kernels.load_paged_decode()
+    assert why is None and kernels.extension_name() == name  # torch's loader must not alter our flag lists

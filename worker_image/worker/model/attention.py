@@ -1,4 +1,4 @@
-"""Paged attention over one flattened, variable-length batch, in plain torch.
+"""Paged attention over one flattened, variable-length batch.
 
 Why this shape: each engine step mixes decodes (one new token per request) with prefill chunks (many tokens,
 possibly continuing after a cached prefix). All tokens of the step form one `[T, ...]` batch so every linear
@@ -8,9 +8,11 @@ The per-step `AttentionMetadata` is built once (`build_metadata`) and shared by 
 
 * `slot_mapping[t]` is the cache slot (`block_id * block_size + offset`) that token `t`'s K/V are written to.
 * Single-token sequences (decodes, and 1-token prefill/recompute chunks) come first in the batch. They attend
-  in one batched call: their blocks are gathered through a padded block table into `[D, L, kv_heads, head_dim]`
-  and masked past each context length. The query heads of one KV head are laid out as the "query length"
-  axis (`[D, kv_heads, group, head_dim]`), so grouped-query attention needs no K/V repetition.
+  in one call: on CPU the native kernel (`kernels.py`) walks each block table and reads K/V in place; the
+  eager path (other devices, `enforce_eager`, or no compiler) gathers the blocks through a padded block
+  table into `[D, L, kv_heads, head_dim]`, masks past each context length and runs SDPA with the query
+  heads of one KV head laid out as the "query length" axis (`[D, kv_heads, group, head_dim]`), so
+  grouped-query attention needs no K/V repetition.
 * Multi-token chunks follow, each attending causally. A chunk starting at position 0 attends to its own fresh
   K/V; a chunk with `start_pos > 0` (chunked prefill, prefix-cache hit, recompute) reads its whole context back
   through its block table with a lower-right causal mask (query `i` sees keys `0 .. start_pos + i`).

@@ -2,15 +2,20 @@
 
 Why: at decode time each request attends one query token over its whole context, which sits in scattered
 cache blocks. In plain torch that means gathering every block (a copy, padded to the longest context) and then
-running SDPA over the copy: measured on SmolLM2 with 64 running requests (~370 tokens each), gather + SDPA
-cost 4-5x the layer's four matmuls. This kernel walks each request's block table and reads K and V straight
-from the cache, once, computing all query heads of a KV head together (grouped-query attention): scores,
-softmax, weighted sum of V in fp32. It is what vLLM-CPU does with its own C++ kernels.
+running SDPA over the copy. This kernel walks each request's block table and reads K and V straight from the
+cache, once, for all query heads of the sequence (grouped-query attention: a KV head's K/V row serves its
+whole group): scores, softmax, weighted sum of V, in fp32. It is what vLLM-CPU does with its own C++ kernels.
+Measured on SmolLM2, one thread, 64 running requests holding 23.8k context tokens: a decode step took 0.60 s
+with gather + SDPA and 0.39 s with this kernel (attention ~7 ms/layer, reading ~37 MB/layer at ~5.5 GB/s,
+near what one core streams from scattered 12 KB blocks; the four matmuls take ~5 ms/layer). Restructuring
+the inner loops (explicit vectors, a polynomial exp, prefetching the next block) gained under 5%.
 
 It is built with `torch.utils.cpp_extension.load_inline` (needs a C++ compiler and ninja; ~30-60 s the
-first time on a machine, then cached under torch's extension dir, keyed by the source and this CPU's
-instruction-set flags, since it is compiled with `-march=native`). `load_paged_decode()` returns None with
-the reason when building is impossible; the runner then stays on the eager gather + SDPA path.
+first time, then cached under torch's extension dir (`TORCH_EXTENSIONS_DIR`), keyed by the source, the flags
+and the target: `x86-64-v3` (AVX2) on any x86 CPU that has it, so one build serves every such machine and an
+image can prebuild it by calling `load_paged_decode()`; `-march=native` plus this CPU's flags elsewhere).
+`load_paged_decode()` returns None with the reason when building is impossible; the runner then stays on the
+eager gather + SDPA path.
 """
 
 from __future__ import annotations
@@ -128,25 +133,39 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 }
 """
 
-CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math"]
+CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math")
+# The kernel is memory-bound: AVX2 code (x86-64-v3) runs as fast as AVX-512 code here, and a build for that
+# baseline can be shared between machines (e.g. prebuilt in an image). Other CPUs get -march=native.
+X86_64_V3_FLAGS = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"})
+
+# -fopenmp makes at::parallel_for use torch's OpenMP thread pool: the libgomp.so.1 torch loaded first is the one
+# this module binds to (same soname), so torch.set_num_threads governs the kernel too.
+LDFLAGS = ("-fopenmp",)
 
 PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
-def _cpu_fingerprint() -> str:
-    """The instruction-set flags of this CPU (the build uses -march=native: a cached build must match them)."""
-    flags = platform.machine()
+def _cpu_flags() -> tuple[str, frozenset[str]]:
+    """(machine, instruction-set flags from /proc/cpuinfo: empty where unavailable)."""
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
         for line in cpuinfo.read_text(errors="replace").splitlines():
             if line.startswith(("flags", "Features")):
-                flags += line
-                break
-    return flags
+                return platform.machine(), frozenset(line.split(":", 1)[-1].split())
+    return platform.machine(), frozenset()
+
+
+def arch_flags() -> tuple[list[str], str]:
+    """(compiler flags for the target CPU, the part of the cache key that says which CPUs the build runs on)."""
+    machine, flags = _cpu_flags()
+    if machine in ("x86_64", "AMD64") and X86_64_V3_FLAGS <= flags:
+        return ["-march=x86-64-v3"], "x86-64-v3"
+    return ["-march=native"], f"{machine}:{' '.join(sorted(flags))}"
 
 
 def extension_name() -> str:
-    key = "\n".join([CPP_SOURCE, *CFLAGS, _cpu_fingerprint(), torch.__version__])
+    flags, target = arch_flags()
+    key = "\n".join([CPP_SOURCE, *CFLAGS, *flags, *LDFLAGS, target, torch.__version__])
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return f"llmfleet_paged_decode_{digest}"
 
@@ -160,7 +179,9 @@ def load_paged_decode() -> tuple[PagedDecode | None, str | None]:
             name=extension_name(),
             cpp_sources=[CPP_SOURCE],
             functions=["paged_decode"],
-            extra_cflags=CFLAGS,
+            # fresh lists: load_inline appends torch's own flags to the lists it is given
+            extra_cflags=[*CFLAGS, *arch_flags()[0]],
+            extra_ldflags=list(LDFLAGS),
             verbose=False,
         )
     except Exception as exc:  # compiler missing, headers missing, ninja missing, build error

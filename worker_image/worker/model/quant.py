@@ -19,6 +19,19 @@ quality, this docstring records the speed probe for SmolLM2's linear shapes, sum
 
 The dequantization conventions are tested against a reference: fp8 `w = fp8 * scale`; int4
 `w = (q - 8) * scale + zero` (torch's tinygemm convention, `zero` in the float domain).
+
+Measured with `bench/quant.py` on SmolLM2-135M (8 chat prompts x 16 teacher-forced positions; the embedding /
+tied output head stays dense):
+
+    variant  weights MB  linears MB  agreement  mean KL
+    fp32          538.1       424.7      1.000  0.00000
+    bf16          269.0       212.3      0.992  0.00107
+    fp8           220.2       106.8      0.953  0.02226
+    int4          179.7        66.4      0.984  0.00037
+
+int4 beats fp8 here only because SmolLM2's own weights are Q4_1 (4-bit, groups of 32): int4 with 32-groups
+lands almost exactly on that grid. Speed on this CPU (one decode step, 64 requests): fp32 0.39 s, int4 0.49 s,
+fp8 0.61 s; a 512-token prefill: fp32 1.0 s, fp8 1.3 s, int4 2.1 s. The variants trade speed for memory here.
 """
 
 from __future__ import annotations
