@@ -7,6 +7,8 @@ need=()
 command -v prometheus >/dev/null 2>&1 || need+=(prometheus)
 command -v npm >/dev/null 2>&1 || need+=(npm)
 command -v unzip >/dev/null 2>&1 || need+=(unzip)
+# g++ builds the worker's native paged-decode attention kernel at first use (without it: slower torch fallback).
+command -v g++ >/dev/null 2>&1 || need+=(g++)
 if ((${#need[@]})); then
   if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
     echo "setup-system: installing ${need[*]} (Debian packages)"

