@@ -58,7 +58,19 @@ def test_greedy_is_argmax_and_logprob_is_log_softmax():
     tokens, lps = sampler()(logits.clone(), [SampleRequest(p, None)] * 4)
     assert tokens == logits.argmax(-1).tolist()
     ref = torch.log_softmax(logits, -1)
-    assert lps == pytest.approx([float(ref[i, t]) for i, t in enumerate(tokens)], abs=1e-6)
+    assert [lp.logprob for lp in lps] == pytest.approx([float(ref[i, t]) for i, t in enumerate(tokens)], abs=1e-6)
+    assert all(lp.top == () for lp in lps)
+
+
+def test_top_logprobs_are_the_best_alternatives_most_likely_first():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(2))
+    p = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=4)
+    tokens, lps = sampler()(logits.clone(), [SampleRequest(p, None)] * 3)
+    ref = torch.log_softmax(logits, -1)
+    for i, lp in enumerate(lps):
+        best = ref[i].topk(4)
+        assert [t for t, _ in lp.top] == best.indices.tolist() and lp.top[0][0] == tokens[i]
+        assert [v for _, v in lp.top] == pytest.approx(best.values.tolist(), abs=1e-6)
 
 
 def test_min_tokens_prevents_eos_even_when_greedy():

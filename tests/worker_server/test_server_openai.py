@@ -159,6 +159,41 @@ def test_logprobs(live) -> None:
         -0.5, -0.75, -1.0]
 
 
+def test_top_logprobs(live) -> None:
+    client = live.openai()
+    comp = client.completions.create(model="fake-model", prompt="x", max_tokens=3, temperature=0, logprobs=2)
+    lp = comp.choices[0].logprobs
+    script = DEFAULT_SCRIPT[:3].encode()
+    assert lp.tokens == [f"token_id:{b}" for b in script]
+    assert [list(top) for top in lp.top_logprobs] == [[f"token_id:{b}", f"token_id:{b + 1}"] for b in script]
+    chat = client.chat.completions.create(model="fake-model", messages=CHAT, max_tokens=2, temperature=0,
+                                          logprobs=True, top_logprobs=3)
+    for entry, b in zip(chat.choices[0].logprobs.content, DEFAULT_SCRIPT[:2].encode(), strict=True):
+        assert [t.token for t in entry.top_logprobs] == [f"token_id:{b + j}" for j in range(3)]
+
+
+def test_echo_returns_the_prompt_and_scores_it(live) -> None:
+    client = live.openai()
+    plain = client.completions.create(model="fake-model", prompt="Hi there", max_tokens=3, temperature=0, echo=True)
+    assert plain.choices[0].text == "Hi there" + DEFAULT_SCRIPT[:3] and plain.choices[0].logprobs is None
+    ids = client.completions.create(model="fake-model", prompt=[72, 105], max_tokens=2, temperature=0, echo=True)
+    assert ids.choices[0].text == "Hi" + DEFAULT_SCRIPT[:2]
+    scored = client.completions.create(model="fake-model", prompt="Hey", max_tokens=2, temperature=0, echo=True,
+                                       logprobs=1)
+    lp = scored.choices[0].logprobs
+    prompt, out = list(b"Hey"), list(DEFAULT_SCRIPT[:2].encode())
+    assert lp.tokens == [f"token_id:{t}" for t in prompt + out]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing precedes the first token
+    assert lp.token_logprobs[1:3] == pytest.approx([-0.2, -0.3]) and lp.token_logprobs[3:] == [-0.5, -0.75]
+    assert [list(top) for top in lp.top_logprobs[1:]] == [[f"token_id:{t}"] for t in prompt[1:] + out]
+    assert live.engine.submitted[-1][2].prompt_logprobs == 1
+    stream = list(client.completions.create(model="fake-model", prompt="Hey", max_tokens=2, temperature=0,
+                                            echo=True, logprobs=0, stream=True))
+    assert stream[0].choices[0].text == "Hey"
+    assert stream[0].choices[0].logprobs.token_logprobs == pytest.approx([None, -0.2, -0.3])
+    assert "".join(c.choices[0].text for c in stream) == "Hey" + DEFAULT_SCRIPT[:2]
+
+
 def _error(excinfo) -> dict:
     body = excinfo.value.response.json()
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
@@ -173,8 +208,7 @@ def _error(excinfo) -> dict:
         ({"top_p": 0}, "top_p", "greater than 0"),
         ({"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
         ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
-        ({"logprobs": 3}, "logprobs", "only logprobs=0"),
-        ({"echo": True}, "echo", "not supported"),
+        ({"logprobs": 6}, "logprobs", "less than or equal to 5"),
         ({"max_tokens": 5000}, "max_tokens", "maximum context length is 2048"),
         ({"prompt": ["a", "b"]}, "prompt", "batched prompts"),
         ({"stop": [""]}, "stop", "non-empty"),
@@ -198,7 +232,8 @@ def test_bad_completion_requests_are_400(live, kwargs, param, needle) -> None:
         ({"messages": []}, "at least 1"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
         ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
-        ({"messages": CHAT, "top_logprobs": 2, "logprobs": True}, "top_logprobs=2"),
+        ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs=2 needs logprobs=true"),
+        ({"messages": CHAT, "top_logprobs": 21, "logprobs": True}, "less than or equal to 20"),
         ({"messages": CHAT, "response_format": {"type": "json_object"}}, "json_object"),
         ({}, "messages: field required"),
     ],

@@ -63,6 +63,23 @@ def test_chat_matches_the_offline_api(live, offline) -> None:
     assert all(c.logprob <= 0 for c in r.choices[0].logprobs.content)
 
 
+def test_echo_scores_the_prompt_like_the_offline_api(live, offline) -> None:
+    """Teacher-forced scoring over HTTP (what the canary quality probe sends): the prompt given as token ids comes
+    back with each token's logprob and top alternative, equal to the offline engine's prompt logprobs."""
+    ids = offline.tokenizer.encode(PROMPT)
+    expected = offline.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))[0]
+    r = live.openai().completions.create(model="tiny", prompt=ids, max_tokens=1, temperature=0, echo=True,
+                                         logprobs=1)
+    lp = r.choices[0].logprobs
+    assert lp.tokens[: len(ids)] == [f"token_id:{t}" for t in ids]
+    assert lp.token_logprobs[0] is None
+    assert lp.token_logprobs[1 : len(ids)] == pytest.approx([e.logprob for e in expected.prompt_logprobs], abs=1e-4)
+    assert [list(top) for top in lp.top_logprobs[1 : len(ids)]] == [
+        [f"token_id:{e.top[0][0]}"] for e in expected.prompt_logprobs
+    ]
+    assert r.choices[0].text.startswith(offline.tokenizer.decode(ids, skip_special_tokens=True))
+
+
 def test_disconnect_mid_stream_frees_the_kv_cache(live, raw_request, wait) -> None:
     engine = live.engine
     before = live.metric("llmfleet:request_errors_total", code="client_disconnect") or 0

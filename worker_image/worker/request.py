@@ -46,6 +46,18 @@ _FINISH_REASONS = {
 }
 
 
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """The log probability of one token under the model's raw distribution, and the `top` most likely tokens at
+    its position as (token id, logprob), most likely first (empty unless alternatives were asked for)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request. `temperature == 0` means greedy.
@@ -64,6 +76,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False  # return the logprob of each chosen token
     min_tokens: int = 0
+    top_logprobs: int = 0  # with logprobs: also the top-k alternatives of each chosen token
+    # None: off. k >= 0: the logprob of every prompt token after the first (teacher-forced scoring, OpenAI's
+    # `echo` + `logprobs`) and its top-k alternatives. Such requests bypass prefix-cache hits (cached positions
+    # have no logits).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -83,6 +100,12 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: set logprobs too")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
 
     @property
     def greedy(self) -> bool:
@@ -106,6 +129,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)  # when top_logprobs
+    prompt_logprobs: list[Logprob] = field(default_factory=list)  # for prompt tokens 1.. when prompt_logprobs
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
     num_preemptions: int = 0
@@ -122,6 +147,12 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def prompt_logprobs_done(self) -> bool:
+        """Every prompt token after the first has its logprob (or none were asked for)."""
+        wanted = self.sampling_params.prompt_logprobs is not None
+        return not wanted or len(self.prompt_logprobs) >= self.num_prompt_tokens - 1
 
     @property
     def num_output_tokens(self) -> int:

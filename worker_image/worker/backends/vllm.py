@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from worker.engine.protocol import EngineStats, RequestOutput
-from worker.request import FinishReason, SamplingParams
+from worker.request import FinishReason, Logprob, SamplingParams
 from worker.server.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,13 @@ class _VllmMetrics:
         from vllm.v1.metrics.prometheus import get_prometheus_registry
 
         yield from get_prometheus_registry().collect()
+
+
+def from_vllm_logprobs(position: Any, token: int, k: int) -> Logprob:
+    """One position of vLLM's logprobs (token id -> object with `.logprob` and `.rank`, holding the top-k and the
+    actual token) as our `Logprob` of `token` with its k best alternatives."""
+    top = sorted((entry.rank, tid, entry.logprob) for tid, entry in position.items() if entry.rank <= k)
+    return Logprob(position[token].logprob, tuple((tid, value) for _, tid, value in top[:k]))
 
 
 def vllm_engine_args(settings: WorkerSettings, model_path: str, device_is_cpu: bool) -> dict[str, Any]:
@@ -144,6 +151,9 @@ class VllmEngine:
     def tokenize(self, text: str) -> list[int]:
         return list(self._started_tokenizer().encode(text))
 
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self._started_tokenizer().decode(list(token_ids), skip_special_tokens=True)
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         return self._started_tokenizer().apply_chat_template(messages, tokenize=False,
                                                              add_generation_prompt=add_generation_prompt)
@@ -174,18 +184,28 @@ class VllmEngine:
             stop_token_ids=list(params.stop_token_ids) or None,
             ignore_eos=params.ignore_eos,
             min_tokens=params.min_tokens,
-            logprobs=0 if params.logprobs else None,
+            logprobs=params.top_logprobs if params.logprobs else None,
+            prompt_logprobs=params.prompt_logprobs,
             output_kind=RequestOutputKind.DELTA,
         )
         generated = 0
+        prompt_sent = False
         stream = self._llm.generate(TokensPrompt(prompt_token_ids=ids), vparams, request_id, priority=priority)
         async for out in stream:
             choice = out.outputs[0]
             new_ids = list(choice.token_ids)
             generated += len(new_ids)
-            logprobs = None
+            logprobs = tops = prompt_logprobs = None
             if params.logprobs and choice.logprobs is not None:
-                logprobs = [choice.logprobs[i][token].logprob for i, token in enumerate(new_ids)]
+                converted = [from_vllm_logprobs(choice.logprobs[i], t, params.top_logprobs)
+                             for i, t in enumerate(new_ids)]
+                logprobs = [lp.logprob for lp in converted]
+                tops = [lp.top for lp in converted] if params.top_logprobs else None
+            if params.prompt_logprobs is not None and not prompt_sent and out.prompt_logprobs is not None:
+                # vLLM's list has None for the first prompt token; ours starts at the second
+                prompt_logprobs = [from_vllm_logprobs(out.prompt_logprobs[i], ids[i], params.prompt_logprobs)
+                                   for i in range(1, len(ids))]
+                prompt_sent = True
             yield RequestOutput(
                 request_id=request_id,
                 new_token_ids=new_ids,
@@ -196,6 +216,8 @@ class VllmEngine:
                 num_output_tokens=generated,
                 num_cached_tokens=out.num_cached_tokens or 0,
                 new_logprobs=logprobs,
+                new_top_logprobs=tops,
+                prompt_logprobs=prompt_logprobs,
             )
 
     async def abort(self, request_id: str) -> None:

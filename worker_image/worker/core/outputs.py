@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from worker.request import SamplingParams
+from worker.request import Logprob, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,9 @@ class ScheduledSeq:
     sampling_params: SamplingParams
     num_output_tokens: int = 0  # tokens generated so far (sampler state such as min_tokens)
     eos_token_id: int | None = None
+    # With `prompt_logprobs`: the prompt tokens that this chunk's positions predict (position start_pos + i
+    # predicts prompt_targets[i]); empty otherwise, and once every prompt logprob is known.
+    prompt_targets: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -44,3 +47,6 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, float] = field(default_factory=dict)
+    top_logprobs: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+    # request -> logprobs of its ScheduledSeq.prompt_targets, in order
+    prompt_logprobs: dict[str, list[Logprob]] = field(default_factory=dict)

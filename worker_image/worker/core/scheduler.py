@@ -26,7 +26,29 @@ from worker.config import EngineConfig
 from worker.core.kv_cache_manager import KVCacheManager, token_slice
 from worker.core.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from worker.errors import QueueFullError
-from worker.request import Request, RequestStatus
+from worker.request import Logprob, Request, RequestStatus
+
+
+def prompt_targets(req: Request, start: int, end: int) -> tuple[int, ...]:
+    """The prompt tokens that positions start..end-1 predict, when the request wants prompt logprobs it lacks.
+
+    Position p predicts token p + 1; positions recomputed after a preemption whose logprobs are already known
+    are still listed (the runner scores them again; `record_prompt_logprobs` keeps the first values).
+    """
+    if req.prompt_logprobs_done:
+        return ()
+    return tuple(req.prompt_token_ids[start + 1 : min(end + 1, req.num_prompt_tokens)])
+
+
+def record_prompt_logprobs(req: Request, seq: ScheduledSeq, values: list[Logprob]) -> None:
+    """Append the logprobs of the prompt tokens this step scored and the request does not have yet."""
+    if len(values) != len(seq.prompt_targets):
+        raise ValueError(f"{req.request_id}: {len(values)} prompt logprobs for {len(seq.prompt_targets)} targets")
+    first = seq.start_pos  # values[i] is for prompt token start_pos + 1 + i, i.e. list index start_pos + i
+    known = len(req.prompt_logprobs)
+    if first > known:
+        raise ValueError(f"{req.request_id}: prompt logprobs from index {first} but only {known} are known")
+    req.prompt_logprobs.extend(values[known - first :])
 
 
 
@@ -154,7 +176,10 @@ class Scheduler:
             if req.is_finished:  # aborted while waiting
                 heapq.heappop(heap)
                 continue
-            hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            if req.sampling_params.prompt_logprobs is None:
+                hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            else:  # every prompt position needs its logits: no cache hits
+                hits, num_hit_tokens = [], 0
             n = req.num_tokens - num_hit_tokens
             if n > budget and not self.config.enable_chunked_prefill:
                 break
@@ -193,6 +218,7 @@ class Scheduler:
             sampling_params=req.sampling_params,
             num_output_tokens=req.num_output_tokens,
             eos_token_id=req.eos_token_id,
+            prompt_targets=prompt_targets(req, start, end),
         )
 
     def _preempt(self, req: Request, index: int) -> None:
@@ -216,12 +242,16 @@ class Scheduler:
             req = self.requests[seq.req_id]
             req.num_computed_tokens += len(seq.token_ids)
             self.kv.cache_computed_blocks(req)
+            if seq.prompt_targets:
+                record_prompt_logprobs(req, seq, runner_output.prompt_logprobs[seq.req_id])
             if not seq.sample:
                 continue
             token = sampled[seq.req_id]
             req.output_token_ids.append(token)
             if req.sampling_params.logprobs:
                 req.output_logprobs.append(logprobs[seq.req_id])
+                if req.sampling_params.top_logprobs:
+                    req.output_top_logprobs.append(runner_output.top_logprobs[seq.req_id])
             status = self._check_stop(req, token)
             if status is not None:
                 req.status = status

@@ -30,6 +30,7 @@ from worker.request import SamplingParams
 def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     """Two consecutive deltas of one request as one."""
     logprobs = None if a.new_logprobs is None else a.new_logprobs + (b.new_logprobs or [])
+    top = None if a.new_top_logprobs is None else a.new_top_logprobs + (b.new_top_logprobs or [])
     return RequestOutput(
         request_id=a.request_id,
         new_token_ids=a.new_token_ids + b.new_token_ids,
@@ -40,6 +41,8 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
         num_output_tokens=b.num_output_tokens,
         num_cached_tokens=b.num_cached_tokens,
         new_logprobs=logprobs,
+        new_top_logprobs=top,
+        prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
     )
 
 
@@ -89,6 +92,12 @@ class AsyncEngine:
         if core.tokenizer is None:
             raise ValueError("this engine has no tokenizer: give prompts as token ids")
         return core.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        core = self._started()
+        if core.tokenizer is None:
+            raise ValueError("this engine has no tokenizer: it cannot turn token ids into text")
+        return core.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         core = self._started()

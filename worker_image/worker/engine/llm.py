@@ -13,7 +13,7 @@ from typing import Any
 
 from worker.config import EngineConfig
 from worker.engine.core import EngineCore, Runner
-from worker.request import FinishReason, SamplingParams
+from worker.request import FinishReason, Logprob, SamplingParams
 
 Prompt = str | list[int]
 
@@ -28,6 +28,8 @@ class CompletionOutput:
     stop_reason: int | str | None  # the stop token id or stop string that ended it, if any
     logprobs: list[float] | None
     num_cached_tokens: int  # prompt tokens served from the prefix cache
+    top_logprobs: list[tuple[tuple[int, float], ...]] | None = None  # with SamplingParams.top_logprobs
+    prompt_logprobs: list[Logprob] | None = None  # for prompt tokens 1.. with SamplingParams.prompt_logprobs
 
 
 class LLM:
@@ -85,6 +87,8 @@ class LLM:
                 stop_reason=r.stop_reason,
                 logprobs=list(r.output_logprobs) if r.sampling_params.logprobs else None,
                 num_cached_tokens=r.num_cached_tokens,
+                top_logprobs=list(r.output_top_logprobs) if r.sampling_params.top_logprobs else None,
+                prompt_logprobs=list(r.prompt_logprobs) if r.sampling_params.prompt_logprobs is not None else None,
             )
             for r in requests
         ]

@@ -30,6 +30,7 @@ class _State:
     num_sent_tokens: int = 0
     text: str = ""  # all output text so far (cut at a stop string)
     num_sent_chars: int = 0
+    prompt_logprobs_sent: bool = False
 
 
 @dataclass
@@ -96,7 +97,13 @@ class OutputProcessor:
             del self._states[req.request_id]
         reason = FinishReason.STOP if stop_str is not None else req.status.finish_reason
         logprobs = req.output_logprobs[first_index:] if req.sampling_params.logprobs else None
-        return self._output(req, new_ids, new_text, finished, reason, logprobs), stop_str
+        output = self._output(req, new_ids, new_text, finished, reason, logprobs)
+        if req.sampling_params.top_logprobs:
+            output.new_top_logprobs = req.output_top_logprobs[first_index:]
+        if req.sampling_params.prompt_logprobs is not None and not st.prompt_logprobs_sent:
+            output.prompt_logprobs = list(req.prompt_logprobs)
+            st.prompt_logprobs_sent = True
+        return output, stop_str
 
     @staticmethod
     def _output(

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from worker.errors import EngineDeadError, QueueFullError
-from worker.request import FinishReason, SamplingParams
+from worker.request import FinishReason, Logprob, SamplingParams
 
 __all__ = ["EngineClient", "EngineDeadError", "EngineStats", "QueueFullError", "RequestOutput"]
 
@@ -29,6 +29,10 @@ class RequestOutput:
     num_output_tokens: int = 0  # cumulative
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     new_logprobs: list[float] | None = None  # logprob of each token in new_token_ids when asked
+    new_top_logprobs: list[tuple[tuple[int, float], ...]] | None = None  # their top-k (params.top_logprobs)
+    # With params.prompt_logprobs, on the first delta only: the logprob (and top-k) of prompt tokens 1..n-1
+    # (the first prompt token has none: nothing precedes it).
+    prompt_logprobs: list[Logprob] | None = None
 
 
 @dataclass
@@ -53,6 +57,10 @@ class EngineClient(Protocol):
     max_model_len: int
 
     def tokenize(self, text: str) -> list[int]: ...
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """Text of token ids, special tokens skipped (echoing a prompt given as ids)."""
+        ...
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str: ...
 

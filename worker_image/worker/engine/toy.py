@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from worker.core.outputs import ModelRunnerOutput, SchedulerOutput
-from worker.request import SamplingParams
+from worker.request import Logprob, SamplingParams
 
 EOS = 256
 
@@ -66,6 +66,12 @@ def toy_next_token(context: Sequence[int], draw: int = 0) -> int:
 
 def toy_logprob(context: Sequence[int]) -> float:
     return -(context_hash(context) % 100) / 100.0
+
+
+def toy_top(context: Sequence[int], k: int) -> tuple[tuple[int, float], ...]:
+    """The toy model's top-k after `context`: its greedy token first, then the following ids."""
+    first = toy_next_token(context)
+    return tuple(((first + i) % (EOS + 1), -float(i)) for i in range(k))
 
 
 class ToyRunner:
@@ -118,6 +124,16 @@ class ToyRunner:
             out.sampled_token_ids[seq.req_id] = self._next_token(context, self._draw(seq.req_id, seq.sampling_params))
             if seq.sampling_params.logprobs:
                 out.logprobs[seq.req_id] = toy_logprob(context)
+                if seq.sampling_params.top_logprobs:
+                    out.top_logprobs[seq.req_id] = toy_top(context, seq.sampling_params.top_logprobs)
+        for seq in scheduler_output.seqs:
+            if seq.prompt_targets:
+                k = seq.sampling_params.prompt_logprobs or 0
+                contexts = [self._read_context(seq.req_id, seq.block_ids, seq.start_pos + i + 1)
+                            for i in range(len(seq.prompt_targets))]
+                out.prompt_logprobs[seq.req_id] = [
+                    Logprob(toy_logprob([*c, t]), toy_top(c, k)) for c, t in zip(contexts, seq.prompt_targets)
+                ]
         return out
 
     def _read_context(self, req_id: str, block_ids: list[int], length: int) -> list[int]:

@@ -20,18 +20,20 @@ from pathlib import Path
 
 import torch
 
-from worker.core.outputs import ModelRunnerOutput, SchedulerOutput
+from worker.core.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from worker.model.attention import SeqSpan, build_metadata
 from worker.model.config import ModelConfig
 from worker.model.kernels import load_paged_decode
 from worker.model.llama import LlamaModel
 from worker.model.loader import load_weights
 from worker.model.quant import QUANTIZATIONS
-from worker.model.sampler import SampleRequest, Sampler
+from worker.model.sampler import SampleRequest, Sampler, top_tokens
 from worker.model.tokenizer import Tokenizer
+from worker.request import Logprob
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_KV_CACHE_BYTES = 512 * 1024**2
+PROMPT_LOGPROBS_ROWS = 256  # prompt positions scored at once: bounds the [rows, vocab] logits (~50 MB for SmolLM2)
 DEFAULT_MAX_SEQS_OF_CACHE = 8  # default cache: room for this many max_model_len sequences (if under the bytes)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
@@ -213,6 +215,19 @@ class ModelRunner:
             tokens.append(int(self.model.compute_logits(hidden[-1:]).argmax()))
         return tokens[len(prompt) :]
 
+    def _prompt_logprobs(self, hidden: torch.Tensor, first_row: int, seq: ScheduledSeq) -> list[Logprob]:
+        """Logprobs (and top-k) of the prompt tokens that `seq`'s rows predict, in slices of rows so that a long
+        prompt never holds [tokens, vocab] logits at once."""
+        k = seq.sampling_params.prompt_logprobs or 0
+        targets = torch.tensor(seq.prompt_targets, dtype=torch.int64, device=self.device)
+        result: list[Logprob] = []
+        for start in range(0, len(targets), PROMPT_LOGPROBS_ROWS):
+            rows = hidden[first_row + start : first_row + min(start + PROMPT_LOGPROBS_ROWS, len(targets))]
+            lp = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
+            chosen = lp.gather(1, targets[start : start + len(rows), None]).squeeze(1).tolist()
+            result.extend(Logprob(value, top_tokens(lp[i], k)) for i, value in enumerate(chosen))
+        return result
+
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for req_id in sched.finished_req_ids:
@@ -225,6 +240,7 @@ class ModelRunner:
         input_ids: list[int] = []
         spans: list[SeqSpan] = []
         sample_rows: list[int] = []
+        prompt_rows: list[tuple[ScheduledSeq, int]] = []  # (seq, row of its first token) for prompt logprobs
         for seq in seqs:
             n = len(seq.token_ids)
             if n == 0:
@@ -233,6 +249,8 @@ class ModelRunner:
                 raise ValueError(
                     f"request {seq.req_id} reaches {seq.start_pos + n} tokens, over max_model_len={self.max_model_len}"
                 )
+            if seq.prompt_targets:
+                prompt_rows.append((seq, len(input_ids)))
             input_ids.extend(seq.token_ids)
             spans.append(SeqSpan(seq.start_pos, n, seq.block_ids))
             if seq.sample:
@@ -240,6 +258,8 @@ class ModelRunner:
         meta = build_metadata(spans, self.block_size, self.device, self.dtype, self.decode_kernel is not None)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         hidden = self.model.forward(ids, meta, self.kv_caches, self.decode_kernel)
+        for seq, first_row in prompt_rows:
+            out.prompt_logprobs[seq.req_id] = self._prompt_logprobs(hidden, first_row, seq)
         if not sample_rows:
             return out
         rows = torch.tensor(sample_rows, device=self.device)
@@ -258,5 +278,7 @@ class ModelRunner:
         for seq, token, logprob in zip(sampled, tokens, logprobs):
             out.sampled_token_ids[seq.req_id] = token
             if logprob is not None:
-                out.logprobs[seq.req_id] = logprob
+                out.logprobs[seq.req_id] = logprob.logprob
+                if logprob.top:
+                    out.top_logprobs[seq.req_id] = logprob.top
         return out

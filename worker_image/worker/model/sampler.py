@@ -3,8 +3,8 @@
 Greedy rows (the common case in tests and benchmarks) are one `argmax` for the whole batch. Random rows are
 sampled one by one because each may own a seeded `torch.Generator` (reproducible per request, whatever else
 shares the batch). Sampling uses the exponential race (`argmax(p / e)`, `e ~ Exp(1)`), which draws exactly
-from `p` and needs one random tensor per row. Logprobs, when asked, are of the chosen token under the raw
-model distribution (before temperature/top-k/top-p), as vLLM reports them by default.
+from `p` and needs one random tensor per row. Logprobs, when asked, are of the chosen token (and its top-k
+alternatives) under the raw model distribution (before temperature/top-k/top-p), as vLLM reports them by default.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.request import SamplingParams
+from worker.request import Logprob, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -53,13 +53,21 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
     return logits
 
 
+def top_tokens(logprobs: torch.Tensor, k: int) -> tuple[tuple[int, float], ...]:
+    """The k most likely (token id, logprob) of one row of log-probabilities, most likely first."""
+    if k <= 0:
+        return ()
+    values, ids = torch.topk(logprobs, min(k, logprobs.shape[-1]))
+    return tuple(zip(ids.tolist(), values.tolist()))
+
+
 class Sampler:
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator  # for unseeded random requests
 
     def __call__(
         self, logits: torch.Tensor, requests: Sequence[SampleRequest]
-    ) -> tuple[list[int], list[float | None]]:
+    ) -> tuple[list[int], list[Logprob | None]]:
         """Sample one token per row of `logits` [N, vocab] (fp32). Returns (tokens, logprobs-or-None)."""
         for i, req in enumerate(requests):
             banned = min_tokens_banned(req)
@@ -69,15 +77,15 @@ class Sampler:
         for i, req in enumerate(requests):
             if not req.params.greedy:
                 tokens[i] = self._sample_row(logits[i], req)
-        logprobs: list[float | None] = [None] * len(requests)
+        logprobs: list[Logprob | None] = [None] * len(requests)
         want = [i for i, r in enumerate(requests) if r.params.logprobs]
         if want:
             rows = torch.tensor(want)
             lp = torch.log_softmax(logits[rows], dim=-1)
             chosen = torch.tensor([tokens[i] for i in want])
             values = lp.gather(1, chosen[:, None]).squeeze(1).tolist()
-            for i, value in zip(want, values):
-                logprobs[i] = value
+            for row, (i, value) in enumerate(zip(want, values)):
+                logprobs[i] = Logprob(value, top_tokens(lp[row], requests[i].params.top_logprobs))
         return tokens, logprobs
 
     def _sample_row(self, row: torch.Tensor, req: SampleRequest) -> int:

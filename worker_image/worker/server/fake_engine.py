@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from worker.engine.protocol import EngineStats, RequestOutput
-from worker.request import FinishReason, SamplingParams
+from worker.request import FinishReason, Logprob, SamplingParams
 
 DEFAULT_SCRIPT = "The quick brown fox jumps over the lazy dog. Café, naïve, 北京. "
 EOS_TOKEN_ID = 256  # outside the byte range: never part of the script
@@ -56,6 +56,11 @@ class _FakeRequest:
     running: bool = False
     generated: int = 0
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def fake_logprob(position: int, token: int, k: int) -> Logprob:
+    """A made-up but deterministic logprob for `token` at `position`, with k alternatives (`token` first)."""
+    return Logprob(-0.1 * (position % 5 + 1), tuple(((token + j) % 256, -0.1 * (position % 5 + 1) - j) for j in range(k)))
 
 
 class FakeEngine:
@@ -103,6 +108,9 @@ class FakeEngine:
     # ---- tokenizer ----
     def tokenize(self, text: str) -> list[int]:
         return list(text.encode())
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return bytes(t for t in token_ids if t < 256).decode(errors="replace")
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         text = "".join(f"<|{m['role']}|>{m.get('content') or ''}\n" for m in messages)
@@ -193,8 +201,13 @@ class FakeEngine:
         holdback = max((len(s) for s in params.stop), default=1) - 1
         pending_ids: list[int] = []
         pending_lps: list[float] = []
+        prompt_lps = None
+        if params.prompt_logprobs is not None:
+            prompt_lps = [fake_logprob(i, ids[i], params.prompt_logprobs) for i in range(1, len(ids))]
 
         def output(new_text: str, finished: bool, reason: FinishReason | None) -> RequestOutput:
+            nonlocal prompt_lps
+            tops = [fake_logprob(0, t, params.top_logprobs).top for t in pending_ids]
             out = RequestOutput(
                 request_id=req.request_id,
                 new_token_ids=list(pending_ids),
@@ -204,7 +217,10 @@ class FakeEngine:
                 num_prompt_tokens=len(ids),
                 num_output_tokens=req.generated,
                 new_logprobs=list(pending_lps) if params.logprobs else None,
+                new_top_logprobs=tops if params.top_logprobs else None,
+                prompt_logprobs=prompt_lps,
             )
+            prompt_lps = None  # on the first delta only
             pending_ids.clear()
             pending_lps.clear()
             return out

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from worker.engine.protocol import EngineDeadError, QueueFullError, RequestOutput
 from worker.metrics import CLIENT_DISCONNECT, STREAM_ABORTED, STREAM_ERROR
-from worker.request import FinishReason, SamplingParams
+from worker.request import FinishReason, Logprob, SamplingParams
 from worker.server import openai_models as oai
 from worker.server.admission import Limits, Load, admit
 from worker.server.errors import ApiError
@@ -47,6 +47,7 @@ class Prepared:
     timeout_s: float | None
     stream: bool
     include_usage: bool
+    echo_text: str | None = None  # completions with `echo`: the prompt text returned before the completion
 
 
 def parse_timeout_header(value: str | None, setting: float | None) -> float | None:
@@ -95,6 +96,9 @@ def prepare(service: WorkerService, body: oai.CompletionRequest | oai.ChatComple
         params = body.sampling_params(admitted.max_tokens)
     except ValueError as err:
         raise ApiError(400, str(err), code="invalid_value") from err
+    echo_text = None
+    if isinstance(body, oai.CompletionRequest) and body.echo:
+        echo_text = body.prompt if isinstance(body.prompt, str) else engine.detokenize(prompt_ids)
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     return Prepared(
         kind=kind,
@@ -108,6 +112,7 @@ def prepare(service: WorkerService, body: oai.CompletionRequest | oai.ChatComple
         timeout_s=parse_timeout_header(timeout_header, settings.request_timeout_s),
         stream=body.stream,
         include_usage=body.include_usage,
+        echo_text=echo_text,
     )
 
 
@@ -205,25 +210,55 @@ async def _abort(service: WorkerService, stream: AsyncIterator[RequestOutput], r
 # ---- response shapes -------------------------------------------------------------------------------------------
 
 
-def _logprobs(prep: Prepared, ids: list[int], lps: list[float] | None) -> dict[str, Any] | None:
-    if not prep.params.logprobs or lps is None:
+def token_logprobs(out: RequestOutput) -> list[Logprob]:
+    """The logprobs of a delta's new tokens (with their alternatives when asked), one per token."""
+    values = out.new_logprobs or []
+    tops = out.new_top_logprobs or [()] * len(values)
+    return [Logprob(value, tuple(top)) for value, top in zip(values, tops, strict=True)]
+
+
+def _logprobs(prep: Prepared, ids: list[int], lps: list[Logprob]) -> dict[str, Any] | None:
+    if not prep.params.logprobs:
         return None
-    return oai.chat_logprobs(ids, lps) if prep.kind == "chat" else oai.completion_logprobs(ids, lps)
+    if prep.kind == "chat":
+        return oai.chat_logprobs(ids, lps)
+    return oai.completion_logprobs(ids, list(lps), with_top=prep.params.top_logprobs > 0)
+
+
+def _echo_logprobs(prep: Prepared, out: RequestOutput) -> dict[str, Any] | None:
+    """Logprobs of the echoed prompt (completions with `echo` and `logprobs`): None for its first token."""
+    if not prep.params.logprobs:
+        return None
+    scored: list[Logprob | None] = [None, *(out.prompt_logprobs or [])]
+    if len(scored) != len(prep.prompt_ids):
+        raise ApiError(500, f"the engine scored {len(scored) - 1} of the {len(prep.prompt_ids) - 1} prompt tokens",
+                       code="engine_error")
+    return oai.completion_logprobs(prep.prompt_ids, scored, with_top=prep.params.top_logprobs > 0)
+
+
+def _join_logprobs(head: dict[str, Any] | None, tail: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Echoed-prompt logprobs followed by the completion's (completions API shape)."""
+    if head is None or tail is None:
+        return head or tail
+    return {key: None if head[key] is None else head[key] + tail[key] for key in head}
 
 
 async def complete(service: WorkerService, prep: Prepared) -> tuple[int, dict[str, Any], dict[str, str]]:
     """Run a non-streaming request to the end: (status, body, headers)."""
     entry = service.inflight.add(prep.request_id, prep.params.max_tokens)
-    texts: list[str] = []
+    texts: list[str] = [] if prep.echo_text is None else [prep.echo_text]
     ids: list[int] = []
-    lps: list[float] = []
+    lps: list[Logprob] = []
+    echoed: dict[str, Any] | None = None
     last: RequestOutput | None = None
     try:
         async with aclosing(drive(service, prep, entry)) as outputs:
             async for out in outputs:
+                if last is None and prep.echo_text is not None:
+                    echoed = _echo_logprobs(prep, out)
                 texts.append(out.new_text)
                 ids.extend(out.new_token_ids)
-                lps.extend(out.new_logprobs or ())
+                lps.extend(token_logprobs(out))
                 last = out
     except ApiError as err:
         return err.status, err.body(), err.headers()
@@ -233,7 +268,7 @@ async def complete(service: WorkerService, prep: Prepared) -> tuple[int, dict[st
     usage = oai.usage(len(prep.prompt_ids), last.num_output_tokens, last.num_cached_tokens)
     build = oai.chat_response if prep.kind == "chat" else oai.completion_response
     body = build(prep.request_id, prep.model, prep.created, "".join(texts), last.finish_reason, usage,
-                 _logprobs(prep, ids, lps))
+                 _join_logprobs(echoed, _logprobs(prep, ids, lps)))
     return 200, body, {}
 
 
@@ -264,10 +299,12 @@ async def stream(service: WorkerService, prep: Prepared) -> AsyncIterator[bytes]
         try:
             async with aclosing(drive(service, prep, entry)) as outputs:
                 async for out in outputs:
+                    if last is None and prep.echo_text is not None:
+                        yield chunk(prep.echo_text, None, _echo_logprobs(prep, out))
                     last = out
                     if out.new_text or out.finished or (prep.params.logprobs and out.new_token_ids):
                         yield chunk(out.new_text, out.finish_reason if out.finished else None,
-                                    _logprobs(prep, out.new_token_ids, out.new_logprobs))
+                                    _logprobs(prep, out.new_token_ids, token_logprobs(out)))
         except ApiError as err:
             service.metrics.error(STREAM_ABORTED if err.status in (503, 504) else STREAM_ERROR)
             yield chunk("", FinishReason.ABORT, None)

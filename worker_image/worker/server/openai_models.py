@@ -4,11 +4,15 @@ Requests are pydantic models so FastAPI documents them and every bad field becom
 field. Responses are built as plain dicts (no per-chunk model validation on the hot streaming path); their shapes
 are what the official `openai` SDK parses, and the tests check them through that SDK.
 
-Supported beyond the plain sampling fields: `stop`, `seed`, `stream_options.include_usage`, `logprobs` (the
-chosen token's log probability only: completions `logprobs=0`, chat `logprobs=true` with `top_logprobs` 0), and
-vLLM's extensions `top_k`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `priority`. Fields this server cannot
-honour (n > 1, penalties, logit_bias, tools, echo, suffix, best_of > 1, JSON response formats) are rejected with a
-400 that says so instead of being silently ignored. Unknown fields are ignored, as OpenAI-compatible servers do.
+Supported beyond the plain sampling fields: `stop`, `seed`, `stream_options.include_usage`, `logprobs`
+(completions `logprobs=k`: each chosen token's log probability and its k most likely alternatives; chat
+`logprobs=true` with `top_logprobs=k`), completions `echo` (the prompt is returned before the completion, and with
+`logprobs` every prompt token after the first is scored too: teacher-forced scoring, as the legacy OpenAI API and
+vLLM do it; the canary quality probe relies on it), and vLLM's extensions `top_k`, `min_tokens`, `ignore_eos`,
+`stop_token_ids`, `priority`. Tokens in logprobs are named `token_id:N` (vLLM's `return_tokens_as_token_ids`
+format). Fields this server cannot honour (n > 1, penalties, logit_bias, tools, suffix, best_of > 1, JSON
+response formats) are rejected with a 400 that says so instead of being silently ignored. Unknown fields are
+ignored, as OpenAI-compatible servers do.
 """
 
 from __future__ import annotations
@@ -17,9 +21,9 @@ import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from worker.request import FinishReason, SamplingParams
+from worker.request import FinishReason, Logprob, SamplingParams
 
 
 class StreamOptions(BaseModel):
@@ -92,6 +96,14 @@ class _GenerationRequest(BaseModel):
     def wants_logprobs(self) -> bool:
         raise NotImplementedError
 
+    def num_top_logprobs(self) -> int:
+        """Alternatives asked for each chosen token (0: the chosen token's logprob only)."""
+        return 0
+
+    def num_prompt_logprobs(self) -> int | None:
+        """None: no prompt scoring; k: score the prompt tokens, with k alternatives each."""
+        return None
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """The engine's parameters; raises ValueError (-> 400) on a combination the engine rejects."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -106,6 +118,8 @@ class _GenerationRequest(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=self.wants_logprobs(),
             min_tokens=self.min_tokens,
+            top_logprobs=self.num_top_logprobs(),
+            prompt_logprobs=self.num_prompt_logprobs(),
         )
 
 
@@ -135,21 +149,6 @@ class CompletionRequest(_GenerationRequest):
             return value
         raise ValueError("prompt must be a string or a list of token ids (non-negative integers)")
 
-    @field_validator("logprobs")
-    @classmethod
-    def _chosen_token_logprobs_only(cls, value: int | None) -> int | None:
-        if value:
-            raise ValueError(f"logprobs={value} is not supported: only logprobs=0 (the chosen token's log "
-                             "probability) is available")
-        return value
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported by this server")
-        return value
-
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, value: str | None) -> str | None:
@@ -166,6 +165,12 @@ class CompletionRequest(_GenerationRequest):
 
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None
+
+    def num_top_logprobs(self) -> int:
+        return self.logprobs or 0
+
+    def num_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo and self.logprobs is not None else None
 
 
 class TextPart(BaseModel):
@@ -203,13 +208,11 @@ class ChatCompletionRequest(_GenerationRequest):
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
 
-    @field_validator("top_logprobs")
-    @classmethod
-    def _no_top_logprobs(cls, value: int | None) -> int | None:
-        if value:
-            raise ValueError(f"top_logprobs={value} is not supported: only the chosen token's log probability "
-                             "is available (top_logprobs=0)")
-        return value
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=true")
+        return self
 
     @field_validator("tools")
     @classmethod
@@ -230,6 +233,9 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def wants_logprobs(self) -> bool:
         return self.logprobs
+
+    def num_top_logprobs(self) -> int:
+        return self.top_logprobs or 0
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.template_dict() for m in self.messages]
@@ -255,19 +261,29 @@ def token_label(token_id: int) -> str:
     return f"token_id:{token_id}"
 
 
-def completion_logprobs(token_ids: list[int], logprobs: list[float]) -> dict[str, Any]:
+def completion_logprobs(token_ids: list[int], logprobs: list[Logprob | None], with_top: bool) -> dict[str, Any]:
+    """Completions-API logprobs of `token_ids`; None entries (the first prompt token under `echo`) stay None.
+    `top_logprobs` maps token labels to logprobs per position, when alternatives were asked for."""
+    top = None
+    if with_top:
+        top = [None if lp is None else {token_label(t): v for t, v in lp.top} for lp in logprobs]
     return {
         "tokens": [token_label(t) for t in token_ids],
-        "token_logprobs": list(logprobs),
-        "top_logprobs": None,
+        "token_logprobs": [None if lp is None else lp.logprob for lp in logprobs],
+        "top_logprobs": top,
         "text_offset": None,
     }
 
 
-def chat_logprobs(token_ids: list[int], logprobs: list[float]) -> dict[str, Any]:
+def chat_logprobs(token_ids: list[int], logprobs: list[Logprob]) -> dict[str, Any]:
     return {
         "content": [
-            {"token": token_label(t), "logprob": lp, "bytes": None, "top_logprobs": []}
+            {
+                "token": token_label(t),
+                "logprob": lp.logprob,
+                "bytes": None,
+                "top_logprobs": [{"token": token_label(a), "logprob": v, "bytes": None} for a, v in lp.top],
+            }
             for t, lp in zip(token_ids, logprobs, strict=True)
         ]
     }
