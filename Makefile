@@ -54,6 +54,7 @@ scenario: venv
 
 crd: venv
 	$(VENV)/bin/llmfleet crd render > crds/inferencedeployment.yaml
+	cp crds/inferencedeployment.yaml charts/llmfleet/files/inferencedeployment.yaml
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -291,8 +291,9 @@ class AnalysisSpec(_SpecModel):
         0.9,
         ge=0,
         le=1,
-        description="When the quantization changes: fail when greedy token agreement of canary vs stable on the "
-        "probe prompts is below this fraction.",
+        description="When the quantization changes: fail when the canary's top token matches the stable "
+        "revision's greedy token at fewer than this fraction of positions (teacher-forced on stable's continuations "
+        "of the probe prompts; see docs/canary.md).",
     )
     interval_seconds: int = Field(30, ge=5, le=3600, description="Seconds between analysis checks.")
     failure_limit: int = Field(2, ge=1, le=100, description="Consecutive failed checks that trigger a rollback.")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from controllers.quality import PROBE_MAX_TOKENS, PROBE_PROMPTS, token_agreement
+from controllers.quality import PROBE_MAX_TOKENS, PROBE_PROMPTS, Scored, parse_token_id, token_agreement
 
 CASES = [
     ("identical", [[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 5]], 1.0, 2),
@@ -48,3 +48,19 @@ def test_probe_prompts_are_fixed_distinct_and_non_empty() -> None:
     assert len(set(PROBE_PROMPTS)) == len(PROBE_PROMPTS)
     assert all(prompt.strip() for prompt in PROBE_PROMPTS)
     assert 1 <= PROBE_MAX_TOKENS <= 64
+
+
+@pytest.mark.parametrize("label,expected", [("token_id:0", 0), ("token_id:49151", 49151)])
+def test_token_ids_are_read_from_labels(label: str, expected: int) -> None:
+    assert parse_token_id(label) == expected
+
+
+@pytest.mark.parametrize("label", [" Paris", "token_id:", "token_id:-1", "token_id:1.5", "TOKEN_ID:3", "id:3"])
+def test_labels_that_are_not_ids_are_refused_with_the_fix(label: str) -> None:
+    with pytest.raises(ValueError, match="return-tokens-as-token-ids"):
+        parse_token_id(label)
+
+
+def test_scored_splits_prompt_and_continuation() -> None:
+    assert Scored([5, 6, 7, 8], 3).continuation == [8]
+    assert Scored([5], 1).continuation == []
