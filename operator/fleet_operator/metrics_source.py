@@ -33,12 +33,13 @@ and per revision (S also holds `revision="..."`; W = the analysis interval, at l
 
     TTFT p95   histogram_quantile(0.95, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket{S}[W])))
     ITL p95    histogram_quantile(0.95, sum by (le) (rate(vllm:inter_token_latency_seconds_bucket{S}[W])))
-    requests   sum(increase(llmfleet:requests_total{S}[W]))
-    errors     with E = llmfleet:request_errors_total{S,code=~"5..|stream_aborted|stream_error"}:
-               (sum(increase(E[W]) and E offset W) or vector(0)) + (sum(E unless E offset W) or vector(0))
-               (a labelled counter is born at its first error, which `increase` cannot see: series born
-               inside the window count with their whole value; no series at all is 0 errors, and missing
-               request counts make the check inconclusive anyway)
+    requests   with C = llmfleet:requests_total{S}: COUNT(C) and on() count(C)
+    errors     COUNT(llmfleet:request_errors_total{S,code=~"5..|stream_aborted|stream_error"})
+               where COUNT(X) = (sum(increase(X[W]) and X offset W) or vector(0)) + (sum(X unless X offset W) or
+               vector(0)): a labelled counter is born at its first event, which `increase` cannot see, so series
+               born inside the window count with their whole value. Requests and errors are counted alike, so
+               a fresh canary's error rate is not overstated; no error series is 0 errors, no request series
+               at all is missing data (the check is inconclusive)
     pods       count(llmfleet:requests_total{S})
     data time  min(timestamp(llmfleet:requests_total{S}))
 
@@ -336,6 +337,19 @@ def load_queries(selector: Selector, ttft_window_s: float) -> dict[str, str]:
     }
 
 
+def window_count(series: str, w: str) -> str:
+    """PromQL for how much the counters `series` grew over the window `w`, counting series born inside it whole.
+
+    A labelled counter is born at its first event (an error code, a new pod's first requests), and `increase`
+    needs two samples, so it would miss what came before a series' first scrape: a fresh canary's first errors,
+    or its first requests. Series that existed a window ago count by `increase`; younger ones with their value.
+    """
+    return (
+        f"(sum(increase({series}[{w}]) and {series} offset {w}) or vector(0))"
+        f" + (sum({series} unless {series} offset {w}) or vector(0))"
+    )
+
+
 def revision_queries(selector: Selector, window_s: float) -> dict[str, str]:
     """The PromQL of each canary-analysis value (see the module docstring)."""
     labels = selector.labels()
@@ -345,11 +359,9 @@ def revision_queries(selector: Selector, window_s: float) -> dict[str, str]:
     return {
         "ttft_p95": f"histogram_quantile({QUANTILE}, sum by (le) (rate({TTFT}_bucket{s}[{w}])))",
         "itl_p95": f"histogram_quantile({QUANTILE}, sum by (le) (rate({ITL}_bucket{s}[{w}])))",
-        "requests": f"sum(increase({REQUESTS}{s}[{w}]))",
-        # A labelled error counter is born at its first error, so `increase` (which needs two samples) would
-        # miss that first error: series born inside the window count with their whole value.
-        "errors": f"(sum(increase({ERRORS}{errors}[{w}]) and {ERRORS}{errors} offset {w}) or vector(0))"
-        f" + (sum({ERRORS}{errors} unless {ERRORS}{errors} offset {w}) or vector(0))",
+        # Requests and errors are counted the same way, so their ratio is not skewed on a fresh canary.
+        "requests": f"({window_count(f'{REQUESTS}{s}', w)}) and on() count({REQUESTS}{s})",
+        "errors": window_count(f"{ERRORS}{errors}", w),
         "pods": f"count({REQUESTS}{s})",
         "observed_at": f"min(timestamp({REQUESTS}{s}))",
     }
