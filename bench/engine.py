@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,9 +34,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-# Run as `python bench/engine.py`, Python puts bench/ first on sys.path, where bench/worker.py would shadow the
-# `worker` package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 SYSTEMS = ("ours", "ours_seq1", "hf_static", "vllm")
 HF_BATCH = 8

@@ -11,13 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
-# Run as `python bench/quant.py`, Python puts bench/ first on sys.path, where bench/worker.py would shadow the
-# `worker` package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 PROMPTS = [
     "What is the capital of France?",

@@ -1,7 +1,7 @@
 """Helpers for testing and benchmarking the gateway: a real gateway (uvicorn on loopback) inside the caller's event
 loop, stub workers, a discovery source with a fixed table, and a bounded poll.
 
-Used by tests/gateway and bench/gateway.py; nothing here runs in production.
+Used by tests/gateway and bench/gateway_proxy.py; nothing here runs in production.
 """
 
 from __future__ import annotations

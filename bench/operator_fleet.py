@@ -9,8 +9,8 @@ once and exits on SIGTERM) so the figures measure the control plane, not model l
 operator answers its liveness probe; between rounds the deployments are deleted and the bench waits until their
 pods are gone.
 
-    .venv/bin/python bench/operator.py                  # rounds of 1 and 50 deployments, 1 pod each
-    .venv/bin/python bench/operator.py --counts 1 10 --replicas 2
+    .venv/bin/python bench/operator_fleet.py                  # rounds of 1 and 50 deployments, 1 pod each
+    .venv/bin/python bench/operator_fleet.py --counts 1 10 --replicas 2
 
 It prints one line per round and, as its LAST line, one JSON object:
 `{"rounds": [{"deployments": N, "pods": P, "apply_s": a, "pods_created_s": c, "available_s": v}, ...]}`.
@@ -31,14 +31,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-# Run as a script, this file's folder comes first on sys.path, where bench/localkube.py would shadow the
-# `localkube` package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-import yaml  # noqa: E402
+import yaml
 
-from crds.models import GROUP, PLURAL, VERSION  # noqa: E402
-from fleet_operator.kube import KubeApi, load_credentials, namespaced  # noqa: E402
+from crds.models import GROUP, PLURAL, VERSION
+from fleet_operator.kube import KubeApi, load_credentials, namespaced
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -5,8 +5,8 @@ engine so the numbers isolate the gateway. For each concurrency (default 1, 64 a
 same load runs twice, direct (round-robin over the workers) and through `llmfleet gateway` (its own process, with
 API-key auth on), and the report gives the ratios gateway/direct. Every loop is bounded in count and time.
 
-    .venv/bin/python bench/gateway.py                          # 1, 64, 512 streams, 32 tokens, 10 ms apart
-    .venv/bin/python bench/gateway.py --streams 1,64 --tokens 16 --json
+    .venv/bin/python bench/gateway_proxy.py                          # 1, 64, 512 streams, 32 tokens, 10 ms apart
+    .venv/bin/python bench/gateway_proxy.py --streams 1,64 --tokens 16 --json
 
 The load generator, the workers and the gateway share the machine's cores, so absolute figures depend on it;
 the ratios are the point. TTFT is measured from sending the request to the first `data:` event; per-token
@@ -28,13 +28,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-# Run as a script, this file's folder comes first on sys.path and its name would shadow the `gateway` package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-import httpx  # noqa: E402
+import httpx
 
-from gateway.testing import free_port, spawn, wait_http_ok  # noqa: E402
-from gateway.transport import PooledTransport  # noqa: E402
+from gateway.testing import free_port, spawn, wait_http_ok
+from gateway.transport import PooledTransport
 
 KEY = "sk-bench-gateway-key"
 

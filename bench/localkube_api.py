@@ -1,6 +1,6 @@
 """localkube figures: watch delivery latency, create throughput, and how fast the kubelet runs and stops pods.
 
-    python bench/localkube.py [--objects 100] [--pods 50]
+    python bench/localkube_api.py [--objects 100] [--pods 50]
 
 Creates ``--objects`` custom objects one by one while one watch, then ``--watchers`` watches are open (latency =
 event received minus the moment the create request was sent), then ``--pods`` pods running ``sleep 3600`` (create throughput, time until all are
@@ -18,12 +18,10 @@ import threading
 import time
 from pathlib import Path
 
-# Run as a script, this file's folder comes first on sys.path and its name would shadow the `localkube` package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-import httpx  # noqa: E402
+import httpx
 
-from localkube import Cluster  # noqa: E402
+from localkube import Cluster
 
 CRD = {
     "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",

