@@ -34,7 +34,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-
 SYSTEMS = ("ours", "ours_seq1", "hf_static", "vllm")
 HF_BATCH = 8
 
@@ -239,7 +238,6 @@ def run_vllm(python: str, path: str, work, *, dtype: str, timeout_s: int) -> dic
 def gemm_ceiling(path: str, work, dtype: str) -> dict:
     """Measured dense GEMM rate on the model's layer shapes, and the tok/s it allows for this workload."""
     import torch
-
     from worker.model.config import ModelConfig
 
     cfg = ModelConfig.from_dir(path)

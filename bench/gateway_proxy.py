@@ -28,7 +28,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-
 import httpx
 
 from gateway.testing import free_port, spawn, wait_http_ok

@@ -18,7 +18,6 @@ import threading
 import time
 from pathlib import Path
 
-
 import httpx
 
 from localkube import Cluster

@@ -31,11 +31,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-
 import yaml
+from fleet_operator.kube import KubeApi, load_credentials, namespaced
 
 from crds.models import GROUP, PLURAL, VERSION
-from fleet_operator.kube import KubeApi, load_credentials, namespaced
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

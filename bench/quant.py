@@ -13,7 +13,6 @@ import argparse
 import json
 import time
 
-
 PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -36,7 +35,8 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = ap.parse_args()
 
-    from worker.model.quality import compare, reference as make_reference
+    from worker.model.quality import compare
+    from worker.model.quality import reference as make_reference
     from worker.model.runner import ModelRunner
     from worker.model.source import resolve_model_source
 

@@ -38,7 +38,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
 import httpx
 
 WORDS = ("the model serves tokens quickly while the scheduler batches requests and the cache keeps blocks of keys "
