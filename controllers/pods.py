@@ -127,6 +127,8 @@ def worker_args(spec: InferenceDeploymentSpec, variant: VariantSpec, defaults: P
         "--max-num-seqs",
         str(engine.max_num_seqs),
     ]
+    if spec.model.revision is not None:
+        args += ["--revision", spec.model.revision]
     if spec.model.max_model_len is not None:
         args += ["--max-model-len", str(spec.model.max_model_len)]
     if engine.max_num_batched_tokens is not None:
@@ -134,6 +136,7 @@ def worker_args(spec: InferenceDeploymentSpec, variant: VariantSpec, defaults: P
     if engine.kv_cache_bytes is not None:
         args += ["--kv-cache-bytes", str(int(parse_quantity(engine.kv_cache_bytes)))]
     args.append("--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching")
+    args.append("--enable-chunked-prefill" if engine.enable_chunked_prefill else "--no-enable-chunked-prefill")
     args += ["--drain-timeout", str(spec.drain.timeout_seconds)]
     args += extra_engine_args({**_normalised(engine.extra_args), **_normalised(variant.extra_args)})
     return args + list(defaults.extra_args)

@@ -41,8 +41,10 @@ def test_command_carries_model_engine_and_variant_settings(kit):
     pod = _pod(
         kit,
         {
-            "model": {"name": "smollm2", "source": "bundled://smollm2-135m-instruct", "maxModelLen": 2048},
+            "model": {"name": "smollm2", "source": "bundled://smollm2-135m-instruct", "maxModelLen": 2048,
+                      "revision": "v1.2"},
             "engine": {"type": "builtin", "maxNumSeqs": 16, "kvCacheBytes": "64Mi", "enablePrefixCaching": False,
+                       "enableChunkedPrefill": False, "maxNumBatchedTokens": 2048,
                        "extraArgs": {"gpu-memory-utilization": 0.9, "trust-remote-code": True}},
             "variants": [{"name": "q", "quantization": "int4", "extraArgs": {"gpu-memory-utilization": 0.5}}],
             "drain": {"timeoutSeconds": 30, "terminationGracePeriodSeconds": 45},
@@ -56,7 +58,8 @@ def test_command_carries_model_engine_and_variant_settings(kit):
     assert (_flag(args, "--engine"), _flag(args, "--quantization")) == ("builtin", "int4")
     assert (_flag(args, "--max-model-len"), _flag(args, "--max-num-seqs")) == ("2048", "16")
     assert _flag(args, "--kv-cache-bytes") == str(64 * 2**20)
-    assert "--no-enable-prefix-caching" in args
+    assert "--no-enable-prefix-caching" in args and "--no-enable-chunked-prefill" in args
+    assert _flag(args, "--revision") == "v1.2" and _flag(args, "--max-num-batched-tokens") == "2048"
     assert _flag(args, "--drain-timeout") == "30"
     assert _flag(args, "--gpu-memory-utilization") == "0.5"  # the variant's value wins
     assert "--trust-remote-code" in args

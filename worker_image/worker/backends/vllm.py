@@ -81,6 +81,7 @@ def vllm_engine_args(settings: WorkerSettings, model_path: str, device_is_cpu: b
         "dtype": settings.dtype,
         "quantization": "fp8" if settings.quantization == "fp8" else None,
         "enable_prefix_caching": settings.enable_prefix_caching,
+        "enable_chunked_prefill": settings.enable_chunked_prefill,
         "enforce_eager": device_is_cpu,  # no CUDA graphs on CPU
         "disable_log_stats": False,  # the stat loggers feed /metrics and stats()
     }

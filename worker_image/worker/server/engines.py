@@ -42,6 +42,7 @@ def builtin_engine_kwargs(settings: WorkerSettings, model_path: str, device: str
         "quantization": settings.quantization,
         "device": device,
         "enable_prefix_caching": settings.enable_prefix_caching,
+        "enable_chunked_prefill": settings.enable_chunked_prefill,
         # The server refuses with 429 at its own limit first; the engine's must not be lower.
         "max_waiting": settings.max_waiting,
     }

@@ -71,6 +71,7 @@ class WorkerSettings(BaseModel):
     max_num_batched_tokens: int | None = Field(None, ge=1)
     kv_cache_bytes: int | None = Field(None, ge=1)
     enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
     max_waiting: int = Field(256, ge=1, description="requests allowed to wait for a running slot before 429")
     max_tokens_cap: int | None = Field(None, ge=1, description="largest max_tokens a request may ask for")
     max_tokens_policy: MaxTokensPolicy = Field(
