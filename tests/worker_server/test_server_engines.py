@@ -15,11 +15,12 @@ from worker.server.settings import WorkerSettings
 
 def test_builtin_engine_kwargs_pass_only_what_was_set() -> None:
     settings = WorkerSettings(model="bundled://m", served_model_name="chat", quantization="int4", max_num_seqs=4,
-                              kv_cache_bytes=1 << 20, enable_prefix_caching=False, max_waiting=9)
+                              kv_cache_bytes=1 << 20, enable_prefix_caching=False, enable_chunked_prefill=False,
+                              max_waiting=9)
     kwargs = builtin_engine_kwargs(settings, "/models/m", "cpu")
     assert kwargs == {"model": "/models/m", "served_model_name": "chat", "dtype": "float32", "quantization": "int4",
-                      "device": "cpu", "enable_prefix_caching": False, "max_waiting": 9, "max_num_seqs": 4,
-                      "kv_cache_bytes": 1 << 20}
+                      "device": "cpu", "enable_prefix_caching": False, "enable_chunked_prefill": False,
+                      "max_waiting": 9, "max_num_seqs": 4, "kv_cache_bytes": 1 << 20}
 
 
 @pytest.mark.parametrize(("dtype", "device", "expected"), [
