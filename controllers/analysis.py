@@ -59,6 +59,12 @@ class RevisionSample(BaseModel):
     error: str | None = Field(None, description="Why data is missing, when the source knows (for messages).")
 
 
+
+def _count(value: float) -> str:
+    """A counter difference for people: whole when it is (nearly) whole, else one decimal (Prometheus's increase()
+    extrapolates to the window's edges)."""
+    return f"{value:.0f}" if abs(value - round(value)) < 0.05 else f"{value:.1f}"
+
 def _fmt_ratio(value: float) -> str:
     return f"{value:.2f}"
 
@@ -127,7 +133,7 @@ def analyse(
             missing.append("canary request/error counts missing")
         else:
             errors = canary_ok.errors
-            counted = f"{errors:g} errors / {canary_requests:g} requests"
+            counted = f"{_count(errors)} errors / {_count(canary_requests)} requests"
             if canary_requests > 0:
                 error_rate = min(errors / canary_requests, 1.0)
             lower_bound = min(errors / max(canary_requests, min_requests, 1), 1.0)
