@@ -368,7 +368,11 @@ def _container(
             {"name": "LLMFLEET_CACHE_DIR", "value": f"{defaults.cache_dir}/models"},
             {"name": "HF_HOME", "value": f"{defaults.cache_dir}/hf"},
         ]
-    env += [e.model_dump(mode="json", by_alias=True, exclude_none=True) for e in template.env]
+    user_env = [e.model_dump(mode="json", by_alias=True, exclude_none=True) for e in template.env]
+    threads = cpu_threads(variant)
+    if threads is not None and not any(e["name"] == "OMP_NUM_THREADS" for e in user_env):
+        env.append({"name": "OMP_NUM_THREADS", "value": str(threads)})
+    env += user_env
     probe = {"httpGet": {"path": "/health", "port": PORT_NAME}, "periodSeconds": defaults.probe_period_seconds}
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
@@ -411,6 +415,14 @@ def _container(
     if template.image_pull_policy is not None:
         container["imagePullPolicy"] = template.image_pull_policy.value
     return container
+
+
+def cpu_threads(variant: VariantSpec) -> int | None:
+    """The worker's CPU thread count: its CPU request rounded up (torch would otherwise use every core of the
+    node, whatever the pod asked for; see worker/cpu_threads.py). None when no CPU is requested."""
+    if variant.resources.cpu is None:
+        return None
+    return max(1, math.ceil(parse_quantity(variant.resources.cpu)))
 
 
 def _resources(variant: VariantSpec) -> dict[str, dict[str, str]]:

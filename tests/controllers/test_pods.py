@@ -246,3 +246,26 @@ def test_prestop_script_ends_quietly_when_the_worker_is_gone():
     script = prestop_script(1, timeout_seconds=5)  # nothing listens on port 1
     result = subprocess.run([sys.executable, "-c", script], env={"POD_IP": "127.0.0.1"}, timeout=30)
     assert result.returncode == 0
+
+
+@pytest.mark.parametrize(
+    "resources,template_env,expected",
+    [
+        ({"cpu": "2"}, [], "2"),
+        ({"cpu": "1500m"}, [], "2"),
+        ({"cpu": "250m"}, [], "1"),
+        ({}, [], None),
+        ({"cpu": "4"}, [{"name": "OMP_NUM_THREADS", "value": "1"}], "1"),  # the user's own setting wins
+    ],
+)
+def test_worker_threads_follow_the_cpu_request(kit, resources, template_env, expected):
+    pod = _pod(
+        kit,
+        {
+            "model": {"name": "m", "source": "bundled://smollm2-135m-instruct"},
+            "variants": [{"name": "default", "resources": resources}],
+            "template": {"env": template_env},
+        },
+    )
+    env = [e for e in _container(pod)["env"] if e["name"] == "OMP_NUM_THREADS"]
+    assert [e["value"] for e in env] == ([] if expected is None else [expected])

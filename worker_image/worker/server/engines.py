@@ -5,12 +5,15 @@ Heavy imports (torch, vLLM) happen inside the builders, so choosing one engine n
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from worker.engine.protocol import EngineClient
 from worker.server.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -77,8 +80,12 @@ def build_engine(settings: WorkerSettings, device: str = "auto", fake: FakeOptio
     import torch
 
     from worker.config import EngineConfig
+    from worker.cpu_threads import configure_torch_threads
     from worker.engine.async_engine import AsyncEngine
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    threads = configure_torch_threads()
+    if threads is not None:
+        log.info("torch uses %d CPU threads (the container's CPU limit)", threads)
     return AsyncEngine(EngineConfig(**builtin_engine_kwargs(settings, model_path, device)))

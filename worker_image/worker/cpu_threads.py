@@ -1,0 +1,66 @@
+"""How many CPU threads torch uses in a worker: what the container was given, not what the node has.
+
+Why: torch sizes its intra-op pool from the CPUs it can see, which in a container is the whole node. A worker
+limited to 2 CPUs (a CFS quota) on a 64-core node would run 64 threads that the kernel throttles in turn: far
+slower than 2 threads, and noisy for its neighbours. The operator sets `OMP_NUM_THREADS` from the variant's CPU
+request (torch honours it by itself); without it, the worker reads the cgroup CPU limit (v2 `cpu.max`, v1
+`cpu.cfs_quota_us` / `cpu.cfs_period_us`) and uses that many threads, rounded up. With neither, torch's default
+stands. Measured on 2 cores (SmolLM2-135M, 16 requests): 1 thread 95 tok/s, 2 threads 174 tok/s, so the pool
+should be as large as the CPU the container may really use, and no larger.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def cgroup_cpu_limit(read: Callable[[Path], str | None] = _read, root: Path = CGROUP_ROOT) -> float | None:
+    """CPUs this container may use per the cgroup quota (e.g. 1.5); None when unlimited or unknown."""
+    v2 = read(root / "cpu.max")
+    if v2 is not None:
+        quota, _, period = v2.partition(" ")
+        if quota == "max":
+            return None
+        try:
+            return int(quota) / int(period or 100_000)
+        except ValueError:
+            return None
+    quota_s, period_s = read(root / "cpu" / "cpu.cfs_quota_us"), read(root / "cpu" / "cpu.cfs_period_us")
+    try:
+        quota, period = int(quota_s or ""), int(period_s or "")
+    except ValueError:
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def cpu_threads(env: Mapping[str, str], limit: float | None, available: int) -> int | None:
+    """Threads to set, or None to leave torch's choice (OMP_NUM_THREADS given, or no limit below what is seen)."""
+    if env.get("OMP_NUM_THREADS"):
+        return None
+    if limit is None:
+        return None
+    wanted = max(1, math.ceil(limit - 1e-9))
+    return wanted if wanted < available else None
+
+
+def configure_torch_threads() -> int | None:
+    """Apply `cpu_threads` to torch in this process; returns the thread count set (None: left as is)."""
+    import torch
+
+    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = cpu_threads(os.environ, cgroup_cpu_limit(), available)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return threads
