@@ -18,9 +18,10 @@ Rules, per variant (sizes from `controllers.sizing`, revisions and canary steps 
   replaces pods without dropping capacity or holding more than `max_surge` extra pods' worth of resources.
 - Pods of variants no longer in the spec are removed (drained); pods labelled for the deployment but controlled
   by another owner are left alone. Each variant has a PodDisruptionBudget (`controllers.pods.pdb_manifest`).
-An invalid spec changes nothing running (drains already under way finish): the pass only reports it
-(InvalidSpec condition, Warning Event). A deployment being deleted has all its pods drained and deleted; the
-plan is `finished` once none is left.
+An invalid spec is reported (InvalidSpec condition, Warning Event) and the last valid one, kept in
+`status.lastValidSpec`, goes on running (`controllers.running_spec`): failed pods are replaced, autoscaled sizes
+and a running canary go on. A deployment that was never valid changes nothing (drains under way finish). A
+deployment being deleted has all its pods drained and deleted; the plan is `finished` once none is left.
 """
 
 from __future__ import annotations
@@ -64,8 +65,14 @@ from controllers.pods import (
     service_manifest,
     service_matches,
 )
-from controllers.sizing import VariantSize, desired_sizes, shares_spec_replicas, split_by_weight
-from crds.helpers import dump_status, parse_spec, parse_status
+from controllers.running_spec import RunningSpec, running_spec
+from controllers.sizing import (
+    VariantSize,
+    desired_sizes,
+    shares_spec_replicas,
+    split_by_weight,
+)
+from crds.helpers import dump_status, parse_status
 from crds.models import (
     ConditionStatus,
     ConditionType,
@@ -82,7 +89,6 @@ from crds.models import (
     VariantSpec,
     VariantStatus,
 )
-from crds.validate import validate
 
 # Status fields this controller writes; the rest (autoscaling) belong to other controllers.
 OWNED_STATUS_FIELDS = (
@@ -97,6 +103,7 @@ OWNED_STATUS_FIELDS = (
     "endpoints",
     "rollout",
     "drains",
+    "lastValidSpec",
 )
 MAX_REVISIONS_PER_VARIANT = 8
 MAX_ENDPOINTS = 64
@@ -131,10 +138,10 @@ def reconcile(resource: Mapping[str, Any], observed: Observed, now: datetime, po
     own = tuple(pod for pod in observed.pods if pod.owner_uid == meta.get("uid"))
     if meta.get("deletionTimestamp"):
         return _deleting(meta, resource.get("spec"), previous, own, observed, now, policy)
-    problems = validate(resource.get("spec"))
-    if problems:
-        return _invalid(meta, resource.get("spec"), previous, [str(p) for p in problems], own, observed, now, policy)
-    return _converge(meta, parse_spec(resource["spec"]), previous, own, observed, now, policy)
+    running = running_spec(resource.get("spec"), previous.last_valid_spec)
+    if running.spec is None:
+        return _invalid(meta, resource.get("spec"), previous, list(running.problems), own, observed, now, policy)
+    return _converge(meta, running, previous, own, observed, now, policy)
 
 
 # ---------------------------------------------------------------------------------------------------- converge
@@ -142,13 +149,15 @@ def reconcile(resource: Mapping[str, Any], observed: Observed, now: datetime, po
 
 def _converge(
     meta: Mapping[str, Any],
-    spec: InferenceDeploymentSpec,
+    running: RunningSpec,
     previous: InferenceDeploymentStatus,
     pods: Sequence[PodInfo],
     observed: Observed,
     now: datetime,
     policy: Policy,
 ) -> Plan:
+    spec = running.spec
+    assert spec is not None
     name = meta["name"]
     generation = meta.get("generation")
     sizes = desired_sizes(spec, previous.autoscaling)
@@ -209,13 +218,18 @@ def _converge(
                 )
             )
     invalid_before = find(previous.conditions, ConditionType.INVALID_SPEC)
-    if invalid_before is not None and invalid_before.status == ConditionStatus.TRUE:
+    was_invalid = invalid_before is not None and invalid_before.status == ConditionStatus.TRUE
+    if running.fallback:
+        if _invalid_news(previous, generation, _invalid_message(running.problems)):
+            events.append(_invalid_event(generation, running.problems, "the last valid spec keeps running"))
+    elif was_invalid:
         events.append(EmitEvent(EventType.NORMAL, "SpecValid", "the spec is valid again; reconciling it"))
     events += decision.events
 
     starts = [a for a in actions if isinstance(a, StartDrain) and a.mark]
     drains = _drains(progress.drains, starts)
-    status = _status(name, generation, previous, outcomes, orphans, observed, now, decision.status, drains)
+    status = _status(name, generation, previous, outcomes, orphans, observed, now, decision.status, drains,
+                     running)
     patch = _status_patch(previous, status)
     if patch is not None:
         actions.append(PatchStatus(patch))
@@ -474,6 +488,7 @@ def _status(
     now: datetime,
     rollout_status: RolloutStatus,
     drains: list[DrainStatus],
+    running: RunningSpec,
 ) -> InferenceDeploymentStatus:
     variants = [o.status for o in outcomes]
     desired = sum(v.desired_replicas for v in variants)
@@ -516,8 +531,14 @@ def _status(
         if troubles
         else WantedCondition(ConditionType.DEGRADED, ConditionStatus.FALSE, "Healthy", "")
     )
-    valid = WantedCondition(ConditionType.INVALID_SPEC, ConditionStatus.FALSE, "SpecValid", "")
-    if desired == 0 and not any(v.replicas for v in variants):
+    if running.fallback:
+        valid = WantedCondition(ConditionType.INVALID_SPEC, ConditionStatus.TRUE, "ValidationFailed",
+                                _invalid_message(running.problems) + "; the last valid spec keeps running")
+    else:
+        valid = WantedCondition(ConditionType.INVALID_SPEC, ConditionStatus.FALSE, "SpecValid", "")
+    if running.fallback:
+        phase = Phase.INVALID_SPEC
+    elif desired == 0 and not any(v.replicas for v in variants):
         phase = Phase.SCALED_TO_ZERO
     elif troubles:
         phase = Phase.DEGRADED
@@ -543,6 +564,7 @@ def _status(
             "endpoints": endpoints,
             "rollout": rollout_status,
             "drains": drains,
+            "last_valid_spec": dict(running.raw) if running.raw is not None else previous.last_valid_spec,
         }
     )
 
@@ -622,7 +644,7 @@ def _invalid(
     policy: Policy,
 ) -> Plan:
     generation = meta.get("generation")
-    message = "; ".join(problems)
+    message = _invalid_message(problems)
     condition = WantedCondition(ConditionType.INVALID_SPEC, ConditionStatus.TRUE, "ValidationFailed", message)
     keep = [c for c in previous.conditions if c.type != ConditionType.INVALID_SPEC.value]
     # Drains already under way finish (their workers refuse new requests); nothing else changes.
@@ -643,21 +665,32 @@ def _invalid(
     patch = _status_patch(previous, status)
     if patch is not None:
         actions.append(PatchStatus(patch))
+    if _invalid_news(previous, generation, message):
+        actions.append(_invalid_event(generation, problems, "running pods are left as they are"))
+    return Plan(actions=tuple(actions), requeue_after=progress.requeue_after, notes=(f"invalid spec: {message}",))
+
+
+def _invalid_message(problems: Sequence[str]) -> str:
+    return "; ".join(problems)
+
+
+def _invalid_news(previous: InferenceDeploymentStatus, generation: int | None, message: str) -> bool:
+    """The invalid spec is not reported yet: a new generation, or other problems than the condition holds."""
     before = find(previous.conditions, ConditionType.INVALID_SPEC)
-    if (
+    return (
         before is None
         or before.status != ConditionStatus.TRUE
-        or before.message != condition.message
+        or not before.message.startswith(message)
         or previous.observed_generation != generation
-    ):
-        actions.append(
-            EmitEvent(
-                EventType.WARNING,
-                "InvalidSpec",
-                f"spec generation {generation} is invalid; running pods are left as they are: {message}",
-            )
-        )
-    return Plan(actions=tuple(actions), requeue_after=progress.requeue_after, notes=(f"invalid spec: {message}",))
+    )
+
+
+def _invalid_event(generation: int | None, problems: Sequence[str], consequence: str) -> EmitEvent:
+    return EmitEvent(
+        EventType.WARNING,
+        "InvalidSpec",
+        f"spec generation {generation} is invalid; {consequence}: {_invalid_message(problems)}",
+    )
 
 
 def _deleting(

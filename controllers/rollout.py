@@ -48,6 +48,7 @@ from controllers.actions import EmitEvent, EventType
 from controllers.observed import PodInfo, marked
 from controllers.pods import PodDefaults, pod_template
 from controllers.revision import revision_of
+from controllers.running_spec import running_spec
 from crds.helpers import dump_spec, parse_spec, parse_status
 from crds.models import (
     AnalysisResult,
@@ -59,7 +60,6 @@ from crds.models import (
     RolloutStatus,
     Verdict,
 )
-from crds.validate import validate
 
 PROMOTE = "llmfleet.io/promote"
 ABORT = "llmfleet.io/abort"
@@ -629,12 +629,14 @@ def analysis_request(
     invalid, the deployment is being deleted, the check is not due yet, or the spec has moved on from the
     running canary (the next reconcile pass supersedes it; analysing it would be wasted)."""
     meta = resource.get("metadata") or {}
-    if meta.get("deletionTimestamp") or validate(resource.get("spec")):
+    if meta.get("deletionTimestamp"):
         return None
-    spec = parse_spec(resource["spec"])
     try:
         status = parse_status(resource.get("status") if isinstance(resource.get("status"), Mapping) else None)
     except ValidationError:
+        return None
+    spec = running_spec(resource.get("spec"), status.last_valid_spec).spec  # the last valid one while invalid
+    if spec is None:
         return None
     canary = spec.rollout.canary if spec.rollout is not None else None
     if canary is None or not analysis_due(status.rollout, canary, now):

@@ -694,6 +694,11 @@ class InferenceDeploymentStatus(_StatusModel):
     endpoints: list[Endpoint] = Field(
         default_factory=list, max_length=64, description="Routing groups and weights for the gateway."
     )
+    last_valid_spec: FreeForm | None = Field(
+        None,
+        description="The last spec that passed validation. While a later edit is invalid (see the InvalidSpec "
+        "condition), the fleet keeps running this one: failed pods are replaced, autoscaling and rollouts go on.",
+    )
 
 
 class InferenceDeployment(BaseModel):

@@ -50,8 +50,9 @@ from controllers.autoscaling import (
 )
 from controllers.observed import DRAINING, LABEL_VARIANT, marked, parse_time
 from controllers.pods import label_selector
+from controllers.running_spec import running_spec
 from controllers.sizing import desired_sizes
-from crds.helpers import parse_spec, parse_status
+from crds.helpers import parse_status
 from crds.models import (
     GROUP,
     PLURAL,
@@ -62,13 +63,18 @@ from crds.models import (
     Recommendation,
     VariantAutoscalingStatus,
 )
-from crds.validate import validate
 from fleet_operator.alerts import AlertPolicy, ParsedAlerts, ScaleIntent
 from fleet_operator.analysis_runner import metrics_source
 from fleet_operator.execute import execute
 from fleet_operator.http_server import OperatorHttpServer, create_operator_app
 from fleet_operator.kube import ApiError, Credentials, KubeApi, namespaced
-from fleet_operator.metrics_source import MetricsSource, PrometheusSource, Selector, promql_selector, scrape_targets
+from fleet_operator.metrics_source import (
+    MetricsSource,
+    PrometheusSource,
+    Selector,
+    promql_selector,
+    scrape_targets,
+)
 from fleet_operator.observe import deployment_path
 from fleet_operator.operator_metrics import OperatorMetrics
 from fleet_operator.settings import OperatorSettings
@@ -531,16 +537,16 @@ def _gateway_sample(queued: Mapping[str, float | None] | None, variant: str, now
 
 
 def _autoscalable(resource: Mapping[str, Any] | None) -> InferenceDeploymentSpec | None:
-    """The spec when the autoscaler may act: the CR exists, is not being deleted and its spec is valid."""
+    """The spec the autoscaler acts on: the one the fleet runs (the last valid one while an edit is invalid,
+    `controllers.running_spec`); None when the CR is gone, being deleted, or was never valid."""
     if resource is None or (resource.get("metadata") or {}).get("deletionTimestamp"):
         return None
-    raw = resource.get("spec")
-    if validate(raw):
-        return None
+    raw_status = resource.get("status")
     try:
-        return parse_spec(raw)
+        last_valid = parse_status(raw_status if isinstance(raw_status, Mapping) else None).last_valid_spec
     except ValidationError:
-        return None
+        last_valid = None
+    return running_spec(resource.get("spec"), last_valid).spec
 
 
 def _autoscaling_status(resource: Mapping[str, Any]) -> AutoscalingStatus:

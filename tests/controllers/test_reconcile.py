@@ -368,6 +368,54 @@ def test_invalid_spec_changes_nothing_running_and_warns_once(kit):
     assert c.plan().actions == ()  # reported once, not on every pass
 
 
+def _break(c, generation=2):
+    """An edit the schema accepts but validation refuses (minReplicas above maxReplicas), also pod-relevant."""
+    c.resource["spec"]["variants"][0]["autoscaling"] = {
+        "minReplicas": 4,
+        "maxReplicas": 2,
+        "targets": {"queueDepthPerReplica": 1},
+    }
+    c.resource["spec"]["engine"] = {"maxNumSeqs": 3}  # would be a new revision, were the spec valid
+    c.resource["metadata"]["generation"] = generation
+
+
+def test_while_invalid_the_last_valid_spec_keeps_running_and_failed_pods_are_replaced(kit):
+    c = kit.cluster({"replicas": 2})
+    c.converge()
+    last_valid = copy.deepcopy(c.resource["spec"])
+    assert c.resource["status"]["lastValidSpec"] == last_valid
+    revisions = {p["metadata"]["labels"]["llmfleet.io/revision"] for p in c.pods.values()}
+    _break(c)
+    c.converge()
+    victim = sorted(c.pods)[0]
+    c.pods[victim]["status"]["phase"] = "Failed"
+    plan = c.plan()
+    (delete,) = plan.of_type(DeletePod)
+    (create,) = plan.of_type(CreatePod)
+    assert delete.name == victim and delete.reason == "Failed"
+    assert create.manifest["metadata"]["labels"]["llmfleet.io/revision"] in revisions  # the last valid revision
+    assert "--max-num-seqs" in create.manifest["spec"]["containers"][0]["args"]
+    args = create.manifest["spec"]["containers"][0]["args"]
+    assert args[args.index("--max-num-seqs") + 1] != "3"  # nothing of the invalid edit leaks into pods
+    c.converge()
+    assert len(c.pods) == 2
+    status = c.resource["status"]
+    assert status["phase"] == "InvalidSpec" and status["lastValidSpec"] == last_valid
+    invalid = {x["type"]: x for x in status["conditions"]}["InvalidSpec"]
+    assert invalid["status"] == "True" and "last valid spec keeps running" in invalid["message"]
+
+
+def test_a_new_invalid_generation_is_reported_again(kit):
+    c = kit.cluster({"replicas": 1})
+    c.converge()
+    _break(c, generation=2)
+    assert [e.reason for e in c.plan().of_type(EmitEvent)] == ["InvalidSpec"]
+    c.converge()
+    _break(c, generation=3)
+    (warning,) = c.plan().of_type(EmitEvent)
+    assert warning.reason == "InvalidSpec" and "generation 3" in warning.message
+
+
 def test_schema_violations_are_reported_not_raised(kit):
     resource = kit.resource({"variants": [{"name": "Bad Name!"}], "engine": {"nope": 1}})
     plan = kit.reconcile(resource, Observed(), kit.now)
