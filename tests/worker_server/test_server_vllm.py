@@ -105,3 +105,21 @@ def test_drain_lets_a_vllm_stream_finish(live) -> None:
     assert rest[-1]["choices"][0]["finish_reason"] == "length"
     live.thread.join(timeout=60)
     assert not live.thread.is_alive() and live.worker.exit_code == 0
+
+
+def test_echo_scores_the_prompt_like_our_engine(live) -> None:
+    """Teacher-forced scoring (the canary quality probe's request) through the vLLM backend: prompt logprobs map
+    to the same OpenAI shape as the builtin engine's, with the same values on the same weights."""
+    from worker import LLM, SamplingParams
+
+    ids = [5, 17, 42, 8, 99, 23, 61, 7, 12, 88]
+    r = live.openai().completions.create(model="tiny", prompt=ids, max_tokens=1, temperature=0, echo=True,
+                                         logprobs=1)
+    lp = r.choices[0].logprobs
+    assert lp.tokens[: len(ids)] == [f"token_id:{t}" for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    ours = LLM(live.service.settings.model, num_blocks=64).generate(
+        [ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))[0].prompt_logprobs
+    assert lp.token_logprobs[1 : len(ids)] == pytest.approx([e.logprob for e in ours], abs=2e-3)
+    for top, entry in zip(lp.top_logprobs[1 : len(ids)], ours, strict=True):
+        assert len(top) == 1 and max(top.values()) == pytest.approx(entry.top[0][1], abs=2e-3)
