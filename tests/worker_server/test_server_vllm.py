@@ -92,21 +92,6 @@ def test_disconnect_aborts_in_vllm(live, raw_request, wait) -> None:
          "vLLM to free the request", timeout_s=30)
 
 
-def test_drain_lets_a_vllm_stream_finish(live) -> None:
-    http = live.http()
-    body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "temperature": 0, "stream": True}
-    with http.stream("POST", "/v1/completions", json=body) as s:
-        lines = s.iter_lines()
-        next(line for line in lines if line.startswith("data: "))
-        assert http.post("/drain", headers={"Authorization": "Bearer tok"}).status_code == 202
-        assert http.post("/v1/completions", json={"prompt": "x"}).status_code == 503
-        rest = [json.loads(line.removeprefix("data: ")) for line in lines
-                if line.startswith("data: ") and line != "data: [DONE]"]
-    assert rest[-1]["choices"][0]["finish_reason"] == "length"
-    live.thread.join(timeout=60)
-    assert not live.thread.is_alive() and live.worker.exit_code == 0
-
-
 def test_echo_scores_the_prompt_like_our_engine(live) -> None:
     """Teacher-forced scoring (the canary quality probe's request) through the vLLM backend: prompt logprobs map
     to the same OpenAI shape as the builtin engine's, with the same values on the same weights."""
@@ -123,3 +108,19 @@ def test_echo_scores_the_prompt_like_our_engine(live) -> None:
     assert lp.token_logprobs[1 : len(ids)] == pytest.approx([e.logprob for e in ours], abs=2e-3)
     for top, entry in zip(lp.top_logprobs[1 : len(ids)], ours, strict=True):
         assert len(top) == 1 and max(top.values()) == pytest.approx(entry.top[0][1], abs=2e-3)
+
+
+def test_drain_lets_a_vllm_stream_finish(live) -> None:
+    http = live.http()
+    body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "temperature": 0, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as s:
+        lines = s.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        assert http.post("/drain", headers={"Authorization": "Bearer tok"}).status_code == 202
+        assert http.post("/v1/completions", json={"prompt": "x"}).status_code == 503
+        rest = [json.loads(line.removeprefix("data: ")) for line in lines
+                if line.startswith("data: ") and line != "data: [DONE]"]
+    assert rest[-1]["choices"][0]["finish_reason"] == "length"
+    live.thread.join(timeout=60)
+    assert not live.thread.is_alive() and live.worker.exit_code == 0
+
