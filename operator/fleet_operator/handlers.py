@@ -49,6 +49,7 @@ def build_registry(operator_settings: OperatorSettings, credentials: Credentials
             prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
         )
         settings.posting.level = logging.WARNING
+        settings.peering.lifetime = operator_settings.peering_lifetime_seconds
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per drain probe and scrape otherwise
         policy = operator_settings.policy()
         memo.fleet = Fleet(

@@ -58,6 +58,13 @@ class OperatorSettings(BaseModel):
         description="Peering priority of this replica (highest wins); unset = random per process with peering "
         "(kopf pauses replicas of equal priority), else 0.",
     )
+    peering_lifetime_seconds: int = Field(
+        60,
+        ge=5,
+        le=3600,
+        description="With peering: how long a replica's keep-alive counts; a standby takes over this long after "
+        "the active replica died (kopf renews it 5-10 s before it runs out).",
+    )
     liveness_endpoint: str | None = Field(
         None, description="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz (unset = none)."
     )

@@ -144,10 +144,11 @@ def deployment(name: str, replicas: int = 1, **spec: Any) -> dict[str, Any]:
 class OperatorProcess:
     """`llmfleet operator` as a subprocess, restartable, logging to a file."""
 
-    def __init__(self, kubeconfig: Path, namespace: str, log_path: Path) -> None:
+    def __init__(self, kubeconfig: Path, namespace: str, log_path: Path, env: dict[str, str] | None = None) -> None:
         self.kubeconfig = kubeconfig
         self.namespace = namespace
         self.log_path = log_path
+        self.extra_env = dict(env or {})
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -158,6 +159,7 @@ class OperatorProcess:
             "LLMFLEET_OPERATOR_WORKER_CACHE_DIR": "",
             "LLMFLEET_OPERATOR_RESYNC_SECONDS": "5",
             "LLMFLEET_OPERATOR_DELETION_RETRY_SECONDS": "1",
+            **self.extra_env,
         }
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
@@ -225,6 +227,8 @@ def kit() -> Any:
             "container_pids": staticmethod(container_pids),
             "alive": staticmethod(alive),
             "deployment": staticmethod(deployment),
+            "OperatorProcess": OperatorProcess,
+            "Kube": Kube,
         },
     )()
 

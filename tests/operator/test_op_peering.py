@@ -1,0 +1,83 @@
+"""Two operator replicas with kopf peering (the chart's `operator.replicas: 2`): one works, one stands by, and the
+standby takes over when the active one dies.
+
+The peering CRD and the KopfPeering object come from the chart itself (`helm template` with peering enabled), so
+this checks what a 2-replica install would run. The replicas get fixed priorities (20 active, 10 standby) and a
+short keep-alive (LLMFLEET_OPERATOR_PEERING_LIFETIME_SECONDS=6) so the takeover happens within seconds.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+REPO = Path(__file__).resolve().parents[2]
+PEERING = "llmfleet"
+LIFETIME_S = 6
+
+
+def chart_peering_docs(namespace: str) -> list[dict[str, Any]]:
+    """The kopf peering CRDs and this namespace's KopfPeering object, as the chart renders them."""
+    helm = Path(sys.prefix) / "bin" / "helm"
+    rendered = subprocess.run(
+        [str(helm), "template", "llmfleet", str(REPO / "charts" / "llmfleet"), "--namespace", namespace,
+         "--set", "operator.peering.enabled=true", "--set", "operator.replicaCount=2"],
+        capture_output=True, text=True, check=True, timeout=120,
+    ).stdout
+    docs = [d for d in yaml.safe_load_all(rendered) if d]
+    wanted = [d for d in docs if d["kind"] in ("CustomResourceDefinition", "KopfPeering")
+              and (d["kind"] != "CustomResourceDefinition" or d["spec"]["group"] == "kopf.dev")]
+    assert {d["kind"] for d in wanted} == {"CustomResourceDefinition", "KopfPeering"}, "chart renders no peering"
+    return wanted
+
+
+def test_one_replica_works_the_standby_takes_over_when_it_dies(localkube_cluster, tmp_path, kit) -> None:
+    namespace = "t-peering"
+    admin = kit.Kube(localkube_cluster.kubeconfig, "default")
+    admin.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
+    kube = kit.Kube(localkube_cluster.kubeconfig, namespace)
+    for doc in chart_peering_docs(namespace):
+        for key in ("helm.sh/hook", "helm.sh/hook-delete-policy"):
+            (doc["metadata"].get("annotations") or {}).pop(key, None)
+        kube.apply(doc)
+    peering_env = {"LLMFLEET_OPERATOR_PEERING": PEERING,
+                   "LLMFLEET_OPERATOR_PEERING_LIFETIME_SECONDS": str(LIFETIME_S)}
+    active = kit.OperatorProcess(localkube_cluster.kubeconfig, namespace, tmp_path / "active.log",
+                                 {**peering_env, "LLMFLEET_OPERATOR_PRIORITY": "20"})
+    standby = kit.OperatorProcess(localkube_cluster.kubeconfig, namespace, tmp_path / "standby.log",
+                                  {**peering_env, "LLMFLEET_OPERATOR_PRIORITY": "10"})
+    active.start()
+    standby.start()
+    try:
+        kit.wait_until(lambda: "Pausing operations in favour of" in standby.log(), "the standby to pause",
+                       timeout_s=60)
+        kube.apply(kit.deployment("ha", replicas=1))
+        kit.wait_until(lambda: len(kit.ready_pods(kube.pods("ha"))) == 1, "1 ready pod", timeout_s=60)
+        assert "Pausing operations" not in active.log()
+        assert f"{namespace}/ha: " in active.log() and "action(s) in" in active.log()  # the active one planned
+        assert "action(s) in" not in standby.log()  # the paused one did nothing
+        first = {p["metadata"]["name"] for p in kube.pods("ha")}
+
+        active.kill()
+        killed = time.monotonic()
+        kube.run("scale", "inferencedeployment/ha", "--replicas=2")
+        kit.wait_until(lambda: len(kit.ready_pods(kube.pods("ha"))) == 2, "the standby to scale up",
+                       timeout_s=LIFETIME_S + 60)
+        takeover_s = time.monotonic() - killed
+        assert "Resuming operations" in standby.log() and "action(s) in" in standby.log()
+        names = [p["metadata"]["name"] for p in kube.pods("ha")]
+        assert len(names) == len(set(names)) == 2 and first <= set(names)
+        print(f"standby took over and scaled 1 -> 2 {takeover_s:.1f} s after the active replica was SIGKILLed "
+              f"(keep-alive {LIFETIME_S} s)")
+    finally:
+        active.stop()
+        standby.stop()
+        kube.run("delete", "inferencedeployment", "ha", "--wait=false", check=False)
