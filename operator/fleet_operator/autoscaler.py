@@ -2,10 +2,13 @@
 
 Why it exists: the decision is pure (`controllers.autoscaling`); this is its shell. Every InferenceDeployment
 gets a kopf timer (`autoscale_interval_seconds`, default 10 s) and Alertmanager alerts trigger the same
-evaluation at once (`Autoscaler.on_alerts`, called by `http_server`). One evaluation of a deployment:
+evaluation at once (`Autoscaler.on_alerts`, called by `http_server`). A deployment with a variant at zero also
+checks, every `wake_interval_seconds` (2 s), whether the gateway holds requests for it, and is evaluated at once
+when it does (`Autoscaler.wake_check`): a held request waits for a pod start, not for the next tick. One
+evaluation of a deployment:
 
-1. read the CR and its pods fresh from the API server (a deleted, deleting or invalid CR is left to the
-   reconcile loop, which reports it);
+1. read the CR and its pods fresh from the API server (a deleted or deleting CR is left to the reconcile loop;
+   while an edit is invalid, the last valid spec is used, as everywhere);
 2. per autoscaled variant: the pods as `PodCounts` (`pod_counts`: ready with their Ready transition time,
    starting with their creation time, draining/terminating apart), the metrics (`metrics_source`: Prometheus
    when configured, else the ready pods' own /metrics), the gateway's requests held at zero (`gateway_url`'s
@@ -162,6 +165,12 @@ def wants_autoscaling(body: Mapping[str, Any]) -> bool:
     variants = (body.get("spec") or {}).get("variants") or []
     leftover = ((body.get("status") or {}).get("autoscaling") or {}).get("variants")
     return bool(leftover) or any(isinstance(v, Mapping) and v.get("autoscaling") for v in variants)
+
+
+def variants_at_zero(body: Mapping[str, Any]) -> list[str]:
+    """Autoscaled variants the autoscaler last sized to zero pods (from the CR as kopf last saw it)."""
+    decided = ((body.get("status") or {}).get("autoscaling") or {}).get("variants") or []
+    return [str(v.get("name")) for v in decided if isinstance(v, Mapping) and v.get("desiredReplicas") == 0]
 
 
 def queued_by_variant(answer: Any, namespace: str, deployment: str) -> dict[str, float]:
@@ -385,6 +394,16 @@ class Autoscaler:
             log.warning("%s/%s: autoscaling evaluation failed: %s", namespace, name, error)
             return []
 
+    async def wake_check(self, namespace: str, name: str, at_zero: Sequence[str]) -> list[VariantOutcome]:
+        """Between timer ticks, for a deployment with variants at zero: evaluate it at once when the gateway holds
+        requests for one of them (a held request should not wait for the next tick). Never raises."""
+        queued = await self._gateway_queued(namespace, name)
+        if not queued or not any((queued.get(v) or 0) > 0 for v in at_zero):
+            return []
+        log.info("%s/%s: requests held at zero (%s): waking", namespace, name,
+                 ", ".join(f"{v}: {queued.get(v):g}" for v in at_zero if queued.get(v)))
+        return await self.tick(namespace, name)
+
     async def on_alerts(self, parsed: ParsedAlerts) -> None:
         """Apply an Alertmanager delivery: evaluate every deployment its intents name, at once. Raises on API
         errors, so the webhook answers 503 and Alertmanager delivers again."""
@@ -605,6 +624,12 @@ def register_autoscaling(registry: kopf.OperatorRegistry, settings: OperatorSett
     async def autoscale(namespace: str, name: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         if wants_autoscaling(body):
             await memo.autoscaler.tick(namespace, name)
+
+    @kopf.timer(*CR, id="wake", interval=settings.wake_interval_seconds, registry=registry)
+    async def wake(namespace: str, name: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+        at_zero = variants_at_zero(body)
+        if at_zero:
+            await memo.autoscaler.wake_check(namespace, name, at_zero)
 
     @kopf.on.event(*CR, id="operator-metrics", registry=registry)
     async def deployment_metrics(

@@ -106,6 +106,13 @@ class OperatorSettings(BaseModel):
     autoscale_interval_seconds: float = Field(
         10.0, gt=0, le=3600, description="How often every InferenceDeployment's autoscaled variants are evaluated."
     )
+    wake_interval_seconds: float = Field(
+        2.0,
+        gt=0,
+        le=600,
+        description="How often a deployment with a variant at zero checks the gateway for held requests (one cheap "
+        "query; a held request wakes the variant at once instead of at the next autoscaling tick).",
+    )
     expected_startup_seconds: float = Field(
         300.0,
         gt=0,

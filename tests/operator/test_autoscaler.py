@@ -30,6 +30,7 @@ from fleet_operator.autoscaler import (
     pod_counts,
     queued_by_variant,
     scale_event,
+    variants_at_zero,
     wants_autoscaling,
 )
 from fleet_operator.kube import ApiError
@@ -507,3 +508,46 @@ def test_gateway_queue_from_the_gateway_or_prometheus_and_unknown_on_failure():
     assert asyncio.run(broken._gateway_queued(NS, NAME)) is None
     neither, _, _ = _autoscaler(api, ScriptedSource(_load(0)), transport=transport)
     assert asyncio.run(neither._gateway_queued(NS, NAME)) is None
+
+
+@pytest.mark.parametrize(
+    ("status", "expected"),
+    [
+        ({"autoscaling": {"variants": [{"name": "a", "desiredReplicas": 0}, {"name": "b", "desiredReplicas": 2}]}},
+         ["a"]),
+        ({"autoscaling": {"variants": [{"name": "a", "desiredReplicas": 1}]}}, []),
+        ({"autoscaling": {"variants": [{"name": "a"}]}}, []),  # not decided yet: not at zero
+        ({}, []),
+    ],
+)
+def test_variants_at_zero(status, expected):
+    assert variants_at_zero({"status": status}) == expected
+
+
+ZERO_SPEC = {
+    "model": {"name": "m", "source": "bundled://smollm2-135m-instruct"},
+    "variants": [{"name": "default", "autoscaling": {"minReplicas": 0, "maxReplicas": 3,
+                                                     "targets": {"queueDepthPerReplica": 2},
+                                                     "scaleToZeroAfterSeconds": 60}}],
+}
+
+
+@pytest.mark.parametrize(("queued", "woken"), [(3, True), (0, False), (None, False)],
+                         ids=["held requests wake", "nothing held", "gateway unknown"])
+def test_the_wake_check_evaluates_at_once_only_when_the_gateway_holds_requests(queued, woken):
+    def answer(request: httpx.Request) -> httpx.Response:
+        if queued is None:
+            return httpx.Response(503)
+        return httpx.Response(200, json={"queued": [{"namespace": NS, "deployment": NAME, "variant": "default",
+                                                     "queued": queued}]})
+
+    status = {"autoscaling": {"variants": [{"name": "default", "desiredReplicas": 0}]}}
+    api = ScriptedApi(_resource(ZERO_SPEC, status), [])
+    scaler, wakes, _ = _autoscaler(api, ScriptedSource(_load(0, ready=0)), transport=httpx.MockTransport(answer),
+                                   gateway_url="http://gw")
+    outcomes = asyncio.run(scaler.wake_check(NS, NAME, ["default"]))
+    if woken:
+        (outcome,) = outcomes
+        assert outcome.decision.desired_replicas >= 1 and api.patches() and wakes == [(NS, NAME)]
+    else:
+        assert outcomes == [] and api.patches() == [] and not any(verb == "get" for verb, *_ in api.calls)
