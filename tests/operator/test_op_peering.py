@@ -8,6 +8,7 @@ short keep-alive (LLMFLEET_OPERATOR_PEERING_LIFETIME_SECONDS=6) so the takeover 
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -39,6 +40,23 @@ def chart_peering_docs(namespace: str) -> list[dict[str, Any]]:
     return wanted
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def whole_log(process: Any) -> str:
+    return process.log_path.read_text(errors="replace")
+
+
+def working(process: Any) -> bool:
+    """kopf starts paused until peering says otherwise, then logs each change: "Resuming operations ..." when it
+    may work, "Pausing operations ..." when a peer of higher priority shows up. The last one says where it is."""
+    log = whole_log(process)
+    return log.rfind("Resuming operations") > log.rfind("Pausing operations")
+
+
 def test_one_replica_works_the_standby_takes_over_when_it_dies(localkube_cluster, tmp_path, kit) -> None:
     namespace = "t-peering"
     admin = kit.Kube(localkube_cluster.kubeconfig, "default")
@@ -51,19 +69,20 @@ def test_one_replica_works_the_standby_takes_over_when_it_dies(localkube_cluster
     peering_env = {"LLMFLEET_OPERATOR_PEERING": PEERING,
                    "LLMFLEET_OPERATOR_PEERING_LIFETIME_SECONDS": str(LIFETIME_S)}
     active = kit.OperatorProcess(localkube_cluster.kubeconfig, namespace, tmp_path / "active.log",
-                                 {**peering_env, "LLMFLEET_OPERATOR_PRIORITY": "20"})
+                                 {**peering_env, "LLMFLEET_OPERATOR_PRIORITY": "20",
+                                  "LLMFLEET_OPERATOR_HTTP_PORT": str(free_port())})
     standby = kit.OperatorProcess(localkube_cluster.kubeconfig, namespace, tmp_path / "standby.log",
-                                  {**peering_env, "LLMFLEET_OPERATOR_PRIORITY": "10"})
+                                  {**peering_env, "LLMFLEET_OPERATOR_PRIORITY": "10",
+                                   "LLMFLEET_OPERATOR_HTTP_PORT": str(free_port())})
     active.start()
     standby.start()
     try:
-        kit.wait_until(lambda: "Pausing operations in favour of" in standby.log(), "the standby to pause",
-                       timeout_s=60)
+        kit.wait_until(lambda: working(active), "the active replica to work", timeout_s=60)
         kube.apply(kit.deployment("ha", replicas=1))
         kit.wait_until(lambda: len(kit.ready_pods(kube.pods("ha"))) == 1, "1 ready pod", timeout_s=60)
-        assert "Pausing operations" not in active.log()
-        assert f"{namespace}/ha: " in active.log() and "action(s) in" in active.log()  # the active one planned
-        assert "action(s) in" not in standby.log()  # the paused one did nothing
+        assert working(active) and not working(standby)
+        assert f"{namespace}/ha: " in whole_log(active) and "action(s) in" in whole_log(active)  # the active one planned
+        assert "action(s) in" not in whole_log(standby)  # the paused one did nothing
         first = {p["metadata"]["name"] for p in kube.pods("ha")}
 
         active.kill()
@@ -72,7 +91,7 @@ def test_one_replica_works_the_standby_takes_over_when_it_dies(localkube_cluster
         kit.wait_until(lambda: len(kit.ready_pods(kube.pods("ha"))) == 2, "the standby to scale up",
                        timeout_s=LIFETIME_S + 60)
         takeover_s = time.monotonic() - killed
-        assert "Resuming operations" in standby.log() and "action(s) in" in standby.log()
+        assert working(standby) and "action(s) in" in whole_log(standby)
         names = [p["metadata"]["name"] for p in kube.pods("ha")]
         assert len(names) == len(set(names)) == 2 and first <= set(names)
         print(f"standby took over and scaled 1 -> 2 {takeover_s:.1f} s after the active replica was SIGKILLed "
