@@ -7,6 +7,7 @@ API-key auth on), and the report gives the ratios gateway/direct. Every loop is 
 
     .venv/bin/python bench/gateway_proxy.py                          # 1, 64, 512 streams, 32 tokens, 10 ms apart
     .venv/bin/python bench/gateway_proxy.py --streams 1,64 --tokens 16 --json
+    .venv/bin/python bench/gateway_proxy.py --stacks uvloop,asyncio   # the default server stack vs asyncio + h11
 
 The load generator, the workers and the gateway share the machine's cores, so absolute figures depend on it;
 the ratios are the point. TTFT is measured from sending the request to the first `data:` event; per-token
@@ -34,6 +35,12 @@ from gateway.testing import free_port, spawn, wait_http_ok
 from gateway.transport import PooledTransport
 
 KEY = "sk-bench-gateway-key"
+# The gateway's server stacks (`llmfleet gateway --loop/--http`): the default, uvloop + httptools, against plain
+# asyncio + h11, the stack it ran on before; `--stacks` picks which to run, one gateway process each.
+STACKS = {
+    "uvloop": ["--loop", "uvloop", "--http", "httptools"],
+    "asyncio": ["--loop", "asyncio", "--http", "h11"],
+}
 
 
 @dataclass
@@ -125,35 +132,44 @@ async def bench(args: argparse.Namespace) -> list[dict[str, object]]:
         keys.write_text(f"{KEY} premium\n")
         async with spawn(sys.executable, *stub_args, ready_prefix="listening on") as stub:
             urls = stub.first_line.removeprefix("listening on ").split()
-            port = free_port()
-            gw_args = ["-m", "llmfleet.cli", "gateway", "--port", str(port), "--backend", "bench=" + ",".join(urls),
-                       "--api-keys-file", str(keys), "--log-level", "warning"]
-            async with spawn(sys.executable, *gw_args) as gw_proc:
-                gateway = f"http://127.0.0.1:{port}"
-                await wait_http_ok(gateway + "/ready")
-                auth = {"authorization": f"Bearer {KEY}"}
-                await load([gateway], 1, 2, args.tokens, auth)  # warm up both paths
-                await load(urls, 1, 2, args.tokens, {})
-                for streams in args.streams:
-                    per_stream = min(args.max_per_stream, max(1, args.requests // streams))
-                    direct = (await load(urls, streams, per_stream, args.tokens, {})).summary()
-                    cpu0 = cpu_seconds(gw_proc.proc.pid)
-                    through_run = await load([gateway], streams, per_stream, args.tokens, auth)
-                    cpu = cpu_seconds(gw_proc.proc.pid) - cpu0
-                    through = through_run.summary()
-                    rows.append({
-                        "streams": streams,
-                        "requests": streams * per_stream,
-                        "direct": direct,
-                        "gateway": through,
-                        "ttft_added_ms": through["ttft_p50_ms"] - direct["ttft_p50_ms"],
-                        "ttft_ratio": through["ttft_p50_ms"] / direct["ttft_p50_ms"],
-                        "itl_added_ms": through["itl_p50_ms"] - direct["itl_p50_ms"],
-                        "itl_ratio": through["itl_p50_ms"] / direct["itl_p50_ms"],
-                        "throughput_ratio": through["tokens_per_s"] / direct["tokens_per_s"],
-                        "gateway_cpu_ms_per_request": 1000 * cpu / (streams * per_stream),
-                        "gateway_cpu_us_per_token": 1e6 * cpu / max(1, through_run.tokens),
-                    })
+            for stack in args.stacks:
+                rows += await bench_gateway(args, urls, keys, stack)
+    return rows
+
+
+async def bench_gateway(args: argparse.Namespace, urls: list[str], keys: Path, stack: str) -> list[dict[str, object]]:
+    """The load levels against one gateway process running on `stack` (see STACKS), each also run direct."""
+    rows: list[dict[str, object]] = []
+    port = free_port()
+    gw_args = ["-m", "llmfleet.cli", "gateway", "--port", str(port), "--backend", "bench=" + ",".join(urls),
+               "--api-keys-file", str(keys), "--log-level", "warning", *STACKS[stack]]
+    async with spawn(sys.executable, *gw_args) as gw_proc:
+        gateway = f"http://127.0.0.1:{port}"
+        await wait_http_ok(gateway + "/ready")
+        auth = {"authorization": f"Bearer {KEY}"}
+        await load([gateway], 1, 2, args.tokens, auth)  # warm up both paths
+        await load(urls, 1, 2, args.tokens, {})
+        for streams in args.streams:
+            per_stream = min(args.max_per_stream, max(1, args.requests // streams))
+            direct = (await load(urls, streams, per_stream, args.tokens, {})).summary()
+            cpu0 = cpu_seconds(gw_proc.proc.pid)
+            through_run = await load([gateway], streams, per_stream, args.tokens, auth)
+            cpu = cpu_seconds(gw_proc.proc.pid) - cpu0
+            through = through_run.summary()
+            rows.append({
+                "stack": stack,
+                "streams": streams,
+                "requests": streams * per_stream,
+                "direct": direct,
+                "gateway": through,
+                "ttft_added_ms": through["ttft_p50_ms"] - direct["ttft_p50_ms"],
+                "ttft_ratio": through["ttft_p50_ms"] / direct["ttft_p50_ms"],
+                "itl_added_ms": through["itl_p50_ms"] - direct["itl_p50_ms"],
+                "itl_ratio": through["itl_p50_ms"] / direct["itl_p50_ms"],
+                "throughput_ratio": through["tokens_per_s"] / direct["tokens_per_s"],
+                "gateway_cpu_ms_per_request": 1000 * cpu / (streams * per_stream),
+                "gateway_cpu_us_per_token": 1e6 * cpu / max(1, through_run.tokens),
+            })
     return rows
 
 
@@ -166,25 +182,37 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=1024, help="requests per run (at least one per stream)")
     ap.add_argument("--max-per-stream", type=int, default=16, help="most requests one stream sends in a run")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ap.add_argument("--stacks", default="uvloop", help=f"comma-separated gateway stacks of {sorted(STACKS)}; with "
+                    "two, their gateway CPU per token is compared")
     args = ap.parse_args()
     args.streams = [int(s) for s in args.streams.split(",") if s.strip()]
+    args.stacks = [s.strip() for s in args.stacks.split(",") if s.strip()]
+    unknown = [s for s in args.stacks if s not in STACKS]
+    if unknown:
+        ap.error(f"unknown stack(s) {unknown}; known: {sorted(STACKS)}")
     rows = asyncio.run(bench(args))
     if args.json:
         print(json.dumps({"cpus": os.cpu_count(), "tokens": args.tokens, "delay_s": args.delay, "rows": rows}, indent=2))
         return
     print(f"gateway vs direct: {args.workers} stub workers, {args.tokens} tokens/answer {1000 * args.delay:.0f} ms apart, "
           f"{os.cpu_count()} CPUs shared by load generator, workers and gateway")
-    head = (f"{'streams':>7} {'TTFT p50 direct/gw ms':>22} {'+ms':>7} {'ratio':>6} {'ITL p50 direct/gw ms':>21} {'+ms':>6} "
+    head = (f"{'stack':>8} {'streams':>7} {'TTFT p50 direct/gw ms':>22} {'+ms':>7} {'ratio':>6} {'ITL p50 direct/gw ms':>21} {'+ms':>6} "
             f"{'ratio':>6} {'tok/s direct/gw':>16} {'ratio':>6} {'errors':>6} {'gw CPU ms/req':>13} {'us/token':>8}")
     print(head)
     for r in rows:
         d, g = r["direct"], r["gateway"]
         print(
-            f"{r['streams']:>7} {d['ttft_p50_ms']:>10.2f}/{g['ttft_p50_ms']:<11.2f} {r['ttft_added_ms']:>7.2f} {r['ttft_ratio']:>6.2f} "  # type: ignore[index]
+            f"{r['stack']:>8} {r['streams']:>7} {d['ttft_p50_ms']:>10.2f}/{g['ttft_p50_ms']:<11.2f} {r['ttft_added_ms']:>7.2f} {r['ttft_ratio']:>6.2f} "  # type: ignore[index]
             f"{d['itl_p50_ms']:>10.2f}/{g['itl_p50_ms']:<10.2f} {r['itl_added_ms']:>6.2f} {r['itl_ratio']:>6.2f} "  # type: ignore[index]
             f"{d['tokens_per_s']:>7.0f}/{g['tokens_per_s']:<8.0f} {r['throughput_ratio']:>6.2f} {d['errors'] + g['errors']:>6} "  # type: ignore[index]
             f"{r['gateway_cpu_ms_per_request']:>13.2f} {r['gateway_cpu_us_per_token']:>8.0f}"
         )
+    if len(args.stacks) == 2:
+        first, second = args.stacks
+        cpu = {(r["stack"], r["streams"]): r["gateway_cpu_us_per_token"] for r in rows}
+        for streams in args.streams:
+            ratio = cpu[(first, streams)] / cpu[(second, streams)]  # type: ignore[operator]
+            print(f"gateway CPU per token at {streams} streams: {first}/{second} = {ratio:.2f}")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,10 @@ def gateway_command(
     namespace: str | None = typer.Option(None, help="Kubernetes mode: watch only this namespace (default: all)."),
     config: Path | None = typer.Option(None, help="YAML/JSON file of gateway settings (timeouts, tiers, limits, ...)."),
     log_level: str = typer.Option("info", help="Log level: debug, info, warning, error."),
+    loop: str = typer.Option(
+        "auto", help="Event loop: auto (uvloop when installed, as it is by default), asyncio or uvloop."
+    ),
+    http: str = typer.Option("auto", help="HTTP/1.1 parser: auto (httptools when installed), h11 or httptools."),
 ) -> None:
     """Run the gateway."""
     import uvicorn
@@ -45,6 +49,10 @@ def gateway_command(
         return typer.Exit(2)
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if loop not in ("auto", "asyncio", "uvloop"):
+        raise fail(f"--loop must be auto, asyncio or uvloop, got {loop!r}")
+    if http not in ("auto", "h11", "httptools"):
+        raise fail(f"--http must be auto, h11 or httptools, got {http!r}")
     try:
         if config is not None:
             settings = GatewaySettings.from_file(config, host=host, port=port)
@@ -89,4 +97,6 @@ def gateway_command(
         timeout_keep_alive=30,
         timeout_graceful_shutdown=settings.shutdown_grace_seconds,
         access_log=False,
+        loop=loop,
+        http=http,
     )

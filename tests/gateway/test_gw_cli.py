@@ -21,6 +21,8 @@ from llmfleet.cli import app
         (["--backend", "m=http://a:1", "--api-keys-file", "/nonexistent/keys"], "cannot read API keys file"),
         (["--backend", "m=http://a:1", "--config", "/nonexistent/gw.yaml"], "cannot read gateway config"),
         (["--kubeconfig", "/nonexistent/kubeconfig"], "cannot load kubeconfig"),
+        (["--backend", "m=http://a:1", "--loop", "trio"], "--loop must be auto, asyncio or uvloop"),
+        (["--backend", "m=http://a:1", "--http", "h2"], "--http must be auto, h11 or httptools"),
     ],
 )
 def test_bad_options_exit_2_with_a_clear_message(args: list[str], message: str) -> None:
