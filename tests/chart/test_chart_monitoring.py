@@ -274,6 +274,16 @@ def test_dashboard_shows_the_slo_load_fleet_and_rollout_signals(dashboard):
     assert len(ids) == len(set(ids)), "panel ids must be unique"
 
 
+def test_operator_gauges_are_not_summed_over_operator_replicas(dashboard):
+    """With peering, every operator replica exports the CR-derived gauges it last saw: summing them would count a
+    fleet twice after a failover. Counters (`..._total`) are per replica and do add up."""
+    for _, expr in _dashboard_queries(dashboard):
+        for gauge in ("llmfleet_operator_replicas", "llmfleet_operator_ready_replicas",
+                      "llmfleet_operator_desired_replicas", "llmfleet_operator_canary_weight"):
+            if f"{gauge}{{" in expr:
+                assert not expr.startswith("sum"), expr
+
+
 def test_dashboard_queries_are_valid_promql(dashboard, promtool, tmp_path):
     substitutions = {"$__rate_interval": "5m", "$namespace": "llm", "$deployment": "smollm2"}
     exprs = [expr for _, expr in _dashboard_queries(dashboard)]
