@@ -5,8 +5,8 @@ limited to 2 CPUs (a CFS quota) on a 64-core node would run 64 threads that the 
 slower than 2 threads, and noisy for its neighbours. The operator sets `OMP_NUM_THREADS` from the variant's CPU
 request (torch honours it by itself); without it, the worker reads the cgroup CPU limit (v2 `cpu.max`, v1
 `cpu.cfs_quota_us` / `cpu.cfs_period_us`) and uses that many threads, rounded up. With neither, torch's default
-stands. Measured on 2 cores (SmolLM2-135M, 16 requests): 1 thread 95 tok/s, 2 threads 174 tok/s, so the pool
-should be as large as the CPU the container may really use, and no larger.
+stands. `bench/cpu_threads.py` on 2 cores (SmolLM2-135M, 16 requests): 1 thread 92 tok/s, 2 threads 171 (1.86x),
+so the pool should be as large as the CPU the container may really use, and no larger.
 """
 
 from __future__ import annotations
