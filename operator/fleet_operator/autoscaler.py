@@ -80,6 +80,7 @@ from fleet_operator.metrics_source import (
 )
 from fleet_operator.observe import deployment_path
 from fleet_operator.operator_metrics import OperatorMetrics
+from fleet_operator.peering_state import PeeringState
 from fleet_operator.settings import OperatorSettings
 
 log = logging.getLogger(__name__)
@@ -592,6 +593,7 @@ def register_autoscaling(registry: kopf.OperatorRegistry, settings: OperatorSett
                 fleet.wake(namespace, name)
 
         memo.operator_metrics = metrics
+        memo.peering_state = PeeringState(settings.peering is not None, metrics.set_active).attach()
         memo.autoscaler = Autoscaler(
             KubeApi(credentials, timeout=settings.api_timeout_seconds),
             metrics_source(settings.prometheus_url),
@@ -612,6 +614,9 @@ def register_autoscaling(registry: kopf.OperatorRegistry, settings: OperatorSett
 
     @kopf.on.cleanup(registry=registry)
     async def stop_autoscaling(memo: kopf.Memo, **_: Any) -> None:
+        peering: PeeringState | None = getattr(memo, "peering_state", None)
+        if peering is not None:
+            peering.detach()
         server: OperatorHttpServer | None = getattr(memo, "http_server", None)
         if server is not None:
             await server.stop()

@@ -9,6 +9,8 @@ registry, no module-level state: several operators can live in one test process)
 - analysis verdicts and finished rollouts: the Events of each executed plan (`observe_plan`), the one place where
   each check and each rollout outcome appears exactly once;
 - scale decisions: the autoscaler, once per replica change it persisted (`count_scale_decision`);
+- whether this replica works or stands by (kopf peering): `set_active`, from `peering_state`; a replica that
+  pauses drops its CR gauges, so only the working replica exports them;
 - Alertmanager deliveries: the HTTP server, per POST /alerts (`count_alert_delivery`).
 """
 
@@ -82,6 +84,11 @@ class OperatorMetrics:
             registry=self.registry,
         )
         # (namespace, deployment) -> variants whose gauges are set, to remove series of variants that went away.
+        self.active = Gauge(
+            "llmfleet_operator_active",
+            "1 while this operator replica works, 0 while it stands by (kopf peering).",
+            registry=self.registry,
+        )
         self._variants: dict[tuple[str, str], set[str]] = {}
 
     def exposition(self) -> bytes:
@@ -115,6 +122,13 @@ class OperatorMetrics:
             self.canary_weight.remove(namespace, name)
         except KeyError:
             pass
+
+    def set_active(self, active: bool) -> None:
+        """This replica started or stopped working: a standby exports no CR gauges (they would go stale)."""
+        self.active.set(1 if active else 0)
+        if not active:
+            for namespace, name in list(self._variants):
+                self.forget_deployment(namespace, name)
 
     def observe_plan(self, resource: Mapping[str, Any], plan: Plan) -> None:
         """Count the analysis checks and finished rollouts announced by an executed plan's Events."""

@@ -275,8 +275,8 @@ def test_dashboard_shows_the_slo_load_fleet_and_rollout_signals(dashboard):
 
 
 def test_operator_gauges_are_not_summed_over_operator_replicas(dashboard):
-    """With peering, every operator replica exports the CR-derived gauges it last saw: summing them would count a
-    fleet twice after a failover. Counters (`..._total`) are per replica and do add up."""
+    """With peering only the working replica exports the CR-derived gauges (a standby drops them), but for a moment
+    around a handover two may: `max` never counts a fleet twice. Counters (`..._total`) are per replica and add up."""
     for _, expr in _dashboard_queries(dashboard):
         for gauge in ("llmfleet_operator_replicas", "llmfleet_operator_ready_replicas",
                       "llmfleet_operator_desired_replicas", "llmfleet_operator_canary_weight"):

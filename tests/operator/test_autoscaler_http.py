@@ -187,6 +187,18 @@ def test_gauges_follow_the_status_and_disappear_with_variants_and_deployments():
     metrics.forget_deployment("ns", "never-seen")  # harmless
 
 
+def test_a_standby_exports_no_deployment_gauges():
+    metrics = OperatorMetrics()
+    metrics.set_active(True)
+    metrics.observe_deployment(_body("demo", [("a", 3, 2, 4)], canary=34))
+    metrics.observe_deployment(_body("other", [("b", 1, 1, 1)]))
+    assert _samples(metrics.exposition().decode(), "llmfleet_operator_active") == {(): 1.0}
+    metrics.set_active(False)
+    text = metrics.exposition().decode()
+    assert _samples(text, "llmfleet_operator_active") == {(): 0.0}
+    assert _samples(text, "llmfleet_operator_replicas") == {} and _samples(text, "llmfleet_operator_canary_weight") == {}
+
+
 def test_plan_events_count_verdicts_and_rollout_results():
     metrics = OperatorMetrics()
     plan = Plan(actions=(

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
@@ -57,6 +58,18 @@ def working(process: Any) -> bool:
     return log.rfind("Resuming operations") > log.rfind("Pausing operations")
 
 
+def exported(port: int) -> dict[str, float]:
+    """The operator's `llmfleet_operator_active` and its summed `llmfleet_operator_replicas` from /metrics."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    values = {"active": -1.0, "replicas": 0.0}
+    for line in text.splitlines():
+        if line.startswith("llmfleet_operator_active "):
+            values["active"] = float(line.split()[-1])
+        elif line.startswith("llmfleet_operator_replicas{"):
+            values["replicas"] += float(line.split()[-1])
+    return values
+
+
 def test_one_replica_works_the_standby_takes_over_when_it_dies(localkube_cluster, tmp_path, kit) -> None:
     namespace = "t-peering"
     admin = kit.Kube(localkube_cluster.kubeconfig, "default")
@@ -68,12 +81,13 @@ def test_one_replica_works_the_standby_takes_over_when_it_dies(localkube_cluster
         kube.apply(doc)
     peering_env = {"LLMFLEET_OPERATOR_PEERING": PEERING,
                    "LLMFLEET_OPERATOR_PEERING_LIFETIME_SECONDS": str(LIFETIME_S)}
+    ports = {"active": free_port(), "standby": free_port()}
     active = kit.OperatorProcess(localkube_cluster.kubeconfig, namespace, tmp_path / "active.log",
                                  {**peering_env, "LLMFLEET_OPERATOR_PRIORITY": "20",
-                                  "LLMFLEET_OPERATOR_HTTP_PORT": str(free_port())})
+                                  "LLMFLEET_OPERATOR_HTTP_PORT": str(ports["active"])})
     standby = kit.OperatorProcess(localkube_cluster.kubeconfig, namespace, tmp_path / "standby.log",
                                   {**peering_env, "LLMFLEET_OPERATOR_PRIORITY": "10",
-                                   "LLMFLEET_OPERATOR_HTTP_PORT": str(free_port())})
+                                   "LLMFLEET_OPERATOR_HTTP_PORT": str(ports["standby"])})
     active.start()
     standby.start()
     try:
@@ -81,6 +95,9 @@ def test_one_replica_works_the_standby_takes_over_when_it_dies(localkube_cluster
         kube.apply(kit.deployment("ha", replicas=1))
         kit.wait_until(lambda: len(kit.ready_pods(kube.pods("ha"))) == 1, "1 ready pod", timeout_s=60)
         assert working(active) and not working(standby)
+        # only the working replica exports the fleet (a dashboard summing over replicas counts it once)
+        kit.wait_until(lambda: exported(ports["active"]) == {"active": 1.0, "replicas": 1.0}, "the active's gauges")
+        assert exported(ports["standby"]) == {"active": 0.0, "replicas": 0.0}
         assert f"{namespace}/ha: " in whole_log(active) and "action(s) in" in whole_log(active)  # the active one planned
         assert "action(s) in" not in whole_log(standby)  # the paused one did nothing
         first = {p["metadata"]["name"] for p in kube.pods("ha")}
@@ -92,6 +109,7 @@ def test_one_replica_works_the_standby_takes_over_when_it_dies(localkube_cluster
                        timeout_s=LIFETIME_S + 60)
         takeover_s = time.monotonic() - killed
         assert working(standby) and "action(s) in" in whole_log(standby)
+        kit.wait_until(lambda: exported(ports["standby"]) == {"active": 1.0, "replicas": 2.0}, "the new gauges")
         names = [p["metadata"]["name"] for p in kube.pods("ha")]
         assert len(names) == len(set(names)) == 2 and first <= set(names)
         print(f"standby took over and scaled 1 -> 2 {takeover_s:.1f} s after the active replica was SIGKILLed "
