@@ -71,14 +71,20 @@ def create_app(
     app.add_route("/v1/chat/completions", ProxyEndpoint(state, "/v1/chat/completions"))
     app.add_route("/v1/completions", ProxyEndpoint(state, "/v1/completions"))
 
+    def unauthorized(request: Request) -> Response | None:
+        """A 401 unless the request carries a valid API key (every request passes in open mode)."""
+        if state.keys.authenticate(request.headers.get("authorization")) is not None:
+            return None
+        return Response(
+            error_body(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.", "invalid_api_key"),
+            status_code=401,
+            media_type="application/json",
+        )
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        if state.keys.authenticate(request.headers.get("authorization")) is None:
-            return Response(
-                error_body(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.", "invalid_api_key"),
-                status_code=401,
-                media_type="application/json",
-            )
+        if (refused := unauthorized(request)) is not None:
+            return refused
         created = int(time.time())
         data = [
             {"id": name, "object": "model", "created": created, "owned_by": "llmfleet"}
@@ -100,9 +106,12 @@ def create_app(
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/internal/queued")
-    async def queued() -> dict[str, object]:
-        """Requests held per (namespace, deployment, variant) with no ready pod: demand for scale-from-zero."""
+    @app.get("/internal/queued", response_model=None)
+    async def queued(request: Request) -> dict[str, object] | Response:
+        """Requests held per (namespace, deployment, variant) with no ready pod: demand for scale-from-zero. It names
+        deployments, so it takes an API key like the API does (the operator sends one: LLMFLEET_OPERATOR_GATEWAY_API_KEY)."""
+        if (refused := unauthorized(request)) is not None:
+            return refused
         rows = [
             {"namespace": ns, "deployment": dep, "variant": variant, "queued": n}
             for (ns, dep, variant), n in sorted(state.hold.counts.items())

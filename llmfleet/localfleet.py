@@ -281,6 +281,7 @@ class LocalFleet:
             "LLMFLEET_OPERATOR_LOG_LEVEL": self.settings.log_level,
             # One gateway here, so its own count of requests held at zero is exact and has no scrape lag.
             "LLMFLEET_OPERATOR_GATEWAY_URL": f"http://127.0.0.1:{self._gateway_port}",
+            "LLMFLEET_OPERATOR_GATEWAY_API_KEY": self.api_key,
         }
         if self.prometheus_url:
             env["LLMFLEET_OPERATOR_PROMETHEUS_URL"] = self.prometheus_url

@@ -513,7 +513,10 @@ class Autoscaler:
         """Requests the gateway holds per variant; None when unknown (no gateway source, or it failed)."""
         try:
             if self.settings.gateway_url:
-                response = await self._http.get(self.settings.gateway_url.rstrip("/") + "/internal/queued")
+                key = self.settings.gateway_api_key
+                headers = {"authorization": f"Bearer {key.get_secret_value()}"} if key is not None else {}
+                response = await self._http.get(self.settings.gateway_url.rstrip("/") + "/internal/queued",
+                                                headers=headers)
                 response.raise_for_status()
                 return dict(queued_by_variant(response.json(), namespace, name))
             if self.settings.prometheus_url:

@@ -119,6 +119,9 @@ class OperatorSettings(BaseModel):
         le=86_400,
         description="How long a starting worker pod counts as capacity on its way (a bit above a real start-up).",
     )
+    gateway_api_key: SecretStr | None = Field(
+        None, description="API key sent to the gateway's GET /internal/queued (any key the gateway accepts)."
+    )
     gateway_url: str | None = Field(
         None,
         description="Gateway base URL whose GET /internal/queued wakes variants at zero; unset = Prometheus's "

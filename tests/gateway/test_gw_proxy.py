@@ -302,6 +302,8 @@ async def test_scaled_to_zero_variant_holds_requests_and_exports_the_queue() -> 
                 r = await asyncio.wait_for(held, 30)
                 assert r.status_code == 200 and events(r.text)[-1] == "[DONE]"
                 assert (await c.get("/internal/queued")).json() == {"queued": []}
+            async with gw.client() as anonymous:  # it names deployments: no key, no answer
+                assert (await anonymous.get("/internal/queued")).status_code == 401
 
 
 async def test_hold_is_bounded_in_time_and_size() -> None:

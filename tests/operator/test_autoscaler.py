@@ -498,9 +498,10 @@ def test_gateway_queue_from_the_gateway_or_prometheus_and_unknown_on_failure():
 
     transport = httpx.MockTransport(answer)
     api = ScriptedApi(_resource(), [])
-    via_gateway, _, _ = _autoscaler(api, ScriptedSource(_load(0)), transport=transport, gateway_url="http://gw:80/")
+    via_gateway, _, _ = _autoscaler(api, ScriptedSource(_load(0)), transport=transport, gateway_url="http://gw:80/",
+                                    gateway_api_key="sk-op")
     assert asyncio.run(via_gateway._gateway_queued(NS, NAME)) == {"default": 4.0}
-    assert seen[-1].url.path == "/internal/queued"
+    assert seen[-1].url.path == "/internal/queued" and seen[-1].headers["authorization"] == "Bearer sk-op"
     via_prom, _, _ = _autoscaler(api, ScriptedSource(_load(0)), transport=transport, prometheus_url="http://prom:9090")
     assert asyncio.run(via_prom._gateway_queued(NS, NAME)) == {"default": 2.0}
     assert 'llmfleet_gateway_queued_at_zero{namespace="ns",deployment="demo"}' in seen[-1].url.params["query"]
