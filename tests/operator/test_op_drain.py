@@ -15,6 +15,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
+from fleet_operator import analysis_runner
+from fleet_operator.analysis_runner import AnalysisRunner
+from fleet_operator.drain_client import WorkerDrains
+from fleet_operator.execute import execute
+from fleet_operator.kube import ApiError
+from fleet_operator.quality_probe import ProbeResult
+from fleet_operator.testing import DEPLOYMENT as RESOURCE
+from fleet_operator.testing import ScriptedApi
 
 from controllers import (
     DeletePdb,
@@ -30,12 +38,6 @@ from controllers import (
 from controllers.analysis import RevisionSample
 from controllers.observed import PodInfo, PodPhase
 from crds.models import Verdict
-from fleet_operator import analysis_runner
-from fleet_operator.analysis_runner import AnalysisRunner
-from fleet_operator.drain_client import WorkerDrains
-from fleet_operator.execute import execute
-from fleet_operator.kube import ApiError
-from fleet_operator.quality_probe import ProbeResult
 
 NOW = datetime(2025, 1, 1, 12, 0, tzinfo=timezone.utc)
 
@@ -132,42 +134,6 @@ async def test_probe_all_asks_only_draining_pods_that_are_not_deleted(worker):
     assert list(probes) == ["draining"] and probes["draining"].in_flight == 2
 
 
-class ScriptedApi:
-    """Records calls; `failures[(verb, path)]` raise in order; GET answers from `objects`."""
-
-    def __init__(
-        self, objects: dict[str, Any] | None = None, failures: dict[tuple[str, str], list[ApiError]] | None = None
-    ) -> None:
-        self.objects = objects or {}
-        self.failures = failures or {}
-        self.calls: list[tuple[str, str, Any]] = []
-
-    def _call(self, verb: str, path: str, body: Any) -> dict[str, Any]:
-        self.calls.append((verb, path, body))
-        queue = self.failures.get((verb, path)) or []
-        if queue:
-            raise queue.pop(0)
-        return {}
-
-    async def get(self, path: str) -> dict[str, Any] | None:
-        self.calls.append(("get", path, None))
-        return self.objects.get(path)
-
-    async def create(self, path: str, body: Any) -> dict[str, Any]:
-        return self._call("create", path, body)
-
-    async def delete(self, path: str, uid: str | None = None) -> dict[str, Any]:
-        return self._call("delete", path, uid)
-
-    async def merge_patch(self, path: str, body: Any) -> dict[str, Any]:
-        return self._call("patch", path, body)
-
-
-RESOURCE = {
-    "apiVersion": "llmfleet.io/v1alpha1",
-    "kind": "InferenceDeployment",
-    "metadata": {"name": "m", "namespace": "ns", "uid": "u"},
-}
 SECRET = "/api/v1/namespaces/ns/secrets/m-drain-token"
 
 
@@ -178,7 +144,7 @@ def _start(address: str | None, *, mark: bool = True, name: str = "m-default-r-0
 
 async def test_start_drain_marks_the_pod_then_posts_with_the_token(worker):
     handler, address = worker
-    api = ScriptedApi({SECRET: {"data": {"token": base64.b64encode(b"s3cret").decode()}}})
+    api = ScriptedApi(objects={SECRET: {"data": {"token": base64.b64encode(b"s3cret").decode()}}})
     drains = WorkerDrains(timeout_s=5)
     try:
         errors = await execute(api, Plan(actions=(_start(address),)), RESOURCE, drains)  # type: ignore[arg-type]

@@ -3,46 +3,22 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import pytest
-
-from controllers import CreatePod, DeletePod, EmitEvent, EnsureSecret, EventType, PatchStatus, Plan
 from fleet_operator.execute import execute
 from fleet_operator.kube import ApiError
+from fleet_operator.testing import DEPLOYMENT as RESOURCE
+from fleet_operator.testing import ScriptedApi
 
-RESOURCE = {
-    "apiVersion": "llmfleet.io/v1alpha1",
-    "kind": "InferenceDeployment",
-    "metadata": {"name": "m", "namespace": "ns", "uid": "u"},
-}
-
-
-class ScriptedApi:
-    """Records calls; `failures[(verb, path)]` is a list of ApiErrors raised by the next calls, in order."""
-
-    def __init__(self, failures: dict[tuple[str, str], list[ApiError]] | None = None) -> None:
-        self.failures = failures or {}
-        self.calls: list[tuple[str, str, Any]] = []
-
-    def _call(self, verb: str, path: str, body: Any) -> dict[str, Any]:
-        self.calls.append((verb, path, body))
-        queue = self.failures.get((verb, path)) or []
-        if queue:
-            raise queue.pop(0)
-        return {}
-
-    async def create(self, path: str, body: Any) -> dict[str, Any]:
-        return self._call("create", path, body)
-
-    async def delete(self, path: str, uid: str | None = None) -> dict[str, Any]:
-        return self._call("delete", path, uid)
-
-    async def merge_patch(self, path: str, body: Any) -> dict[str, Any]:
-        return self._call("patch", path, body)
-
-    def events(self) -> list[dict[str, Any]]:
-        return [body for verb, path, body in self.calls if verb == "create" and path.endswith("/events")]
+from controllers import (
+    CreatePod,
+    DeletePod,
+    EmitEvent,
+    EnsureSecret,
+    EventType,
+    PatchStatus,
+    Plan,
+)
 
 
 def _create(name: str) -> CreatePod:
