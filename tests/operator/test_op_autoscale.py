@@ -10,7 +10,6 @@ wait in the pod's queue, which is what the autoscaler measures. Slow (processes 
 
 from __future__ import annotations
 
-import json
 import socket
 import sys
 import threading
@@ -20,6 +19,8 @@ from typing import Any
 
 import httpx
 import pytest
+
+from llmfleet.traffic import classify_stream
 
 pytestmark = pytest.mark.slow
 
@@ -84,16 +85,8 @@ def _stream(client: httpx.Client, url: str, model: str) -> str | None:
         with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
             if response.status_code != 200:
                 return f"HTTP {response.status_code}: {response.read()[:200]!r}"
-            finish, done = None, False
-            for line in response.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line.removeprefix("data: ")
-                if data == "[DONE]":
-                    done = True
-                    break
-                finish = ((json.loads(data).get("choices") or [{}])[0]).get("finish_reason") or finish
-            return None if done and finish in ("length", "stop") else f"ended early ({finish}, [DONE] {done})"
+            kind, detail, _ = classify_stream(response.iter_lines())
+            return None if kind == "ok" else detail
     except (httpx.HTTPError, ValueError) as error:
         return f"{type(error).__name__}: {error}"
 

@@ -25,6 +25,8 @@ from typing import Any
 import httpx
 import pytest
 
+from llmfleet.traffic import classify_stream
+
 pytestmark = pytest.mark.slow
 
 LLMFLEET = str(Path(sys.executable).parent / "llmfleet")
@@ -92,19 +94,8 @@ class StreamLoad:
                 revision = response.headers.get("x-llmfleet-revision", "?")
                 if response.status_code != 200:
                     return f"HTTP {response.status_code}: {response.read()[:200]!r}", revision
-                finish, done = None, False
-                for line in response.iter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    data = line.removeprefix("data: ")
-                    if data == "[DONE]":
-                        done = True
-                        break
-                    choice = (json.loads(data).get("choices") or [{}])[0]
-                    finish = choice.get("finish_reason") or finish
-                if not done or finish not in ("length", "stop"):
-                    return f"stream ended early (finish_reason {finish}, [DONE] {done}) on {revision}", revision
-                return None, revision
+                kind, detail, _ = classify_stream(response.iter_lines())
+                return (None if kind == "ok" else f"{detail} on {revision}"), revision
         except (httpx.HTTPError, ValueError) as error:
             return f"{type(error).__name__}: {error}", "?"
 
