@@ -33,6 +33,7 @@ from controllers import (
 from controllers.draining import mark_patch
 from controllers.reconcile import Policy
 from crds.models import AnalysisResult
+from localkube.patches import merge_patch  # as the API server applies it
 
 NOW = datetime(2025, 1, 1, 12, 0, tzinfo=timezone.utc)
 UID = "uid-1"
@@ -53,19 +54,6 @@ def make_resource(spec: Mapping[str, Any] | None = None, **overrides: Any) -> di
     }
     resource.update(overrides)
     return resource
-
-
-def merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386 JSON merge patch, as the API server applies `application/merge-patch+json`."""
-    if not isinstance(patch, Mapping):
-        return copy.deepcopy(patch)
-    result = dict(target) if isinstance(target, Mapping) else {}
-    for key, value in patch.items():
-        if value is None:
-            result.pop(key, None)
-        else:
-            result[key] = merge_patch(result.get(key), value)
-    return result
 
 
 def pod_object(
