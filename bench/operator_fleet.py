@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ import yaml
 from fleet_operator.kube import KubeApi, load_credentials, namespaced
 
 from crds.models import GROUP, PLURAL, VERSION
+from llmfleet.processes import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -130,7 +130,7 @@ def main() -> None:
         kubectl("apply", "--validate=false", "-f", str(REPO / "crds" / "inferencedeployment.yaml"))
         kubectl("apply", "--validate=false", "-f", "-",
                 stdin=yaml.safe_dump({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}))
-        health_port = _free_port()
+        health_port = free_port()
         operator_env = {
             **env,
             "LLMFLEET_OPERATOR_LIVENESS_ENDPOINT": f"http://127.0.0.1:{health_port}/healthz",
@@ -150,10 +150,6 @@ def main() -> None:
     print(json.dumps({"rounds": rounds}))
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _wait_healthy(port: int, operator: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:

@@ -23,6 +23,7 @@ from gateway.settings import GatewaySettings
 from gateway.sources import Source
 from gateway.state import GatewayState
 from gateway.stub import StubWorker
+from llmfleet.processes import free_port  # noqa: F401 - re-exported for tests and benchmarks
 
 
 @dataclass
@@ -191,15 +192,6 @@ async def wait_http_ok(url: str, attempts: int = 600, step: float = 0.05) -> Non
                 pass
             await asyncio.sleep(step)
     raise RuntimeError(f"{url} never answered 200")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free right now on host (the caller binds it soon after)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def parse_metrics(text: str) -> dict[str, float]:

@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import kubernetes
 
+from llmfleet.processes import free_port
 from localkube.testing import wait_for
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start(tmp_path: Path, port: int) -> subprocess.Popen:

@@ -21,6 +21,8 @@ import httpx
 import pytest
 import yaml
 
+from llmfleet.processes import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 KUBECTL = str(BIN / "kubectl")
@@ -233,12 +235,6 @@ def kit() -> Any:
     )()
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -20,10 +19,6 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-
-from controllers.analysis import RevisionSample, analyse, histogram_quantile
-from controllers.autoscaling import MetricsSample
-from crds.models import AnalysisSpec, Verdict
 from fleet_operator.metrics_source import (
     LoadSample,
     MetricsSource,
@@ -42,6 +37,11 @@ from fleet_operator.metrics_source import (
 from worker.engine.protocol import EngineStats
 from worker.metrics import TTFT_BUCKETS, ServerGauges, WorkerMetrics
 from worker.request import FinishReason
+
+from controllers.analysis import RevisionSample, analyse, histogram_quantile
+from controllers.autoscaling import MetricsSample
+from crds.models import AnalysisSpec, Verdict
+from llmfleet.processes import free_port
 
 
 class StubWorker:
@@ -389,10 +389,6 @@ def test_load_sample_rejects_impossible_values() -> None:
 # ------------------------------------------------------------------------------------------- real Prometheus
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _poll(predicate: Callable[[], Any], what: str, timeout_s: float, poll_s: float = 0.25) -> Any:
@@ -425,7 +421,7 @@ def prometheus(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     write_file_sd(sd_path, [])
     config = tmp_path / "prometheus.yml"
     config.write_text(yaml.safe_dump(local_prometheus_config(sd_path, scrape_interval_s=1)))
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "prometheus.log"
     with open(log_path, "wb") as log:

@@ -10,7 +10,6 @@ wait in the pod's queue, which is what the autoscaler measures. Slow (processes 
 
 from __future__ import annotations
 
-import socket
 import sys
 import threading
 import time
@@ -20,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
+from llmfleet.processes import free_port
 from llmfleet.traffic import classify_stream
 
 pytestmark = pytest.mark.slow
@@ -29,17 +29,13 @@ TOKEN = "test-alerts-token"
 MAX_TOKENS = 8
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
 def operator_http(monkeypatch: pytest.MonkeyPatch) -> str:
     """Settings for the operator the `fleet` fixture starts (it passes the environment through): a 1 s
     autoscaling tick, short start-up expectations, and the HTTP server on a free port with an alerts token."""
-    port = _free_port()
+    port = free_port()
     monkeypatch.setenv("LLMFLEET_OPERATOR_AUTOSCALE_INTERVAL_SECONDS", "1")
     monkeypatch.setenv("LLMFLEET_OPERATOR_EXPECTED_STARTUP_SECONDS", "30")
     monkeypatch.setenv("LLMFLEET_OPERATOR_HTTP_PORT", str(port))

@@ -8,7 +8,6 @@ short keep-alive (LLMFLEET_OPERATOR_PEERING_LIFETIME_SECONDS=6) so the takeover 
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,8 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+
+from llmfleet.processes import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -41,10 +42,6 @@ def chart_peering_docs(namespace: str) -> list[dict[str, Any]]:
     return wanted
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def whole_log(process: Any) -> str:
