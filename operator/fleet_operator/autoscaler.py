@@ -63,6 +63,7 @@ from crds.models import (
     AutoscalingStatus,
     DecisionTrigger,
     InferenceDeploymentSpec,
+    InferenceDeploymentStatus,
     Recommendation,
     VariantAutoscalingStatus,
 )
@@ -428,20 +429,18 @@ class Autoscaler:
         """One evaluation of one deployment (see the module docstring); the outcomes it persisted."""
         async with self._locks.setdefault((namespace, name), asyncio.Lock()):
             resource = await self.api.get(deployment_path(namespace, name))
-            spec = _autoscalable(resource)
+            spec, previous = _autoscaling_view(resource)
             if resource is None or spec is None:
                 return []
-            previous = _autoscaling_status(resource)
             variants = [v.name for v in spec.variants if v.autoscaling is not None]
             if not variants and not previous.variants:
                 return []
             pods = await self.api.list(namespaced(namespace, "pods"), label_selector(name))
             inputs = await self._measure(namespace, name, variants, pods, resource["metadata"].get("uid"))
             for _attempt in range(CONFLICT_ATTEMPTS):
-                spec = _autoscalable(resource)
+                spec, previous = _autoscaling_view(resource)
                 if spec is None:
                     return []
-                previous = _autoscaling_status(resource)
                 outcomes = evaluate_variants(
                     spec,
                     previous,
@@ -559,24 +558,18 @@ def _gateway_sample(queued: Mapping[str, float | None] | None, variant: str, now
     return GatewaySample(observed_at=now, queued_requests=count) if count is not None else None
 
 
-def _autoscalable(resource: Mapping[str, Any] | None) -> InferenceDeploymentSpec | None:
-    """The spec the autoscaler acts on: the one the fleet runs (the last valid one while an edit is invalid,
-    `controllers.running_spec`); None when the CR is gone, being deleted, or was never valid."""
+def _autoscaling_view(resource: Mapping[str, Any] | None) -> tuple[InferenceDeploymentSpec | None, AutoscalingStatus]:
+    """(the spec the autoscaler acts on, its persisted state), from one read of the CR's status. The spec is the
+    one the fleet runs (the last valid one while an edit is invalid, `controllers.running_spec`); None when the CR
+    is gone, being deleted, or was never valid. An unreadable status starts over, as the reconcile loop does."""
     if resource is None or (resource.get("metadata") or {}).get("deletionTimestamp"):
-        return None
+        return None, AutoscalingStatus()
     raw_status = resource.get("status")
     try:
-        last_valid = parse_status(raw_status if isinstance(raw_status, Mapping) else None).last_valid_spec
+        status = parse_status(raw_status if isinstance(raw_status, Mapping) else None)
     except ValidationError:
-        last_valid = None
-    return running_spec(resource.get("spec"), last_valid).spec
-
-
-def _autoscaling_status(resource: Mapping[str, Any]) -> AutoscalingStatus:
-    try:
-        return parse_status(resource.get("status")).autoscaling
-    except ValidationError:  # unreadable: start over, as the reconcile loop does
-        return AutoscalingStatus()
+        status = InferenceDeploymentStatus()
+    return running_spec(resource.get("spec"), status.last_valid_spec).spec, status.autoscaling
 
 
 # ------------------------------------------------------------------------------------------------ kopf wiring
