@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
-from worker.engine.stop_strings import find_stop, held_back
 from worker.engine.output_processor import OutputProcessor
 from worker.engine.toy import EOS, ByteTokenizer
 from worker.model.tokenizer import IncrementalDetokenizer
@@ -34,35 +32,6 @@ def test_an_unfinished_character_at_the_end_is_flushed_as_replacement() -> None:
     detok = IncrementalDetokenizer(TOK, [])
     assert detok.add_tokens([0xE6]) == ""
     assert detok.flush() == "\ufffd"
-
-
-@pytest.mark.parametrize(
-    ("text", "stops", "new_from", "expected"),
-    [
-        ("hello world", ("wor",), 0, (6, "wor")),
-        ("hello world", ("xyz",), 0, None),
-        ("abcabc", ("c", "bc"), 0, (1, "bc")),  # earliest start wins
-        ("hello world", ("hello",), 8, None),  # the match ends before new text: already searched
-        ("hello world", ("lo w",), 5, (3, "lo w")),  # a match spanning old and new text is found
-    ],
-)
-def test_find_stop(text, stops, new_from, expected) -> None:
-    assert find_stop(text, stops, new_from) == expected
-
-
-@pytest.mark.parametrize(
-    ("text", "stops", "expected"),
-    [
-        ("hello wo", ("world",), 2),
-        ("hello w", ("world", "wx"), 1),
-        ("hello", ("world",), 0),
-        ("ab", ("abc",), 2),
-        ("xab", ("abc", "b"), 2),
-        ("x", ("x",), 0),  # a one-character stop is never a proper prefix
-    ],
-)
-def test_held_back(text, stops, expected) -> None:
-    assert held_back(text, stops) == expected
 
 
 def _run(tokens: list[int], params: SamplingParams, final_status: RequestStatus | None = None):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from worker.engine.protocol import RequestOutput
-from worker.engine.stop_strings import find_stop, held_back
+from worker.engine.stop_strings import StopMatcher
 from worker.model.tokenizer import IncrementalDetokenizer
 from worker.request import FinishReason, Request, RequestStatus
 
@@ -26,10 +26,8 @@ class Decoder(Protocol):
 @dataclass
 class _State:
     detokenizer: IncrementalDetokenizer | None
-    stops: tuple[str, ...]
+    stops: StopMatcher | None  # None: no stop strings (all decoded text is sent at once)
     num_sent_tokens: int = 0
-    text: str = ""  # all output text so far (cut at a stop string)
-    num_sent_chars: int = 0
     prompt_logprobs_sent: bool = False
 
 
@@ -47,7 +45,12 @@ class OutputProcessor:
     def add_request(self, request: Request) -> None:
         stops = request.sampling_params.stop if self._tokenizer is not None else ()
         detok = None if self._tokenizer is None else IncrementalDetokenizer(self._tokenizer, request.prompt_token_ids)
-        self._states[request.request_id] = _State(detok, stops)
+        self._states[request.request_id] = _State(detok, StopMatcher(stops) if stops else None)
+
+    def num_held_chars(self, request_id: str) -> int:
+        """Characters of a request's text the processor holds back (a possible start of a stop string)."""
+        st = self._states.get(request_id)
+        return 0 if st is None or st.stops is None else st.stops.num_held_chars
 
     def process(self, requests: list[Request]) -> ProcessedOutputs:
         result = ProcessedOutputs()
@@ -70,6 +73,7 @@ class OutputProcessor:
         st.num_sent_tokens = req.num_output_tokens
         finished = req.is_finished
         stop_str = None
+        pieces: list[str] = []
         if st.detokenizer is not None:
             # A request ended by EOS or a stop token id shows no text for that token.
             stopped_by_token = req.status is RequestStatus.FINISHED_STOPPED
@@ -79,20 +83,19 @@ class OutputProcessor:
                 delta = st.detokenizer.add_tokens([token])
                 if not delta:
                     continue
-                searched = len(st.text)
-                st.text += delta
-                if st.stops and first_index + offset + 1 >= min_tokens:
-                    hit = find_stop(st.text, st.stops, searched)
-                    if hit is not None:
-                        st.text = st.text[: hit[0]]
-                        stop_str = hit[1]
-                        finished = True
-                        break
+                if st.stops is None:
+                    pieces.append(delta)
+                    continue
+                safe, stop_str = st.stops.feed(delta, enabled=first_index + offset + 1 >= min_tokens)
+                pieces.append(safe)
+                if stop_str is not None:
+                    finished = True
+                    break
             if finished and stop_str is None:
-                st.text += st.detokenizer.flush()
-        safe_end = len(st.text) if finished else len(st.text) - held_back(st.text, st.stops)
-        new_text = st.text[st.num_sent_chars : safe_end]
-        st.num_sent_chars = safe_end
+                if st.stops is not None:
+                    pieces.append(st.stops.release())
+                pieces.append(st.detokenizer.flush())
+        new_text = "".join(pieces)
         if finished:
             del self._states[req.request_id]
         reason = FinishReason.STOP if stop_str is not None else req.status.finish_reason
