@@ -55,7 +55,7 @@ def sampler() -> Sampler:
 def test_greedy_is_argmax_and_logprob_is_log_softmax():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
     p = SamplingParams(temperature=0.0, logprobs=True)
-    tokens, lps = sampler()(logits.clone(), [SampleRequest(p, None)] * 4)
+    tokens, lps, _ = sampler()(logits.clone(), [SampleRequest(p, None)] * 4)
     assert tokens == logits.argmax(-1).tolist()
     ref = torch.log_softmax(logits, -1)
     assert [lp.logprob for lp in lps] == pytest.approx([float(ref[i, t]) for i, t in enumerate(tokens)], abs=1e-6)
@@ -65,7 +65,7 @@ def test_greedy_is_argmax_and_logprob_is_log_softmax():
 def test_top_logprobs_are_the_best_alternatives_most_likely_first():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(2))
     p = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=4)
-    tokens, lps = sampler()(logits.clone(), [SampleRequest(p, None)] * 3)
+    tokens, lps, _ = sampler()(logits.clone(), [SampleRequest(p, None)] * 3)
     ref = torch.log_softmax(logits, -1)
     for i, lp in enumerate(lps):
         best = ref[i].topk(4)
@@ -76,7 +76,7 @@ def test_top_logprobs_are_the_best_alternatives_most_likely_first():
 def test_min_tokens_prevents_eos_even_when_greedy():
     logits = torch.zeros(1, 10)
     logits[0, 7] = 10.0
-    tokens, _ = sampler()(logits, [SampleRequest(SamplingParams(temperature=0.0, min_tokens=1), None, 0, 7)])
+    tokens, _, _ = sampler()(logits, [SampleRequest(SamplingParams(temperature=0.0, min_tokens=1), None, 0, 7)])
     assert tokens[0] != 7
 
 
@@ -90,7 +90,7 @@ def test_seeded_rows_reproduce_whatever_shares_the_batch():
         for _ in range(5):
             reqs = [SampleRequest(SamplingParams(temperature=1.0), None) for _ in rows]
             reqs[rows.index(0)] = SampleRequest(p, gen)
-            tokens, _ = sampler()(logits[rows].clone(), reqs)
+            tokens, _, _ = sampler()(logits[rows].clone(), reqs)
             out.append(tokens[rows.index(0)])
         return out
 
@@ -101,7 +101,7 @@ def test_sampling_follows_the_distribution():
     probs = torch.tensor([0.5, 0.3, 0.2, 0.0])
     logits = probs.log().expand(4000, 4).clone()
     reqs = [SampleRequest(SamplingParams(temperature=1.0), None)] * 4000
-    tokens, _ = sampler()(logits, reqs)
+    tokens, _, _ = sampler()(logits, reqs)
     freq = torch.bincount(torch.tensor(tokens), minlength=4).float() / 4000
     assert freq[3] == 0
     assert torch.allclose(freq, probs, atol=0.04)
@@ -109,7 +109,7 @@ def test_sampling_follows_the_distribution():
 
 def test_low_temperature_concentrates_on_the_best_token():
     logits = torch.tensor([[1.0, 1.5, 0.5]]).expand(200, 3).clone()
-    tokens, _ = sampler()(logits, [SampleRequest(SamplingParams(temperature=0.05), None)] * 200)
+    tokens, _, _ = sampler()(logits, [SampleRequest(SamplingParams(temperature=0.05), None)] * 200)
     assert set(tokens) == {1}
 
 

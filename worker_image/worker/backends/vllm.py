@@ -174,12 +174,15 @@ class VllmEngine:
         if self._llm is None:
             raise RuntimeError("the vLLM engine is not started: await engine.start() first")
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        # Our bounds already hold (SamplingParams); vLLM checks the vocabulary itself (ValueError -> 400).
+        # A top_k at or above the vocabulary keeps every token, as in our engine.
+        vocab_size = self._llm.model_config.get_vocab_size()
         vparams = VllmSamplingParams(
             n=1,
             max_tokens=params.max_tokens,
             temperature=params.temperature,
             top_p=params.top_p,
-            top_k=params.top_k,
+            top_k=params.top_k if params.top_k < vocab_size else 0,
             seed=params.seed,
             stop=list(params.stop) or None,
             stop_token_ids=list(params.stop_token_ids) or None,
@@ -187,6 +190,7 @@ class VllmEngine:
             min_tokens=params.min_tokens,
             logprobs=params.top_logprobs if params.logprobs else None,
             prompt_logprobs=params.prompt_logprobs,
+            logit_bias=dict(params.logit_bias) or None,
             output_kind=RequestOutputKind.DELTA,
         )
         generated = 0

@@ -3,6 +3,8 @@
 The runner is stateless with respect to scheduling: each step it receives, for every scheduled request, the
 tokens to compute, their starting position, the full block table and whether to sample. It keeps only
 per-request sampling state (seeded generators), dropped when the request id appears in `finished_req_ids`.
+A failure the runner can pin on one request is reported in `ModelRunnerOutput.failed` instead of raised, so one
+request's bad state ends that request and never the whole batch.
 """
 
 from __future__ import annotations
@@ -50,3 +52,6 @@ class ModelRunnerOutput:
     top_logprobs: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
     # request -> logprobs of its ScheduledSeq.prompt_targets, in order
     prompt_logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
+    # request -> why the runner could not run or sample it this step (its own parameters or state, e.g. a
+    # generator it could not seed): the scheduler ends that request with an error, the rest of the batch goes on
+    failed: dict[str, str] = field(default_factory=dict)

@@ -12,8 +12,8 @@ capped at what the KV cache can hold in total, so a request that runs alone alwa
 While paused (draining) only requests that were already admitted run; new ones wait.
 
 `update_from_output` applies the runner's sampled tokens and the stop conditions that need no text (EOS,
-stop token ids, max_tokens, context length). Stop strings need detokenised text; the engine applies them and
-calls `finish_requests`.
+stop token ids, max_tokens, context length), and ends with an error the requests the runner could not run.
+Stop strings need detokenised text; the engine applies them and calls `finish_requests`.
 """
 
 from __future__ import annotations
@@ -233,13 +233,20 @@ class Scheduler:
 
     # ----------------------------------------------------------------------------------------------- updating
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
-        """Advance the scheduled requests; return those that got a new token (some of them now finished)."""
+        """Advance the scheduled requests; return those that got a new token or ended (the runner failed them)."""
         sampled = runner_output.sampled_token_ids
         logprobs = runner_output.logprobs
         updated = []
         finished = []
         for seq in scheduler_output.seqs:
             req = self.requests[seq.req_id]
+            error = runner_output.failed.get(seq.req_id)
+            if error is not None:  # its KV of this step may be missing: never cache it, end the request
+                req.status = RequestStatus.FINISHED_ERROR
+                req.error = error
+                finished.append(req)
+                updated.append(req)
+                continue
             req.num_computed_tokens += len(seq.token_ids)
             self.kv.cache_computed_blocks(req)
             if seq.prompt_targets:
@@ -277,9 +284,14 @@ class Scheduler:
         return None
 
     def finish_requests(
-        self, request_ids: Iterable[str], status: RequestStatus, stop_reason: int | str | None = None
+        self,
+        request_ids: Iterable[str],
+        status: RequestStatus,
+        stop_reason: int | str | None = None,
+        error: str | None = None,
     ) -> list[Request]:
-        """End requests from outside the step (abort, stop string); unknown or finished ids are ignored."""
+        """End requests from outside the step (abort, stop string, an error in the output processor); unknown or
+        finished ids are ignored."""
         if not status.is_finished:
             raise ValueError(f"{status} is not a finished status")
         ended = []
@@ -294,6 +306,8 @@ class Scheduler:
             req.status = status
             if stop_reason is not None:
                 req.stop_reason = stop_reason
+            if error is not None:
+                req.error = error
             self._release(req)
             ended.append(req)
         return ended

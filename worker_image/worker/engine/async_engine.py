@@ -43,6 +43,7 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
         new_logprobs=logprobs,
         new_top_logprobs=top,
         prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
+        error=b.error,
     )
 
 
@@ -114,8 +115,9 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream DELTA outputs until one with `finished=True`.
 
-        Raises ValueError (empty or too long prompt, duplicate id), QueueFullError (`max_waiting` reached) or
-        EngineDeadError before the first output when the request cannot be taken.
+        Raises ValueError (empty or too long prompt, token ids outside the vocabulary, duplicate id),
+        QueueFullError (`max_waiting` reached) or EngineDeadError before the first output when the request cannot
+        be taken. A request the engine fails alone ends with finish_reason `error` and `error` set.
         """
         core = self._started()
         if self._error is not None:
@@ -123,9 +125,7 @@ class AsyncEngine:
         if self._thread is None:
             raise EngineDeadError("the engine is shut down")
         prompt_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        if params.stop and core.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer, and this engine has none")
-        core.scheduler.check_prompt(len(prompt_ids))
+        core.check_request(prompt_ids, params)
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         if len(self._queues) - self._stats.num_running >= self.config.max_waiting:
@@ -187,7 +187,7 @@ class AsyncEngine:
             elif core.scheduler.has_schedulable_requests():
                 try:
                     outputs += core.step()
-                except Exception as exc:  # the model failed: fail every stream rather than hang them
+                except Exception as exc:  # the step itself failed (one request's failure ends only it, in step())
                     self._error = exc
                     self._stats = core.stats()
                     self._post(outputs, errors, dead=exc)

@@ -2,10 +2,15 @@
 
 It owns the scheduler, the runner and the output processor, and nothing about threads or asyncio: the offline
 `LLM` calls `step()` in a loop, the async engine calls it from its background thread.
+
+One request must never take the engine down: `check_request` refuses at admission whatever the model cannot
+take, and a failure that the runner or the output processor can pin on one request ends that request with
+finish reason `error` while the rest of the batch goes on. Only a failure of the step itself escapes `step()`.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Protocol
 
@@ -16,6 +21,7 @@ from worker.engine.output_processor import OutputProcessor
 from worker.engine.protocol import EngineStats, RequestOutput
 from worker.request import Request, RequestStatus, SamplingParams
 
+log = logging.getLogger(__name__)
 
 class Runner(Protocol):
     """What the core needs from a model runner (`worker.model.runner.ModelRunner`, or the toy one in tests)."""
@@ -63,13 +69,9 @@ class EngineCore:
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> Request:
-        """Queue a request. Raises ValueError (bad prompt, duplicate id) or QueueFullError (admission cap)."""
+        """Queue a request. Raises ValueError (bad prompt or parameters, duplicate id) or QueueFullError (cap)."""
         prompt_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        vocab_size = getattr(self.runner, "vocab_size", None)
-        bad = [t for t in prompt_ids if not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size)]
-        if bad:
-            limit = f"0..{vocab_size - 1}" if vocab_size is not None else "non-negative integers"
-            raise ValueError(f"prompt token ids must be in {limit}; got {bad[:5]}")
+        self.check_request(prompt_ids, params)
         request = Request(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
@@ -78,11 +80,25 @@ class EngineCore:
             priority=priority,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
         )
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer, and this engine has none")
         self.scheduler.add_request(request)
         self.output_processor.add_request(request)
         return request
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError for a request this model cannot take: token ids outside its vocabulary (in the prompt,
+        stop_token_ids or logit_bias), stop strings without a tokenizer, a prompt that can never fit. Called once
+        per request at admission, so nothing a request names can fail a batch later."""
+        vocab_size: int | None = getattr(self.runner, "vocab_size", None)
+        if any(not isinstance(t, int) or isinstance(t, bool) for t in prompt_ids):
+            raise ValueError("prompt token ids must be integers")
+        if prompt_ids and (min(prompt_ids) < 0 or (vocab_size is not None and max(prompt_ids) >= vocab_size)):
+            limit = f"0..{vocab_size - 1}" if vocab_size is not None else "non-negative integers"
+            bad = [t for t in prompt_ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
+            raise ValueError(f"prompt token ids must be in {limit}; got {bad[:5]}")
+        params.check_vocab(vocab_size)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this engine has none")
+        self.scheduler.check_prompt(len(prompt_ids))
 
     def tokenize(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -105,9 +121,14 @@ class EngineCore:
         # An empty step still reaches the runner when requests ended: it drops their sampling state.
         runner_output = self.runner.execute_model(scheduler_output)
         advanced = self.scheduler.update_from_output(scheduler_output, runner_output)
+        for request_id, error in runner_output.failed.items():
+            log.warning("request %s failed in the model runner and was ended alone: %s", request_id, error)
         processed = self.output_processor.process(advanced)
         for request_id, stop in processed.stop_requests:
             self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_STOPPED, stop_reason=stop)
+        for request_id, error in processed.failed_requests:
+            log.warning("request %s failed in the output processor and was ended alone: %s", request_id, error)
+            self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ERROR, error=error)
         return processed.outputs
 
     def pause(self) -> None:

@@ -3,7 +3,8 @@
 The scheduler ends requests on token-level conditions (EOS, stop token ids, max_tokens, context length); this
 module adds what needs text: incremental detokenisation (never splitting a multi-byte character) and stop
 strings (never emitting any part of one). A stop string found here ends the request with reason `stop`; the
-caller tells the scheduler (`stop_requests` in the result).
+caller tells the scheduler (`stop_requests` in the result). A request whose processing raises ends with reason
+`error` (`failed_requests`), and the others in the step are processed as usual.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class _State:
 class ProcessedOutputs:
     outputs: list[RequestOutput] = field(default_factory=list)
     stop_requests: list[tuple[str, str]] = field(default_factory=list)  # (request id, stop string) to finish
+    failed_requests: list[tuple[str, str]] = field(default_factory=list)  # (request id, error) to finish
 
 
 class OutputProcessor:
@@ -55,7 +57,14 @@ class OutputProcessor:
     def process(self, requests: list[Request]) -> ProcessedOutputs:
         result = ProcessedOutputs()
         for req in requests:
-            output, stop = self._process_one(req)
+            try:
+                output, stop = self._process_one(req)
+            except Exception as exc:  # noqa: BLE001 - e.g. its tokens do not decode: this request's alone
+                error = f"{type(exc).__name__}: {exc}"
+                self._states.pop(req.request_id, None)
+                result.outputs.append(self._output(req, [], "", True, FinishReason.ERROR, None, error))
+                result.failed_requests.append((req.request_id, error))
+                continue
             result.outputs.append(output)
             if stop is not None:
                 result.stop_requests.append((req.request_id, stop))
@@ -64,7 +73,7 @@ class OutputProcessor:
     def abort_output(self, request: Request) -> RequestOutput:
         """The final (empty) delta of a request ended from outside the step, e.g. aborted."""
         self._states.pop(request.request_id, None)
-        return self._output(request, [], "", True, request.status.finish_reason, None)
+        return self._output(request, [], "", True, request.status.finish_reason, None, request.error)
 
     def _process_one(self, req: Request) -> tuple[RequestOutput, str | None]:
         st = self._states[req.request_id]
@@ -100,7 +109,7 @@ class OutputProcessor:
             del self._states[req.request_id]
         reason = FinishReason.STOP if stop_str is not None else req.status.finish_reason
         logprobs = req.output_logprobs[first_index:] if req.sampling_params.logprobs else None
-        output = self._output(req, new_ids, new_text, finished, reason, logprobs)
+        output = self._output(req, new_ids, new_text, finished, reason, logprobs, req.error)
         if req.sampling_params.top_logprobs:
             output.new_top_logprobs = req.output_top_logprobs[first_index:]
         if req.sampling_params.prompt_logprobs is not None and not st.prompt_logprobs_sent:
@@ -116,6 +125,7 @@ class OutputProcessor:
         finished: bool,
         reason: FinishReason | None,
         logprobs: list[float] | None,
+        error: str | None = None,
     ) -> RequestOutput:
         return RequestOutput(
             request_id=req.request_id,
@@ -127,4 +137,5 @@ class OutputProcessor:
             num_output_tokens=req.num_output_tokens,
             num_cached_tokens=req.num_cached_tokens,
             new_logprobs=logprobs,
+            error=error if finished else None,
         )

@@ -33,6 +33,7 @@ class RequestOutput:
     # With params.prompt_logprobs, on the first delta only: the logprob (and top-k) of prompt tokens 1..n-1
     # (the first prompt token has none: nothing precedes it).
     prompt_logprobs: list[Logprob] | None = None
+    error: str | None = None  # with finish_reason ERROR: why the engine failed this request (and only it)
 
 
 @dataclass

@@ -88,6 +88,7 @@ class ToyRunner:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.tokenizer = ByteTokenizer()
+        self.vocab_size = ByteTokenizer.vocab_size
         self.eos_token_id = EOS
         self._next_token = next_token
         # slot -> (position, token): a KV entry remembers which position it was written for.
@@ -121,7 +122,12 @@ class ToyRunner:
             if not seq.sample:
                 continue
             context = self._read_context(seq.req_id, seq.block_ids, seq.start_pos + len(seq.token_ids))
-            out.sampled_token_ids[seq.req_id] = self._next_token(context, self._draw(seq.req_id, seq.sampling_params))
+            try:  # like the real runner: a failure in one sequence's sampling ends that sequence only
+                token = self._next_token(context, self._draw(seq.req_id, seq.sampling_params))
+            except Exception as exc:  # noqa: BLE001
+                out.failed[seq.req_id] = f"{type(exc).__name__}: {exc}"
+                continue
+            out.sampled_token_ids[seq.req_id] = token
             if seq.sampling_params.logprobs:
                 out.logprobs[seq.req_id] = toy_logprob(context)
                 if seq.sampling_params.top_logprobs:

@@ -230,55 +230,77 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step. A failure that belongs to one sequence (a shape the scheduler should never send, a
+        generator its seed cannot build, a row the sampler cannot draw) ends that sequence in `out.failed`; the
+        rest of the batch runs as if it were not there. Only a failure of the batch itself raises."""
         for req_id in sched.finished_req_ids:
             self._generators.pop(req_id, None)
         out = ModelRunnerOutput()
-        if not sched.seqs:
-            return out
         # Single-token sequences first: they attend together in one batched call.
         seqs = sorted(sched.seqs, key=lambda s: len(s.token_ids) != 1)
         input_ids: list[int] = []
         spans: list[SeqSpan] = []
-        sample_rows: list[int] = []
+        sampled: list[tuple[ScheduledSeq, int, SampleRequest]] = []  # (seq, its row, how to sample it)
         prompt_rows: list[tuple[ScheduledSeq, int]] = []  # (seq, row of its first token) for prompt logprobs
         for seq in seqs:
-            n = len(seq.token_ids)
-            if n == 0:
-                raise ValueError(f"request {seq.req_id} was scheduled with no tokens")
-            if seq.start_pos + n > self.max_model_len:
-                raise ValueError(
-                    f"request {seq.req_id} reaches {seq.start_pos + n} tokens, over max_model_len={self.max_model_len}"
-                )
+            try:
+                self._check_seq(seq)
+                request = self._sample_request(seq) if seq.sample else None
+            except Exception as exc:  # noqa: BLE001 - this sequence's alone: it leaves the batch
+                out.failed[seq.req_id] = failure(exc)
+                continue
             if seq.prompt_targets:
                 prompt_rows.append((seq, len(input_ids)))
             input_ids.extend(seq.token_ids)
-            spans.append(SeqSpan(seq.start_pos, n, seq.block_ids))
-            if seq.sample:
-                sample_rows.append(len(input_ids) - 1)
+            spans.append(SeqSpan(seq.start_pos, len(seq.token_ids), seq.block_ids))
+            if request is not None:
+                sampled.append((seq, len(input_ids) - 1, request))
+        if not spans:
+            return out
         meta = build_metadata(spans, self.block_size, self.device, self.dtype, self.decode_kernel is not None)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         hidden = self.model.forward(ids, meta, self.kv_caches, self.decode_kernel)
         for seq, first_row in prompt_rows:
-            out.prompt_logprobs[seq.req_id] = self._prompt_logprobs(hidden, first_row, seq)
-        if not sample_rows:
+            try:
+                out.prompt_logprobs[seq.req_id] = self._prompt_logprobs(hidden, first_row, seq)
+            except Exception as exc:  # noqa: BLE001
+                out.failed[seq.req_id] = failure(exc)
+        sampled = [entry for entry in sampled if entry[0].req_id not in out.failed]
+        if not sampled:
             return out
-        rows = torch.tensor(sample_rows, device=self.device)
+        rows = torch.tensor([row for _, row, _ in sampled], device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
-        sampled = [s for s in seqs if s.sample]
-        requests = [
-            SampleRequest(
-                params=s.sampling_params,
-                generator=self._generator(s.req_id, s.sampling_params.seed),
-                num_output_tokens=s.num_output_tokens,
-                eos_token_id=s.eos_token_id if s.eos_token_id is not None else self.eos_token_id,
-            )
-            for s in sampled
-        ]
-        tokens, logprobs = self.sampler(logits, requests)
-        for seq, token, logprob in zip(sampled, tokens, logprobs):
-            out.sampled_token_ids[seq.req_id] = token
+        tokens, logprobs, errors = self.sampler(logits, [request for _, _, request in sampled])
+        for i, (seq, _, _) in enumerate(sampled):
+            if i in errors:
+                out.failed[seq.req_id] = failure(errors[i])
+                continue
+            out.sampled_token_ids[seq.req_id] = tokens[i]
+            logprob = logprobs[i]
             if logprob is not None:
                 out.logprobs[seq.req_id] = logprob.logprob
                 if logprob.top:
                     out.top_logprobs[seq.req_id] = logprob.top
         return out
+
+    def _check_seq(self, seq: ScheduledSeq) -> None:
+        n = len(seq.token_ids)
+        if n == 0:
+            raise ValueError(f"request {seq.req_id} was scheduled with no tokens")
+        if seq.start_pos + n > self.max_model_len:
+            raise ValueError(
+                f"request {seq.req_id} reaches {seq.start_pos + n} tokens, over max_model_len={self.max_model_len}"
+            )
+
+    def _sample_request(self, seq: ScheduledSeq) -> SampleRequest:
+        return SampleRequest(
+            params=seq.sampling_params,
+            generator=self._generator(seq.req_id, seq.sampling_params.seed),
+            num_output_tokens=seq.num_output_tokens,
+            eos_token_id=seq.eos_token_id if seq.eos_token_id is not None else self.eos_token_id,
+        )
+
+
+def failure(exc: BaseException) -> str:
+    """How a sequence's failure is reported to its client."""
+    return f"{type(exc).__name__}: {exc}"

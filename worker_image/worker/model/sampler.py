@@ -4,13 +4,18 @@ Greedy rows (the common case in tests and benchmarks) are one `argmax` for the w
 sampled one by one because each may own a seeded `torch.Generator` (reproducible per request, whatever else
 shares the batch). Sampling uses the exponential race (`argmax(p / e)`, `e ~ Exp(1)`), which draws exactly
 from `p` and needs one random tensor per row. Logprobs, when asked, are of the chosen token (and its top-k
-alternatives) under the raw model distribution (before temperature/top-k/top-p), as vLLM reports them by default.
+alternatives) under the raw model distribution (before temperature/top-k/top-p), as vLLM reports them by default;
+`logit_bias` and the `min_tokens` ban change the logits themselves, so the logprobs reflect them.
+
+A row whose own parameters make a torch op fail (a token id out of range, a generator that cannot draw) is reported
+in `SamplerOutput.errors` with its exception; the other rows are sampled as if it were not there.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -61,32 +66,56 @@ def top_tokens(logprobs: torch.Tensor, k: int) -> tuple[tuple[int, float], ...]:
     return tuple(zip(ids.tolist(), values.tolist()))
 
 
+def adjust_row(logits: torch.Tensor, row: int, req: SampleRequest) -> None:
+    """Apply a row's own logit changes in place: `logit_bias`, then the `min_tokens` ban (which must win)."""
+    bias = req.params.logit_bias
+    if bias:
+        ids = torch.tensor([t for t, _ in bias], device=logits.device)
+        logits[row, ids] += torch.tensor([v for _, v in bias], dtype=logits.dtype, device=logits.device)
+    banned = min_tokens_banned(req)
+    if banned:
+        logits[row, banned] = float("-inf")
+
+
+class SamplerOutput(NamedTuple):
+    tokens: list[int]  # one per row; meaningless for rows in `errors`
+    logprobs: list[Logprob | None]
+    errors: dict[int, Exception]  # row -> why that row could not be sampled
+
+
 class Sampler:
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator  # for unseeded random requests
 
-    def __call__(
-        self, logits: torch.Tensor, requests: Sequence[SampleRequest]
-    ) -> tuple[list[int], list[Logprob | None]]:
-        """Sample one token per row of `logits` [N, vocab] (fp32). Returns (tokens, logprobs-or-None)."""
+    def __call__(self, logits: torch.Tensor, requests: Sequence[SampleRequest]) -> SamplerOutput:
+        """Sample one token per row of `logits` [N, vocab] (fp32); rows that fail are reported, not raised."""
+        errors: dict[int, Exception] = {}
         for i, req in enumerate(requests):
-            banned = min_tokens_banned(req)
-            if banned:
-                logits[i, banned] = float("-inf")
+            if req.params.logit_bias or req.num_output_tokens < req.params.min_tokens:
+                try:
+                    adjust_row(logits, i, req)
+                except Exception as exc:  # noqa: BLE001 - whatever it is, it is this row's alone
+                    errors[i] = exc
         tokens: list[int] = logits.argmax(dim=-1).tolist()
         for i, req in enumerate(requests):
-            if not req.params.greedy:
-                tokens[i] = self._sample_row(logits[i], req)
+            if not req.params.greedy and i not in errors:
+                try:
+                    tokens[i] = self._sample_row(logits[i], req)
+                except Exception as exc:  # noqa: BLE001
+                    errors[i] = exc
         logprobs: list[Logprob | None] = [None] * len(requests)
-        want = [i for i, r in enumerate(requests) if r.params.logprobs]
+        want = [i for i, r in enumerate(requests) if r.params.logprobs and i not in errors]
         if want:
             rows = torch.tensor(want)
             lp = torch.log_softmax(logits[rows], dim=-1)
             chosen = torch.tensor([tokens[i] for i in want])
             values = lp.gather(1, chosen[:, None]).squeeze(1).tolist()
-            for row, (i, value) in enumerate(zip(want, values)):
-                logprobs[i] = Logprob(value, top_tokens(lp[row], requests[i].params.top_logprobs))
-        return tokens, logprobs
+            for row, (i, value) in enumerate(zip(want, values, strict=True)):
+                try:
+                    logprobs[i] = Logprob(value, top_tokens(lp[row], requests[i].params.top_logprobs))
+                except Exception as exc:  # noqa: BLE001
+                    errors[i] = exc
+        return SamplerOutput(tokens, logprobs, errors)
 
     def _sample_row(self, row: torch.Tensor, req: SampleRequest) -> int:
         p = req.params

@@ -175,6 +175,11 @@ async def drive(service: WorkerService, prep: Prepared, entry: InflightRequest) 
                 entry.timeout = None
             received = True
             now = service.clock()
+            if out.finish_reason is FinishReason.ERROR:  # the engine failed this request alone; it serves on
+                finished = True
+                metrics.finished(FinishReason.ERROR, now - prep.arrival)
+                raise ApiError(500, f"the engine could not complete this request: {out.error}",
+                               code="request_failed")
             if out.new_token_ids:
                 if last_token_at is None:
                     metrics.first_token(now - prep.arrival, out.num_prompt_tokens or len(prep.prompt_ids))

@@ -9,21 +9,42 @@ Supported beyond the plain sampling fields: `stop`, `seed`, `stream_options.incl
 `logprobs=true` with `top_logprobs=k`), completions `echo` (the prompt is returned before the completion, and with
 `logprobs` every prompt token after the first is scored too: teacher-forced scoring, as the legacy OpenAI API and
 vLLM do it; the canary quality probe relies on it), and vLLM's extensions `top_k`, `min_tokens`, `ignore_eos`,
-`stop_token_ids`, `priority`. Tokens in logprobs are named `token_id:N` (vLLM's `return_tokens_as_token_ids`
-format). Fields this server cannot honour (n > 1, penalties, logit_bias, tools, suffix, best_of > 1, JSON
-response formats) are rejected with a 400 that says so instead of being silently ignored. Unknown fields are
-ignored, as OpenAI-compatible servers do.
+`stop_token_ids`, `priority`, and `logit_bias`. Tokens in logprobs are named `token_id:N` (vLLM's
+`return_tokens_as_token_ids` format). Fields this server cannot honour (n > 1, penalties, tools, suffix,
+best_of > 1, JSON response formats) are rejected with a 400 that says so instead of being silently ignored.
+Unknown fields are ignored, as OpenAI-compatible servers do.
+
+Every field is bounded here (the limits are `worker.request`'s, shared with `SamplingParams`), so a request
+either gets a 400 naming the field or carries values the engine can run: one request's parameters can fail
+that request only, never the engine and the requests batched with it.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from worker.request import FinishReason, Logprob, SamplingParams
+from worker.request import (
+    LOGIT_BIAS_LIMIT,
+    MAX_INT32,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+    MAX_TOKEN_ID,
+    MAX_TOP_LOGPROBS,
+    SEED_MAX,
+    SEED_MIN,
+    FinishReason,
+    Logprob,
+    SamplingParams,
+)
+
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 
 
 class StreamOptions(BaseModel):
@@ -38,23 +59,29 @@ class _GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1, description="vLLM extension; 0 or -1 disables it")
-    min_tokens: int = Field(0, ge=0)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
+    temperature: float = Field(1.0, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    top_k: int = Field(0, ge=-1, le=MAX_TOKEN_ID, description="vLLM extension; 0 or -1 disables it")
+    min_tokens: int = Field(0, ge=0, le=MAX_INT32)
     n: int = 1
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    stop: str | list[str] | None = Field(None, description=f"at most {MAX_STOP_STRINGS} strings of at most "
+                                         f"{MAX_STOP_STRING_CHARS} characters")
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
+    repetition_penalty: float = Field(1.0, gt=0, le=2, allow_inf_nan=False, description="vLLM extension")
+    logit_bias: dict[str, float] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS_ENTRIES,
+        description=f"token id (as a string) -> bias in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]",
+    )
     user: str | None = None
-    priority: int = Field(0, description="lower is served first (vLLM extension; the gateway's tiers)")
+    priority: int = Field(0, ge=-MAX_INT32 - 1, le=MAX_INT32,
+                          description="lower is served first (vLLM extension; the gateway's tiers)")
 
     @field_validator("n")
     @classmethod
@@ -71,19 +98,37 @@ class _GenerationRequest(BaseModel):
             raise ValueError("presence and frequency penalties are not supported by this server; leave them at 0")
         return value
 
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _no_repetition_penalty(cls, value: float) -> float:
+        if value != 1:
+            raise ValueError("repetition_penalty is not supported by this server; leave it at 1")
+        return value
+
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported by this server")
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        """Keys are token ids written in decimal; values in [-100, 100]. Whether each id is in the model's
+        vocabulary is checked when the engine admits the request."""
+        for key, bias in (value or {}).items():
+            if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) <= MAX_TOKEN_ID):
+                raise ValueError(f"logit_bias keys must be token ids (0..{MAX_TOKEN_ID} in decimal), got {key!r}")
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:  # NaN fails this too
+                raise ValueError(f"logit_bias values must be in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], "
+                                 f"got {bias} for token {key}")
         return value
 
     @field_validator("stop")
     @classmethod
     def _stop_strings(cls, value: str | list[str] | None) -> str | list[str] | None:
         stops = [value] if isinstance(value, str) else (value or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
+        longest = max(map(len, stops), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters, got {longest}")
         return value
 
     @property
@@ -120,6 +165,7 @@ class _GenerationRequest(BaseModel):
             min_tokens=self.min_tokens,
             top_logprobs=self.num_top_logprobs(),
             prompt_logprobs=self.num_prompt_logprobs(),
+            logit_bias=tuple((int(k), v) for k, v in (self.logit_bias or {}).items()),
         )
 
 
@@ -144,8 +190,10 @@ class CompletionRequest(_GenerationRequest):
         if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
             if not value:
                 raise ValueError("prompt must not be empty")
-            if min(value) < 0:
-                raise ValueError(f"token ids must be non-negative, got {min(value)}")
+            if min(value) < 0 or max(value) > MAX_TOKEN_ID:
+                bad = min(value) if min(value) < 0 else max(value)
+                raise ValueError(f"token ids must be non-negative and at most {MAX_TOKEN_ID} (and in the model's "
+                                 f"vocabulary), got {bad}")
             return value
         raise ValueError("prompt must be a string or a list of token ids (non-negative integers)")
 
@@ -201,9 +249,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
