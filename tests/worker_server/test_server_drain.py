@@ -1,5 +1,6 @@
 """Lame-duck drain over HTTP: authentication of POST /drain, what a draining worker answers, in-flight streams
-completing, the drain timeout aborting what is left, and the exit the worker asks for."""
+completing, the drain timeout aborting what is left, and a drained worker staying up, idle, until a signal (the
+signal's exit is tested with a real process in test_server_process.py)."""
 
 from __future__ import annotations
 
@@ -77,16 +78,28 @@ def test_in_flight_stream_completes_and_new_requests_get_503(start_worker, gated
                     if line.startswith("data: ") and line != "data: [DONE]"]
     text = "T" + "".join(p["choices"][0]["text"] for p in payloads)
     assert text == DEFAULT_SCRIPT[:30] and payloads[-1]["choices"][0]["finish_reason"] == "length"
-    live.thread.join(timeout=15)
-    assert not live.thread.is_alive() and live.worker.exit_code == 0
-    assert live.service.drain_status()["state"] == "drained" and not live.service.drain_status()["timed_out"]
+    _assert_drained_and_idle(live, wait)
+    assert not live.service.drain_status()["timed_out"]
 
 
-def test_idle_worker_exits_right_after_drain(start_worker, wait) -> None:
+def _assert_drained_and_idle(live, wait) -> None:
+    """Drained, and still up: not ready (no traffic), alive (liveness keeps it), nothing in flight, no exit asked."""
+    http = live.http()
+    status = wait(lambda: (s := http.get("/drain").json())["state"] == "drained" and s, "the drain to finish")
+    assert (status["draining"], status["inflight"], status["seconds_left"]) == (True, 0, None)
+    ready = http.get("/ready")
+    assert ready.status_code == 503 and ready.json()["error"]["code"] == "draining"
+    assert "has drained" in ready.json()["error"]["message"]
+    assert http.get("/health").status_code == 200
+    assert http.post("/v1/completions", json={"prompt": "x"}).status_code == 503
+    assert live.metric("llmfleet:draining") == 1 and live.metric("llmfleet:inflight_requests") == 0
+    assert live.thread.is_alive() and not live.worker.server.should_exit
+
+
+def test_idle_worker_stays_up_after_drain(start_worker, wait) -> None:
     live = start_worker(drain_token=TOKEN)
     assert httpx.post(live.base_url + "/drain", headers=AUTH, timeout=10).status_code == 202
-    live.thread.join(timeout=15)
-    assert not live.thread.is_alive() and live.worker.exit_code == 0
+    _assert_drained_and_idle(live, wait)
 
 
 def test_drain_timeout_aborts_what_is_left(start_worker, gated, raw_request, wait) -> None:
@@ -108,8 +121,7 @@ def test_drain_timeout_aborts_what_is_left(start_worker, gated, raw_request, wai
     assert error["error"]["code"] == "aborted" and "drain timeout" in error["error"]["message"]
     response = _read_response(sock)
     assert response.startswith(b"HTTP/1.1 503") and b'"code":"aborted"' in response
-    live.thread.join(timeout=15)
-    assert not live.thread.is_alive() and live.worker.exit_code == 0
+    _assert_drained_and_idle(live, wait)
     assert live.service.drain_status()["timed_out"]
     assert len(set(engine.aborted)) == 2 and engine.stats().num_running == 0
 
@@ -129,5 +141,4 @@ def test_drain_before_the_model_loaded(start_worker, wait) -> None:
     ready = httpx.get(live.base_url + "/ready", timeout=10)
     assert ready.status_code == 503 and ready.json()["error"]["code"] == "loading"
     assert httpx.post(live.base_url + "/drain", headers=AUTH, timeout=10).status_code == 202
-    live.thread.join(timeout=15)
-    assert not live.thread.is_alive() and live.worker.exit_code == 0
+    _assert_drained_and_idle(live, wait)

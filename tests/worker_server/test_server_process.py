@@ -1,5 +1,6 @@
 """`llmfleet worker` as a real process (fake engine): SIGTERM and POST /drain drain it, in-flight streams finish,
-new requests get 503, and the process exits 0; bad flags exit 2 with a message."""
+new requests get 503; SIGTERM exits 0 once drained, while a POST /drain leaves the process up and idle until a
+SIGTERM (the kubelet deleting the pod) makes it exit 0; bad flags exit 2 with a message."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -76,7 +78,28 @@ def test_post_drain_with_token_and_timeout(worker, wait, tmp_path: Path) -> None
         events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]  # gate stays shut
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "aborted"
     assert json.loads(events[-3])["choices"][0]["finish_reason"] == "abort"
-    assert w.wait_exit() == 0
+    wait(lambda: http.get("/drain").json()["state"] == "drained", "the drain to finish")
+    assert w.proc.poll() is None and http.get("/drain").json()["timed_out"]
+    w.proc.send_signal(signal.SIGTERM)
+    assert w.wait_exit(timeout_s=10) == 0
+
+
+def test_post_drain_stays_up_until_sigterm(worker, wait, tmp_path: Path) -> None:
+    """The kubelet restarts a worker that exits (`restartPolicy: Always`): a drained worker waits for its pod's
+    deletion, idle, not ready and alive, and SIGTERM then ends it at once."""
+    w = worker(env={"LLMFLEET_DRAIN_TOKEN": "tok-456"})
+    http = httpx.Client(base_url=w.base_url, timeout=30)
+    wait(lambda: http.get("/ready").status_code == 200, "readiness")
+    assert http.post("/drain", headers={"Authorization": "Bearer tok-456"}).status_code == 202
+    wait(lambda: http.get("/drain").json()["state"] == "drained", "the drain to finish")
+    for _ in range(5):  # answers for a while (an exiting worker stops within uvicorn's 0.1 s tick)
+        assert http.get("/health").status_code == 200
+        assert http.get("/ready").status_code == 503
+        assert http.get("/drain").json()["inflight"] == 0
+        time.sleep(0.1)
+    assert w.proc.poll() is None, "the drained worker exited before its pod was deleted"
+    w.proc.send_signal(signal.SIGTERM)
+    assert w.wait_exit(timeout_s=10) == 0
 
 
 def test_second_sigterm_aborts_and_exits_0(worker, wait) -> None:
@@ -114,5 +137,5 @@ def test_bad_configuration_exits_2(args, env, message) -> None:
 def test_bad_configuration_exits_2_as_a_process() -> None:
     cmd = [sys.executable, "-m", "llmfleet.cli", "worker", "--model", "fake://m", "--engine", "fake",
            "--quantization", "int3"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    result = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=30)
     assert result.returncode == 2 and "quantization" in result.stderr, result.stderr

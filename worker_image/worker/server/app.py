@@ -3,7 +3,8 @@
 `WorkerService` is the per-app state (engine, settings, metrics, in-flight table, drainer, fault injector, load
 state); the routes are thin. The engine loads in the background after start-up, so `/health` answers while a
 large model loads and `/ready` turns 200 only when it can serve. `on_exit(code)` is how the app asks its host
-(the CLI's uvicorn runner) to stop: 0 after a drain, 1 when the model failed to load.
+(the CLI's uvicorn runner) to stop: 0 after a signal-triggered drain, 1 when the model failed to load. A drain
+started by `POST /drain` ends with the worker up and idle (not ready, alive) until SIGTERM (see drain.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from worker.engine.protocol import EngineClient
 from worker.metrics import CONTENT_TYPE, ServerGauges, WorkerMetrics
 from worker.server import generation
 from worker.server import openai_models as oai
-from worker.server.drain import Drainer
+from worker.server.drain import Drainer, Phase
 from worker.server.errors import ApiError, install_error_handlers, validation_error
 from worker.server.faults import FaultInjector
 from worker.server.inflight import InflightTable
@@ -64,7 +65,7 @@ class WorkerService:
             inflight=lambda: len(self.inflight),
             wait_change=self.inflight.wait_change,
             abort_all=self._abort_all,
-            on_drained=lambda: on_exit(0),
+            on_exit=lambda: on_exit(0),
         )
 
     def _gauges(self) -> ServerGauges:
@@ -109,19 +110,16 @@ class WorkerService:
         self.drainer.begin(reason)
 
     def on_signal(self, name: str) -> None:
-        """SIGTERM/SIGINT: the first starts a drain, a later one shortens it to now."""
-        if self.drainer.state.draining:
-            log.warning("%s again: aborting what is left and exiting", name)
-            self.drainer.hasten()
-        else:
-            self.begin_drain(name)
+        """SIGTERM/SIGINT: drain, then exit (at once when already drained); a later one shortens the drain to now."""
+        self.drainer.signal(name)
 
     # ---- state for routes ----
     def not_ready_error(self) -> ApiError | None:
         retry = self.settings.retry_after_s
         if self.drainer.state.draining:
-            return ApiError(503, "the worker is draining (lame duck) and takes no new requests; retry on another "
-                            "worker", code="draining", retry_after_s=retry)
+            what = "has drained" if self.drainer.state.phase is Phase.DRAINED else "is draining (lame duck)"
+            return ApiError(503, f"the worker {what} and takes no new requests; retry on another worker",
+                            code="draining", retry_after_s=retry)
         if self.load_error is not None:
             return ApiError(503, f"the model failed to load: {self.load_error}", code="load_failed")
         if not self.loaded:

@@ -75,8 +75,9 @@ def worker_command(
 ) -> None:
     """Run a worker: engine + OpenAI-compatible server, /metrics, /health, /ready, /drain.
 
-    SIGTERM (or POST /drain) drains: /ready fails, new requests get 503, in-flight requests finish, then the
-    process exits 0 (after at most --drain-timeout, aborting what is left).
+    SIGTERM (or POST /drain) drains: /ready fails, new requests get 503, in-flight requests finish (for at most
+    --drain-timeout, then what is left is aborted). After SIGTERM the process then exits 0; after POST /drain it
+    stays up, idle, until SIGTERM (a pod about to be deleted must not be restarted by the kubelet).
     """
     from pydantic import ValidationError
 

@@ -1,8 +1,14 @@
-"""Lame-duck drain: stop taking work, finish what is in flight, then exit.
+"""Lame-duck drain: stop taking work, finish what is in flight, then exit when the pod is going away.
 
-The state machine is pure (`begin`, `decide`: state, in-flight count and time in, decision out) and table-tested;
-`Drainer` is the thin async shell that waits for in-flight requests to end, aborts what is left at the deadline
-and calls the exit callback. `POST /drain` and SIGTERM both call `Drainer.begin`.
+Two ways in, one drain: `POST /drain` (the operator, or the preStop hook) drains and then stays up, idle, not
+ready and alive, because the pod is about to be deleted and a process that exited would be restarted by the
+kubelet (`restartPolicy: Always`: a full model load in a doomed pod). A signal (SIGTERM from the kubelet deleting
+the pod, or SIGINT) drains if not yet draining, and the process exits once drained (at once when a `POST /drain`
+already finished); a second signal moves the deadline to now (abort what is left, then exit).
+
+The state machine is pure (`begin`, `request_exit`, `decide`, `should_exit`: state, in-flight count and time in,
+decision out) and table-tested; `Drainer` is the thin async shell that waits for in-flight requests to end,
+aborts what is left at the deadline and calls the exit callback when a signal asked for it.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ log = logging.getLogger(__name__)
 class Phase(enum.StrEnum):
     SERVING = "serving"
     DRAINING = "draining"
-    DRAINED = "drained"  # nothing left in flight (or the rest aborted): the process may exit
+    DRAINED = "drained"  # nothing left in flight (or the rest aborted): idle until a signal, then exit
 
 
 @dataclass(frozen=True)
@@ -29,6 +35,7 @@ class DrainState:
     started_at: float | None = None
     deadline: float | None = None
     timed_out: bool = False
+    exit_requested: bool = False  # a signal came: exit once drained
 
     @property
     def draining(self) -> bool:
@@ -38,7 +45,7 @@ class DrainState:
 class Decision(enum.Enum):
     WAIT = "wait"  # requests still in flight, time left
     ABORT_REST = "abort_rest"  # deadline passed: abort what is left
-    DONE = "done"  # idle: exit
+    DONE = "done"  # idle: drained
 
 
 def begin(state: DrainState, reason: str, now: float, timeout_s: float) -> DrainState:
@@ -49,10 +56,23 @@ def begin(state: DrainState, reason: str, now: float, timeout_s: float) -> Drain
 
 
 def hasten(state: DrainState, now: float) -> DrainState:
-    """A second SIGTERM/SIGINT: move the deadline to now (abort what is left, then exit)."""
+    """Move the deadline to now (abort what is left, then finish)."""
     if state.phase is not Phase.DRAINING or state.deadline is None or state.deadline <= now:
         return state
     return replace(state, deadline=now)
+
+
+def request_exit(state: DrainState, reason: str, now: float, timeout_s: float) -> DrainState:
+    """A SIGTERM/SIGINT: the first drains (keeping a drain already under way as it is) and asks for an exit once
+    drained; a later one hastens the drain."""
+    if state.exit_requested:
+        return hasten(state, now)
+    return replace(begin(state, reason, now, timeout_s), exit_requested=True)
+
+
+def should_exit(state: DrainState) -> bool:
+    """Drained and a signal asked for the exit (a `POST /drain` alone leaves the process up, idle)."""
+    return state.phase is Phase.DRAINED and state.exit_requested
 
 
 def decide(state: DrainState, inflight: int, now: float) -> Decision:
@@ -70,7 +90,8 @@ def finish(state: DrainState, timed_out: bool) -> DrainState:
 
 
 class Drainer:
-    """Runs one drain: wait until idle or the deadline, abort the rest, call `on_drained`.
+    """Runs one drain: wait until idle or the deadline, abort the rest; call `on_exit` once drained if a signal
+    asked for it (`signal`), whenever that signal comes.
 
     `inflight` returns the in-flight count, `wait_change(timeout)` returns when that count may have changed or the
     timeout passed, `abort_all()` aborts every in-flight request (they then end quickly with finish reason abort).
@@ -83,7 +104,7 @@ class Drainer:
         inflight: Callable[[], int],
         wait_change: Callable[[float], Awaitable[None]],
         abort_all: Callable[[], Awaitable[None]],
-        on_drained: Callable[[], None],
+        on_exit: Callable[[], None],
         abort_grace_s: float = 5.0,
     ) -> None:
         self._timeout_s = timeout_s
@@ -91,25 +112,38 @@ class Drainer:
         self._inflight = inflight
         self._wait_change = wait_change
         self._abort_all = abort_all
-        self._on_drained = on_drained
+        self._on_exit = on_exit
         self._abort_grace_s = abort_grace_s
         self.state = DrainState()
         self._task: asyncio.Task[None] | None = None
         self._waiter: asyncio.Future[None] | None = None
 
     def begin(self, reason: str) -> DrainState:
-        """Start draining (idempotent); returns the state. Must run on the event loop."""
+        """Start draining (idempotent) and stay up once drained; returns the state. Must run on the event loop."""
         self.state = begin(self.state, reason, self._clock(), self._timeout_s)
+        self._start(reason)
+        return self.state
+
+    def signal(self, reason: str) -> DrainState:
+        """A SIGTERM/SIGINT (see `request_exit`); exits at once when already drained. Must run on the event loop."""
+        hastening = self.state.exit_requested
+        self.state = request_exit(self.state, reason, self._clock(), self._timeout_s)
+        if should_exit(self.state):
+            log.warning("%s: already drained; exiting", reason)
+            self._on_exit()
+            return self.state
+        if hastening:
+            log.warning("%s again: aborting what is left and exiting", reason)
+            if self._waiter is not None:
+                self._waiter.cancel()  # re-decide now
+        self._start(reason)
+        return self.state
+
+    def _start(self, reason: str) -> None:
         if self._task is None:
             log.warning("drain started (%s): not ready, refusing new requests, %d in flight, timeout %.1fs",
                         reason, self._inflight(), self._timeout_s)
             self._task = asyncio.get_running_loop().create_task(self._run(), name="drain")
-        return self.state
-
-    def hasten(self) -> None:
-        self.state = hasten(self.state, self._clock())
-        if self._waiter is not None:
-            self._waiter.cancel()  # re-decide now
 
     def seconds_left(self) -> float | None:
         if self.state.phase is not Phase.DRAINING or self.state.deadline is None:
@@ -150,5 +184,7 @@ class Drainer:
             assert self.state.deadline is not None
             await self._sleep(self.state.deadline - self._clock())
         self.state = finish(self.state, timed_out)
-        log.warning("drain finished (%s)", "timed out, rest aborted" if timed_out else "idle")
-        self._on_drained()
+        log.warning("drain finished (%s)%s", "timed out, rest aborted" if timed_out else "idle",
+                    "; exiting" if should_exit(self.state) else "; idle until the pod is deleted (SIGTERM exits)")
+        if should_exit(self.state):
+            self._on_exit()

@@ -3,7 +3,8 @@
 uvicorn's own handler would start its shutdown at once (closing idle connections, waiting a bounded time for the
 rest) and re-raise the signal at the end, so the process would die by SIGTERM instead of exiting 0. Here a signal
 starts the lame-duck drain instead: the listener stays open (new requests get 503 so routers retry elsewhere),
-in-flight streams complete, and only when the drain is done does uvicorn shut down and the process exit 0.
+in-flight streams complete, and only when the drain is done does uvicorn shut down and the process exit 0
+(at once when a `POST /drain` had already drained it).
 """
 
 from __future__ import annotations
