@@ -3,13 +3,25 @@
 `merge_conditions(previous, wanted, now)` returns the new condition list: a condition whose status is unchanged
 keeps its old transition time (reason and message may still be updated), a changed or new one gets `now`.
 Conditions of types this controller does not set are kept as they are, so other writers' conditions survive.
+
+`kstatus_conditions(health)` derives the three conditions GitOps tools read (kstatus: Flux, `kubectl wait`, kpt,
+Config Sync; and the Argo CD health check in charts/llmfleet/files/argocd-health.lua) from what the planner saw:
+- `Stalled` (abnormal-true) when nothing will change without a human: an invalid spec, a canary rolled back (or a
+  spec still asking for a rejected revision), pods that cannot start. The reason says which, the message what to fix.
+- `Reconciling` (abnormal-true) while a rollout, drain or scale is under way and not stalled; the reason names the
+  step (`CanaryProgressing`, `Promoting`, `RollingUpdate`, `ScalingUp`, ...).
+- `Ready` only when neither holds, the spec's revision serves all its replicas and no API error hid anything
+  (at zero wanted replicas, a deployment scaled to zero on purpose is Ready with reason `ScaledToZero`).
+Stalled and Reconciling are never both true, so kstatus' order (Reconciling before Stalled) cannot hide a failure.
+The mapping is documented in docs/gitops.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from enum import StrEnum
 
 from crds.models import Condition, ConditionStatus, ConditionType
 
@@ -54,3 +66,82 @@ def find(conditions: Iterable[Condition], kind: ConditionType) -> Condition | No
 def is_true(conditions: Iterable[Condition], kind: ConditionType) -> bool:
     condition = find(conditions, kind)
     return condition is not None and condition.status == ConditionStatus.TRUE
+
+
+# ------------------------------------------------------------------------------------------------------ kstatus
+
+
+class ReconcilingReason(StrEnum):
+    """Why `Reconciling` is true: the step under way."""
+
+    CANARY = "CanaryProgressing"
+    PROMOTING = "Promoting"
+    ROLLING_BACK = "RollingBack"  # the spec went back to the stable revision: the canary's pods drain
+    ROLLING_UPDATE = "RollingUpdate"
+    SCALING_UP = "ScalingUp"
+    SCALING_DOWN = "ScalingDown"
+    PODS_STARTING = "PodsStarting"
+    DRAINING = "Draining"
+    REMOVING_VARIANT = "RemovingVariant"
+    TERMINATING = "Terminating"
+
+
+class StalledReason(StrEnum):
+    """Why `Stalled` is true: what a human must fix."""
+
+    INVALID_SPEC = "InvalidSpec"
+    ROLLED_BACK = "CanaryRolledBack"
+    PODS_CANNOT_START = "PodsCannotStart"
+
+
+# Reasons of the conditions when they are in their normal state.
+READY_REASON = "Current"
+SCALED_TO_ZERO_REASON = "ScaledToZero"
+NOT_SERVING_REASON = "ReplicasUnavailable"
+RECONCILED_REASON = "Reconciled"
+STALLED_INSTEAD_REASON = "Stalled"
+NOT_STALLED_REASON = "NotStalled"
+
+
+@dataclass(frozen=True)
+class Health:
+    """What the planner knows about a deployment, for the kstatus conditions."""
+
+    stalled: Sequence[tuple[StalledReason, str]] = ()  # every reason it cannot progress, with what to fix
+    moving: Sequence[tuple[ReconcilingReason, str]] = ()  # every step under way, in order of importance
+    serving: bool = True  # the spec's revision serves all its wanted replicas (ready pods >= desired)
+    scaled_to_zero: bool = False  # no pods wanted on purpose
+    trouble: tuple[str, str] | None = None  # (reason, message) of a transient trouble (API errors) hiding the truth
+    summary: str = ""  # for Ready=True: who serves (e.g. "default 2/2 ready")
+
+
+def kstatus_conditions(health: Health) -> list[WantedCondition]:
+    """`Ready`, `Reconciling` and `Stalled` (in that order) for `health` (rules in the module docstring)."""
+    if health.stalled:
+        reason, _ = health.stalled[0]
+        message = "; ".join(text for _, text in health.stalled)
+        stalled = WantedCondition(ConditionType.STALLED, ConditionStatus.TRUE, reason.value, message)
+        reconciling = WantedCondition(
+            ConditionType.RECONCILING, ConditionStatus.FALSE, STALLED_INSTEAD_REASON, "stalled: " + message
+        )
+        ready = WantedCondition(ConditionType.READY, ConditionStatus.FALSE, reason.value, message)
+        return [ready, reconciling, stalled]
+    stalled = WantedCondition(ConditionType.STALLED, ConditionStatus.FALSE, NOT_STALLED_REASON, "")
+    if health.moving:
+        reason, _ = health.moving[0]
+        message = "; ".join(text for _, text in health.moving)
+        reconciling = WantedCondition(ConditionType.RECONCILING, ConditionStatus.TRUE, reason.value, message)
+        ready = WantedCondition(ConditionType.READY, ConditionStatus.FALSE, reason.value, message)
+        return [ready, reconciling, stalled]
+    reconciling = WantedCondition(ConditionType.RECONCILING, ConditionStatus.FALSE, RECONCILED_REASON, "")
+    if health.trouble is not None:
+        ready = WantedCondition(ConditionType.READY, ConditionStatus.FALSE, *health.trouble)
+    elif not health.serving:
+        ready = WantedCondition(ConditionType.READY, ConditionStatus.FALSE, NOT_SERVING_REASON, health.summary)
+    elif health.scaled_to_zero:
+        ready = WantedCondition(
+            ConditionType.READY, ConditionStatus.TRUE, SCALED_TO_ZERO_REASON, "no pods wanted; requests wake it"
+        )
+    else:
+        ready = WantedCondition(ConditionType.READY, ConditionStatus.TRUE, READY_REASON, health.summary)
+    return [ready, reconciling, stalled]

@@ -49,7 +49,15 @@ from controllers.actions import (
     RemoveAnnotations,
     StartDrain,
 )
-from controllers.conditions import WantedCondition, find, merge_conditions
+from controllers.conditions import (
+    Health,
+    ReconcilingReason,
+    StalledReason,
+    WantedCondition,
+    find,
+    kstatus_conditions,
+    merge_conditions,
+)
 from controllers.observed import Observed, PodInfo
 from controllers.ordering import deletion_order
 from controllers.pods import (
@@ -129,6 +137,7 @@ class _VariantOutcome:
     progressing: str  # why it is still moving, "" when settled
     stuck: tuple[str, ...]  # names of pods that will not get ready by themselves
     failed: tuple[str, ...]  # names of ended pods being replaced
+    reconciling: ReconcilingReason | None = None  # the step under way (None when settled)
 
 
 def reconcile(resource: Mapping[str, Any], observed: Observed, now: datetime, policy: Policy = Policy()) -> Plan:
@@ -228,8 +237,9 @@ def _converge(
 
     starts = [a for a in actions if isinstance(a, StartDrain) and a.mark]
     drains = _drains(progress.drains, starts)
+    rejected = any(plan.muted for plan in plans.values())  # the spec asks for a rolled-back revision
     status = _status(name, generation, previous, outcomes, orphans, observed, now, decision.status, drains,
-                     running)
+                     running, rejected)
     patch = _status_patch(previous, status)
     if patch is not None:
         actions.append(PatchStatus(patch))
@@ -389,7 +399,7 @@ def _plan_variant(
 
     ready = sum(p.ready for p in live)
     current = [p for p in live if p.revision in wanted]
-    progressing = _progress_reason(total, current, old, going, creates, removals)
+    reconciling, progressing = _progress_reason(total, current, old, going, creates, removals)
     return _VariantOutcome(
         creates=tuple(creates),
         removals=tuple(removals),
@@ -405,6 +415,7 @@ def _plan_variant(
         progressing=progressing,
         stuck=tuple(p.name for p in live if p.stuck),
         failed=tuple(p.name for p in ended),
+        reconciling=reconciling,
     )
 
 
@@ -415,19 +426,19 @@ def _progress_reason(
     going: list[PodInfo],
     creates: list[CreatePod],
     removals: list[Action],
-) -> str:
+) -> tuple[ReconcilingReason | None, str]:
     if old:
-        return f"replacing {len(old)} pod(s) of an old revision"
+        return ReconcilingReason.ROLLING_UPDATE, f"replacing {len(old)} pod(s) of an old revision"
     if len(current) + len(creates) < desired or creates:
-        return f"scaling up to {desired}"
+        return ReconcilingReason.SCALING_UP, f"scaling up to {desired}"
     if len(current) > desired or any(getattr(r, "reason", "") == DrainReason.SCALE_DOWN.value for r in removals):
-        return f"scaling down to {desired}"
+        return ReconcilingReason.SCALING_DOWN, f"scaling down to {desired}"
     starting = sum(not p.ready for p in current)
     if starting:
-        return f"{starting} pod(s) starting"
+        return ReconcilingReason.PODS_STARTING, f"{starting} pod(s) starting"
     if going:
-        return f"{len(going)} pod(s) draining or terminating"
-    return ""
+        return ReconcilingReason.DRAINING, f"{len(going)} pod(s) draining or terminating"
+    return None, ""
 
 
 def _revision_status(plan: rollout.VariantRollout, live: list[PodInfo]) -> list[RevisionReplicas]:
@@ -489,6 +500,7 @@ def _status(
     rollout_status: RolloutStatus,
     drains: list[DrainStatus],
     running: RunningSpec,
+    rejected: bool,
 ) -> InferenceDeploymentStatus:
     variants = [o.status for o in outcomes]
     desired = sum(v.desired_replicas for v in variants)
@@ -558,7 +570,11 @@ def _status(
             "desired_replicas": desired,
             "label_selector": label_selector(name),
             "conditions": merge_conditions(
-                previous.conditions, [available, progressing, degraded, valid], now, generation
+                previous.conditions,
+                [available, progressing, degraded, valid,
+                 *kstatus_conditions(_health(running, rollout_status, rejected, outcomes, orphans, observed))],
+                now,
+                generation,
             ),
             "variants": variants,
             "endpoints": endpoints,
@@ -566,6 +582,52 @@ def _status(
             "drains": drains,
             "last_valid_spec": dict(running.raw) if running.raw is not None else previous.last_valid_spec,
         }
+    )
+
+
+# Reconciling=True reasons while the rollout machine is moving (the spec's revision is not rejected).
+_ROLLOUT_STEPS = {
+    RolloutPhase.PROGRESSING: ReconcilingReason.CANARY,
+    RolloutPhase.PROMOTING: ReconcilingReason.PROMOTING,
+    RolloutPhase.ROLLING_BACK: ReconcilingReason.ROLLING_BACK,
+}
+
+
+def _health(
+    running: RunningSpec,
+    rollout_status: RolloutStatus,
+    rejected: bool,
+    outcomes: list[_VariantOutcome],
+    orphans: tuple[Action, ...],
+    observed: Observed,
+) -> Health:
+    """What the kstatus conditions (Ready/Reconciling/Stalled) are made of (`controllers.conditions`)."""
+    stalled: list[tuple[StalledReason, str]] = []
+    if running.fallback:
+        stalled.append((StalledReason.INVALID_SPEC, _invalid_message(running.problems)
+                        + "; the last valid spec keeps running: fix the spec"))
+    if rejected:
+        fix = (f"to go on, change the spec (or revert it to the stable revision {rollout_status.stable_revision}), "
+               f"or annotate {rollout.PROMOTE}=true to promote the rejected revision")
+        stalled.append((StalledReason.ROLLED_BACK, f"{rollout_status.message}; {fix}"))
+    stuck = [pod for o in outcomes for pod in o.stuck]
+    if stuck:
+        stalled.append((StalledReason.PODS_CANNOT_START, "pods that cannot start (crash loop, image or config "
+                        "error): " + ", ".join(stuck) + "; fix the image, the engine flags or the resources"))
+    moving: list[tuple[ReconcilingReason, str]] = []
+    if rollout_status.phase in _ROLLOUT_STEPS and not rejected:
+        moving.append((_ROLLOUT_STEPS[rollout_status.phase], rollout_status.message))
+    moving += [(o.reconciling, f"{o.status.name}: {o.progressing}") for o in outcomes if o.reconciling is not None]
+    if orphans:
+        moving.append((ReconcilingReason.REMOVING_VARIANT, f"removing {len(orphans)} pod(s) of removed variants"))
+    variants = [o.status for o in outcomes]
+    return Health(
+        stalled=stalled,
+        moving=moving,
+        serving=all(v.ready_replicas >= v.desired_replicas for v in variants),
+        scaled_to_zero=not any(v.desired_replicas for v in variants),
+        trouble=("ApiError", "API errors: " + "; ".join(observed.errors)) if observed.errors else None,
+        summary=", ".join(f"{v.name} {v.ready_replicas}/{v.desired_replicas} ready" for v in variants),
     )
 
 
@@ -646,7 +708,8 @@ def _invalid(
     generation = meta.get("generation")
     message = _invalid_message(problems)
     condition = WantedCondition(ConditionType.INVALID_SPEC, ConditionStatus.TRUE, "ValidationFailed", message)
-    keep = [c for c in previous.conditions if c.type != ConditionType.INVALID_SPEC.value]
+    health = Health(stalled=[(StalledReason.INVALID_SPEC, message + "; nothing runs until the spec is fixed")])
+    wanted = [condition, *kstatus_conditions(health)]
     # Drains already under way finish (their workers refuse new requests); nothing else changes.
     progress = draining.advance(
         pods, observed.drain_probes, now, timeout_s=_drain_timeout(raw_spec), port=policy.defaults.port
@@ -657,7 +720,7 @@ def _invalid(
             "observed_generation": generation,
             "phase": Phase.INVALID_SPEC,
             "label_selector": label_selector(meta["name"]),
-            "conditions": merge_conditions(keep, [condition], now, generation),
+            "conditions": merge_conditions(previous.conditions, wanted, now, generation),
             "drains": _drains(progress.drains, starts),
         }
     )
@@ -720,12 +783,12 @@ def _deleting(
         "Terminating",
         f"removing {left} pod(s) before the InferenceDeployment goes",
     )
-    keep = [c for c in previous.conditions if c.type != ConditionType.PROGRESSING.value]
+    terminating = [condition, *kstatus_conditions(Health(moving=[(ReconcilingReason.TERMINATING, condition.message)]))]
     starts = [a for a in (*progress.actions, *removals) if isinstance(a, StartDrain) and a.mark]
     status = previous.model_copy(
         update={
             "phase": Phase.TERMINATING,
-            "conditions": merge_conditions(keep, [condition], now, meta.get("generation")),
+            "conditions": merge_conditions(previous.conditions, terminating, now, meta.get("generation")),
             "drains": _drains(progress.drains, starts),
         }
     )

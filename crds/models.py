@@ -444,6 +444,9 @@ class ConditionType(StrEnum):
     PROGRESSING = "Progressing"
     DEGRADED = "Degraded"
     INVALID_SPEC = "InvalidSpec"
+    READY = "Ready"  # kstatus: the spec's revision serves all its replicas and nothing is pending
+    RECONCILING = "Reconciling"  # kstatus, abnormal-true: a rollout, drain or scale is under way
+    STALLED = "Stalled"  # kstatus, abnormal-true: no progress without a fix (invalid spec, rollback, stuck pods)
 
 
 class ConditionStatus(StrEnum):
