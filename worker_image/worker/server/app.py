@@ -28,7 +28,7 @@ from worker.metrics import CONTENT_TYPE, ServerGauges, WorkerMetrics
 from worker.server import generation
 from worker.server import openai_models as oai
 from worker.server.drain import Drainer, Phase
-from worker.server.errors import ApiError, install_error_handlers, validation_error
+from worker.server.errors import ApiError, RequestIds, install_error_handlers, request_id_of, validation_error
 from worker.server.faults import FaultInjector
 from worker.server.inflight import InflightTable
 from worker.server.settings import WorkerSettings
@@ -120,8 +120,9 @@ class WorkerService:
             what = "has drained" if self.drainer.state.phase is Phase.DRAINED else "is draining (lame duck)"
             return ApiError(503, f"the worker {what} and takes no new requests; retry on another worker",
                             code="draining", retry_after_s=retry)
-        if self.load_error is not None:
-            return ApiError(503, f"the model failed to load: {self.load_error}", code="load_failed")
+        if self.load_error is not None:  # the reason is in the log, not in an answer to whoever asks
+            return ApiError(503, "the model failed to load or the engine failed; the worker is exiting",
+                            code="load_failed")
         if not self.loaded:
             return ApiError(503, "the model is still loading", code="loading", retry_after_s=retry)
         return None
@@ -183,24 +184,23 @@ class GenerationAccounting:
 
 
 async def parse_body(request: Request, model: type[BodyT]) -> BodyT:
-    """The JSON body as `model`, whatever the Content-Type (curl -d sends form encoding); 400 when not JSON or
-    not valid."""
+    """The JSON body as `model`, whatever the Content-Type (curl -d sends form encoding); 400 when not JSON
+    (including numbers past int's digit limit and nesting past the parser's recursion limit) or not valid."""
     raw = await request.body()
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ApiError(400, f"request body is not valid JSON: {err}", code="invalid_json") from err
+    except RecursionError:
+        raise ApiError(400, "request body is not valid JSON: nested too deeply", code="invalid_json") from None
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, int digit limit
+        raise ApiError(400, f"request body is not valid JSON: {err}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
     try:
         return model.model_validate(data)
     except ValidationError as err:
         raise validation_error(list(err.errors())) from None
-
-
-def _json_body(model: type[BaseModel]) -> dict[str, Any]:
-    """OpenAPI description of a body parsed by `parse_body` (FastAPI cannot see it)."""
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+    except RecursionError:
+        raise ApiError(400, "request body is nested too deeply", code="invalid_value") from None
 
 
 def create_app(engine: EngineClient, settings: WorkerSettings, *,
@@ -217,10 +217,13 @@ def create_app(engine: EngineClient, settings: WorkerSettings, *,
         finally:
             await service.shutdown()
 
-    app = FastAPI(title="llmfleet worker", version="1", lifespan=lifespan)
+    # No /docs, /redoc, /openapi.json: whoever reaches a worker needs no map of it (the API is OpenAI's).
+    app = FastAPI(title="llmfleet worker", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
     app.state.service = service
     install_error_handlers(app)
     app.add_middleware(GenerationAccounting, service=service)
+    app.add_middleware(RequestIds)  # outermost: every answer, even a crash's, gets the id
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -252,25 +255,21 @@ def create_app(engine: EngineClient, settings: WorkerSettings, *,
         return service.drain_status()
 
     def respond(prep: generation.Prepared) -> Response:
-        headers = {"X-Request-Id": prep.request_id}
         if prep.stream:
-            return EventStreamResponse(generation.stream(service, prep), headers=headers)
+            return EventStreamResponse(generation.stream(service, prep))
+        return DeferredJSONResponse(lambda: generation.complete(service, prep))
 
-        async def produce() -> tuple[int, dict[str, Any], dict[str, str]]:
-            status, body, extra = await generation.complete(service, prep)
-            return status, body, {**headers, **extra}
-
-        return DeferredJSONResponse(produce)
-
-    @app.post("/v1/completions", openapi_extra=_json_body(oai.CompletionRequest))
+    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await parse_body(request, oai.CompletionRequest)
-        return respond(generation.prepare(service, body, "completion", request.headers.get(generation.TIMEOUT_HEADER)))
+        return respond(generation.prepare(service, body, "completion", request.headers.get(generation.TIMEOUT_HEADER),
+                                          request_id_of(request.scope)))
 
-    @app.post("/v1/chat/completions", openapi_extra=_json_body(oai.ChatCompletionRequest))
+    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await parse_body(request, oai.ChatCompletionRequest)
-        return respond(generation.prepare(service, body, "chat", request.headers.get(generation.TIMEOUT_HEADER)))
+        return respond(generation.prepare(service, body, "chat", request.headers.get(generation.TIMEOUT_HEADER),
+                                          request_id_of(request.scope)))
 
     return app
 

@@ -1,21 +1,31 @@
-"""OpenAI-style error bodies for every 4xx/5xx the worker answers, including FastAPI's own validation errors.
+"""OpenAI-style error bodies for every 4xx/5xx the worker answers, including FastAPI's own validation errors, and
+the request id that ties an answer to the worker's log.
 
 Clients (the `openai` SDK, the gateway) read `{"error": {"message", "type", "param", "code"}}`; a router reads
-`Retry-After` on 429/503 to decide when or where to retry.
+`Retry-After` on 429/503 to decide when or where to retry. A 5xx never carries an exception's type or message
+(they can name files, addresses, library internals): its body says "internal error" and the request id, the
+`x-request-id` header carries the same id, and the log has the details under it. The id is the caller's
+`x-request-id` when that is a plain token (the gateway sends one, so both logs line up), else a new one.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
+import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "x-request-id"
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 _TYPES = {
     400: "invalid_request_error",
@@ -60,6 +70,57 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers())
 
 
+def internal_error(request_id: str, code: str = "internal_error") -> ApiError:
+    """The 500 a client sees for any failure of ours: no details, only the id to find them in the log."""
+    return ApiError(500, f"internal server error (request id {request_id}); the details are in the worker's log",
+                    code=code)
+
+
+def request_id_of(scope: Scope) -> str:
+    """The id `RequestIds` gave this request."""
+    return str(scope["state"]["request_id"])
+
+
+def _incoming_request_id(scope: Scope) -> str | None:
+    for name, value in scope.get("headers", ()):
+        if name == REQUEST_ID_HEADER.encode():
+            text = value.decode("latin-1")
+            return text if _REQUEST_ID.fullmatch(text) else None
+    return None
+
+
+class RequestIds:
+    """Gives every HTTP request an id (`request.state.request_id`, the `x-request-id` answer header), and turns
+    any exception that escapes the app into a generic 500 naming that id, with the traceback logged under it."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = _incoming_request_id(scope) or f"req-{uuid.uuid4().hex}"
+        scope.setdefault("state", {})["request_id"] = request_id
+        header = (REQUEST_ID_HEADER.encode(), request_id.encode())
+        started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                headers = [h for h in message.get("headers", ()) if h[0].lower() != header[0]]
+                message = {**message, "headers": [*headers, header]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            log.exception("request %s (%s %s) failed", request_id, scope.get("method"), scope.get("path"))
+            if not started:
+                await internal_error(request_id).response()(scope, receive, send_with_id)
+
+
 def validation_error(errors: list[dict[str, Any]]) -> ApiError:
     """The first pydantic/FastAPI error as a 400 naming the field (`messages.0.role`), the rest counted."""
     if not errors:
@@ -77,7 +138,8 @@ def validation_error(errors: list[dict[str, Any]]) -> ApiError:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Route every error FastAPI/Starlette can produce through the OpenAI error shape."""
+    """Route every error FastAPI/Starlette can produce through the OpenAI error shape (unexpected exceptions:
+    `RequestIds`, the outermost middleware)."""
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -91,8 +153,3 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         return ApiError(exc.status_code, detail).response()
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return ApiError(500, f"internal error: {type(exc).__name__}: {exc}").response()

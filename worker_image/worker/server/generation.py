@@ -21,7 +21,7 @@ from worker.metrics import CLIENT_DISCONNECT, STREAM_ABORTED, STREAM_ERROR
 from worker.request import FinishReason, Logprob, SamplingParams
 from worker.server import openai_models as oai
 from worker.server.admission import Limits, Load, admit
-from worker.server.errors import ApiError
+from worker.server.errors import ApiError, internal_error
 from worker.server.inflight import InflightRequest
 
 if TYPE_CHECKING:
@@ -37,7 +37,8 @@ Kind = Literal["completion", "chat"]
 @dataclass(frozen=True)
 class Prepared:
     kind: Kind
-    request_id: str
+    request_id: str  # the engine's and the response's id (`cmpl-...`)
+    x_request_id: str  # the HTTP request's id (`x-request-id`): in error answers and the log
     model: str
     created: int
     arrival: float  # service clock
@@ -65,7 +66,7 @@ def parse_timeout_header(value: str | None, setting: float | None) -> float | No
 
 
 def prepare(service: WorkerService, body: oai.CompletionRequest | oai.ChatCompletionRequest, kind: Kind,
-            timeout_header: str | None) -> Prepared:
+            timeout_header: str | None, x_request_id: str) -> Prepared:
     """Check that the worker can take the request and that the request is acceptable; raise ApiError if not."""
     arrival = service.clock()
     service.check_accepting()
@@ -103,6 +104,7 @@ def prepare(service: WorkerService, body: oai.CompletionRequest | oai.ChatComple
     return Prepared(
         kind=kind,
         request_id=f"{prefix}-{uuid.uuid4().hex}",
+        x_request_id=x_request_id,
         model=name,
         created=int(time.time()),
         arrival=arrival,
@@ -152,8 +154,9 @@ async def drive(service: WorkerService, prep: Prepared, entry: InflightRequest) 
             except TimeoutError:
                 raise abort_error(entry.abort_reason, prep.timeout_s) from None
             except StopAsyncIteration:
-                raise ApiError(500, "the engine ended the stream without a final output",
-                               code="engine_error") from None
+                log.error("request %s (%s): the engine ended the stream without a final output",
+                          prep.x_request_id, prep.request_id)
+                raise internal_error(prep.x_request_id, "engine_error") from None
             except (ApiError, asyncio.CancelledError):
                 raise
             except QueueFullError as err:
@@ -161,16 +164,16 @@ async def drive(service: WorkerService, prep: Prepared, entry: InflightRequest) 
                                code="queue_full", retry_after_s=1) from err
             except EngineDeadError as err:
                 service.engine_died(err)
-                raise ApiError(503, f"the engine has failed and the worker is restarting: {err}",
+                raise ApiError(503, "the engine has failed and the worker is restarting; retry on another worker",
                                code="engine_dead", retry_after_s=1) from err
             except ValueError as err:
-                if received:
-                    log.exception("engine failure in request %s", prep.request_id)
-                    raise ApiError(500, f"engine error: {err}", code="engine_error") from err
-                raise ApiError(400, f"the engine refused the request: {err}", code="engine_rejected") from err
+                if not received:
+                    raise ApiError(400, f"the engine refused the request: {err}", code="engine_rejected") from err
+                log.exception("engine failure in request %s (%s)", prep.x_request_id, prep.request_id)
+                raise internal_error(prep.x_request_id, "engine_error") from err
             except Exception as err:
-                log.exception("engine failure in request %s", prep.request_id)
-                raise ApiError(500, f"engine error: {type(err).__name__}: {err}", code="engine_error") from err
+                log.exception("engine failure in request %s (%s)", prep.x_request_id, prep.request_id)
+                raise internal_error(prep.x_request_id, "engine_error") from err
             finally:
                 entry.timeout = None
             received = True
@@ -178,8 +181,8 @@ async def drive(service: WorkerService, prep: Prepared, entry: InflightRequest) 
             if out.finish_reason is FinishReason.ERROR:  # the engine failed this request alone; it serves on
                 finished = True
                 metrics.finished(FinishReason.ERROR, now - prep.arrival)
-                raise ApiError(500, f"the engine could not complete this request: {out.error}",
-                               code="request_failed")
+                log.error("request %s (%s) failed in the engine: %s", prep.x_request_id, prep.request_id, out.error)
+                raise internal_error(prep.x_request_id, "request_failed")
             if out.new_token_ids:
                 if last_token_at is None:
                     metrics.first_token(now - prep.arrival, out.num_prompt_tokens or len(prep.prompt_ids))
@@ -236,8 +239,9 @@ def _echo_logprobs(prep: Prepared, out: RequestOutput) -> dict[str, Any] | None:
         return None
     scored: list[Logprob | None] = [None, *(out.prompt_logprobs or [])]
     if len(scored) != len(prep.prompt_ids):
-        raise ApiError(500, f"the engine scored {len(scored) - 1} of the {len(prep.prompt_ids) - 1} prompt tokens",
-                       code="engine_error")
+        log.error("request %s (%s): the engine scored %d of the %d prompt tokens", prep.x_request_id,
+                  prep.request_id, len(scored) - 1, len(prep.prompt_ids) - 1)
+        raise internal_error(prep.x_request_id, "engine_error")
     return oai.completion_logprobs(prep.prompt_ids, scored, with_top=prep.params.top_logprobs > 0)
 
 
