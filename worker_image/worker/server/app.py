@@ -28,7 +28,13 @@ from worker.metrics import CONTENT_TYPE, ServerGauges, WorkerMetrics
 from worker.server import generation
 from worker.server import openai_models as oai
 from worker.server.drain import Drainer, Phase
-from worker.server.errors import ApiError, RequestIds, install_error_handlers, request_id_of, validation_error
+from worker.server.errors import (
+    ApiError,
+    RequestIds,
+    install_error_handlers,
+    request_id_of,
+    validation_error,
+)
 from worker.server.faults import FaultInjector
 from worker.server.inflight import InflightTable
 from worker.server.settings import WorkerSettings
