@@ -2,7 +2,9 @@
 (plain dicts).
 
 `pod_template(deployment, spec, variant, defaults)` is everything about a variant's pods that does not depend on
-which pod it is; its hash is the revision (`controllers.revision`), so exactly what runs decides when pods roll.
+which pod it is. The revision that labels them is not its hash but the hash of what the user and the operator's
+administrator chose (`controllers.revision`), so a new operator version that renders pods differently does not roll
+running pods: new pods get the new rendering.
 `pod_manifest` adds the identity: a deterministic name `DEPLOYMENT-VARIANT-REVISION-SLOT`, the revision label and
 the controller ownerReference. Deterministic names make creation idempotent: after an operator restart or a stale
 read, creating "the next pod" again is an AlreadyExists answer, never a duplicate.
@@ -38,7 +40,9 @@ MANAGED_BY = "llmfleet-operator"
 
 @dataclass(frozen=True)
 class PodDefaults:
-    """Operator-wide choices for worker pods (from the operator's settings); they are part of the revision."""
+    """Operator-wide choices for worker pods (from the operator's settings). Which of them are part of the
+    revision (image, command, extra_args, port, render_epoch) and which reach new pods only is decided in
+    `controllers.revision`."""
 
     image: str = "ghcr.io/llmfleet/llmfleet-worker:0.1.0"
     # The worker entrypoint; the engine flags follow it.
@@ -53,6 +57,11 @@ class PodDefaults:
     cache_dir: str | None = "/var/cache/llmfleet"
     # Appended to every worker command, e.g. ("--engine", "fake") for control-plane tests; later flags win.
     extra_args: tuple[str, ...] = field(default=())
+    # Extra environment (name, value) of worker pods, before the CR's env. Rendering only: running pods keep theirs
+    # until they are replaced for another reason (or render_epoch changes).
+    extra_env: tuple[tuple[str, str], ...] = field(default=())
+    # Part of every revision: raising it rolls every worker pod (drained) onto the current rendering.
+    render_epoch: int = 0
 
 
 # ------------------------------------------------------------------------------------------------------- naming
@@ -368,6 +377,7 @@ def _container(
             {"name": "LLMFLEET_CACHE_DIR", "value": f"{defaults.cache_dir}/models"},
             {"name": "HF_HOME", "value": f"{defaults.cache_dir}/hf"},
         ]
+    env += [{"name": name, "value": value} for name, value in defaults.extra_env]
     user_env = [e.model_dump(mode="json", by_alias=True, exclude_none=True) for e in template.env]
     threads = cpu_threads(variant)
     if threads is not None and not any(e["name"] == "OMP_NUM_THREADS" for e in user_env):

@@ -9,7 +9,7 @@ The model (after Argo Rollouts' canary steps and analysis, reduced to what an LL
 
 - The stable revision is remembered as a snapshot of the pod-relevant spec (`status.rollout.stableSpec`), so
   stable pods can be rebuilt while `spec` already describes the canary. A variant's revision is the hash of its
-  pod template (`controllers.revision`); a variant whose spec revision differs from its stable one is *changed*.
+  pod-relevant intent (`controllers.revision`); a variant whose spec revision differs from its stable one is *changed*.
   The canary is the set of changed variants; its id (`canaryRevision`) is their spec revision (several variants:
   a hash of the variant -> revision map).
 - No `spec.rollout`: a change is promoted at once and pods are replaced by draining (a rolling replace).
@@ -47,7 +47,7 @@ from pydantic import ValidationError
 from controllers.actions import EmitEvent, EventType
 from controllers.observed import PodInfo, marked
 from controllers.pods import PodDefaults, pod_template
-from controllers.revision import revision_of
+from controllers.revision import NON_POD_FIELDS, NON_POD_VARIANT_FIELDS, revision_of, variant_revision
 from controllers.running_spec import running_spec
 from crds.helpers import dump_spec, parse_spec, parse_status
 from crds.models import (
@@ -66,8 +66,8 @@ ABORT = "llmfleet.io/abort"
 MAX_ANALYSIS = 20  # status.rollout.analysis is bounded (oldest dropped first)
 _PERCENT = 100
 # Spec fields that never reach a pod: left out of the stable snapshot and always taken from the current spec.
-_NON_POD_FIELDS = ("replicas", "rollout")
-_NON_POD_VARIANT_FIELDS = ("weight", "tiers", "replicas", "autoscaling")
+_NON_POD_FIELDS = NON_POD_FIELDS
+_NON_POD_VARIANT_FIELDS = NON_POD_VARIANT_FIELDS
 _VERDICT_RANK = {Verdict.PASS: 0, Verdict.INCONCLUSIVE: 1, Verdict.FAIL: 2}
 
 
@@ -141,9 +141,9 @@ def variant_revisions(
         stable_template = pod_template(deployment, stable, old, defaults)
         result[variant.name] = VariantRevisions(
             variant=variant.name,
-            stable=revision_of(stable_template),
+            stable=variant_revision(deployment, stable, old, defaults),
             stable_template=stable_template,
-            target=revision_of(target_template),
+            target=variant_revision(deployment, spec, variant, defaults),
             target_template=target_template,
             stable_quantization=old.quantization,
             target_quantization=variant.quantization,

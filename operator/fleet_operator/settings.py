@@ -8,6 +8,7 @@ fails at start-up with a message that names the variable and says how to fix it.
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from collections.abc import Mapping
 from typing import Any
@@ -18,7 +19,7 @@ from controllers import PodDefaults, Policy
 
 ENV_PREFIX = "LLMFLEET_OPERATOR_"
 # Settings holding lists: the environment gives them comma-separated (namespaces) or shell-quoted (arguments).
-_LIST_FIELDS = {"namespaces": "comma", "worker_command": "shell", "worker_extra_args": "shell"}
+_LIST_FIELDS = {"namespaces": "comma", "worker_command": "shell", "worker_extra_args": "shell", "worker_env": "shell"}
 
 
 class SettingsError(ValueError):
@@ -79,6 +80,14 @@ class OperatorSettings(BaseModel):
         description="Arguments appended to every worker command (later flags win), e.g. `--engine fake` for "
         "control-plane tests or `--log-level debug`. Changing them rolls every pod.",
     )
+    worker_env: list[str] = Field(
+        default_factory=list,
+        description="Extra NAME=value environment of worker pods (space-separated, shell quoting). Reaches new pods "
+        "only: running pods keep theirs until replaced, or until worker_render_epoch is raised.",
+    )
+    worker_render_epoch: int = Field(
+        0, ge=0, le=1_000_000, description="Raise it to roll every worker pod (drained) onto the current rendering."
+    )
     worker_cache_dir: str | None = Field(
         PodDefaults().cache_dir,
         description="Writable emptyDir for converted/downloaded models in worker pods; empty = none.",
@@ -133,6 +142,14 @@ class OperatorSettings(BaseModel):
     def _clean_namespaces(cls, value: list[str]) -> list[str]:
         return sorted({item.strip() for item in value if item.strip()})
 
+    @field_validator("worker_env")
+    @classmethod
+    def _env_pairs(cls, value: list[str]) -> list[str]:
+        wrong = [item for item in value if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", item, flags=re.DOTALL)]
+        if wrong:
+            raise ValueError(f"expected NAME=value items, e.g. OTEL_SERVICE_NAME=worker; got {', '.join(wrong)}")
+        return value
+
     @field_validator("worker_cache_dir", "gateway_url")
     @classmethod
     def _empty_is_none(cls, value: str | None) -> str | None:
@@ -145,6 +162,8 @@ class OperatorSettings(BaseModel):
             startup_timeout_seconds=self.startup_timeout_seconds,
             cache_dir=self.worker_cache_dir,
             extra_args=tuple(self.worker_extra_args),
+            extra_env=tuple((name, value) for name, _, value in (item.partition("=") for item in self.worker_env)),
+            render_epoch=self.worker_render_epoch,
         )
 
     def policy(self) -> Policy:
