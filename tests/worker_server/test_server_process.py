@@ -122,6 +122,7 @@ def test_second_sigterm_aborts_and_exits_0(worker, wait) -> None:
     [
         (["--quantization", "int3"], {}, "quantization"),
         (["--max-tokens-policy", "truncate"], {}, "max_tokens_policy"),
+        (["--max-body-bytes", "100"], {}, "max_body_bytes"),
         ([], {"LLMFLEET_DRAIN_TOKEN": " "}, "LLMFLEET_DRAIN_TOKEN is set but empty"),
         ([], {"LLMFLEET_FAULT_ERROR_RATE": "2"}, "error_rate"),
         (["--drain-token-file", "/nonexistent/token"], {}, "cannot read --drain-token-file"),

@@ -27,6 +27,7 @@ from worker.engine.protocol import EngineClient
 from worker.metrics import CONTENT_TYPE, ServerGauges, WorkerMetrics
 from worker.server import generation
 from worker.server import openai_models as oai
+from worker.server.body_limit import BodyLimit
 from worker.server.drain import Drainer, Phase
 from worker.server.errors import (
     ApiError,
@@ -228,7 +229,8 @@ def create_app(engine: EngineClient, settings: WorkerSettings, *,
                   openapi_url=None)
     app.state.service = service
     install_error_handlers(app)
-    app.add_middleware(GenerationAccounting, service=service)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(GenerationAccounting, service=service)  # outside BodyLimit: counts its 413s
     app.add_middleware(RequestIds)  # outermost: every answer, even a crash's, gets the id
 
     @app.get("/health")

@@ -66,6 +66,7 @@ def worker_command(
         Path | None, typer.Option(help="file with the bearer token of POST /drain (default: $LLMFLEET_DRAIN_TOKEN)")
     ] = None,
     retry_after: Annotated[int, typer.Option(help="Retry-After seconds of 429/503 answers")] = 1,
+    max_body_bytes: Annotated[int, typer.Option(help="largest request body in bytes (413 above)")] = 8 * 1024 * 1024,
     log_level: Annotated[str, typer.Option(help="debug | info | warning | error")] = "info",
     fake_ttft_ms: Annotated[float, typer.Option(hidden=True, help="fake engine: delay before the first token")] = 0.0,
     fake_itl_ms: Annotated[float, typer.Option(hidden=True, help="fake engine: delay between tokens")] = 0.0,
@@ -109,6 +110,7 @@ def worker_command(
             drain_timeout_s=drain_timeout,
             drain_token=read_drain_token(drain_token_file, os.environ),
             retry_after_s=retry_after,
+            max_body_bytes=max_body_bytes,
             faults=FaultSettings.from_env(os.environ),
         )
         worker_engine = build_engine(settings, device, FakeOptions(fake_ttft_ms, fake_itl_ms, fake_gate_file))

@@ -115,6 +115,9 @@ class RequestIds:
 
         try:
             await self.app(scope, receive, send_with_id)
+        except ApiError as err:  # raised where no route's handler saw it (a middleware reading the body)
+            if not started:
+                await err.response()(scope, receive, send_with_id)
         except Exception:
             log.exception("request %s (%s %s) failed", request_id, scope.get("method"), scope.get("path"))
             if not started:

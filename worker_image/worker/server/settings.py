@@ -81,6 +81,10 @@ class WorkerSettings(BaseModel):
     drain_timeout_s: float = Field(30.0, ge=0, description="how long a drain waits for in-flight requests")
     drain_token: SecretStr | None = Field(None, description="bearer token of POST /drain; None disables POST /drain")
     retry_after_s: int = Field(1, ge=1, description="Retry-After of 429 and 503 answers")
+    max_body_bytes: int = Field(
+        8 * 1024 * 1024, ge=1024,
+        description="largest request body in bytes (--max-body-bytes); a larger one gets 413 before it is read whole",
+    )
     faults: FaultSettings = FaultSettings()
 
     engine_extra_args: dict[str, Any] = Field(
