@@ -14,6 +14,7 @@ async_engine = pytest.importorskip("worker.engine.async_engine")
 testing = pytest.importorskip("worker.model.testing")
 
 from worker.config import EngineConfig  # noqa: E402
+
 MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS = 16, 256  # worker.request's limits, spelled out: the test pins them
 
 VOCAB = 384  # make_tiny_llama's default
@@ -34,6 +35,12 @@ def assert_alive(live) -> None:
     r = httpx.post(live.base_url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3}, timeout=30)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def post_json(live, path: str, body: dict) -> httpx.Response:
+    """POST `body` as ASCII JSON (so lone surrogates travel as escapes, as a client's JSON encoder may send them)."""
+    return httpx.post(live.base_url + path, content=json.dumps(body), headers={"content-type": "application/json"},
+                      timeout=30)
 
 
 class Stream:
@@ -110,13 +117,15 @@ BAD_BODIES = [
     ({"prompt": [1, 2, VOCAB]}, None, f"prompt token ids must be in 0..{VOCAB - 1}"),
     ({"prompt": [1, 2**63]}, "prompt", "at most 2147483647"),
     ({"priority": 2**40}, "priority", "less than or equal to"),
+    ({"prompt": "a\ud800b"}, "prompt", "lone surrogate"),  # JSON can carry it; no tokenizer can encode it
+    ({"stop": ["\udfff"]}, "stop", "lone surrogate"),
 ]
 
 
 @pytest.mark.parametrize(("fields", "param", "needle"), BAD_BODIES)
 def test_out_of_range_fields_are_400s_naming_the_field(live, fields, param, needle) -> None:
     body = {"prompt": PROMPT, "max_tokens": 5, **fields}
-    r = httpx.post(live.base_url + "/v1/completions", json=body, timeout=30)
+    r = post_json(live, "/v1/completions", body)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error"
@@ -127,7 +136,7 @@ def test_out_of_range_fields_are_400s_naming_the_field(live, fields, param, need
                                    "repetition_penalty"])
 @pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity", "1e999"])
 def test_non_finite_floats_are_400s(live, field, value) -> None:
-    body = '{"prompt": "x", "max_tokens": 2, "%s": %s}' % (field, value)  # json.dumps cannot write these
+    body = f'{{"prompt": "x", "max_tokens": 2, "{field}": {value}}}'  # json.dumps cannot write these
     r = httpx.post(live.base_url + "/v1/completions", content=body, headers={"content-type": "application/json"},
                    timeout=30)
     assert r.status_code == 400, r.text
@@ -137,11 +146,13 @@ def test_non_finite_floats_are_400s(live, field, value) -> None:
 @pytest.mark.parametrize(
     ("fields", "param"),
     [({"top_logprobs": 21, "logprobs": True}, "top_logprobs"), ({"seed": 2**64}, "seed"),
-     ({"max_completion_tokens": 2**40}, "max_completion_tokens"), ({"stop": ["a"] * 17}, "stop")],
+     ({"max_completion_tokens": 2**40}, "max_completion_tokens"), ({"stop": ["a"] * 17}, "stop"),
+     ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages.0.content"),
+     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}, "messages.0.content")],
 )
 def test_chat_fields_are_bounded_too(live, fields, param) -> None:
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, **fields}
-    r = httpx.post(live.base_url + "/v1/chat/completions", json=body, timeout=30)
+    r = post_json(live, "/v1/chat/completions", body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
 

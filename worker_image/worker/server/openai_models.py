@@ -25,7 +25,7 @@ import json
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from worker.request import (
     LOGIT_BIAS_LIMIT,
@@ -45,6 +45,18 @@ from worker.request import (
 )
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+
+
+def unicode_text(value: str) -> str:
+    """Text must be valid Unicode: JSON can carry lone surrogates (`"\\ud800"`), which no tokenizer can encode."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"text must be valid Unicode; found a lone surrogate at position {err.start}") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(unicode_text)]
 
 
 class StreamOptions(BaseModel):
@@ -79,7 +91,7 @@ class _GenerationRequest(BaseModel):
         None, max_length=MAX_LOGIT_BIAS_ENTRIES,
         description=f"token id (as a string) -> bias in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]",
     )
-    user: str | None = None
+    user: Text | None = None
     priority: int = Field(0, ge=-MAX_INT32 - 1, le=MAX_INT32,
                           description="lower is served first (vLLM extension; the gateway's tiers)")
 
@@ -126,6 +138,8 @@ class _GenerationRequest(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
+        for stop in stops:
+            unicode_text(stop)
         longest = max(map(len, stops), default=0)
         if longest > MAX_STOP_STRING_CHARS:
             raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters, got {longest}")
@@ -186,7 +200,7 @@ class CompletionRequest(_GenerationRequest):
                                  "request")
             value = value[0]
         if isinstance(value, str):
-            return value
+            return unicode_text(value)
         if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
             if not value:
                 raise ValueError("prompt must not be empty")
@@ -233,7 +247,14 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
-    name: str | None = None
+    name: Text | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _unicode_content(cls, value: str | list[TextPart] | None) -> str | list[TextPart] | None:
+        for text in [value] if isinstance(value, str) else [part.text for part in value or []]:
+            unicode_text(text)
+        return value
 
     def template_dict(self) -> dict[str, Any]:
         """The message as a chat template sees it: text parts joined, no None content."""
