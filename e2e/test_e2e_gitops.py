@@ -31,7 +31,7 @@ ANALYSIS = {"intervalSeconds": 5, "failureLimit": 2, "minRequests": 3, "ttftP95M
 
 def _kubectl(fleet, ns: str, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
     return subprocess.run([KUBECTL, "--kubeconfig", str(fleet.kubeconfig), "-n", ns, *args],
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, check=False)
 
 
 def _wait(fleet, ns: str, *args: str) -> subprocess.Popen[str]:
@@ -58,7 +58,7 @@ def test_kubectl_wait_ready_returns_only_after_the_canary_is_promoted(scene, fle
             canary = scene.wait_until(lambda: scene.rollout("waited").get("canaryRevision"), "the canary")
             scene.wait_until(lambda: scene.rollout("waited").get("analysis"), "a first analysis check", 60)
             assert waiter.poll() is None, "kubectl wait returned while the canary was running"
-            out, err = waiter.communicate(timeout=190)
+            _, err = waiter.communicate(timeout=190)
         finally:
             if waiter.poll() is None:
                 waiter.kill()
