@@ -107,6 +107,9 @@ def deployment_summary(resource: Mapping[str, Any] | None) -> str:
     invalid = _condition(resource, "InvalidSpec")
     if invalid.get("status") == "True":
         parts.append(f"InvalidSpec: {invalid.get('message', '')[:200]}")
+    stalled = _condition(resource, "Stalled")
+    if stalled.get("status") == "True" and stalled.get("reason") != "InvalidSpec":  # InvalidSpec: said above
+        parts.append(f"Stalled ({stalled.get('reason', '')}): {stalled.get('message', '')[:200]}")
     return ", ".join(parts)
 
 

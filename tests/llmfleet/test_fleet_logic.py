@@ -123,6 +123,13 @@ def test_deployment_summary_mentions_canary_and_invalid_spec():
     assert "canary c1 at 20%" in summary and "InvalidSpec: min > max" in summary
 
 
+def test_deployment_summary_says_why_it_is_stalled():
+    resource = _infd()
+    resource["status"]["conditions"].append(
+        {"type": "Stalled", "status": "True", "reason": "CanaryRolledBack", "message": "canary c1 failed"})
+    assert "Stalled (CanaryRolledBack): canary c1 failed" in deployment_summary(resource)
+
+
 @pytest.mark.parametrize(
     ("before", "after", "lines"),
     [
