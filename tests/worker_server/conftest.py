@@ -93,11 +93,12 @@ class Launcher:
         self.started: list[Live] = []
 
     def __call__(self, engine: EngineClient | None = None, wait_loaded: bool = True, load_timeout_s: float = 10.0,
-                 **overrides: Any) -> Live:
+                 max_bytes_per_token: int | None = None, **overrides: Any) -> Live:
         engine = engine if engine is not None else FakeEngine()
         fields: dict[str, Any] = {"model": "fake://fake-model", "engine": "fake", "host": "127.0.0.1", "port": 0}
         fields.update(overrides)
-        worker = WorkerServer(engine, WorkerSettings(**fields), configure_logging=False, log_level="warning")
+        worker = WorkerServer(engine, WorkerSettings(**fields), configure_logging=False, log_level="warning",
+                              max_bytes_per_token=max_bytes_per_token)
         thread = threading.Thread(target=worker.run, name="worker-under-test", daemon=True)
         thread.start()
         wait_until(lambda: worker.server.started or not thread.is_alive(), "the server to start")
@@ -116,8 +117,8 @@ class Launcher:
 
 @pytest.fixture
 def start_worker() -> Iterator[Launcher]:
-    """`start_worker(engine=None, wait_loaded=True, **settings)`: a live worker for this test (a FakeEngine by
-    default)."""
+    """`start_worker(engine=None, wait_loaded=True, max_bytes_per_token=None, **settings)`: a live worker for this
+    test (a FakeEngine by default)."""
     launcher = Launcher()
     yield launcher
     launcher.stop_all()

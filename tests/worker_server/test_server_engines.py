@@ -63,9 +63,11 @@ def test_vllm_snapshot_keeps_gauges_and_adds_counters() -> None:
 def test_build_fake_engine(tmp_path: Path) -> None:
     settings = WorkerSettings(model="fake://m", engine="fake", served_model_name="x", max_model_len=64,
                               max_num_seqs=2)
-    engine = build_engine(settings, fake=FakeOptions(ttft_ms=5, gate_file=tmp_path / "gate"))
+    built = build_engine(settings, fake=FakeOptions(ttft_ms=5, gate_file=tmp_path / "gate"))
+    engine = built.engine
     assert isinstance(engine, FakeEngine)
-    assert (engine.model_name, engine.max_model_len) == ("x", 64)
+    assert (engine.model_name, engine.max_model_len, built.max_bytes_per_token) == ("x", 64, 1)
+    assert len(engine.tokenize("é" * 10)) == 20  # the bound holds: one token per byte
 
 
 def test_unknown_model_source_is_a_clear_error(tmp_path: Path) -> None:

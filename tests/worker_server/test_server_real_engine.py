@@ -111,7 +111,7 @@ def test_prefix_cache_metrics_move(live) -> None:
     assert live.metric("vllm:prefix_cache_hits_total") >= hits + 16
 
 
-def test_drain_lets_a_real_stream_finish(start_worker, model_dir, offline) -> None:
+def test_drain_lets_a_real_stream_finish(start_worker, model_dir, offline, wait) -> None:
     live = start_worker(make_engine(model_dir), model="tiny", drain_token="tok")
     expected = offline.generate(PROMPT, SamplingParams(max_tokens=800, temperature=0, ignore_eos=True))[0]
     http = live.http()
@@ -126,10 +126,10 @@ def test_drain_lets_a_real_stream_finish(start_worker, model_dir, offline) -> No
                 if line.startswith("data: ") and line != "data: [DONE]"]
     text = first["choices"][0]["text"] + "".join(p["choices"][0]["text"] for p in rest)
     assert text == expected.text and rest[-1]["choices"][0]["finish_reason"] == "length"
-    live.thread.join(timeout=30)
-    assert not live.thread.is_alive() and live.worker.exit_code == 0
-    with pytest.raises(httpx.ConnectError):
-        httpx.get(live.base_url + "/health", timeout=5)
+    wait(lambda: http.get("/drain").json()["state"] == "drained", "the drain to finish")
+    # drained by POST /drain: up and idle until its pod is deleted (SIGTERM), never ready again
+    assert http.get("/health").status_code == 200 and http.get("/ready").status_code == 503
+    assert live.thread.is_alive() and not live.worker.server.should_exit
 
 
 @pytest.mark.slow

@@ -5,6 +5,12 @@
 (`trim_blocks`, `lstrip_blocks`, `raise_exception`, `tojson`), so templates written for HF render the same.
 `IncrementalDetokenizer` turns a growing list of ids into text deltas the way vLLM's `detokenize_incrementally`
 does (prefix/read offsets), never emitting half of a multi-byte character.
+
+Encoding goes through `encode_batch`, which releases the GIL (`encode` holds it for the whole call: a 16 MB text
+froze every other thread for 8 s), so a server may tokenize on a worker thread and keep answering.
+`max_bytes_per_token` derives, from `tokenizer.json`, how many bytes of text one token can stand for at most: a
+prompt of B bytes then has at least ceil(B / bound) tokens, which lets a server refuse an over-long prompt
+before paying for its tokenization.
 """
 
 from __future__ import annotations
@@ -41,6 +47,52 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+# Pre-tokenizers that only cut the text into pieces (a `Removed` behaviour drops the matches: not allowed).
+_CUTTING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Digits", "Metaspace", "Punctuation", "Split", "UnicodeScripts"})
+_UTF8_MAX_BYTES_PER_CHAR = 4
+
+
+def _pre_tokenizers(spec: dict[str, Any] | None) -> list[dict[str, Any]]:
+    if spec is None:
+        return []
+    if spec.get("type") == "Sequence":
+        return [p for inner in spec.get("pretokenizers", []) for p in _pre_tokenizers(inner)]
+    return [spec]
+
+
+def max_bytes_per_token(spec: dict[str, Any]) -> int | None:
+    """The most UTF-8 bytes of input text that one token can stand for, from a `tokenizer.json` (as a dict); None
+    when no such bound follows from the tokenizer's definition.
+
+    Why it is a bound: with no normalizer and no truncation, the text reaches the pre-tokenizers unchanged; the
+    allowed ones only cut it into pieces; a BPE model turns each piece into vocabulary tokens whose strings
+    concatenate back to it. So a token stands for as many input bytes as its vocabulary string holds: one per
+    character in a byte-level vocabulary (each character maps one byte), at most its UTF-8 length otherwise
+    (Metaspace's "▁" is 3 bytes for a 1-byte space, byte-fallback "<0x41>" 6 bytes for 1). An added token stands
+    for its content, unless it swallows neighbouring whitespace (lstrip/rstrip: no bound); an unknown character
+    is one token of at most 4 bytes, unless unknowns are fused (no bound). Special tokens a post-processor adds
+    only add tokens. Anything else (a normalizer, a dropping pre-tokenizer, WordPiece, Unigram): None.
+    """
+    model = spec.get("model") or {}
+    if spec.get("normalizer") is not None or spec.get("truncation") is not None or model.get("type") != "BPE":
+        return None
+    pre = _pre_tokenizers(spec.get("pre_tokenizer"))
+    if any(p.get("type") not in _CUTTING_PRE_TOKENIZERS or str(p.get("behavior", "")).lower() == "removed"
+           for p in pre):
+        return None
+    added = spec.get("added_tokens") or []
+    if any(token.get("lstrip") or token.get("rstrip") for token in added):
+        return None
+    byte_level = any(p.get("type") == "ByteLevel" for p in pre)
+    vocab = model.get("vocab") or {}
+    longest = max((len(s) if byte_level else len(s.encode()) for s in vocab), default=1)
+    if model.get("unk_token") is not None:
+        if model.get("fuse_unk"):
+            return None
+        longest = max(longest, _UTF8_MAX_BYTES_PER_CHAR)
+    return max([longest, *(len(str(token.get("content", "")).encode()) for token in added)])
+
+
 class Tokenizer:
     """Encode/decode text and render chat prompts for one model folder."""
 
@@ -50,6 +102,7 @@ class Tokenizer:
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: the builtin engine needs a fast-tokenizer tokenizer.json")
         self._tok = HFTokenizer.from_file(str(path))
+        self.max_bytes_per_token = max_bytes_per_token(json.loads(path.read_text()))
         cfg_path = root / "tokenizer_config.json"
         cfg: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         template = cfg.get("chat_template")
@@ -97,7 +150,7 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids  # GIL released
         if (
             add_special_tokens
             and self.add_bos_token

@@ -41,6 +41,27 @@ class Admitted:
     max_tokens: int
 
 
+def check_prompt_bytes(num_bytes: int, max_model_len: int, max_bytes_per_token: int | None) -> None:
+    """Refuse, before tokenizing, a prompt whose UTF-8 size proves it cannot fit the context; raise `ApiError`.
+
+    No token stands for more than `max_bytes_per_token` bytes (see `worker.model.tokenizer.max_bytes_per_token`),
+    so a prompt of B bytes has at least ceil(B / that) tokens; above (max_model_len - 1) x that, it has at least
+    max_model_len tokens, which `admit` would refuse anyway after paying for the tokenization. None: no bound
+    is known for this tokenizer, nothing is checked here.
+    """
+    if max_bytes_per_token is None or num_bytes <= (max_model_len - 1) * max_bytes_per_token:
+        return
+    at_least = -(-num_bytes // max_bytes_per_token)
+    raise ApiError(
+        400,
+        f"This model's maximum context length is {max_model_len} tokens, but the prompt has at least {at_least} "
+        f"tokens ({num_bytes} bytes; no token of this model stands for more than {max_bytes_per_token}). "
+        "Shorten the prompt.",
+        param="messages",
+        code="context_length_exceeded",
+    )
+
+
 def admit(
     prompt_tokens: int,
     requested_max_tokens: int | None,

@@ -40,6 +40,7 @@ from worker.server.faults import FaultInjector
 from worker.server.inflight import InflightTable
 from worker.server.settings import WorkerSettings
 from worker.server.streaming import DeferredJSONResponse, EventStreamResponse
+from worker.server.tokenizing import TokenizerPool
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +52,12 @@ class WorkerService:
     """Everything one worker app knows and decides with; the routes only translate HTTP to calls on it."""
 
     def __init__(self, engine: EngineClient, settings: WorkerSettings, on_exit: Callable[[int], None],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_bytes_per_token: int | None = None) -> None:
         self.engine = engine
         self.settings = settings
+        # The most prompt bytes one token stands for (None: unknown): over-long prompts are refused untokenized.
+        self.max_bytes_per_token = max_bytes_per_token
+        self.tokenizer_pool = TokenizerPool(settings.tokenizer_threads, settings.max_waiting, settings.retry_after_s)
         self.clock = clock
         self.model_name = settings.served_model_name or engine.model_name
         self.created = int(time.time())
@@ -111,6 +115,7 @@ class WorkerService:
             self._load_task.cancel()
         self.drainer.cancel()
         self.inflight.abort_all("the worker is shutting down")
+        self.tokenizer_pool.shutdown()
         await self.engine.shutdown()
 
     def begin_drain(self, reason: str) -> None:
@@ -212,9 +217,10 @@ async def parse_body(request: Request, model: type[BodyT]) -> BodyT:
 
 def create_app(engine: EngineClient, settings: WorkerSettings, *,
                on_exit: Callable[[int], None] = lambda code: None,
-               clock: Callable[[], float] = time.monotonic) -> FastAPI:
-    """The worker app around `engine`. `on_exit(code)` is called when the worker wants its process to stop."""
-    service = WorkerService(engine, settings, on_exit, clock)
+               clock: Callable[[], float] = time.monotonic, max_bytes_per_token: int | None = None) -> FastAPI:
+    """The worker app around `engine`. `on_exit(code)` is called when the worker wants its process to stop;
+    `max_bytes_per_token` is the engine tokenizer's bound (see `admission.check_prompt_bytes`), None if unknown."""
+    service = WorkerService(engine, settings, on_exit, clock, max_bytes_per_token)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -270,14 +276,15 @@ def create_app(engine: EngineClient, settings: WorkerSettings, *,
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await parse_body(request, oai.CompletionRequest)
-        return respond(generation.prepare(service, body, "completion", request.headers.get(generation.TIMEOUT_HEADER),
-                                          request_id_of(request.scope)))
+        return respond(await generation.prepare(service, body, "completion",
+                                                request.headers.get(generation.TIMEOUT_HEADER),
+                                                request_id_of(request.scope)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await parse_body(request, oai.ChatCompletionRequest)
-        return respond(generation.prepare(service, body, "chat", request.headers.get(generation.TIMEOUT_HEADER),
-                                          request_id_of(request.scope)))
+        return respond(await generation.prepare(service, body, "chat", request.headers.get(generation.TIMEOUT_HEADER),
+                                                request_id_of(request.scope)))
 
     return app
 

@@ -66,6 +66,7 @@ def worker_command(
         Path | None, typer.Option(help="file with the bearer token of POST /drain (default: $LLMFLEET_DRAIN_TOKEN)")
     ] = None,
     retry_after: Annotated[int, typer.Option(help="Retry-After seconds of 429/503 answers")] = 1,
+    tokenizer_threads: Annotated[int, typer.Option(help="threads that tokenize prompts off the event loop")] = 2,
     max_body_bytes: Annotated[int, typer.Option(help="largest request body in bytes (413 above)")] = 8 * 1024 * 1024,
     log_level: Annotated[str, typer.Option(help="debug | info | warning | error")] = "info",
     fake_ttft_ms: Annotated[float, typer.Option(hidden=True, help="fake engine: delay before the first token")] = 0.0,
@@ -111,9 +112,10 @@ def worker_command(
             drain_token=read_drain_token(drain_token_file, os.environ),
             retry_after_s=retry_after,
             max_body_bytes=max_body_bytes,
+            tokenizer_threads=tokenizer_threads,
             faults=FaultSettings.from_env(os.environ),
         )
-        worker_engine = build_engine(settings, device, FakeOptions(fake_ttft_ms, fake_itl_ms, fake_gate_file))
+        built = build_engine(settings, device, FakeOptions(fake_ttft_ms, fake_itl_ms, fake_gate_file))
     except ValidationError as err:
         for e in err.errors():
             where = ".".join(str(p) for p in e["loc"]) or "settings"
@@ -125,5 +127,9 @@ def worker_command(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.drain_token is None:
         logging.getLogger(__name__).warning("no drain token configured: POST /drain is disabled (SIGTERM drains)")
-    server = WorkerServer(worker_engine, settings, log_level=log_level.lower())
+    if built.max_bytes_per_token is None:
+        logging.getLogger(__name__).warning("no bound on bytes per token for this tokenizer: prompts are measured "
+                                            "by tokenizing them (bounded by --max-body-bytes)")
+    server = WorkerServer(built.engine, settings, log_level=log_level.lower(),
+                          max_bytes_per_token=built.max_bytes_per_token)
     raise typer.Exit(server.run())

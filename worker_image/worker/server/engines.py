@@ -1,10 +1,13 @@
 """Build the engine a worker serves from its settings: `builtin` (our engine), `vllm` or `fake` (tests only).
 
-Heavy imports (torch, vLLM) happen inside the builders, so choosing one engine never imports another.
+Heavy imports (torch, vLLM) happen inside the builders, so choosing one engine never imports another. With the
+engine comes its tokenizer's bound on bytes per token (from the model folder's `tokenizer.json`), which the server
+uses to refuse over-long prompts without tokenizing them.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +26,20 @@ class FakeOptions:
     ttft_ms: float = 0.0
     itl_ms: float = 0.0
     gate_file: Path | None = None
+
+
+@dataclass(frozen=True)
+class BuiltEngine:
+    engine: EngineClient
+    max_bytes_per_token: int | None  # see worker.model.tokenizer.max_bytes_per_token; None: no bound known
+
+
+def tokenizer_bytes_bound(model_path: str) -> int | None:
+    """The bound of the model folder's `tokenizer.json` (None when it has none, or no such file)."""
+    from worker.model.tokenizer import max_bytes_per_token
+
+    path = Path(model_path) / "tokenizer.json"
+    return max_bytes_per_token(json.loads(path.read_text())) if path.is_file() else None
 
 
 def resolve_model_source(settings: WorkerSettings) -> str:
@@ -59,24 +76,25 @@ def builtin_engine_kwargs(settings: WorkerSettings, model_path: str, device: str
     return kwargs
 
 
-def build_engine(settings: WorkerSettings, device: str = "auto", fake: FakeOptions | None = None) -> EngineClient:
+def build_engine(settings: WorkerSettings, device: str = "auto", fake: FakeOptions | None = None) -> BuiltEngine:
     if settings.engine == "fake":
-        from worker.server.fake_engine import FakeEngine, file_gate
+        from worker.server.fake_engine import MAX_BYTES_PER_TOKEN, FakeEngine, file_gate
 
         fake = fake or FakeOptions()
-        return FakeEngine(
+        return BuiltEngine(FakeEngine(
             settings.model_name,
             settings.max_model_len or 2048,
             ttft_s=fake.ttft_ms / 1000.0,
             itl_s=fake.itl_ms / 1000.0,
             max_num_seqs=settings.max_num_seqs or 8,
             gate=file_gate(fake.gate_file) if fake.gate_file is not None else None,
-        )
+        ), MAX_BYTES_PER_TOKEN)
     model_path = resolve_model_source(settings)
+    bound = tokenizer_bytes_bound(model_path)
     if settings.engine == "vllm":
         from worker.backends.vllm import VllmEngine
 
-        return VllmEngine.from_settings(settings, model_path)
+        return BuiltEngine(VllmEngine.from_settings(settings, model_path), bound)
     import torch
 
     from worker.config import EngineConfig
@@ -88,4 +106,4 @@ def build_engine(settings: WorkerSettings, device: str = "auto", fake: FakeOptio
     threads = configure_torch_threads()
     if threads is not None:
         log.info("torch uses %d CPU threads (the container's CPU limit)", threads)
-    return AsyncEngine(EngineConfig(**builtin_engine_kwargs(settings, model_path, device)))
+    return BuiltEngine(AsyncEngine(EngineConfig(**builtin_engine_kwargs(settings, model_path, device))), bound)

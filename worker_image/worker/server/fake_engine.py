@@ -24,6 +24,7 @@ from worker.request import FinishReason, Logprob, SamplingParams
 
 DEFAULT_SCRIPT = "The quick brown fox jumps over the lazy dog. Café, naïve, 北京. "
 EOS_TOKEN_ID = 256  # outside the byte range: never part of the script
+MAX_BYTES_PER_TOKEN = 1  # its tokenizer: one token per UTF-8 byte
 Gate = Callable[[], Awaitable[None]]
 
 

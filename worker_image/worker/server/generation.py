@@ -1,6 +1,10 @@
 """One generation request from admission to the last byte: prepare (tokenize, admit), drive the engine stream
 (deadline, server-side abort, fault delays, metrics), and shape the result as an OpenAI response or SSE stream.
 
+Preparing never blocks the event loop on a prompt's size: a prompt whose byte length proves it too long for the
+context is refused untokenized (`admission.check_prompt_bytes`), and chat-template rendering and tokenization
+run on the service's `TokenizerPool`.
+
 The engine request is always aborted unless it finished: the driver's `finally` closes the engine stream and
 calls `abort`, whether the client disconnected (the task is cancelled), the deadline passed, or a drain timed out.
 """
@@ -20,7 +24,7 @@ from worker.engine.protocol import EngineDeadError, QueueFullError, RequestOutpu
 from worker.metrics import CLIENT_DISCONNECT, STREAM_ABORTED, STREAM_ERROR
 from worker.request import FinishReason, Logprob, SamplingParams
 from worker.server import openai_models as oai
-from worker.server.admission import Limits, Load, admit
+from worker.server.admission import Limits, Load, admit, check_prompt_bytes
 from worker.server.errors import ApiError, internal_error
 from worker.server.inflight import InflightRequest
 
@@ -65,8 +69,20 @@ def parse_timeout_header(value: str | None, setting: float | None) -> float | No
     return seconds if setting is None else min(seconds, setting)
 
 
-def prepare(service: WorkerService, body: oai.CompletionRequest | oai.ChatCompletionRequest, kind: Kind,
-            timeout_header: str | None, x_request_id: str) -> Prepared:
+def _chat_prompt_ids(service: WorkerService, body: oai.ChatCompletionRequest) -> list[int]:
+    """Render the chat template, check the text's size, tokenize it (on a tokenizer thread)."""
+    engine = service.engine
+    try:
+        text = engine.apply_chat_template(body.template_messages(), body.add_generation_prompt)
+    except Exception as err:  # a template raising on the given roles/order is the client's problem
+        raise ApiError(400, f"the chat template rejected the messages: {err}", param="messages",
+                       code="invalid_messages") from err
+    check_prompt_bytes(len(text.encode()), engine.max_model_len, service.max_bytes_per_token)
+    return engine.tokenize(text)
+
+
+async def prepare(service: WorkerService, body: oai.CompletionRequest | oai.ChatCompletionRequest, kind: Kind,
+                  timeout_header: str | None, x_request_id: str) -> Prepared:
     """Check that the worker can take the request and that the request is acceptable; raise ApiError if not."""
     arrival = service.clock()
     service.check_accepting()
@@ -77,16 +93,16 @@ def prepare(service: WorkerService, body: oai.CompletionRequest | oai.ChatComple
                        param="model", code="model_not_found")
     engine = service.engine
     if isinstance(body, oai.ChatCompletionRequest):
-        try:
-            text = engine.apply_chat_template(body.template_messages(), body.add_generation_prompt)
-        except Exception as err:  # a template raising on the given roles/order is the client's problem
-            raise ApiError(400, f"the chat template rejected the messages: {err}", param="messages",
-                           code="invalid_messages") from err
-        prompt_ids = engine.tokenize(text)
+        prompt_ids = await service.tokenizer_pool.run(_chat_prompt_ids, service, body)
         default_max = None
-    else:
-        prompt_ids = engine.tokenize(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+    elif isinstance(body.prompt, str):
+        check_prompt_bytes(len(body.prompt.encode()), engine.max_model_len, service.max_bytes_per_token)
+        prompt_ids = await service.tokenizer_pool.run(engine.tokenize, body.prompt)
         default_max = DEFAULT_COMPLETION_MAX_TOKENS
+    else:
+        prompt_ids = list(body.prompt)
+        default_max = DEFAULT_COMPLETION_MAX_TOKENS
+    service.check_accepting()  # a drain may have started while the prompt was tokenized
     stats = engine.stats()
     settings = service.settings
     limits = Limits(engine.max_model_len, settings.max_tokens_cap, settings.max_tokens_policy, settings.max_waiting,

@@ -48,9 +48,10 @@ class WorkerServer:
     """The app plus its uvicorn server. `run()` blocks and returns the exit code (0 after a drain)."""
 
     def __init__(self, engine: EngineClient, settings: WorkerSettings, *, configure_logging: bool = True,
-                 log_level: str = "info", graceful_shutdown_s: float = 5.0) -> None:
+                 log_level: str = "info", graceful_shutdown_s: float = 5.0,
+                 max_bytes_per_token: int | None = None) -> None:
         self.exit_code = 0
-        self.app = create_app(engine, settings, on_exit=self._on_exit)
+        self.app = create_app(engine, settings, on_exit=self._on_exit, max_bytes_per_token=max_bytes_per_token)
         self.service: WorkerService = self.app.state.service
         config = uvicorn.Config(
             self.app,

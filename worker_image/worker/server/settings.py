@@ -81,6 +81,10 @@ class WorkerSettings(BaseModel):
     drain_timeout_s: float = Field(30.0, ge=0, description="how long a drain waits for in-flight requests")
     drain_token: SecretStr | None = Field(None, description="bearer token of POST /drain; None disables POST /drain")
     retry_after_s: int = Field(1, ge=1, description="Retry-After of 429 and 503 answers")
+    tokenizer_threads: int = Field(
+        2, ge=1, le=64, description="threads that tokenize prompts (and render chat templates) off the event loop; "
+        "more requests wait for one, up to max_waiting, then get 429",
+    )
     max_body_bytes: int = Field(
         8 * 1024 * 1024, ge=1024,
         description="largest request body in bytes (--max-body-bytes); a larger one gets 413 before it is read whole",
