@@ -118,20 +118,20 @@ class Health:
 def kstatus_conditions(health: Health) -> list[WantedCondition]:
     """`Ready`, `Reconciling` and `Stalled` (in that order) for `health` (rules in the module docstring)."""
     if health.stalled:
-        reason, _ = health.stalled[0]
+        why = health.stalled[0][0].value
         message = "; ".join(text for _, text in health.stalled)
-        stalled = WantedCondition(ConditionType.STALLED, ConditionStatus.TRUE, reason.value, message)
+        stalled = WantedCondition(ConditionType.STALLED, ConditionStatus.TRUE, why, message)
         reconciling = WantedCondition(
             ConditionType.RECONCILING, ConditionStatus.FALSE, STALLED_INSTEAD_REASON, "stalled: " + message
         )
-        ready = WantedCondition(ConditionType.READY, ConditionStatus.FALSE, reason.value, message)
+        ready = WantedCondition(ConditionType.READY, ConditionStatus.FALSE, why, message)
         return [ready, reconciling, stalled]
     stalled = WantedCondition(ConditionType.STALLED, ConditionStatus.FALSE, NOT_STALLED_REASON, "")
     if health.moving:
-        reason, _ = health.moving[0]
+        step = health.moving[0][0].value
         message = "; ".join(text for _, text in health.moving)
-        reconciling = WantedCondition(ConditionType.RECONCILING, ConditionStatus.TRUE, reason.value, message)
-        ready = WantedCondition(ConditionType.READY, ConditionStatus.FALSE, reason.value, message)
+        reconciling = WantedCondition(ConditionType.RECONCILING, ConditionStatus.TRUE, step, message)
+        ready = WantedCondition(ConditionType.READY, ConditionStatus.FALSE, step, message)
         return [ready, reconciling, stalled]
     reconciling = WantedCondition(ConditionType.RECONCILING, ConditionStatus.FALSE, RECONCILED_REASON, "")
     if health.trouble is not None:
