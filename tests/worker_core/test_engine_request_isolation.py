@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import pytest
 
+from worker import LLM
 from worker.config import EngineConfig
 from worker.engine.async_engine import AsyncEngine
 from worker.engine.core import EngineCore
@@ -121,3 +122,14 @@ def test_the_scheduler_never_caches_the_kv_of_a_failed_step(kit) -> None:
     req = core.add_request("next", prompt, LONG)
     core.step()
     assert req.num_cached_tokens == 0 and req.status is RequestStatus.FINISHED_ERROR
+
+
+def test_a_request_failing_on_its_last_token_ends_with_the_error(kit) -> None:
+    """The scheduler ends a request at max_tokens in the same step whose detokenisation fails: the offline API
+    reports the error, not `length`."""
+    runner = ToyRunner(num_blocks=64, block_size=4)
+    runner.tokenizer = PoisonedTokenizer()
+    llm = LLM(runner=runner, block_size=4)
+    bad, good = llm.generate([[1, 2, POISON], [1, 2, 3]], SamplingParams(max_tokens=1, temperature=0.0))
+    assert (bad.finish_reason, good.finish_reason) == (FinishReason.ERROR, FinishReason.LENGTH)
+    assert "cannot be decoded" in bad.error and good.error is None

@@ -126,9 +126,16 @@ class EngineCore:
         processed = self.output_processor.process(advanced)
         for request_id, stop in processed.stop_requests:
             self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_STOPPED, stop_reason=stop)
-        for request_id, error in processed.failed_requests:
-            log.warning("request %s failed in the output processor and was ended alone: %s", request_id, error)
-            self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ERROR, error=error)
+        failed = dict(processed.failed_requests)
+        for req in advanced:
+            error = failed.get(req.request_id)
+            if error is None:
+                continue
+            log.warning("request %s failed in the output processor and was ended alone: %s", req.request_id, error)
+            if req.is_finished:  # the scheduler had just ended it (length, EOS): it ends with the error instead
+                req.status, req.error = RequestStatus.FINISHED_ERROR, error
+            else:
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR, error=error)
         return processed.outputs
 
     def pause(self) -> None:

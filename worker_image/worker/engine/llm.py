@@ -30,6 +30,7 @@ class CompletionOutput:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     top_logprobs: list[tuple[tuple[int, float], ...]] | None = None  # with SamplingParams.top_logprobs
     prompt_logprobs: list[Logprob] | None = None  # for prompt tokens 1.. with SamplingParams.prompt_logprobs
+    error: str | None = None  # with finish_reason ERROR: why the engine failed this request (and only it)
 
 
 class LLM:
@@ -89,6 +90,7 @@ class LLM:
                 num_cached_tokens=r.num_cached_tokens,
                 top_logprobs=list(r.output_top_logprobs) if r.sampling_params.top_logprobs else None,
                 prompt_logprobs=list(r.prompt_logprobs) if r.sampling_params.prompt_logprobs is not None else None,
+                error=r.error,
             )
             for r in requests
         ]
