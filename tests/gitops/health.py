@@ -1,10 +1,12 @@
 """How GitOps tools judge an InferenceDeployment, for tests: a port of kstatus' rules and the Argo CD Lua check.
 
-- `kstatus(obj)`: the rules of sigs.k8s.io/cli-utils pkg/kstatus/status for a custom resource (what Flux's
-  `wait: true`, kpt and Config Sync use; `kubectl wait --for=condition=Ready` reads `Ready` alone): deletionTimestamp
-  -> Terminating; status.observedGeneration != metadata.generation -> InProgress; Reconciling=True -> InProgress;
-  Stalled=True -> Failed; Ready present and not True -> InProgress; else Current. (kstatus computes the generic
-  status this way for kinds it has no special rules for; a resource with no conditions at all is Current.)
+- `kstatus(obj)`: the generic rules of sigs.k8s.io/cli-utils pkg/kstatus/status (`checkGenericProperties`, then
+  `Compute`'s fallback for kinds without special rules; what Flux's `wait: true`, kpt and Config Sync use):
+  deletionTimestamp -> Terminating; status.observedGeneration present and != metadata.generation -> InProgress;
+  Reconciling=True -> InProgress; Stalled=True -> Failed; else Current. With `ready_rule` (the default) one more
+  rule, as tools that also read `Ready` do: Ready present and not True -> InProgress. The operator's conditions
+  are built so that both give the same verdict (a test checks it on every captured object).
+  `kubectl_wait_ready(obj)`: what `kubectl wait --for=condition=Ready` waits for.
 - `argocd_health(obj)`: runs charts/llmfleet/files/argocd-health.lua with Lua 5.1 (Argo CD's gopher-lua speaks
   5.1) through lupa, the way Argo CD does: the object as the global `obj`, the script's return value as the
   health `{status, message}`.
@@ -41,14 +43,14 @@ def _condition(obj: Mapping[str, Any], kind: str) -> Mapping[str, Any] | None:
     return None
 
 
-def kstatus(obj: Mapping[str, Any]) -> str:
+def kstatus(obj: Mapping[str, Any], *, ready_rule: bool = True) -> str:
     """kstatus' generic status of a custom resource (see the module docstring)."""
     meta = obj.get("metadata") or {}
     if meta.get("deletionTimestamp"):
         return TERMINATING
     status = obj.get("status") or {}
-    generation = meta.get("generation")
-    if generation is not None and status.get("observedGeneration") != generation:
+    generation, observed = meta.get("generation"), status.get("observedGeneration")
+    if generation is not None and observed is not None and observed != generation:
         return IN_PROGRESS
     reconciling = _condition(obj, "Reconciling")
     if reconciling is not None and reconciling.get("status") == "True":
@@ -57,7 +59,7 @@ def kstatus(obj: Mapping[str, Any]) -> str:
     if stalled is not None and stalled.get("status") == "True":
         return FAILED
     ready = _condition(obj, "Ready")
-    if ready is not None and ready.get("status") != "True":
+    if ready_rule and ready is not None and ready.get("status") != "True":
         return IN_PROGRESS
     return CURRENT
 

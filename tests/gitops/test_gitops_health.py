@@ -27,6 +27,8 @@ def test_captured_objects_get_the_expected_verdicts(gitops, name):
     assert gitops.kstatus(obj) == expected["kstatus"]
     assert gitops.argocd_health(obj)["status"] == expected["argocd"]
     assert gitops.kubectl_wait_ready(obj) is expected["kubectlWaitReady"]
+    # kstatus without the Ready rule (plain cli-utils) agrees: Reconciling/Stalled alone carry the verdict.
+    assert gitops.kstatus(obj, ready_rule=False) == expected["kstatus"]
 
 
 @pytest.mark.parametrize(
@@ -53,7 +55,8 @@ STALLED = ("Stalled", "True", "InvalidSpec")
 @pytest.mark.parametrize(
     ("obj", "kstatus", "argocd"),
     [
-        ({"metadata": {"name": "x", "generation": 1}}, "InProgress", "Progressing"),  # no status yet
+        # No status yet: kstatus has nothing to go on and calls it Current (its known limit); Argo CD waits.
+        ({"metadata": {"name": "x", "generation": 1}}, "Current", "Progressing"),
         (_obj(2, 1, [READY]), "InProgress", "Progressing"),  # the new generation not observed yet
         (_obj(1, 1, [READY]), "Current", "Healthy"),
         (_obj(1, 1, [NOT_READY]), "InProgress", "Progressing"),
