@@ -21,7 +21,8 @@ BASE = {
 }
 
 
-def _rev(spec=BASE, defaults=PodDefaults(), variant="a", render_version=None):
+def _rev(spec=BASE, defaults=None, variant="a", render_version=None):
+    defaults = defaults if defaults is not None else PodDefaults()
     parsed = parse_spec(copy.deepcopy(spec))
     chosen = next(v for v in parsed.variants if v.name == variant)
     return variant_revision("dep", parsed, chosen, defaults, render_version)
