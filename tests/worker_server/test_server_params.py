@@ -115,6 +115,7 @@ BAD_BODIES = [
     ({"stop_token_ids": [-1]}, "stop_token_ids.0", "greater than or equal to 0"),
     ({"stop_token_ids": list(range(65))}, "stop_token_ids", "at most 64"),
     ({"prompt": [1, 2, VOCAB]}, None, f"prompt token ids must be in 0..{VOCAB - 1}"),
+    ({"prompt": [1, 2, VOCAB], "echo": True, "logprobs": 1}, None, f"prompt token ids must be in 0..{VOCAB - 1}"),
     ({"prompt": [1, 2**63]}, "prompt", "at most 2147483647"),
     ({"priority": 2**40}, "priority", "less than or equal to"),
     ({"prompt": "a\ud800b"}, "prompt", "lone surrogate"),  # JSON can carry it; no tokenizer can encode it
