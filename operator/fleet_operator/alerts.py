@@ -8,6 +8,11 @@ operator triggers an immediate evaluation and hands the intent to `controllers.a
 `add_alert`), which keeps a replica floor of `current + step` (bounded by the variant's `scaleUpMaxStep` and
 `maxReplicas`) until the intent expires, and records it in status like any decision.
 
+Only the active replica acts: with kopf peering (several operator replicas) a standby answers 503 with a body
+saying "this operator replica is a standby" and applies nothing. Alertmanager retries 5xx deliveries, and the
+Service spreads the retries over the replicas, so one reaches the active replica; a standby acting on an alert
+would scale a fleet that its paused peers no longer watch.
+
 Which alerts count: status `firing`, label `llmfleet_scale="up"`, label `deployment` (the InferenceDeployment's
 name), optional `namespace` (without it: that name in every watched namespace) and optional `variant` (without it:
 every autoscaled variant of the deployment). An optional `llmfleet_scale_step` label asks for a step other than the
@@ -46,6 +51,7 @@ log = logging.getLogger(__name__)
 SCALE_LABEL = "llmfleet_scale"
 STEP_LABEL = "llmfleet_scale_step"
 ALERTS_PATH = "/alerts"
+STANDBY_CODE = "standby"  # the error code of a standby's 503 (the delivery counter reads it)
 
 
 class AlertPolicy(BaseModel):
@@ -179,6 +185,10 @@ def _error(status: int, message: str, kind: str, code: str, headers: Mapping[str
     )
 
 
+def _always_active() -> bool:
+    return True
+
+
 def create_alerts_app(
     on_intents: Callable[[ParsedAlerts], Awaitable[None] | None],
     token: str,
@@ -186,11 +196,13 @@ def create_alerts_app(
     policy: AlertPolicy | None = None,
     clock: Callable[[], float] = time.time,
     max_body_bytes: int = 1 << 20,
+    is_active: Callable[[], bool] = _always_active,
 ) -> FastAPI:
     """The operator's Alertmanager endpoint: `POST /alerts` (bearer `token`) and `GET /healthz`.
 
     `on_intents` receives each call's intents (sync or async); if it raises, the call answers 503 so that
-    Alertmanager retries. Calls without any scale intent answer 200 without calling it."""
+    Alertmanager retries. Calls without any scale intent answer 200 without calling it. While `is_active()` is
+    False (a standby replica under kopf peering) an authenticated call answers 503 and nothing is applied."""
     if not token or not token.strip():
         raise ValueError("the alerts endpoint needs a non-empty bearer token: set the operator's alerts token")
     expected = f"Bearer {token}".encode()
@@ -212,6 +224,15 @@ def create_alerts_app(
                 "authentication_error",
                 "invalid_token",
                 {"WWW-Authenticate": "Bearer"},
+            )
+        if not is_active():
+            return _error(
+                503,
+                "this operator replica is a standby (kopf peering paused it): it applies no alerts; Alertmanager "
+                "retries, and the active replica applies them",
+                "server_error",
+                STANDBY_CODE,
+                {"Retry-After": "5"},
             )
         declared = request.headers.get("content-length", "")
         size = int(declared) if declared.isdigit() else 0

@@ -19,8 +19,9 @@ evaluation of a deployment:
    the decision's reason when a variant's size changes, and a wake-up of the reconcile loop so that pods follow
    at once (the planner reads the size from `status.autoscaling.variants[].desiredReplicas`).
 
-`register_autoscaling` adds the kopf handlers: start/stop of the autoscaler, the operator metrics and the HTTP
-server; the timer; and a CR event handler that keeps the replica gauges current.
+`register_autoscaling` adds the kopf handlers: start/stop of the autoscaler, the operator metrics, the public HTTP
+server (`/alerts`, applied only while kopf peering keeps this replica active) and the internal metrics server; the
+timer; and a CR event handler that keeps the replica gauges current.
 """
 
 from __future__ import annotations
@@ -70,7 +71,11 @@ from crds.models import (
 from fleet_operator.alerts import AlertPolicy, ParsedAlerts, ScaleIntent
 from fleet_operator.analysis_runner import metrics_source
 from fleet_operator.execute import execute
-from fleet_operator.http_server import OperatorHttpServer, create_operator_app
+from fleet_operator.http_server import (
+    OperatorHttpServer,
+    create_metrics_app,
+    create_operator_app,
+)
 from fleet_operator.kube import ApiError, Credentials, KubeApi, namespaced
 from fleet_operator.metrics_source import (
     MetricsSource,
@@ -604,18 +609,24 @@ def register_autoscaling(registry: kopf.OperatorRegistry, settings: OperatorSett
         policy = AlertPolicy(
             step=settings.alert_step, max_step=settings.alert_max_step, ttl_seconds=settings.alert_ttl_seconds
         )
-        app = create_operator_app(metrics, memo.autoscaler.on_alerts, token, policy)
+        peering_state: PeeringState = memo.peering_state
+        app = create_operator_app(metrics, memo.autoscaler.on_alerts, token, policy,
+                                  is_active=lambda: peering_state.active)
         memo.http_server = OperatorHttpServer(app, settings.http_host, settings.http_port)
+        memo.metrics_server = OperatorHttpServer(create_metrics_app(metrics), settings.metrics_host,
+                                                 settings.metrics_port, "/metrics", "METRICS_HOST/_METRICS_PORT")
         await memo.http_server.start()
+        await memo.metrics_server.start()
 
     @kopf.on.cleanup(registry=registry)
     async def stop_autoscaling(memo: kopf.Memo, **_: Any) -> None:
         peering: PeeringState | None = getattr(memo, "peering_state", None)
         if peering is not None:
             peering.detach()
-        server: OperatorHttpServer | None = getattr(memo, "http_server", None)
-        if server is not None:
-            await server.stop()
+        for server_name in ("http_server", "metrics_server"):
+            server: OperatorHttpServer | None = getattr(memo, server_name, None)
+            if server is not None:
+                await server.stop()
         autoscaler: Autoscaler | None = getattr(memo, "autoscaler", None)
         if autoscaler is not None:
             await autoscaler.aclose()

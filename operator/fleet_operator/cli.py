@@ -25,6 +25,9 @@ def operator_command(
     liveness_endpoint: Annotated[
         str | None, typer.Option(help="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
     ] = None,
+    metrics_port: Annotated[
+        int | None, typer.Option(help="internal port of the operator's /metrics (not the public /alerts port)")
+    ] = None,
     worker_image: Annotated[str | None, typer.Option(help="default worker image")] = None,
     worker_extra_args: Annotated[
         str | None, typer.Option(help="arguments appended to every worker command, shell-quoted")
@@ -51,6 +54,7 @@ def operator_command(
             peering=peering,
             priority=priority,
             liveness_endpoint=liveness_endpoint,
+            metrics_port=metrics_port,
             worker_image=worker_image,
             worker_extra_args=shlex.split(worker_extra_args) if worker_extra_args is not None else None,
             log_level=log_level,

@@ -1,15 +1,19 @@
-"""The operator's HTTP server: Alertmanager's `POST /alerts`, `GET /metrics` and `GET /healthz`.
+"""The operator's HTTP servers: the public one (Alertmanager's `POST /alerts`, `GET /healthz`) and the internal
+metrics one (`GET /metrics`).
 
 Why it exists: alert-driven scaling needs an endpoint inside the operator process (the autoscaler that acts on an
-alert lives there, with its API client and per-deployment locks), and the chart scrapes the operator's own series
-from the same port. It runs uvicorn inside kopf's event loop, so alert handlers call the autoscaler directly;
-kopf owns the process's signals (uvicorn's own handler would take SIGTERM away from it), and the socket is bound
-here, so a port already in use is an error message, not uvicorn's `sys.exit` inside kopf's loop.
+alert lives there, with its API client and per-deployment locks). The operator's own series name deployments and
+namespaces, so they are served on a second, internal port (`metrics_host`/`metrics_port`, scraped by the chart's
+PodMonitor and never behind the operator's Service), not on the port Alertmanager reaches. Both run uvicorn inside
+kopf's event loop, so alert handlers call the autoscaler directly; kopf owns the process's signals (uvicorn's own
+handler would take SIGTERM away from it), and each socket is bound here, so a port already in use is an error
+message, not uvicorn's `sys.exit` inside kopf's loop.
 
 `POST /alerts` is `alerts.create_alerts_app` (bearer token, Alertmanager payload version 4); every delivery is
 counted in `llmfleet_operator_alerts_received_total` by result: `unauthorized` (401), `accepted` (at least one
-scale intent), `ignored` (a valid call without scale intents, or a payload that is not a webhook). Without a
-token the endpoint answers 404 with how to turn it on.
+scale intent), `ignored` (a valid call without scale intents, or a payload that is not a webhook), `standby` (a
+replica that kopf peering paused answered 503: only the active replica applies alerts). Without a token the
+endpoint answers 404 with how to turn it on.
 """
 
 from __future__ import annotations
@@ -27,11 +31,21 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from fleet_operator.alerts import ALERTS_PATH, AlertPolicy, ParsedAlerts, create_alerts_app
+from fleet_operator.alerts import (
+    ALERTS_PATH,
+    STANDBY_CODE,
+    AlertPolicy,
+    ParsedAlerts,
+    create_alerts_app,
+)
 from fleet_operator.operator_metrics import AlertResult, OperatorMetrics
 
 log = logging.getLogger(__name__)
 ASGIApp = Callable[[dict[str, Any], Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
+
+
+def _always_active() -> bool:
+    return True
 
 
 def create_operator_app(
@@ -39,10 +53,12 @@ def create_operator_app(
     on_intents: Callable[[ParsedAlerts], Awaitable[None]],
     token: str | None,
     policy: AlertPolicy,
+    is_active: Callable[[], bool] = _always_active,
 ) -> ASGIApp:
-    """The app: `/alerts` (when `token` is set), `/metrics`, `/healthz`; deliveries to `/alerts` are counted."""
+    """The public app: `/alerts` (when `token` is set; applied only while `is_active()`), `/healthz`; deliveries
+    to `/alerts` are counted in `metrics`, which this app does not serve (see `create_metrics_app`)."""
     if token and token.strip():
-        app = create_alerts_app(on_intents, token, policy=policy)
+        app = create_alerts_app(on_intents, token, policy=policy, is_active=is_active)
     else:
         app = FastAPI(title="llmfleet operator", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -58,11 +74,18 @@ def create_operator_app(
             )
             return JSONResponse({"error": {"message": message, "type": "not_found", "code": "alerts_disabled"}}, 404)
 
+    return _CountDeliveries(app, metrics)
+
+
+def create_metrics_app(metrics: OperatorMetrics) -> FastAPI:
+    """The internal app: `GET /metrics` only (the operator's series; for the metrics port)."""
+    app = FastAPI(title="llmfleet operator metrics", docs_url=None, redoc_url=None, openapi_url=None)
+
     @app.get("/metrics")
     async def exposition() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    return _CountDeliveries(app, metrics)
+    return app
 
 
 class _CountDeliveries:
@@ -92,12 +115,12 @@ class _CountDeliveries:
 
 
 def delivery_result(status: int, body: bytes) -> AlertResult | None:
-    """How a delivery counts: 401 unauthorized; 200 with scale intents accepted; other 2xx/4xx ignored; 5xx not
-    at all (Alertmanager retries it, and the retry is counted)."""
+    """How a delivery counts: 401 unauthorized; 200 with scale intents accepted; other 2xx/4xx ignored; a
+    standby's 503 standby; other 5xx not at all (Alertmanager retries it, and the retry is counted)."""
     if status == 401:
         return "unauthorized"
     if status >= 500:
-        return None
+        return "standby" if _error_code(body) == STANDBY_CODE else None
     if status == 200:
         try:
             accepted = int(json.loads(body).get("accepted") or 0)
@@ -105,6 +128,14 @@ def delivery_result(status: int, body: bytes) -> AlertResult | None:
             accepted = 0
         return "accepted" if accepted > 0 else "ignored"
     return "ignored"
+
+
+def _error_code(body: bytes) -> str | None:
+    try:
+        error = json.loads(body).get("error")
+        return str(error.get("code")) if isinstance(error, dict) else None
+    except (ValueError, TypeError, AttributeError):
+        return None
 
 
 class _KopfOwnsSignals(uvicorn.Server):
@@ -116,11 +147,15 @@ class _KopfOwnsSignals(uvicorn.Server):
 
 
 class OperatorHttpServer:
-    """The app under uvicorn in the running event loop. `start` returns False (and logs why) when the address
-    cannot be bound: the operator keeps reconciling and autoscaling on its timer without alerts and metrics."""
+    """An app under uvicorn in the running event loop. `start` returns False (and logs why) when the address
+    cannot be bound: the operator keeps reconciling and autoscaling on its timer without what this server serves
+    (`serves`, for the log, e.g. "/alerts"; `settings`, the variables that choose the address)."""
 
-    def __init__(self, app: ASGIApp, host: str, port: int) -> None:
+    def __init__(
+        self, app: ASGIApp, host: str, port: int, serves: str = "/alerts", settings: str = "HTTP_HOST/_HTTP_PORT"
+    ) -> None:
         self.host, self.requested_port = host, port
+        self.serves, self.settings = serves, settings
         self.port: int | None = None
         self._app = app
         self._server: uvicorn.Server | None = None
@@ -140,11 +175,13 @@ class OperatorHttpServer:
                 raise
         except OSError as error:
             log.error(
-                "cannot serve /alerts and /metrics on %s:%s: %s; set LLMFLEET_OPERATOR_HTTP_HOST/_HTTP_PORT to a "
-                "free address (the operator goes on without them)",
+                "cannot serve %s on %s:%s: %s; set LLMFLEET_OPERATOR_%s to a free address (the operator goes on "
+                "without it)",
+                self.serves,
                 self.host,
                 self.requested_port,
                 error,
+                self.settings,
             )
             return False
         sock.setblocking(False)
@@ -152,7 +189,7 @@ class OperatorHttpServer:
         config = uvicorn.Config(self._app, lifespan="off", log_config=None, log_level="warning", access_log=False)
         self._server = _KopfOwnsSignals(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="llmfleet-operator-http")
-        log.info("serving /alerts and /metrics on %s:%d", self.host, self.port)
+        log.info("serving %s on %s:%d", self.serves, self.host, self.port)
         return True
 
     async def stop(self, timeout_s: float = 10.0) -> None:

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from controllers import EmitEvent, Plan
 
-AlertResult = Literal["accepted", "ignored", "unauthorized"]
+AlertResult = Literal["accepted", "ignored", "unauthorized", "standby"]
 # Plan Event reasons -> the `result` label of llmfleet_operator_rollouts_total (controllers/rollout.py emits them).
 ROLLOUT_RESULTS = {
     "CanaryPromoted": "promoted",

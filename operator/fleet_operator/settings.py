@@ -101,9 +101,15 @@ class OperatorSettings(BaseModel):
     )
     log_level: str = Field("info", pattern="^(debug|info|warning|error)$", description="Operator log level.")
     http_host: str = Field(
-        "127.0.0.1", min_length=1, description="Bind address of the operator's HTTP server (/alerts, /metrics)."
+        "127.0.0.1", min_length=1, description="Bind address of the operator's public HTTP server (/alerts, /healthz)."
     )
     http_port: int = Field(8081, ge=0, le=65_535, description="Port of the operator's HTTP server; 0 = any free port.")
+    metrics_host: str = Field(
+        "127.0.0.1", min_length=1, description="Bind address of the operator's internal /metrics server."
+    )
+    metrics_port: int = Field(
+        8082, ge=0, le=65_535, description="Port of the internal /metrics server (not the public one); 0 = any free."
+    )
     alerts_token: SecretStr | None = Field(
         None, description="Bearer token Alertmanager sends to POST /alerts; unset = alert-driven scaling is off."
     )
@@ -167,6 +173,9 @@ class OperatorSettings(BaseModel):
         )
 
     def policy(self) -> Policy:
+        if self.metrics_port and self.metrics_port == self.http_port:
+            raise SettingsError(f"LLMFLEET_OPERATOR_METRICS_PORT equals LLMFLEET_OPERATOR_HTTP_PORT "
+                                f"({self.http_port}): /metrics needs its own internal port; choose another, e.g. 8082")
         if self.max_surge == 0 and self.max_unavailable == 0:
             raise SettingsError("max_surge and max_unavailable are both 0, so no pod could ever be replaced: "
                                 "set LLMFLEET_OPERATOR_MAX_SURGE=1")

@@ -229,3 +229,28 @@ async def test_healthz_needs_no_token() -> None:
 def test_empty_token_is_refused(token: str) -> None:
     with pytest.raises(ValueError, match="non-empty bearer token"):
         create_alerts_app(Recorder(), token)
+
+
+class Switch:
+    """Whether this operator replica is active (kopf peering), flipped by the test."""
+
+    def __init__(self, active: bool) -> None:
+        self.active = active
+
+    def __call__(self) -> bool:
+        return self.active
+
+
+async def test_a_standby_answers_503_and_applies_nothing_until_it_becomes_active() -> None:
+    recorder, switch = Recorder(), Switch(active=False)
+    async with client_for(recorder, is_active=switch) as client:
+        standby = await client.post("/alerts", json=webhook(alert()), headers=AUTH)
+        unauthorized = await client.post("/alerts", json=webhook(alert()))
+        switch.active = True
+        active = await client.post("/alerts", json=webhook(alert()), headers=AUTH)
+    assert standby.status_code == 503, standby.text  # Alertmanager retries 5xx (and may reach the active replica)
+    error = standby.json()["error"]
+    assert error["code"] == "standby" and "this operator replica is a standby" in error["message"]
+    assert unauthorized.status_code == 401  # the token is checked first: a standby tells nothing to strangers
+    assert active.status_code == 200 and active.json()["accepted"] == 1
+    assert len(recorder.calls) == 1  # only the delivery to the active replica reached the autoscaler

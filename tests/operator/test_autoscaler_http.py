@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from controllers import EmitEvent, EventType, Plan
 from fleet_operator.alerts import AlertPolicy, ParsedAlerts
-from fleet_operator.http_server import OperatorHttpServer, create_operator_app, delivery_result
+from fleet_operator.http_server import OperatorHttpServer, create_metrics_app, create_operator_app, delivery_result
 from fleet_operator.main import peering_priority
 from fleet_operator.operator_metrics import OperatorMetrics
 from fleet_operator.settings import OperatorSettings, SettingsError
@@ -65,7 +65,7 @@ def test_alert_deliveries_reach_the_autoscaler_and_are_counted_by_result():
     (parsed,) = received
     (intent,) = parsed.intents
     assert intent.step == 2 and intent.ttl_seconds == 60 and intent.deployment == "demo"
-    text = asyncio.run(_get(app, "/metrics")).text
+    text = asyncio.run(_get(create_metrics_app(metrics), "/metrics")).text
     assert _samples(text, "llmfleet_operator_alerts_received_total") == {
         (("result", "accepted"),): 1.0,
         (("result", "ignored"),): 2.0,
@@ -83,7 +83,7 @@ def test_a_failing_autoscaler_answers_503_and_is_not_counted():
     assert _samples(metrics.exposition().decode(), "llmfleet_operator_alerts_received_total") == {}
 
 
-def test_without_a_token_alerts_are_off_but_metrics_and_health_are_served():
+def test_without_a_token_alerts_are_off_but_health_is_served():
     async def on_intents(parsed: ParsedAlerts) -> None:
         raise AssertionError("never called")
 
@@ -91,8 +91,47 @@ def test_without_a_token_alerts_are_off_but_metrics_and_health_are_served():
     answer = asyncio.run(_post(app, "/alerts", {"version": "4", "alerts": [ALERT]}))
     assert answer.status_code == 404 and "LLMFLEET_OPERATOR_ALERTS_TOKEN" in answer.json()["error"]["message"]
     assert asyncio.run(_get(app, "/healthz")).status_code == 200
-    metrics = asyncio.run(_get(app, "/metrics"))
-    assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
+
+
+@pytest.mark.parametrize("token", [TOKEN, None], ids=["alerts on", "alerts off"])
+def test_metrics_are_served_only_by_the_internal_app(token):
+    """/metrics names deployments and namespaces: never on the public (Alertmanager) port, only on the metrics
+    port, which serves nothing else."""
+
+    async def on_intents(parsed: ParsedAlerts) -> None:
+        return None
+
+    metrics = OperatorMetrics()
+    metrics.observe_deployment(_body("secret-name", [("a", 1, 1, 1)]))
+    public = create_operator_app(metrics, on_intents, token, AlertPolicy())
+    internal = create_metrics_app(metrics)
+    answer = asyncio.run(_get(public, "/metrics"))
+    assert answer.status_code == 404 and "secret-name" not in answer.text
+    exposition = asyncio.run(_get(internal, "/metrics"))
+    assert exposition.status_code == 200 and exposition.headers["content-type"].startswith("text/plain")
+    assert "secret-name" in exposition.text
+    assert asyncio.run(_post(internal, "/alerts", {"version": "4", "alerts": [ALERT]})).status_code == 404
+
+
+def test_a_standby_refuses_deliveries_and_counts_them_as_standby():
+    received: list[ParsedAlerts] = []
+    active = {"now": False}
+
+    async def on_intents(parsed: ParsedAlerts) -> None:
+        received.append(parsed)
+
+    metrics = OperatorMetrics()
+    app = create_operator_app(metrics, on_intents, TOKEN, AlertPolicy(), is_active=lambda: active["now"])
+    standby = asyncio.run(_post(app, "/alerts", {"version": "4", "alerts": [ALERT]}))
+    assert standby.status_code == 503 and "standby" in standby.json()["error"]["message"]
+    assert received == []
+    active["now"] = True
+    assert asyncio.run(_post(app, "/alerts", {"version": "4", "alerts": [ALERT]})).status_code == 200
+    assert len(received) == 1
+    assert _samples(metrics.exposition().decode(), "llmfleet_operator_alerts_received_total") == {
+        (("result", "standby"),): 1.0,
+        (("result", "accepted"),): 1.0,
+    }
 
 
 @pytest.mark.parametrize(
@@ -105,6 +144,8 @@ def test_without_a_token_alerts_are_off_but_metrics_and_health_are_served():
         (400, b"{}", "ignored"),
         (413, b"{}", "ignored"),
         (503, b"{}", None),
+        (503, b'{"error": {"code": "standby"}}', "standby"),
+        (503, b'{"error": {"code": "apply_failed"}}', None),
     ],
 )
 def test_delivery_result(status, body, result):
@@ -246,6 +287,20 @@ def test_http_alert_and_autoscaling_settings_from_the_environment():
     defaults = OperatorSettings.load({})
     assert (defaults.http_host, defaults.http_port, defaults.autoscale_interval_seconds) == ("127.0.0.1", 8081, 10)
     assert defaults.alerts_token is None and defaults.expected_startup_seconds == 300
+    assert (defaults.metrics_host, defaults.metrics_port) == ("127.0.0.1", 8082)
+
+
+def test_metrics_address_from_the_environment_and_the_flag():
+    settings = OperatorSettings.load({"LLMFLEET_OPERATOR_METRICS_HOST": "10.1.2.3",
+                                      "LLMFLEET_OPERATOR_METRICS_PORT": "9100"})
+    assert (settings.metrics_host, settings.metrics_port) == ("10.1.2.3", 9100)
+    assert OperatorSettings.load({"LLMFLEET_OPERATOR_METRICS_PORT": "9100"}, metrics_port=9200).metrics_port == 9200
+    assert OperatorSettings.load({"LLMFLEET_OPERATOR_HTTP_PORT": "0", "LLMFLEET_OPERATOR_METRICS_PORT": "0"})
+
+
+def test_the_metrics_port_must_differ_from_the_public_port():
+    with pytest.raises(SettingsError, match="LLMFLEET_OPERATOR_METRICS_PORT"):
+        OperatorSettings.load({"LLMFLEET_OPERATOR_HTTP_PORT": "9000", "LLMFLEET_OPERATOR_METRICS_PORT": "9000"})
 
 
 @pytest.mark.parametrize(

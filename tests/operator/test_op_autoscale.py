@@ -10,6 +10,7 @@ wait in the pod's queue, which is what the autoscaler measures. Slow (processes 
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -39,6 +40,7 @@ def operator_http(monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setenv("LLMFLEET_OPERATOR_AUTOSCALE_INTERVAL_SECONDS", "1")
     monkeypatch.setenv("LLMFLEET_OPERATOR_EXPECTED_STARTUP_SECONDS", "30")
     monkeypatch.setenv("LLMFLEET_OPERATOR_HTTP_PORT", str(port))
+    monkeypatch.setenv("LLMFLEET_OPERATOR_METRICS_PORT", str(free_port()))  # /metrics is on its own internal port
     monkeypatch.setenv("LLMFLEET_OPERATOR_ALERTS_TOKEN", TOKEN)
     return f"http://127.0.0.1:{port}"
 
@@ -222,7 +224,7 @@ def test_alert_scales_up_at_once_and_shows_in_status_events_and_metrics(
     assert any("1 -> 3 replicas (alert)" in e["message"] for e in events)
 
     metrics = kit.wait_until(
-        lambda: (text := httpx.get(f"{operator_http}/metrics").text)
+        lambda: (text := httpx.get(f"http://127.0.0.1:{os.environ['LLMFLEET_OPERATOR_METRICS_PORT']}/metrics").text)
         and 'llmfleet_operator_ready_replicas{deployment="alerted"' in text
         and _sample(text, "llmfleet_operator_ready_replicas", deployment=name) == 3
         and text,
