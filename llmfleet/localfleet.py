@@ -117,6 +117,7 @@ class LocalFleet:
         self.prometheus_url: str | None = None
         self.gateway_url = ""
         self.operator_health_url = ""
+        self.operator_metrics_url = ""  # the operator's /metrics, on its own internal port
         self._lock_file: Any = None
         self._gateway_port = 0  # chosen at start: Prometheus scrapes the gateway too
         self._operator_env: dict[str, str] = {}
@@ -273,7 +274,11 @@ class LocalFleet:
     def _start_operator(self) -> None:
         port = free_port()
         self.operator_health_url = f"http://127.0.0.1:{port}/healthz"
+        metrics_port = free_port()
+        self.operator_metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         env = {
+            "LLMFLEET_OPERATOR_HTTP_PORT": str(free_port()),  # /alerts (no token here: off)
+            "LLMFLEET_OPERATOR_METRICS_PORT": str(metrics_port),
             "LLMFLEET_OPERATOR_WORKER_CACHE_DIR": "",  # pods keep the host's HOME and model cache
             "LLMFLEET_OPERATOR_RESYNC_SECONDS": f"{self.settings.operator_resync_s:g}",
             "LLMFLEET_OPERATOR_DELETION_RETRY_SECONDS": "1",
@@ -290,7 +295,7 @@ class LocalFleet:
         self.operator = ManagedProcess("operator", llmfleet_argv("operator"), self.logs / "operator.log",
                                        self._env(env))
         self._launch_operator()
-        self._report(f"operator running (pid {self.operator.pid})")
+        self._report(f"operator running (pid {self.operator.pid}, its metrics at {self.operator_metrics_url})")
 
     def _launch_operator(self) -> None:
         assert self.operator is not None

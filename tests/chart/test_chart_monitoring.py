@@ -196,7 +196,7 @@ def test_alerts_fire_exactly_where_the_thresholds_say(render, promtool, tmp_path
 
 
 def test_pod_monitor_relabels_pod_labels_into_deployment_and_variant(rendered_sets):
-    (monitor,) = rendered_sets["monitoring"].of_kind("PodMonitor")
+    monitor = rendered_sets["monitoring"].get("PodMonitor", "fleet-llmfleet-workers")
     spec = monitor["spec"]
     assert spec["selector"] == {"matchExpressions": [{"key": LABEL_DEPLOYMENT, "operator": "Exists"}]}
     assert spec["namespaceSelector"] == {"matchNames": ["llm"]}
@@ -212,20 +212,44 @@ def test_pod_monitor_relabels_pod_labels_into_deployment_and_variant(rendered_se
 
 
 def test_cluster_wide_pod_monitor_watches_every_namespace(rendered_sets):
-    (monitor,) = rendered_sets["two-operators-cluster-wide"].of_kind("PodMonitor")
+    monitor = rendered_sets["two-operators-cluster-wide"].get("PodMonitor", "fleet-llmfleet-workers")
     assert monitor["spec"]["namespaceSelector"] == {"any": True}
 
 
-def test_service_monitors_select_the_gateway_and_operator_services(rendered_sets):
+def test_service_monitor_selects_the_gateway_service(rendered_sets):
     rendered = rendered_sets["monitoring"]
     monitors = rendered.of_kind("ServiceMonitor")
-    assert {m["metadata"]["name"] for m in monitors} == {"fleet-llmfleet-gateway", "fleet-llmfleet-operator"}
+    assert {m["metadata"]["name"] for m in monitors} == {"fleet-llmfleet-gateway"}
     for monitor in monitors:
         service = rendered.get("Service", monitor["metadata"]["name"])
         assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
         (endpoint,) = monitor["spec"]["endpoints"]
         assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
         assert endpoint["honorLabels"] is True
+
+
+def test_operator_metrics_are_scraped_from_the_pods_internal_port_never_through_the_service(rendered_sets, value_set):
+    """The operator's /metrics names deployments and namespaces: it is served on its own port (metricsPort, bound
+    to the pod IP), scraped by a PodMonitor, and the Service (what Alertmanager reaches) does not expose it."""
+    rendered = rendered_sets[value_set]
+    deployment = rendered.get("Deployment", "fleet-llmfleet-operator")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["LLMFLEET_OPERATOR_METRICS_PORT"] == str(ports["metrics"]) != env["LLMFLEET_OPERATOR_HTTP_PORT"]
+    assert env["LLMFLEET_OPERATOR_METRICS_HOST"] == "$(POD_IP)"
+    service = rendered.get("Service", "fleet-llmfleet-operator")
+    assert {p["targetPort"] for p in service["spec"]["ports"]} == {"http"}
+    assert ports["http"] != ports["metrics"]
+    monitors = [m for m in rendered.of_kind("PodMonitor") if m["metadata"]["name"] == "fleet-llmfleet-operator"]
+    if value_set != "monitoring" and not monitors:
+        return  # monitoring off in this value set: nothing scrapes the operator
+    (monitor,) = monitors  # "monitoring" turns the monitors on
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [deployment["metadata"]["namespace"]]}
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["path"], endpoint["honorLabels"]) == ("metrics", "/metrics", True)
 
 
 def test_alertmanager_config_routes_scale_alerts_to_the_operator_with_the_token(rendered_sets):
