@@ -5,6 +5,10 @@ state); the routes are thin. The engine loads in the background after start-up, 
 large model loads and `/ready` turns 200 only when it can serve. `on_exit(code)` is how the app asks its host
 (the CLI's uvicorn runner) to stop: 0 after a signal-triggered drain, 1 when the model failed to load. A drain
 started by `POST /drain` ends with the worker up and idle (not ready, alive) until SIGTERM (see drain.py).
+
+Exposure: `POST /drain` needs the drain token; `GET /drain` does not, because the pod's preStop hook polls it
+without one, and it reveals nothing more than /metrics does (phase, a fixed reason string, in-flight count,
+remaining-token estimate, seconds left). There are no API docs routes (`/docs`, `/redoc`, `/openapi.json`).
 """
 
 from __future__ import annotations
