@@ -15,11 +15,15 @@ rollback, promotion, removed variants, deletion of the InferenceDeployment) goes
 
     probe / time                                   decision
     no drain annotations (marked by hand)          mark again with a fresh deadline (StartDrain)
-    pod ended, has no IP, or nothing listens       delete (the worker exited after draining, or is broken)
-    answered, nothing in flight                    delete
+    answered draining, nothing in flight           delete: drained ("drained: 0 in flight after 3.2 s")
+    pod ended, has no IP, or nothing listens       delete: not drained (the worker crashed or is broken)
+    answered not draining, nothing in flight       delete: not drained (it restarted, or never got the POST)
     the deadline passed                            delete, even with requests in flight (they are cut)
     answered, not in lame-duck mode                POST /drain again (the first one was lost)
     failed (timeout, error) or still in flight     wait; look again in `POLL_SECONDS`
+
+A drained worker stays up and idle (0 in flight, `/ready` 503) until the deletion's SIGTERM, so the kubelet never
+restarts it before the pod goes; the DeletedPod Event says which way the drain ended.
 
 The deadline is `drain.timeoutSeconds` after the start, and is stored on the pod: a restart neither shortens nor
 extends a drain. The deletion itself runs the pod's preStop hook (which drains too, and returns at once when
@@ -164,7 +168,7 @@ def advance(
         done = _finished(pod, probe, now)
         if done is not None:
             actions.append(
-                DeletePod(pod.name, pod.uid, pod.variant, pod.revision, reason.value, f"{done} after {elapsed:.0f}s")
+                DeletePod(pod.name, pod.uid, pod.variant, pod.revision, reason.value, f"{done} after {elapsed:.1f} s")
             )
             continue
         if probe is not None and probe.state == ProbeState.ANSWERED and not probe.draining:
@@ -200,13 +204,15 @@ def advance(
 def _finished(pod: PodInfo, probe: DrainProbe | None, now: datetime) -> str | None:
     """Why the drain of `pod` is over (its pod may be deleted now), or None while it must go on."""
     if pod.failed:
-        return f"the pod ended ({pod.phase.value})"
+        return f"not drained: the pod ended ({pod.phase.value})"
     if not pod.ip:
-        return "the pod has no IP: nothing can be in flight"
+        return "not drained: the pod has no IP, so nothing can be in flight"
     if probe is not None and probe.state == ProbeState.UNREACHABLE:
-        return "the worker no longer answers (it exits once drained)" + (f": {probe.detail}" if probe.detail else "")
+        return "not drained: the worker no longer answers" + (f" ({probe.detail})" if probe.detail else "")
     if probe is not None and probe.state == ProbeState.ANSWERED and probe.in_flight == 0:
-        return "drained: no request in flight"
+        if probe.draining:
+            return "drained: 0 in flight"
+        return "not drained: 0 in flight but the worker was not draining (it restarted, or never got POST /drain)"
     if pod.drain_deadline is not None and now >= pod.drain_deadline:
         left = probe.in_flight if probe is not None and probe.in_flight is not None else "unknown"
         return f"drain timeout passed with {left} request(s) in flight"

@@ -33,10 +33,15 @@ def _marked(kit, *, since_s: float = 5, timeout_s: float = 30, ip: str | None = 
 @pytest.mark.parametrize(
     ("pod", "probe", "expected", "needle"),
     [
-        ({}, DrainProbe(ProbeState.ANSWERED, draining=True, in_flight=0), DeletePod, "no request in flight"),
+        ({"since_s": 3.2}, DrainProbe(ProbeState.ANSWERED, draining=True, in_flight=0), DeletePod,
+         "drained: 0 in flight after 3.2 s"),
+        ({}, DrainProbe(ProbeState.ANSWERED, draining=False, in_flight=0), DeletePod,
+         "not drained: 0 in flight but the worker was not draining (it restarted, or never got POST /drain) "
+         "after 5.0 s"),
         ({}, DrainProbe(ProbeState.ANSWERED, draining=True, in_flight=3), None, ""),
         ({}, DrainProbe(ProbeState.ANSWERED, draining=False, in_flight=2), StartDrain, "not draining yet"),
-        ({}, DrainProbe(ProbeState.UNREACHABLE, detail="refused"), DeletePod, "no longer answers"),
+        ({}, DrainProbe(ProbeState.UNREACHABLE, detail="refused"), DeletePod,
+         "not drained: the worker no longer answers"),
         ({}, DrainProbe(ProbeState.FAILED, detail="timeout"), None, ""),
         ({}, None, None, ""),
         ({"since_s": 40}, DrainProbe(ProbeState.ANSWERED, draining=True, in_flight=3), DeletePod, "timeout"),
@@ -44,7 +49,7 @@ def _marked(kit, *, since_s: float = 5, timeout_s: float = 30, ip: str | None = 
         ({"ip": None}, None, DeletePod, "no IP"),
         ({"phase": PodPhase.FAILED}, None, DeletePod, "ended"),
     ],
-    ids=["drained", "in-flight", "post-lost", "exited", "probe-failed", "not-probed", "timeout", "timeout-unknown",
+    ids=["drained", "idle-not-draining", "in-flight", "post-lost", "exited", "probe-failed", "not-probed", "timeout", "timeout-unknown",
          "no-ip", "ended"],
 )
 def test_one_drain_step(kit, pod, probe, expected, needle):
@@ -141,7 +146,7 @@ def test_scale_down_drains_then_deletes_once_nothing_is_in_flight(kit):
     assert status["replicas"] == 2 and status["variants"][0]["drainingReplicas"] == 1
     c.in_flight[start.name] = 0
     (delete,) = c.plan().of_type(DeletePod)
-    assert delete.name == start.name and "no request in flight" in delete.message
+    assert delete.name == start.name and delete.message.startswith("drained: 0 in flight after ")
     c.converge()
     assert len(c.pods) == 2 and _drains(c) == []
 
