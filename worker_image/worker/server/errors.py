@@ -14,6 +14,7 @@ import json
 import logging
 import re
 import uuid
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -124,7 +125,7 @@ class RequestIds:
                 await internal_error(request_id).response()(scope, receive, send_with_id)
 
 
-def validation_error(errors: list[dict[str, Any]]) -> ApiError:
+def validation_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:
     """The first pydantic/FastAPI error as a 400 naming the field (`messages.0.role`), the rest counted."""
     if not errors:
         return ApiError(400, "invalid request")

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -142,7 +142,7 @@ def abort_error(reason: str | None, timeout_s: float | None) -> ApiError:
     return ApiError(503, f"the request was aborted: {reason}", code="aborted")
 
 
-async def drive(service: WorkerService, prep: Prepared, entry: InflightRequest) -> AsyncIterator[RequestOutput]:
+async def drive(service: WorkerService, prep: Prepared, entry: InflightRequest) -> AsyncGenerator[RequestOutput]:
     """The engine's outputs for one request, with the deadline, server-side aborts, fault delays and metrics.
 
     Raises ApiError when the server aborts the request (deadline: 504, drain timeout: 503), the engine refuses it

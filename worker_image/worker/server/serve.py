@@ -48,7 +48,7 @@ class WorkerServer:
     """The app plus its uvicorn server. `run()` blocks and returns the exit code (0 after a drain)."""
 
     def __init__(self, engine: EngineClient, settings: WorkerSettings, *, configure_logging: bool = True,
-                 log_level: str = "info", graceful_shutdown_s: float = 5.0,
+                 log_level: str = "info", graceful_shutdown_s: int = 5,
                  max_bytes_per_token: int | None = None) -> None:
         self.exit_code = 0
         self.app = create_app(engine, settings, on_exit=self._on_exit, max_bytes_per_token=max_bytes_per_token)
