@@ -5,6 +5,8 @@ the real gateway (Kubernetes mode) on localkube, with analysis from scraping the
   streams through the gateway, then the fleet scales down: not one stream fails or ends early;
 - a canary with injected errors (LLMFLEET_FAULT_ERROR_RATE via spec.template.env) is rolled back automatically,
   with the reason in status and a Warning Event;
+- every pod drained on the way (scale-down, promotion, rollback) is deleted as drained ("drained: 0 in flight")
+  and never restarted: its restartCount, watched until the pod is gone, stays 0;
 - the operator killed mid-step resumes at the same step (same step start, same pods), then a manual promote by
   annotation finishes the rollout and the annotation is removed.
 
@@ -25,6 +27,7 @@ from typing import Any
 import httpx
 import pytest
 
+from fleet_operator.drain_watch import DrainedPodRestarts
 from llmfleet.traffic import classify_stream
 
 pytestmark = pytest.mark.slow
@@ -119,6 +122,21 @@ def _revisions(pods: list[dict[str, Any]]) -> Counter[str]:
     return Counter(p["metadata"]["labels"]["llmfleet.io/revision"] for p in pods)
 
 
+def _watch_drains(fleet: Any, name: str) -> DrainedPodRestarts:
+    return DrainedPodRestarts(fleet.kube.env["KUBECONFIG"], fleet.namespace, name)
+
+
+def _assert_drained_without_restarts(kube: Any, name: str, watch: DrainedPodRestarts, at_least: int) -> None:
+    """Every pod marked draining kept restartCount 0 until it was deleted, and its DeletedPod Event says it drained
+    (a worker that exited after draining would be restarted and then deleted as unreachable)."""
+    restarts = watch.drained()
+    assert len(restarts) >= at_least, restarts
+    assert {pod: count for pod, count in restarts.items() if count} == {}, f"drained pods restarted: {restarts}"
+    deleted = {e["message"].split()[2]: e["message"] for e in kube.events(name) if e["reason"] == "DeletedPod"}
+    for pod in restarts:
+        assert "drained: 0 in flight after" in deleted.get(pod, ""), (pod, deleted.get(pod))
+
+
 def _settled(kit: Any, kube: Any, name: str, replicas: int) -> Any:
     """Available, every pod ready and of one revision, no drain left: returns that revision."""
     resource = kube.get("infd", name)
@@ -141,7 +159,7 @@ def test_canary_promotes_through_all_steps_and_no_stream_breaks_through_rollout_
     steps = [{"weight": 34, "pauseSeconds": 2}, {"weight": 67, "pauseSeconds": 2}]
     kube.apply(_canary_deployment(kit, "promo", 3, steps))
     stable = kit.wait_until(lambda: _settled(kit, kube, "promo", 3), "3 ready pods of one revision", timeout_s=90)
-    with StreamLoad(gateway, "promo") as load:
+    with _watch_drains(fleet, "promo") as watch, StreamLoad(gateway, "promo") as load:
         kit.wait_until(lambda: load.completed >= 6, "streams through the gateway", timeout_s=30)
         # the canary changes the quantization: the quality probe joins latency and errors in the analysis
         kube.run("patch", "infd", "promo", "--type", "merge", "-p",
@@ -180,8 +198,8 @@ def test_canary_promotes_through_all_steps_and_no_stream_breaks_through_rollout_
     drained = {e["message"].split()[2] for e in kube.events("promo") if e["reason"] == "DrainingPod"}
     deleted = {e["message"].split()[2]: e["message"] for e in kube.events("promo") if e["reason"] == "DeletedPod"}
     assert drained <= set(deleted)  # every drained pod was deleted by the operator, once its drain ended
-    for pod in drained:
-        assert "drained: no request in flight" in deleted[pod] or "no longer answers" in deleted[pod], deleted[pod]
+    assert drained <= set(watch.drained())  # the watch saw every one of them
+    _assert_drained_without_restarts(kube, "promo", watch, at_least=5)
     assert reasons["AnalysisPass"] >= 2
     pdbs = kube.get("poddisruptionbudgets")
     assert [(p["metadata"]["name"], p["spec"]["maxUnavailable"]) for p in pdbs] == [("promo-default", 1)]
@@ -193,7 +211,7 @@ def test_faulty_canary_rolls_back_with_the_reason_in_status(fleet: Any, kit: Any
     kube.apply(_canary_deployment(kit, "faulty", 2, steps))
     stable = kit.wait_until(lambda: _settled(kit, kube, "faulty", 2), "2 ready pods", timeout_s=90)
     faults = [{"name": "LLMFLEET_FAULT_ERROR_RATE", "value": "0.6"}, {"name": "LLMFLEET_FAULT_SEED", "value": "7"}]
-    with StreamLoad(gateway, "faulty") as load:
+    with _watch_drains(fleet, "faulty") as watch, StreamLoad(gateway, "faulty") as load:
         kube.run("patch", "infd", "faulty", "--type", "merge", "-p",
                  json.dumps({"spec": {"template": {"env": faults}}}))
         canary = kit.wait_until(lambda: _rollout(kube, "faulty").get("canaryRevision"), "the canary to start")
@@ -201,6 +219,7 @@ def test_faulty_canary_rolls_back_with_the_reason_in_status(fleet: Any, kit: Any
             lambda: (r := _rollout(kube, "faulty")).get("phase") == "RolledBack" and r, "the rollback", timeout_s=90
         )
         kit.wait_until(lambda: load.completed >= 10, "streams after the rollback")
+        kit.wait_until(lambda: set(_revisions(kube.pods("faulty"))) == {stable}, "the canary pods gone", timeout_s=60)
     assert any("HTTP 500" in f for f in load.failures)  # clients saw the canary's injected errors (not retried)
     assert rolled["rejectedRevision"] == canary and rolled["stableRevision"] == stable
     assert rolled["reason"] == "AnalysisFailed" and "error rate" in rolled["message"]
@@ -210,6 +229,7 @@ def test_faulty_canary_rolls_back_with_the_reason_in_status(fleet: Any, kit: Any
     progressing = kit.condition(resource, "Progressing")
     assert (progressing["status"], progressing["reason"]) == ("False", "CanaryRolledBack")
     assert set(_revisions(kube.pods("faulty"))) == {stable}  # canary pods drained away
+    _assert_drained_without_restarts(kube, "faulty", watch, at_least=1)
     assert all(e["weight"] == 0 for e in resource["status"]["endpoints"] if e["revision"] == canary)
     warnings = [e for e in kube.events("faulty") if e["reason"] == "CanaryRolledBack"]
     assert warnings and warnings[0]["type"] == "Warning" and "error rate" in warnings[0]["message"]
