@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from fleet_operator.drain_watch import DrainedPodRestarts
 from llmfleet.kube import INFD, Kube
 from llmfleet.localfleet import FleetSettings, LocalFleet
 from llmfleet.progress import pod_ready
@@ -158,6 +159,21 @@ class Scene:
         ok = (available and len(pods) == replicas == sum(pod_ready(p) for p in pods) and len(revisions) == 1
               and not status.get("drains") and (status.get("rollout") or {}).get("phase", "Stable") == "Stable")
         return next(iter(revisions)) if ok else None
+
+    def watch_drains(self, name: str) -> DrainedPodRestarts:
+        """`with scene.watch_drains(name) as watch:` sees every version of the deployment's pods (restartCount)."""
+        return DrainedPodRestarts(self.fleet.kubeconfig, self.ns, name)
+
+    def assert_drained_without_restarts(self, name: str, watch: DrainedPodRestarts, at_least: int) -> dict[str, int]:
+        """Every pod marked draining kept restartCount 0 until it was deleted, and its DeletedPod Event says it
+        drained (a worker that exits after draining is restarted by the kubelet, then deleted as unreachable)."""
+        restarts = watch.drained()
+        assert len(restarts) >= at_least, restarts
+        assert {pod: n for pod, n in restarts.items() if n} == {}, f"drained pods restarted: {restarts}"
+        deleted = {e["message"].split()[2]: e["message"] for e in self.events(name) if e["reason"] == "DeletedPod"}
+        for pod in restarts:
+            assert "drained: 0 in flight after" in deleted.get(pod, ""), (pod, deleted.get(pod))
+        return restarts
 
     def cleanup(self) -> None:
         for name in self.names:

@@ -42,8 +42,10 @@ def test_autoscales_up_under_load_and_back_down_when_idle(scene, fleet, figures)
         up_s = time.monotonic() - started
     assert load.failures == [], load.failures[:3]
     idle = time.monotonic()
-    scene.wait_until(lambda: scene.settled("elastic", 1), "the scale-down to 1 pod once idle", timeout_s=90)
+    with scene.watch_drains("elastic") as watch:
+        scene.wait_until(lambda: scene.settled("elastic", 1), "the scale-down to 1 pod once idle", timeout_s=90)
     down_s = time.monotonic() - idle
+    scene.assert_drained_without_restarts("elastic", watch, at_least=1)  # the autoscaler's scale-down drains
     decisions = _decisions(scene.infd("elastic"))
     assert decisions, "the autoscaler recorded no decision in status.autoscaling"
     assert len(scene.pods("elastic")) == 1

@@ -4,6 +4,8 @@
   A bounded load streams through the gateway all along: not one stream fails (every pod that goes away drains).
 - rollback: a canary with injected errors (LLMFLEET_FAULT_ERROR_RATE) fails analysis and is rolled back
   automatically, with the reason in status and a Warning Event; stable pods keep serving.
+- in both, every pod that drains is deleted as drained ("drained: 0 in flight") with restartCount 0 to the end
+  (a pod watch sees every version of the pods).
 - resume: the operator is SIGKILLed while a canary step runs and started again; it resumes the same rollout (same
   revision, same step start) and finishes it, still without a failed stream.
 
@@ -44,7 +46,8 @@ def test_canary_promotes_and_no_stream_fails_through_rollout_and_scale_down(scen
     steps = [{"weight": 34, "pauseSeconds": 2}, {"weight": 67, "pauseSeconds": 2}]
     scene.apply(_canary(scene, "promo", 3, steps))
     stable = scene.wait_until(lambda: scene.settled("promo", 3), "3 ready pods of one revision", timeout_s=90)
-    with StreamLoad(fleet.gateway_url, fleet.api_key, "promo", workers=3, deadline_s=200) as load:
+    with scene.watch_drains("promo") as watch, \
+            StreamLoad(fleet.gateway_url, fleet.api_key, "promo", workers=3, deadline_s=200) as load:
         scene.wait_until(lambda: load.completed >= 6, "streams through the gateway", timeout_s=30)
         started = time.monotonic()
         scene.patch("promo", _env_patch(CANARY="1"))
@@ -69,6 +72,7 @@ def test_canary_promotes_and_no_stream_fails_through_rollout_and_scale_down(scen
     assert verdicts["Pass"] >= 2 and verdicts["Fail"] == 0
     reasons = Counter(e["reason"] for e in scene.events("promo"))
     assert reasons["CanaryPromoted"] == 1 and reasons["DrainingPod"] >= 5
+    scene.assert_drained_without_restarts("promo", watch, at_least=5)  # promotion and scale-down
     figures(f"canary promoted {promoted_s:.1f} s after the spec change (analysis {dict(verdicts)}); scale-down "
             f"3 -> 1 settled in {scaled_s:.1f} s; {reasons['DrainingPod']} pods drained; {load.summary()}")
 
@@ -76,7 +80,8 @@ def test_canary_promotes_and_no_stream_fails_through_rollout_and_scale_down(scen
 def test_faulty_canary_is_rolled_back_automatically(scene, fleet, figures) -> None:
     scene.apply(_canary(scene, "faulty", 2, [{"weight": 50, "pauseSeconds": 2}]))
     stable = scene.wait_until(lambda: scene.settled("faulty", 2), "2 ready pods", timeout_s=90)
-    with StreamLoad(fleet.gateway_url, fleet.api_key, "faulty", workers=3, deadline_s=150) as load:
+    with scene.watch_drains("faulty") as watch, \
+            StreamLoad(fleet.gateway_url, fleet.api_key, "faulty", workers=3, deadline_s=150) as load:
         started = time.monotonic()
         scene.patch("faulty", _env_patch(LLMFLEET_FAULT_ERROR_RATE="0.6", LLMFLEET_FAULT_SEED="7"))
         canary = scene.wait_until(lambda: scene.rollout("faulty").get("canaryRevision"), "the canary to start")
@@ -95,6 +100,7 @@ def test_faulty_canary_is_rolled_back_automatically(scene, fleet, figures) -> No
     assert all(o.ok for o in load.snapshot() if o.started > after)
     warnings = [e for e in scene.events("faulty") if e["reason"] == "CanaryRolledBack"]
     assert warnings and warnings[0]["type"] == "Warning"
+    scene.assert_drained_without_restarts("faulty", watch, at_least=1)  # the rolled-back canary pod
     figures(f"faulty canary rolled back {rolled_back_s:.1f} s after the change: {rolled['message'][:160]}; "
             f"{len(injected)} injected errors seen by clients; {load.summary()}")
 

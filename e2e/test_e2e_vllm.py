@@ -124,7 +124,8 @@ def test_engine_switch_to_vllm_is_a_canary_on_the_same_metrics_and_vllm_pods_dra
     # A second vLLM engine starts on an idle machine: under load the first one's OpenMP threads hold both cores.
     scene.patch("vl", {"spec": {"replicas": 2}})
     _wait_settled(scene, fleet, 2, canary, "two vLLM pods", timeout_s=300)
-    with StreamLoad(fleet.gateway_url, fleet.api_key, "vl", workers=2, deadline_s=300, max_tokens=8) as load:
+    with scene.watch_drains("vl") as watch, \
+            StreamLoad(fleet.gateway_url, fleet.api_key, "vl", workers=2, deadline_s=300, max_tokens=8) as load:
         scene.wait_until(lambda: load.completed >= 4, "streams on two vLLM pods", timeout_s=120)
         scale_started = time.monotonic()
         scene.patch("vl", {"spec": {"replicas": 1}})
@@ -142,6 +143,7 @@ def test_engine_switch_to_vllm_is_a_canary_on_the_same_metrics_and_vllm_pods_dra
     assert all(_engine(p) == "vllm" for p in scene.pods("vl"))
     reasons = Counter(e["reason"] for e in scene.events("vl"))
     assert reasons["CanaryPromoted"] == 1 and reasons["DrainingPod"] >= 2, reasons
+    scene.assert_drained_without_restarts("vl", watch, at_least=1)  # the vLLM pod of the scale-down
     for phase in (first, load):
         assert phase.failures == [], f"{len(phase.failures)} streams failed: {phase.failures[:3]}"
     figures(f"builtin -> vLLM canary promoted {promoted_s:.0f} s after the spec change (analysis {dict(verdicts)}); "
