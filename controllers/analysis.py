@@ -60,6 +60,12 @@ class RevisionSample(BaseModel):
 
 
 
+def series_present(sample: RevisionSample) -> bool:
+    """Whether the metrics source has any series of the revision (data time known), stale or not: the analysis
+    clock of a canary starts when its series first appear."""
+    return sample.observed_at is not None
+
+
 def _count(value: float) -> str:
     """A counter difference for people: whole when it is (nearly) whole, else one decimal (Prometheus's increase()
     extrapolates to the window's edges)."""

@@ -159,6 +159,7 @@ class Observed:
     drain_probes: Mapping[str, DrainProbe] = field(default_factory=dict)  # pod name -> GET /drain of draining pods
     pdbs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # name -> the operator's PodDisruptionBudgets
     analysis: AnalysisResult | None = None  # a canary analysis check the shell ran for this pass, if one was due
+    canary_metrics_since: datetime | None = None  # the running canary's metrics series appeared (found this pass)
 
     @classmethod
     def from_objects(

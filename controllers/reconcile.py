@@ -281,6 +281,7 @@ def _rollout(
             annotations=meta.get("annotations") or {},
             analysis=observed.analysis,
             now=now,
+            canary_metrics_since=observed.canary_metrics_since,
         )
     )
     if decision.status.stable_spec != previous.stable_spec:

@@ -21,6 +21,11 @@ The model (after Argo Rollouts' canary steps and analysis, reduced to what an LL
   the latest analysis check of the step passed (at 100%, where stable gets no traffic to compare with: is not a
   failure). Missing metrics make a check Inconclusive, which never completes a step: the rollout waits for data
   (or for a manual promote). After the last step the canary is promoted: it becomes stable, old pods drain.
+- The analysis clock starts when the canary's metrics series first appear (`status.rollout.canaryMetricsSince`),
+  not when the canary starts: until then the shell only looks for them (`analysis_request` asks it to,
+  `await_series` judges what it found), so no check runs on no data; the first check comes one `intervalSeconds`
+  after they appeared. Series still missing `SERIES_TIMEOUT_INTERVALS` intervals after the canary's first pod was
+  ready fail a check ("no canary metrics after N s"), once per interval, until `failureLimit` rolls it back.
 - `failureLimit` consecutive failed checks roll the canary back: weight 0, canary pods drained, `rejectedRevision`
   set (that revision is not tried again until the spec changes), a Warning Event and the reason in status.
   An Inconclusive check neither counts as a failure nor breaks a run of them.
@@ -45,7 +50,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from controllers.actions import EmitEvent, EventType
-from controllers.observed import PodInfo, marked
+from controllers.observed import LABEL_REVISION, LABEL_VARIANT, PodInfo, marked, parse_time
 from controllers.pods import PodDefaults, pod_template
 from controllers.revision import NON_POD_FIELDS, NON_POD_VARIANT_FIELDS, revision_of, variant_revision
 from controllers.running_spec import running_spec
@@ -64,6 +69,10 @@ from crds.models import (
 PROMOTE = "llmfleet.io/promote"
 ABORT = "llmfleet.io/abort"
 MAX_ANALYSIS = 20  # status.rollout.analysis is bounded (oldest dropped first)
+# No canary metrics series this many analysis intervals after its first pod was ready: the check fails.
+SERIES_TIMEOUT_INTERVALS = 2
+# While waiting for the canary's series, a pass looks for them this often.
+SERIES_POLL_SECONDS = 2.0
 _PERCENT = 100
 # Spec fields that never reach a pod: left out of the stable snapshot and always taken from the current spec.
 _NON_POD_FIELDS = NON_POD_FIELDS
@@ -186,6 +195,7 @@ class RolloutInput:
     annotations: Mapping[str, str]
     analysis: AnalysisResult | None  # a check the shell ran for this pass
     now: datetime
+    canary_metrics_since: datetime | None = None  # the shell found the canary's metrics series in this pass
 
 
 @dataclass(frozen=True)
@@ -286,6 +296,7 @@ def _running(
                 "canary_revision": None,
                 "canary_weight": 0,
                 "step_started_at": None,
+                "canary_metrics_since": None,
                 "consecutive_failures": 0,
                 "reason": "SpecReverted",
                 "message": why,
@@ -301,7 +312,8 @@ def _running(
             why = f"the spec now asks for rejected revision {target_id}: canary {canary_id} stops, its pods drain"
             status = prev.model_copy(
                 update={"phase": RolloutPhase.ROLLING_BACK, "canary_revision": None, "canary_weight": 0,
-                        "step_started_at": None, "reason": "RevisionRejected", "message": why}
+                        "step_started_at": None, "canary_metrics_since": None, "reason": "RevisionRejected",
+                        "message": why}
             )
             return RolloutDecision(status, (EmitEvent(EventType.NORMAL, "CanaryAborted", why),))
         events = [EmitEvent(EventType.NORMAL, "CanarySuperseded",
@@ -318,6 +330,8 @@ def _running(
     steps = canary.steps
     index = min(prev.step, len(steps) - 1)
     status = prev.model_copy(update={"step": index, "canary_weight": steps[index].weight})
+    if status.canary_metrics_since is None and inp.canary_metrics_since is not None:
+        status = status.model_copy(update={"canary_metrics_since": inp.canary_metrics_since})
     events: list[EmitEvent] = []
     result = inp.analysis
     if result is not None:
@@ -367,6 +381,7 @@ def _start(
             "canary_weight": first.weight,
             "started_at": inp.now,
             "step_started_at": inp.now,
+            "canary_metrics_since": None,
             "consecutive_failures": 0,
             "reason": reason,
             "message": message,
@@ -390,6 +405,7 @@ def _promoted(inp: RolloutInput, reason: str, why: str, base: RolloutStatus | No
             "step": 0,
             "canary_weight": 0,
             "step_started_at": None,
+            "canary_metrics_since": None,
             "consecutive_failures": 0,
             "stable_spec": dict(inp.snapshot),
             "reason": reason,
@@ -408,6 +424,7 @@ def _rolled_back(inp: RolloutInput, reason: str, why: str, base: RolloutStatus |
             "canary_revision": None,
             "canary_weight": 0,
             "step_started_at": None,
+            "canary_metrics_since": None,
             "reason": reason,
             "message": why,
         }
@@ -449,6 +466,8 @@ def _step_waits(
             return f"variant {name}: {ready}/{want} canary pod(s) ready"
     checks = [a for a in status.analysis if a.step == status.step and a.time >= started]
     if not checks:
+        if status.canary_metrics_since is None:
+            return "waiting for the canary's metrics series (the analysis clock starts when they appear)"
         return "waiting for an analysis check"
     latest = checks[-1]
     if latest.verdict == Verdict.PASS:
@@ -489,14 +508,21 @@ def _stable_id(inp: RolloutInput) -> str | None:
 # ------------------------------------------------------------------------------------------------------- timing
 
 
+def _canary_runs(status: RolloutStatus, canary: CanarySpec | None) -> bool:
+    return canary is not None and status.phase == RolloutPhase.PROGRESSING and status.canary_revision is not None
+
+
+def awaiting_series(status: RolloutStatus, canary: CanarySpec | None) -> bool:
+    """A canary runs whose metrics series have not appeared yet: its analysis clock has not started."""
+    return _canary_runs(status, canary) and status.canary_metrics_since is None
+
+
 def next_analysis_at(status: RolloutStatus, canary: CanarySpec | None) -> datetime | None:
-    """When the next analysis check is due (None when no canary runs): `intervalSeconds` after the latest check
-    of this canary, or after the canary started."""
-    if canary is None or status.phase != RolloutPhase.PROGRESSING or status.canary_revision is None:
+    """When the next analysis check is due (None when no canary runs or its series have not appeared):
+    `intervalSeconds` after the latest check of this canary, or after its metrics series appeared."""
+    if canary is None or not _canary_runs(status, canary) or status.canary_metrics_since is None:
         return None
-    since = [t for t in (status.started_at, status.analysis[-1].time if status.analysis else None) if t is not None]
-    if not since:
-        return None
+    since = [status.canary_metrics_since, *([status.analysis[-1].time] if status.analysis else [])]
     return max(since) + timedelta(seconds=canary.analysis.interval_seconds)
 
 
@@ -506,8 +532,11 @@ def analysis_due(status: RolloutStatus, canary: CanarySpec | None, now: datetime
 
 
 def _next_wake(status: RolloutStatus, canary: CanarySpec, now: datetime) -> float:
-    """Seconds until something may change by itself: the step's pause ends or an analysis check is due."""
+    """Seconds until something may change by itself: the step's pause ends, an analysis check is due, or (while
+    waiting for the canary's series) the next look for them."""
     moments = [next_analysis_at(status, canary)]
+    if awaiting_series(status, canary):
+        moments.append(now + timedelta(seconds=SERIES_POLL_SECONDS))
     if status.step_started_at is not None:
         moments.append(status.step_started_at + timedelta(seconds=canary.steps[status.step].pause_seconds))
     waits = [(m - now).total_seconds() for m in moments if m is not None and m > now]
@@ -613,21 +642,74 @@ def combine(results: Mapping[str, AnalysisResult], *, step: int, now: datetime) 
 
 @dataclass(frozen=True)
 class AnalysisRequest:
-    """A canary analysis check that is due now: what to compare, against which thresholds."""
+    """What the shell should do about a canary's analysis now: run the check that is due, or (`awaiting_series`)
+    only look whether the canary's metrics series exist yet (then `await_series` decides)."""
 
     step: int
     comparisons: tuple[Comparison, ...]
     spec: AnalysisSpec
     model: str  # the served model name (quality-probe requests name it)
     window_s: float  # the interval the check covers
+    awaiting_series: bool = False  # the analysis clock has not started: look for the canary's series, check nothing
+    step_started_at: datetime | None = None  # the wait's start when the canary's readiness is unknown
+    not_before: datetime | None = None  # no check earlier than this (one interval after the latest one)
+
+
+@dataclass(frozen=True)
+class SeriesWait:
+    """What a look for the canary's series found: `metrics_since` (they appeared: the clock starts then), a failed
+    check `result` (still none after the timeout), or neither (keep waiting)."""
+
+    metrics_since: datetime | None = None
+    result: AnalysisResult | None = None
+
+
+def await_series(
+    request: AnalysisRequest, *, present: bool, ready_since: datetime | None, now: datetime
+) -> SeriesWait:
+    """Judge one look for the canary's metrics series. `present`: the metrics source has series of every compared
+    canary revision; `ready_since`: when the canary's first (still) ready pod became ready (None: unknown, then
+    the step's start counts). Missing series fail a check `SERIES_TIMEOUT_INTERVALS` intervals after that, and
+    again at most once per interval."""
+    if present:
+        return SeriesWait(metrics_since=now)
+    since = ready_since or request.step_started_at
+    if since is None:
+        return SeriesWait()
+    timeout = timedelta(seconds=SERIES_TIMEOUT_INTERVALS * request.spec.interval_seconds)
+    deadline = max(d for d in (since + timeout, request.not_before) if d is not None)
+    if now < deadline:
+        return SeriesWait()
+    waited = (now - since).total_seconds()
+    message = (f"{Verdict.FAIL.value}: no canary metrics after {waited:.0f} s (the metrics source has no series of "
+               f"the canary's pods; timeout {SERIES_TIMEOUT_INTERVALS} x intervalSeconds after its first pod was "
+               "ready)")
+    return SeriesWait(result=AnalysisResult(time=now, step=request.step, verdict=Verdict.FAIL, message=message))
+
+
+def canary_ready_since(pods: Iterable[Mapping[str, Any]], variant: str, revision: str) -> datetime | None:
+    """When the earliest of the variant's ready pods of `revision` became ready (its Ready condition's
+    lastTransitionTime); None without one."""
+    moments: list[datetime] = []
+    for pod in pods:
+        labels = (pod.get("metadata") or {}).get("labels") or {}
+        if labels.get(LABEL_VARIANT) != variant or labels.get(LABEL_REVISION) != revision:
+            continue
+        for condition in (pod.get("status") or {}).get("conditions") or []:
+            if condition.get("type") == "Ready" and condition.get("status") == "True":
+                moment = parse_time(condition.get("lastTransitionTime"))
+                if moment is not None:
+                    moments.append(moment)
+    return min(moments) if moments else None
 
 
 def analysis_request(
     resource: Mapping[str, Any], now: datetime, defaults: PodDefaults
 ) -> AnalysisRequest | None:
-    """The check the operator should run for this InferenceDeployment now, or None: no canary runs, the spec is
-    invalid, the deployment is being deleted, the check is not due yet, or the spec has moved on from the
-    running canary (the next reconcile pass supersedes it; analysing it would be wasted)."""
+    """What the operator should do about this InferenceDeployment's canary analysis now: look for the canary's
+    metrics series (until they appear), run the check that is due, or nothing (None): no canary runs, the spec is
+    invalid, the deployment is being deleted, no check is due yet, or the spec has moved on from the running
+    canary (the next reconcile pass supersedes it; analysing it would be wasted)."""
     meta = resource.get("metadata") or {}
     if meta.get("deletionTimestamp"):
         return None
@@ -639,7 +721,8 @@ def analysis_request(
     if spec is None:
         return None
     canary = spec.rollout.canary if spec.rollout is not None else None
-    if canary is None or not analysis_due(status.rollout, canary, now):
+    waiting = awaiting_series(status.rollout, canary)
+    if canary is None or not (waiting or analysis_due(status.rollout, canary, now)):
         return None
     revisions = variant_revisions(meta["name"], spec, stable_spec_of(spec, status.rollout.stable_spec), defaults)
     compared = comparisons(revisions)
@@ -651,4 +734,13 @@ def analysis_request(
         spec=canary.analysis,
         model=spec.model.name,
         window_s=float(canary.analysis.interval_seconds),
+        awaiting_series=waiting,
+        step_started_at=status.rollout.step_started_at,
+        not_before=_latest_check_of(status.rollout, canary),
     )
+
+
+def _latest_check_of(status: RolloutStatus, canary: CanarySpec) -> datetime | None:
+    """One interval after the latest check of the running canary (None without one)."""
+    checks = [a.time for a in status.analysis if status.started_at is None or a.time >= status.started_at]
+    return max(checks) + timedelta(seconds=canary.analysis.interval_seconds) if checks else None

@@ -546,6 +546,11 @@ class RolloutStatus(_StatusModel):
     canary_weight: int = Field(0, ge=0, le=100, description="Percent of traffic on the canary now.")
     started_at: AwareDatetime | None = Field(None, description="When the rollout began.")
     step_started_at: AwareDatetime | None = Field(None, description="When the current step began.")
+    canary_metrics_since: AwareDatetime | None = Field(
+        None,
+        description="When the running canary's metrics series first appeared: its analysis clock starts then "
+        "(unset while the operator waits for them; no check runs on no data).",
+    )
     consecutive_failures: int = Field(0, ge=0, description="Failed analysis checks in a row.")
     analysis: list[AnalysisResult] = Field(
         default_factory=list, max_length=20, description="Latest analysis checks, oldest first (bounded)."

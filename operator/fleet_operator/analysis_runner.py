@@ -7,6 +7,13 @@ live in `controllers.rollout` and `controllers.analysis`; this is the I/O around
 are the analysis timer. The result goes into `Observed.analysis`; the planner records it in
 `status.rollout.analysis` (bounded) with an Event and counts failures towards a rollback.
 
+The analysis clock starts when the canary's metrics series first appear, not when the canary starts (a metrics
+source sees new pods only after its next scrape, and a check on no data is only a wasted interval): until then
+each pass only looks for them (a sample of each canary revision, and of stable, which also sets the scrape
+source's baselines) and hands "series present" to `controllers.rollout.await_series`, with when the canary's
+first pod became ready. What it found goes into `Observed.canary_metrics_since` (recorded in
+`status.rollout.canaryMetricsSince`) or, after the timeout, a failed check.
+
 Per changed variant, one check takes:
 - the stable and the canary revision's `RevisionSample` over the interval from the metrics source (Prometheus
   when configured, else the pods' own /metrics; see `metrics_source`), only once the canary has a ready pod
@@ -23,12 +30,20 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from controllers.analysis import RevisionSample, analyse
+from controllers.analysis import RevisionSample, analyse, series_present
 from controllers.pods import PodDefaults
-from controllers.rollout import AnalysisRequest, Comparison, analysis_request, combine
+from controllers.rollout import (
+    AnalysisRequest,
+    Comparison,
+    analysis_request,
+    await_series,
+    canary_ready_since,
+    combine,
+)
 from crds.models import AnalysisResult
 from fleet_operator.metrics_source import (
     MetricsSource,
@@ -44,6 +59,14 @@ log = logging.getLogger(__name__)
 
 # Remembered quality-probe results (variant, stable revision, canary revision) -> agreement; oldest dropped.
 MAX_REMEMBERED_PROBES = 64
+
+
+@dataclass(frozen=True)
+class AnalysisObservation:
+    """What one pass found: a check's result, and/or the moment the canary's metrics series appeared."""
+
+    result: AnalysisResult | None = None
+    metrics_since: datetime | None = None
 
 
 def metrics_source(prometheus_url: str | None) -> MetricsSource:
@@ -65,22 +88,47 @@ class AnalysisRunner:
 
     async def check(
         self, resource: Mapping[str, Any], pods: Sequence[Mapping[str, Any]], now: datetime
-    ) -> AnalysisResult | None:
-        """The analysis check due now for this deployment, or None when none is due (or the canary has no
-        ready pod yet)."""
+    ) -> AnalysisObservation:
+        """The analysis check due now for this deployment, or the look for the canary's series while its clock
+        has not started; an empty observation when nothing is due (or the canary has no ready pod yet)."""
         request = analysis_request(resource, now, self.defaults)
         if request is None:
-            return None
+            return AnalysisObservation()
         meta = resource["metadata"]
         namespace, name = meta.get("namespace", "default"), meta["name"]
         targets = scrape_targets(pods)
         if not all(_of(targets, c.variant, c.canary) for c in request.comparisons):
-            return None
+            return AnalysisObservation()
+        if request.awaiting_series:
+            return await self._look_for_series(request, namespace, name, targets, pods, now)
         results = await asyncio.gather(
             *(self._compare(request, c, namespace, name, targets, now) for c in request.comparisons)
         )
-        return combine(dict(zip((c.variant for c in request.comparisons), results, strict=True)),
-                       step=request.step, now=now)
+        return AnalysisObservation(result=combine(dict(zip((c.variant for c in request.comparisons), results,
+                                                           strict=True)), step=request.step, now=now))
+
+    async def _look_for_series(
+        self,
+        request: AnalysisRequest,
+        namespace: str,
+        name: str,
+        targets: Sequence[ScrapeTarget],
+        pods: Sequence[Mapping[str, Any]],
+        now: datetime,
+    ) -> AnalysisObservation:
+        """Sample every compared revision once: "present" when each canary revision has series (the stable
+        samples only set the scrape source's baselines, so the first check covers the same interval for both)."""
+        selectors = [Selector(namespace, name, c.variant, c.canary) for c in request.comparisons]
+        stable = [Selector(namespace, name, c.variant, c.stable) for c in request.comparisons
+                  if _of(targets, c.variant, c.stable)]
+        samples = await asyncio.gather(*(self._sample(s, targets, request.window_s) for s in (*selectors, *stable)))
+        present = all(series_present(sample) for sample in samples[: len(selectors)])
+        ready = [canary_ready_since(pods, c.variant, c.canary) for c in request.comparisons]
+        ready_since = None if any(r is None for r in ready) else max(r for r in ready if r is not None)
+        wait = await_series(request, present=present, ready_since=ready_since, now=now)
+        if wait.metrics_since is not None:
+            log.info("%s/%s: the canary's metrics series appeared: the analysis clock starts", namespace, name)
+        return AnalysisObservation(result=wait.result, metrics_since=wait.metrics_since)
 
     async def _compare(
         self,

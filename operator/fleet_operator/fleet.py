@@ -23,7 +23,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from controllers import Plan, Policy, reconcile
-from fleet_operator.analysis_runner import AnalysisRunner
+from fleet_operator.analysis_runner import AnalysisObservation, AnalysisRunner
 from fleet_operator.drain_client import WorkerDrains
 from fleet_operator.execute import execute
 from fleet_operator.kube import KubeApi
@@ -83,13 +83,13 @@ class Fleet:
             now = datetime.now(timezone.utc)
             if self.analysis is not None:
                 try:
-                    result = await self.analysis.check(resource, seen.pods, now)
+                    found = await self.analysis.check(resource, seen.pods, now)
                 except Exception:  # noqa: BLE001 - analysis must never stop reconciling; no result is no verdict
                     log.exception("%s/%s: canary analysis failed", namespace, name)
-                    result = None
-                if result is not None:
-                    log.info("%s/%s: canary analysis: %s", namespace, name, result.message)
-                    observed = replace(observed, analysis=result)
+                    found = AnalysisObservation()
+                if found.result is not None:
+                    log.info("%s/%s: canary analysis: %s", namespace, name, found.result.message)
+                observed = replace(observed, analysis=found.result, canary_metrics_since=found.metrics_since)
             plan = reconcile(resource, observed, now, self.policy)
             errors = tuple(await execute(self.api, plan, resource, self.drains))
             if self.on_pass is not None:

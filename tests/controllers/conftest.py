@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from types import SimpleNamespace
 from typing import Any
@@ -102,6 +102,7 @@ class FakeCluster:
     in_flight: dict[str, int] = field(default_factory=dict)
     posts: list[str] = field(default_factory=list)  # pods that were sent POST /drain, in order
     analysis: AnalysisResult | None = None
+    metrics_since: datetime | None = None  # the canary's metrics series appeared: handed to the next pass only
     now: datetime = NOW
     clock: int = 0
 
@@ -112,7 +113,8 @@ class FakeCluster:
             if "llmfleet.io/draining" in (pod["metadata"].get("labels") or {})
         }
         analysis, self.analysis = self.analysis, None
-        return Observed.from_objects(
+        metrics_since, self.metrics_since = self.metrics_since, None
+        observed = Observed.from_objects(
             self.pods.values(),
             self.service,
             {} if self.secret else None,
@@ -120,6 +122,7 @@ class FakeCluster:
             pdbs=self.pdbs.values(),
             analysis=analysis,
         )
+        return replace(observed, canary_metrics_since=metrics_since)
 
     def plan(self) -> Plan:
         return reconcile(self.resource, self.observed(), self.now, self.policy)

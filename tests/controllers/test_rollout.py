@@ -12,7 +12,11 @@ import pytest
 from controllers import CreatePod, DeletePod, EmitEvent, PatchStatus, RemoveAnnotations, StartDrain
 from controllers.pods import PodDefaults
 from controllers.rollout import (
+    SERIES_POLL_SECONDS,
+    SERIES_TIMEOUT_INTERVALS,
     analysis_request,
+    await_series,
+    canary_ready_since,
     combine,
     shares,
     stable_spec_of,
@@ -154,6 +158,7 @@ def test_steps_advance_only_after_the_pause_ready_pods_and_a_passing_check(kit):
     c, stable, _ = _started(kit)
     canary = _rollout(c)["canaryRevision"]
     _settle(c)
+    _series_appear(c)
     plan = _pass(c, 0, Verdict.PASS)  # pause of 10 s not over yet
     assert _rollout(c)["step"] == 0 and "pausing until" in _rollout(c)["message"]
     assert len(_events(plan, "AnalysisPass")) == 1 and plan.requeue_after is not None
@@ -367,8 +372,17 @@ def test_quantization_changes_need_the_quality_probe(kit):
     assert (request.step, request.window_s, request.model) == (0, 5.0, "smollm2")
 
 
+def _series_appear(c, seconds=0.0):
+    """A pass in which the shell found the canary's metrics series (the analysis clock starts at its time)."""
+    c.now += timedelta(seconds=seconds)
+    c.metrics_since = c.now
+    c.apply(c.plan())
+    return c.now
+
+
 def test_analysis_is_due_every_interval_and_only_for_the_running_canary(kit):
     c, _, _ = _started(kit)
+    _series_appear(c)
     assert analysis_request(c.resource, c.now + timedelta(seconds=4), PodDefaults()) is None
     assert analysis_request(c.resource, c.now + timedelta(seconds=5), PodDefaults()) is not None
     _pass(c, 5, Verdict.INCONCLUSIVE)
@@ -427,3 +441,110 @@ def test_superseding_a_canary_with_the_rejected_revision_stops_it_without_reject
     rollout = _rollout(c)
     assert (rollout["phase"], rollout["rejectedRevision"]) == ("RolledBack", rejected)  # not `second`
     assert _live_revisions(c) == Counter({stable: 4}) and second not in _live_revisions(c)
+
+
+# ---------------------------------------------------------------------------------------- the analysis clock
+
+
+def test_no_check_runs_before_the_canary_series_appear_and_the_clock_starts_then(kit):
+    c, _, _ = _started(kit, steps=[{"weight": 25, "pauseSeconds": 0}])
+    started = c.now
+    for seconds in (0, 5, 60):  # however late: until the series appear, the shell only looks for them
+        waiting = analysis_request(c.resource, started + timedelta(seconds=seconds), PodDefaults())
+        assert waiting is not None and waiting.awaiting_series, seconds
+    plan = _pass(c, 3)
+    assert _rollout(c).get("canaryMetricsSince") is None
+    assert "waiting for the canary's metrics series" in _rollout(c)["message"]
+    assert plan.requeue_after is not None and plan.requeue_after <= SERIES_POLL_SECONDS  # it looks again soon
+    appeared = _series_appear(c, 4)  # 7 s after the canary started
+    assert _rollout(c)["canaryMetricsSince"] == appeared.isoformat().replace("+00:00", "Z")
+    assert analysis_request(c.resource, appeared + timedelta(seconds=4.9), PodDefaults()) is None
+    due = analysis_request(c.resource, appeared + timedelta(seconds=5), PodDefaults())
+    assert due is not None and not due.awaiting_series  # one interval of data: the first check
+    _series_appear(c, 1)  # found again (e.g. after an operator restart): the clock keeps its start
+    assert _rollout(c)["canaryMetricsSince"] == appeared.isoformat().replace("+00:00", "Z")
+
+
+def test_the_clock_restarts_for_a_new_canary(kit):
+    c, _, _ = _started(kit)
+    _series_appear(c)
+    c.resource["spec"]["template"] = {"env": [{"name": "NEW", "value": "2"}]}  # supersedes the canary
+    _pass(c, 1)
+    assert _rollout(c).get("canaryMetricsSince") is None
+    assert analysis_request(c.resource, c.now + timedelta(seconds=30), PodDefaults()).awaiting_series
+
+
+def _waiting(kit, **spec):
+    c, _, _ = _started(kit, **spec)
+    request = analysis_request(c.resource, c.now, PodDefaults())
+    assert request is not None and request.awaiting_series
+    return c, request
+
+
+@pytest.mark.parametrize(
+    ("present", "ready_after_s", "now_s", "since", "failed"),
+    [
+        (True, 1, 1, 1, None),  # the series are there: the clock starts now
+        (False, 1, 5, None, None),  # not yet, deadline 1 + 2 x 5 s
+        (False, 1, 10.9, None, None),
+        (False, 1, 11, None, "no canary metrics after 10 s"),  # 2 intervals after the canary was ready
+        (False, 30.5, 40, None, None),  # a slow start counts from readiness, not from the canary's start
+        (False, 30.5, 40.5, None, "no canary metrics after 10 s"),
+        (False, None, 10, None, "no canary metrics after 10 s"),  # readiness unknown: from the step's start
+        (True, None, 12, 12, None),
+    ],
+)
+def test_await_series(kit, present, ready_after_s, now_s, since, failed):
+    c, request = _waiting(kit)
+    start = c.now
+    ready = start + timedelta(seconds=ready_after_s) if ready_after_s is not None else None
+    wait = await_series(request, present=present, ready_since=ready, now=start + timedelta(seconds=now_s))
+    assert wait.metrics_since == (start + timedelta(seconds=since) if since is not None else None)
+    if failed is None:
+        assert wait.result is None
+    else:
+        assert wait.result.verdict == Verdict.FAIL and failed in wait.result.message
+        assert wait.result.step == 0 and wait.result.time == start + timedelta(seconds=now_s)
+    assert SERIES_TIMEOUT_INTERVALS == 2
+
+
+def test_without_series_a_failed_check_repeats_once_per_interval_until_the_failure_limit(kit):
+    c, _, _ = _started(kit)
+    start = c.now
+    verdicts = []
+    for second in range(1, 40):
+        request = analysis_request(c.resource, start + timedelta(seconds=second), PodDefaults())
+        if request is None:  # rolled back
+            break
+        wait = await_series(request, present=False, ready_since=start, now=start + timedelta(seconds=second))
+        if wait.result is not None:
+            verdicts.append((second, wait.result.verdict))
+            c.analysis = wait.result
+        _pass(c, (start + timedelta(seconds=second) - c.now).total_seconds())
+    assert verdicts == [(10, Verdict.FAIL), (15, Verdict.FAIL)]  # failureLimit 2, one interval apart
+    assert _rollout(c)["reason"] == "AnalysisFailed" and "no canary metrics after" in _rollout(c)["message"]
+
+
+@pytest.mark.parametrize(
+    ("pods", "expected_s"),
+    [
+        ([], None),
+        ([("canary", True, 12)], 12),
+        ([("canary", True, 12), ("canary", True, 7)], 7),
+        ([("canary", False, 3), ("canary", True, 9)], 9),  # unready pods do not count
+        ([("stable", True, 1), ("canary", True, 9)], 9),  # other revisions do not count
+        ([("canary", True, None)], None),  # no transition time
+    ],
+)
+def test_canary_ready_since(pods, expected_s):
+    base = datetime(2025, 1, 1, tzinfo=timezone.utc)
+
+    def pod(revision, ready, at):
+        condition = {"type": "Ready", "status": "True" if ready else "False"}
+        if at is not None:
+            condition["lastTransitionTime"] = (base + timedelta(seconds=at)).strftime("%Y-%m-%dT%H:%M:%SZ")
+        return {"metadata": {"labels": {"llmfleet.io/variant": "default", "llmfleet.io/revision": revision}},
+                "status": {"phase": "Running", "conditions": [condition]}}
+
+    found = canary_ready_since([pod(*p) for p in pods], "default", "canary")
+    assert found == (base + timedelta(seconds=expected_s) if expected_s is not None else None)

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from fleet_operator import analysis_runner
-from fleet_operator.analysis_runner import AnalysisRunner
+from fleet_operator.analysis_runner import AnalysisObservation, AnalysisRunner
 from fleet_operator.drain_client import WorkerDrains
 from fleet_operator.execute import execute
 from fleet_operator.kube import ApiError
@@ -206,8 +206,11 @@ class ScriptedSource:
         pass
 
 
-def _canary_resource(quantization: str = "none") -> tuple[dict[str, Any], list[dict[str, Any]], str, str]:
-    """A deployment whose canary started at NOW, and its ready pods (2 stable, 1 canary)."""
+def _canary_resource(
+    quantization: str = "none", metrics_since: datetime | None = NOW
+) -> tuple[dict[str, Any], list[dict[str, Any]], str, str]:
+    """A deployment whose canary started at NOW (its metrics series appeared at `metrics_since`; None: not yet),
+    and its ready pods (2 stable, 1 canary, ready since NOW)."""
     spec = {"model": {"name": "smol", "source": "/m"}, "replicas": 2, "variants": [{"name": "default"}],
             "rollout": {"canary": {"steps": [{"weight": 50}], "analysis": {"intervalSeconds": 10,
                                                                             "minRequests": 2}}}}
@@ -221,12 +224,15 @@ def _canary_resource(quantization: str = "none") -> tuple[dict[str, Any], list[d
     plan = reconcile(changed, Observed(), NOW)
     status = next(a.status for a in plan.actions if hasattr(a, "status"))
     changed["status"] = {**resource["status"], **status}
+    if metrics_since is not None:
+        changed["status"]["rollout"]["canaryMetricsSince"] = metrics_since.isoformat()
     canary_rev = changed["status"]["rollout"]["canaryRevision"]
 
     def pod(name: str, revision: str, ip: str) -> dict[str, Any]:
         return {"metadata": {"name": name, "namespace": "ns", "labels": {
             "llmfleet.io/deployment": "m", "llmfleet.io/variant": "default", "llmfleet.io/revision": revision}},
-            "status": {"phase": "Running", "podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]}}
+            "status": {"phase": "Running", "podIP": ip, "conditions": [
+                {"type": "Ready", "status": "True", "lastTransitionTime": NOW.strftime("%Y-%m-%dT%H:%M:%SZ")}]}}
 
     pods = [pod("s0", stable_rev, "10.0.0.1"), pod("s1", stable_rev, "10.0.0.2"), pod("c0", canary_rev, "10.0.0.3")]
     return changed, pods, stable_rev, canary_rev
@@ -238,12 +244,33 @@ async def test_runner_checks_when_due_and_judges_canary_against_stable():
     bad = RevisionSample(ttft_p95_seconds=0.1, itl_p95_seconds=0.02, requests=50, errors=10, observed_at=1.0)
     source = ScriptedSource({stable: good, canary: bad})
     runner = AnalysisRunner(source, PodDefaults())  # type: ignore[arg-type]
-    assert await runner.check(resource, pods, NOW + timedelta(seconds=9)) is None  # not due yet
+    assert await runner.check(resource, pods, NOW + timedelta(seconds=9)) == AnalysisObservation()  # not due yet
     assert source.asked == []
-    result = await runner.check(resource, pods, NOW + timedelta(seconds=10))
+    result = (await runner.check(resource, pods, NOW + timedelta(seconds=10))).result
     assert result is not None and result.verdict == Verdict.FAIL and "error rate" in result.message
     assert sorted(source.asked) == sorted([(stable, 10.0), (canary, 10.0)])
-    assert await runner.check(resource, pods[:2], NOW + timedelta(seconds=10)) is None  # no ready canary pod
+    assert await runner.check(resource, pods[:2], NOW + timedelta(seconds=10)) == AnalysisObservation()  # no canary
+
+
+@pytest.mark.parametrize(
+    ("observed_at", "after_s", "metrics_since", "failed"),
+    [
+        (None, 5, None, False),  # no canary series yet: keep looking, no check
+        (1.0, 5, 5, False),  # they appeared: the clock starts now
+        (None, 20, None, True),  # none 2 x intervalSeconds (10 s) after the canary pod was ready: a failed check
+    ],
+)
+async def test_runner_looks_for_the_canary_series_before_any_check(observed_at, after_s, metrics_since, failed):
+    resource, pods, stable, canary = _canary_resource(metrics_since=None)
+    good = RevisionSample(ttft_p95_seconds=0.1, itl_p95_seconds=0.02, requests=50, errors=0, observed_at=1.0)
+    source = ScriptedSource({stable: good, canary: RevisionSample(stale=True, observed_at=observed_at)})
+    runner = AnalysisRunner(source, PodDefaults())  # type: ignore[arg-type]
+    found = await runner.check(resource, pods, NOW + timedelta(seconds=after_s))
+    assert found.metrics_since == (NOW + timedelta(seconds=metrics_since) if metrics_since is not None else None)
+    assert (found.result is not None) == failed
+    if failed:
+        assert found.result.verdict == Verdict.FAIL and "no canary metrics after 20 s" in found.result.message
+    assert sorted(r for r, _ in source.asked) == sorted([stable, canary])  # both sampled: the baselines start
 
 
 async def test_runner_probes_quality_once_per_revision_pair_when_quantization_changes(monkeypatch):
@@ -257,8 +284,8 @@ async def test_runner_probes_quality_once_per_revision_pair_when_quantization_ch
 
     monkeypatch.setattr(analysis_runner, "run_probe", probe)
     runner = AnalysisRunner(ScriptedSource({stable: sample, canary: sample}), PodDefaults())  # type: ignore[arg-type]
-    first = await runner.check(resource, pods, NOW + timedelta(seconds=10))
-    second = await runner.check(resource, pods, NOW + timedelta(seconds=10))
+    first = (await runner.check(resource, pods, NOW + timedelta(seconds=10))).result
+    second = (await runner.check(resource, pods, NOW + timedelta(seconds=10))).result
     assert first.verdict == second.verdict == Verdict.FAIL and first.quality_agreement == 0.5
     assert "quality agreement 0.500 < 0.9" in first.message
     assert calls == [("http://10.0.0.1:8000", "http://10.0.0.3:8000")]  # remembered after the first probe
@@ -272,5 +299,5 @@ def test_runner_never_raises_on_a_broken_source():
             raise RuntimeError("boom")
 
     runner = AnalysisRunner(Broken({}), PodDefaults())  # type: ignore[arg-type]
-    result = asyncio.run(runner.check(resource, pods, NOW + timedelta(seconds=10)))
+    result = asyncio.run(runner.check(resource, pods, NOW + timedelta(seconds=10))).result
     assert result.verdict == Verdict.INCONCLUSIVE and "boom" in result.message
