@@ -106,12 +106,15 @@ class EnsureService:
 
 
 @dataclass(frozen=True)
-class EnsureSecret:
-    """Create the per-deployment Secret holding the drain token. The executor fills in a fresh random token;
-    an existing Secret is never overwritten (running pods hold its token)."""
+class EnsureNetworkPolicy:
+    """Create the NetworkPolicy admitting only the configured peers to the workers, or update its spec to match
+    `manifest` (see `controllers.network`)."""
 
     manifest: Mapping[str, Any]
-    key: str
+
+    @property
+    def name(self) -> str:
+        return str(self.manifest["metadata"]["name"])
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,7 @@ Action = (
     | DeletePod
     | StartDrain
     | EnsureService
-    | EnsureSecret
+    | EnsureNetworkPolicy
     | EnsurePdb
     | DeletePdb
     | RemoveAnnotations

@@ -1,6 +1,6 @@
 """What the operator saw in the cluster, as plain immutable data: the planner's only view of the world.
 
-The operator's shell reads the worker pods (by label), the Service, the drain-token Secret and the
+The operator's shell reads the worker pods (by label), the Service, the NetworkPolicy and the
 PodDisruptionBudgets of one InferenceDeployment, asks draining pods how their drain goes (`DrainProbe`) and runs a
 canary analysis check when one is due, and turns all that into an `Observed` with `Observed.from_objects`;
 `reconcile` never touches the API or the pods. Pods are summarised into `PodInfo` (phase, readiness, revision,
@@ -154,7 +154,7 @@ class Observed:
 
     pods: tuple[PodInfo, ...] = ()
     service: Mapping[str, Any] | None = None  # the workers' Service, if it exists
-    secret_exists: bool = False  # the drain-token Secret exists
+    network_policy: Mapping[str, Any] | None = None  # the workers' NetworkPolicy, if it exists (and is managed)
     errors: tuple[str, ...] = ()  # API errors of the previous pass (shown as the Degraded condition)
     drain_probes: Mapping[str, DrainProbe] = field(default_factory=dict)  # pod name -> GET /drain of draining pods
     pdbs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # name -> the operator's PodDisruptionBudgets
@@ -166,19 +166,19 @@ class Observed:
         cls,
         pods: Iterable[Mapping[str, Any]],
         service: Mapping[str, Any] | None = None,
-        secret: Mapping[str, Any] | None = None,
+        network_policy: Mapping[str, Any] | None = None,
         errors: Iterable[str] = (),
         *,
         drain_probes: Mapping[str, DrainProbe] | None = None,
         pdbs: Iterable[Mapping[str, Any]] = (),
         analysis: AnalysisResult | None = None,
     ) -> Observed:
-        """Build from API objects (dicts): the labelled pods, the Service and the Secret (None when absent), the
-        PodDisruptionBudgets; plus what the shell measured (drain probes, a canary analysis check)."""
+        """Build from API objects (dicts): the labelled pods, the Service and the NetworkPolicy (None when absent),
+        the PodDisruptionBudgets; plus what the shell measured (drain probes, a canary analysis check)."""
         return cls(
             pods=tuple(PodInfo.from_pod(pod) for pod in pods),
             service=service,
-            secret_exists=secret is not None,
+            network_policy=network_policy,
             errors=tuple(errors),
             drain_probes=dict(drain_probes or {}),
             pdbs={str((pdb.get("metadata") or {}).get("name", "")): pdb for pdb in pdbs},

@@ -1,18 +1,18 @@
-"""The worker pod, Service, drain-token Secret and PodDisruptionBudgets of an InferenceDeployment, as manifests
-(plain dicts).
+"""The worker pod, Service and PodDisruptionBudgets of an InferenceDeployment, as manifests (plain dicts).
 
 `pod_template(deployment, spec, variant, defaults)` is everything about a variant's pods that does not depend on
 which pod it is. The revision that labels them is not its hash but the hash of what the user and the operator's
 administrator chose (`controllers.revision`), so a new operator version that renders pods differently does not roll
 running pods: new pods get the new rendering.
-`pod_manifest` adds the identity: a deterministic name `DEPLOYMENT-VARIANT-REVISION-SLOT`, the revision label and
-the controller ownerReference. Deterministic names make creation idempotent: after an operator restart or a stale
+`pod_manifest` adds the identity: a deterministic name `DEPLOYMENT-VARIANT-REVISION-SLOT`, the revision label,
+the controller ownerReference and the deployment's drain token (`controllers.drain_token`: derived from the
+operator's key, so it is identity, never part of a revision; a key rotation does not roll pods). Deterministic names make creation idempotent: after an operator restart or a stale
 read, creating "the next pod" again is an AlreadyExists answer, never a duplicate.
 
 The container runs `llmfleet worker --model SOURCE --engine ... --port 8000 ...` and binds to `$POD_IP` (downward
 API), probes `/health` (startup, liveness) and `/ready` (readiness), and drains in `preStop`: a stdlib-only
-Python snippet POSTs `/drain` with the bearer token from `$LLMFLEET_DRAIN_TOKEN` (a key of the per-deployment
-Secret `DEPLOYMENT-drain-token`, created by the operator with a random value), then polls `GET /drain` until
+Python snippet POSTs `/drain` with the bearer token from `$LLMFLEET_DRAIN_TOKEN` (a literal value in the pod spec,
+readable by whoever may read pods of the namespace; see docs/security.md), then polls `GET /drain` until
 nothing is in flight, the worker has exited, or the drain timeout passes. The worker also drains on SIGTERM, so
 the hook is a belt to SIGTERM's braces. Pods run non-root, without privilege escalation or capabilities, on a
 read-only root filesystem with `emptyDir` scratch space at /tmp and a model cache.
@@ -33,7 +33,6 @@ from controllers.observed import LABEL_DEPLOYMENT, LABEL_REVISION, LABEL_VARIANT
 CONTAINER_NAME = "worker"
 PORT_NAME = "http"
 DRAIN_TOKEN_ENV = "LLMFLEET_DRAIN_TOKEN"
-DRAIN_TOKEN_KEY = "token"
 MODELS_MOUNT = "/models"
 MANAGED_BY = "llmfleet-operator"
 
@@ -74,10 +73,6 @@ def pod_name(deployment: str, variant: str, revision: str, slot: int) -> str:
 
 def service_name(deployment: str) -> str:
     return f"{deployment}-workers"
-
-
-def secret_name(deployment: str) -> str:
-    return f"{deployment}-drain-token"
 
 
 def pdb_name(deployment: str, variant: str) -> str:
@@ -257,9 +252,26 @@ def pod_template(
 
 
 def pod_manifest(
-    meta: Mapping[str, Any], template: Mapping[str, Any], variant: str, revision: str, slot: int
+    meta: Mapping[str, Any],
+    template: Mapping[str, Any],
+    variant: str,
+    revision: str,
+    slot: int,
+    *,
+    drain_token: str | None = None,
 ) -> dict[str, Any]:
-    """A full Pod: `template` (from `pod_template`) plus name, namespace, revision label and ownerReference."""
+    """A full Pod: `template` (from `pod_template`) plus name, namespace, revision label, ownerReference and,
+    when given, the drain token as `$LLMFLEET_DRAIN_TOKEN` of the worker container (without one the worker
+    refuses `POST /drain` and drains on SIGTERM only)."""
+    spec = dict(template["spec"])
+    if drain_token is not None:
+        token = {"name": DRAIN_TOKEN_ENV, "value": drain_token}
+        spec["containers"] = [
+            {**c, "env": [token, *(e for e in c.get("env") or [] if e.get("name") != DRAIN_TOKEN_ENV)]}
+            if c.get("name") == CONTAINER_NAME
+            else c
+            for c in spec["containers"]
+        ]
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -270,7 +282,7 @@ def pod_manifest(
             "labels": {**template["metadata"]["labels"], LABEL_REVISION: revision},
             "ownerReferences": [owner_reference(meta)],
         },
-        "spec": template["spec"],
+        "spec": spec,
     }
 
 
@@ -338,22 +350,6 @@ def pdb_matches(observed: Mapping[str, Any], wanted: Mapping[str, Any]) -> bool:
     return all(have.get(key) == value for key, value in want.items())
 
 
-def secret_manifest(meta: Mapping[str, Any]) -> dict[str, Any]:
-    """The drain-token Secret without its data (the executor adds a random token when it creates it)."""
-    name = meta["name"]
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "type": "Opaque",
-        "metadata": {
-            "name": secret_name(name),
-            "namespace": meta.get("namespace", "default"),
-            "labels": {LABEL_DEPLOYMENT: name, "app.kubernetes.io/managed-by": MANAGED_BY},
-            "ownerReferences": [owner_reference(meta)],
-        },
-    }
-
-
 def _container(
     deployment: str,
     spec: InferenceDeploymentSpec,
@@ -366,10 +362,6 @@ def _container(
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-        {
-            "name": DRAIN_TOKEN_ENV,
-            "valueFrom": {"secretKeyRef": {"name": secret_name(deployment), "key": DRAIN_TOKEN_KEY}},
-        },
     ]
     if defaults.cache_dir is not None:  # writable places on a read-only root filesystem
         env += [

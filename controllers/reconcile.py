@@ -17,7 +17,10 @@ Rules, per variant (sizes from `controllers.sizing`, revisions and canary steps 
   hold up to `wanted + policy.max_surge` pods (draining and terminating ones included), so a revision change
   replaces pods without dropping capacity or holding more than `max_surge` extra pods' worth of resources.
 - Pods of variants no longer in the spec are removed (drained); pods labelled for the deployment but controlled
-  by another owner are left alone. Each variant has a PodDisruptionBudget (`controllers.pods.pdb_manifest`).
+  by another owner are left alone. Each variant has a PodDisruptionBudget (`controllers.pods.pdb_manifest`);
+  the deployment has a NetworkPolicy admitting only the configured peers to its workers (`controllers.network`,
+  unless the policy turns it off), and its pods carry the drain token derived from the operator's key
+  (`controllers.drain_token`; in the pod's identity, so never in a revision).
 An invalid spec is reported (InvalidSpec condition, Warning Event) and the last valid one, kept in
 `status.lastValidSpec`, goes on running (`controllers.running_spec`): failed pods are replaced, autoscaled sizes
 and a running canary go on. A deployment that was never valid changes nothing (drains under way finish). A
@@ -40,8 +43,8 @@ from controllers.actions import (
     DeletePdb,
     DeletePod,
     EmitEvent,
+    EnsureNetworkPolicy,
     EnsurePdb,
-    EnsureSecret,
     EnsureService,
     EventType,
     PatchStatus,
@@ -58,10 +61,15 @@ from controllers.conditions import (
     kstatus_conditions,
     merge_conditions,
 )
+from controllers.drain_token import deployment_drain_token
+from controllers.network import (
+    NetworkPolicySettings,
+    network_policy_manifest,
+    network_policy_matches,
+)
 from controllers.observed import Observed, PodInfo
 from controllers.ordering import deletion_order
 from controllers.pods import (
-    DRAIN_TOKEN_KEY,
     PodDefaults,
     label_selector,
     pdb_manifest,
@@ -69,7 +77,6 @@ from controllers.pods import (
     pdb_name,
     pod_manifest,
     pod_name,
-    secret_manifest,
     service_manifest,
     service_matches,
 )
@@ -126,6 +133,9 @@ class Policy:
     max_surge: int = 1  # extra pods a variant may have while it replaces old-revision pods
     max_unavailable: int = 0  # ready pods a variant may lose at once below its desired size
     defaults: PodDefaults = field(default_factory=PodDefaults)
+    network: NetworkPolicySettings = field(default_factory=NetworkPolicySettings)
+    # The operator's key for drain tokens (`controllers.drain_token`); None: pods get no token (POST /drain off).
+    drain_key: bytes | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -174,8 +184,10 @@ def _converge(
     timeout, port = spec.drain.timeout_seconds, policy.defaults.port
     actions: list[Action] = []
     events: list[EmitEvent] = []
-    if not observed.secret_exists:
-        actions.append(EnsureSecret(secret_manifest(meta), DRAIN_TOKEN_KEY))
+    if policy.network.enabled:
+        network = network_policy_manifest(meta, policy.network, policy.defaults.port)
+        if observed.network_policy is None or not network_policy_matches(observed.network_policy, network):
+            actions.append(EnsureNetworkPolicy(network))
     service = service_manifest(meta, policy.defaults)
     if observed.service is None or not service_matches(observed.service, service):
         actions.append(EnsureService(service))
@@ -388,7 +400,8 @@ def _plan_variant(
                     reason = "Rollout" if old else ("Replace" if ended else "ScaleUp")
                 creates.append(
                     CreatePod(
-                        pod_manifest(meta, want.template, variant.name, want.revision, slot),
+                        pod_manifest(meta, want.template, variant.name, want.revision, slot,
+                                     drain_token=deployment_drain_token(policy.drain_key, meta)),
                         variant.name,
                         want.revision,
                         reason,

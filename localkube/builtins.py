@@ -2,7 +2,10 @@
 
 Served: namespaces, nodes, pods (+status, log, binding, eviction), services (+status), endpoints, configmaps,
 secrets, serviceaccounts, events (core v1 and events.k8s.io/v1 over one storage), leases, poddisruptionbudgets
-(+status), endpointslices and customresourcedefinitions (+status, see ``custom``).
+(+status), networkpolicies, endpointslices and customresourcedefinitions (+status, see ``custom``).
+
+NetworkPolicies are stored, defaulted and validated like a real API server does, but nothing enforces them: the
+process kubelet runs every pod on a loopback address of this host, where any local process can connect.
 """
 
 from __future__ import annotations
@@ -694,6 +697,67 @@ class PodDisruptionBudgetStrategy(Strategy):
                 age(obj["metadata"].get("creationTimestamp"), now)]
 
 
+_POLICY_TYPES = ("Ingress", "Egress")
+_PROTOCOLS = ("TCP", "UDP", "SCTP")
+
+
+@dataclass
+class NetworkPolicyStrategy(Strategy):
+    """networking.k8s.io/v1 NetworkPolicy: the API server's defaults (port protocol TCP; policyTypes from the rules)
+    and its basic validation. Storage only: localkube enforces no network policy."""
+
+    has_generation: bool = True
+
+    def prepare_create(self, obj, core):
+        self._default(obj)
+
+    def prepare_update(self, new, old, core):
+        super().prepare_update(new, old, core)
+        self._default(new)
+
+    @staticmethod
+    def _default(obj):
+        spec = obj.get("spec")
+        if not isinstance(spec, dict):
+            return
+        for direction in ("ingress", "egress"):
+            for rule in spec.get(direction) or []:
+                for port in (rule.get("ports") or []) if isinstance(rule, dict) else []:
+                    if isinstance(port, dict):
+                        port.setdefault("protocol", "TCP")
+        if not spec.get("policyTypes"):
+            spec["policyTypes"] = ["Ingress", "Egress"] if spec.get("egress") else ["Ingress"]
+
+    def validate(self, obj, old, core):
+        spec = obj.get("spec")
+        if not isinstance(spec, dict):
+            return [required_value("spec", "")]
+        causes = []
+        if not isinstance(spec.get("podSelector"), dict):
+            causes.append(required_value("spec.podSelector", ""))
+        for i, kind in enumerate(spec.get("policyTypes") or []):
+            if kind not in _POLICY_TYPES:
+                causes.append(not_supported(f"spec.policyTypes[{i}]", kind, list(_POLICY_TYPES)))
+        for direction in ("ingress", "egress"):
+            for i, rule in enumerate(spec.get(direction) or []):
+                for j, port in enumerate((rule or {}).get("ports") or []):
+                    where = f"spec.{direction}[{i}].ports[{j}]"
+                    if (port or {}).get("protocol") not in _PROTOCOLS:
+                        causes.append(not_supported(f"{where}.protocol", (port or {}).get("protocol"), list(_PROTOCOLS)))
+                    number = (port or {}).get("port")
+                    if isinstance(number, int) and not 1 <= number <= 65535:
+                        causes.append(invalid_value(f"{where}.port", number, "must be between 1 and 65535, inclusive"))
+        return causes
+
+    def columns(self):
+        return [NAME_COLUMN, Column("Pod-Selector"), AGE_COLUMN]
+
+    def cells(self, obj, now):
+        labels = ((obj.get("spec") or {}).get("podSelector") or {}).get("matchLabels") or {}
+        selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+        return [obj["metadata"]["name"], selector or "<none>", age(obj["metadata"].get("creationTimestamp"), now)]
+
+
 @dataclass
 class AccessReviewStrategy(Strategy):
     """SelfSubjectAccessReview / SubjectAccessReview: localkube has no authorization, so everything is allowed."""
@@ -737,6 +801,8 @@ def builtin_types(crd_strategy: Strategy) -> list[ResourceType]:
         ResourceType("coordination.k8s.io", "v1", "leases", "lease", "Lease", True, LeaseStrategy()),
         ResourceType("policy", "v1", "poddisruptionbudgets", "poddisruptionbudget", "PodDisruptionBudget", True,
                      PodDisruptionBudgetStrategy(), ("pdb",), subresources={"status": ("get", "patch", "update")}),
+        ResourceType("networking.k8s.io", "v1", "networkpolicies", "networkpolicy", "NetworkPolicy", True,
+                     NetworkPolicyStrategy(), ("netpol",)),
         ResourceType("events.k8s.io", "v1", "events", "event", "Event", True, EventsV1Strategy(), ("ev",),
                      storage=("", "events"), storage_version="v1"),
         ResourceType("discovery.k8s.io", "v1", "endpointslices", "endpointslice", "EndpointSlice", True,

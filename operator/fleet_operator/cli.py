@@ -28,6 +28,16 @@ def operator_command(
     metrics_port: Annotated[
         int | None, typer.Option(help="internal port of the operator's /metrics (not the public /alerts port)")
     ] = None,
+    drain_key_file: Annotated[
+        str | None, typer.Option(help="file with the key drain tokens are derived from (at least 32 bytes)")
+    ] = None,
+    insecure_ephemeral_drain_key: Annotated[
+        bool | None,
+        typer.Option(
+            "--insecure-ephemeral-drain-key",
+            help="development only: without a key file, use a random drain key for this process",
+        ),
+    ] = None,
     worker_image: Annotated[str | None, typer.Option(help="default worker image")] = None,
     worker_extra_args: Annotated[
         str | None, typer.Option(help="arguments appended to every worker command, shell-quoted")
@@ -55,6 +65,8 @@ def operator_command(
             priority=priority,
             liveness_endpoint=liveness_endpoint,
             metrics_port=metrics_port,
+            drain_key_file=drain_key_file,
+            insecure_ephemeral_drain_key=insecure_ephemeral_drain_key,
             worker_image=worker_image,
             worker_extra_args=shlex.split(worker_extra_args) if worker_extra_args is not None else None,
             log_level=log_level,
@@ -64,6 +76,9 @@ def operator_command(
         raise typer.Exit(2) from None
     try:
         run(settings)
+    except SettingsError as error:
+        typer.echo(f"llmfleet operator: {error}", err=True)
+        raise typer.Exit(2) from None
     except ConfigException as error:
         typer.echo(f"llmfleet operator: cannot find the cluster: {error}", err=True)
         raise typer.Exit(2) from None

@@ -8,6 +8,8 @@ the one place that talks to workers about draining and turns what happens on the
     timeout, other status, bad JSON          FAILED (ask again on the next pass)
 
 It never raises: a failed POST is logged and returned as text (the next probe shows whether the worker drains).
+It holds the operator's drain key and derives each deployment's token from it (`controllers.drain_token`), the
+same token the operator put into that deployment's pods; the key never leaves this object.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import httpx
 
+from controllers.drain_token import deployment_drain_token
 from controllers.draining import address
 from controllers.observed import DrainProbe, PodInfo, ProbeState
 
@@ -27,9 +31,19 @@ log = logging.getLogger(__name__)
 class WorkerDrains:
     """Drain calls to worker pods, with one shared connection pool."""
 
-    def __init__(self, timeout_s: float = 3.0, client: httpx.AsyncClient | None = None) -> None:
+    def __init__(
+        self, timeout_s: float = 3.0, client: httpx.AsyncClient | None = None, *, key: bytes | None = None
+    ) -> None:
         self._client = client or httpx.AsyncClient(timeout=timeout_s)
         self._owns_client = client is None
+        self._key = key
+
+    def __repr__(self) -> str:
+        return f"WorkerDrains(key={'set' if self._key else 'none'})"
+
+    def token(self, meta: Mapping[str, Any]) -> str | None:
+        """The drain token of the deployment with metadata `meta` (None without a key: no POST can succeed)."""
+        return deployment_drain_token(self._key, meta)
 
     async def aclose(self) -> None:
         if self._owns_client:

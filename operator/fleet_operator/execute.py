@@ -8,7 +8,8 @@ InferenceDeployment (so `kubectl describe infd` tells the story). Failures come 
 shows them in the Degraded condition and a Warning Event, and the operator keeps running.
 
 A `StartDrain` is two calls in order: the pod's mark (a merge patch of its label and annotations: routing stops,
-and the drain survives an operator restart), then `POST /drain` to the worker with the deployment's drain token.
+and the drain survives an operator restart), then `POST /drain` to the worker with the deployment's drain token
+(derived from the operator's key by `drains`, the same token the pods were created with; no Secret is read).
 A failed POST is not an API error: it is logged, and the drain machine sees on its next probe whether the worker
 drains, asks again, or deletes a worker that no longer answers.
 """
@@ -16,10 +17,8 @@ drains, asks again, or deletes a worker that no longer answers.
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import os
-import secrets
 import socket
 from collections.abc import Mapping
 from datetime import datetime, timezone
@@ -30,8 +29,8 @@ from controllers import (
     DeletePdb,
     DeletePod,
     EmitEvent,
+    EnsureNetworkPolicy,
     EnsurePdb,
-    EnsureSecret,
     EnsureService,
     EventType,
     PatchStatus,
@@ -43,7 +42,7 @@ from controllers.draining import mark_patch
 from controllers.pods import MANAGED_BY
 from fleet_operator.drain_client import WorkerDrains
 from fleet_operator.kube import ApiError, KubeApi, namespaced, with_retries
-from fleet_operator.observe import deployment_path, drain_token, pdbs_path
+from fleet_operator.observe import deployment_path, network_policies_path, pdbs_path
 
 log = logging.getLogger(__name__)
 COMPONENT = MANAGED_BY
@@ -56,8 +55,8 @@ async def execute(
     """Run the plan's actions; returns the errors, empty if none. Without `drains` no `POST /drain` is sent (the
     pods are still marked; their preStop hook drains them when they are deleted).
 
-    Order: the drain-token Secret; then the Service, the budgets, pod deletes, drains and pod creates together;
-    then the status patch, annotation removals and the Events together (an Event per successful create, delete
+    Order: the Service, the NetworkPolicy and the budgets together; then pod deletes, drains and pod creates
+    together; then the status patch, annotation removals and the Events together (an Event per successful create, delete
     or drain, the plan's own Events, and one Warning that lists any failures)."""
     meta = resource["metadata"]
     namespace = meta.get("namespace", "default")
@@ -72,16 +71,15 @@ async def execute(
             errors.append(f"{what}: {error}"[:500])
             return False
 
-    # The Secret first: new pods read their drain token from it. The rest of the pod work runs concurrently.
-    for secret in plan.of_type(EnsureSecret):
-        await attempt("create drain-token Secret", lambda a=secret: _create_secret(api, namespace, a))
     services = plan.of_type(EnsureService)
     deletes = plan.of_type(DeletePod)
     starts = plan.of_type(StartDrain)
     creates = plan.of_type(CreatePod)
-    token = await _token(api, namespace, meta["name"]) if starts and drains is not None else None
+    token = drains.token(meta) if starts and drains is not None else None
     await asyncio.gather(
         *(attempt("ensure Service", lambda a=a: _ensure_service(api, namespace, a)) for a in services),
+        *(attempt(f"ensure NetworkPolicy {n.name}", lambda n=n: _ensure_network_policy(api, namespace, n))
+          for n in plan.of_type(EnsureNetworkPolicy)),
         *(attempt(f"ensure PodDisruptionBudget {b.name}", lambda b=b: _ensure_pdb(api, namespace, b))
           for b in plan.of_type(EnsurePdb)),
         *(attempt(f"delete PodDisruptionBudget {b.name}", lambda b=b: _delete_pdb(api, namespace, b))
@@ -163,14 +161,6 @@ async def _post_drain(drains: WorkerDrains, action: StartDrain, token: str | Non
         log.info("%s/%s: %s (the next probe decides what follows)", namespace, action.name, problem)
 
 
-async def _token(api: KubeApi, namespace: str, name: str) -> str | None:
-    try:
-        return await drain_token(api, namespace, name)
-    except Exception as error:  # noqa: BLE001 - without a token the POST is refused; the drain still times out
-        log.warning("%s/%s: cannot read the drain token: %s", namespace, name, error)
-        return None
-
-
 async def _ensure_pdb(api: KubeApi, namespace: str, action: EnsurePdb) -> None:
     try:
         await api.create(pdbs_path(namespace), action.manifest)
@@ -197,14 +187,15 @@ async def _remove_annotations(api: KubeApi, namespace: str, name: str, action: R
             raise
 
 
-async def _create_secret(api: KubeApi, namespace: str, action: EnsureSecret) -> None:
-    token = base64.b64encode(secrets.token_urlsafe(32).encode()).decode()
-    body = {**action.manifest, "data": {action.key: token}}
+async def _ensure_network_policy(api: KubeApi, namespace: str, action: EnsureNetworkPolicy) -> None:
+    """Create the NetworkPolicy, or (AlreadyExists) merge-patch its spec back to the wanted one: lists in a merge
+    patch replace, so peers added by hand are removed again."""
     try:
-        await api.create(namespaced(namespace, "secrets"), body)
+        await api.create(network_policies_path(namespace), action.manifest)
     except ApiError as error:
-        if not error.already_exists:  # never overwrite: running pods hold the old token
+        if not error.already_exists:
             raise
+        await api.merge_patch(network_policies_path(namespace, action.name), {"spec": action.manifest["spec"]})
 
 
 async def _ensure_service(api: KubeApi, namespace: str, action: EnsureService) -> None:

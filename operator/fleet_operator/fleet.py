@@ -71,7 +71,7 @@ class Fleet:
             try:
                 seen = await observe(
                     self.api, namespace, name, self._errors.get(key, ()), drains=self.drains,
-                    port=self.policy.defaults.port,
+                    port=self.policy.defaults.port, network_policies=self.policy.network.enabled,
                 )
             except Exception as error:  # noqa: BLE001 - the API may be down: back off, never crash
                 log.warning("%s/%s: cannot read the deployment: %s", namespace, name, error)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +38,11 @@ ANNOTATION_PREFIX = "llmfleet.io"
 CR = (GROUP, VERSION, PLURAL)
 
 
-def build_registry(operator_settings: OperatorSettings, credentials: Credentials) -> kopf.OperatorRegistry:
-    """A kopf registry with the operator's handlers, bound to these settings and credentials."""
+def build_registry(
+    operator_settings: OperatorSettings, credentials: Credentials, drain_key: bytes
+) -> kopf.OperatorRegistry:
+    """A kopf registry with the operator's handlers, bound to these settings, credentials and drain-token key (the
+    planner puts the derived tokens into new pods; the drain client sends them)."""
     registry = kopf.OperatorRegistry()
 
     @kopf.on.startup(registry=registry)
@@ -51,12 +55,12 @@ def build_registry(operator_settings: OperatorSettings, credentials: Credentials
         settings.posting.level = logging.WARNING
         settings.peering.lifetime = operator_settings.peering_lifetime_seconds
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per drain probe and scrape otherwise
-        policy = operator_settings.policy()
+        policy = replace(operator_settings.policy(), drain_key=drain_key)
         memo.fleet = Fleet(
             KubeApi(credentials, timeout=operator_settings.api_timeout_seconds),
             policy,
             operator_settings,
-            drains=WorkerDrains(),
+            drains=WorkerDrains(key=drain_key),
             analysis=AnalysisRunner(metrics_source(operator_settings.prometheus_url), policy.defaults),
         )
 

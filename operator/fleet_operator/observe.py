@@ -1,22 +1,23 @@
 """Read one InferenceDeployment and its children fresh from the API server, for one reconcile pass.
 
-Every pass reads the CR, its pods (by the `llmfleet.io/deployment` label), its Service, its drain-token Secret and
-its PodDisruptionBudgets directly (in parallel) instead of trusting a watch cache: a list from the API server
+Every pass reads the CR, its pods (by the `llmfleet.io/deployment` label), its Service, its NetworkPolicy (when the
+operator manages them) and its PodDisruptionBudgets directly (in parallel) instead of trusting a watch cache: a list from the API server
 already shows the pods the previous pass created, so the planner never creates a pod twice because its view was
 stale, and an operator restart needs no warm-up. Pods marked draining are then asked how their drain goes
-(`GET /drain`, see `drain_client`). The Secret's data never leaves this module.
+(`GET /drain`, see `drain_client`). No Secret is read: drain tokens are derived from the operator's key
+(`controllers.drain_token`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
 from controllers import Observed
-from controllers.pods import DRAIN_TOKEN_KEY, label_selector, secret_name, service_name
+from controllers.network import network_policy_name
+from controllers.pods import label_selector, service_name
 from crds.models import GROUP, PLURAL, VERSION
 from fleet_operator.drain_client import WorkerDrains
 from fleet_operator.kube import KubeApi, namespaced
@@ -24,6 +25,10 @@ from fleet_operator.kube import KubeApi, namespaced
 
 def deployment_path(namespace: str, name: str) -> str:
     return namespaced(namespace, PLURAL, name, group=GROUP, version=VERSION)
+
+
+def network_policies_path(namespace: str, name: str | None = None) -> str:
+    return namespaced(namespace, "networkpolicies", name, group="networking.k8s.io", version="v1")
 
 
 def pdbs_path(namespace: str, name: str | None = None) -> str:
@@ -47,25 +52,22 @@ async def observe(
     *,
     drains: WorkerDrains | None = None,
     port: int = 8000,
+    network_policies: bool = True,
 ) -> Observation:
-    """The CR and what exists of its pods, Service, Secret and budgets; with `drains`, the draining pods' state."""
-    resource, pods, service, secret, pdbs = await asyncio.gather(
+    """The CR and what exists of its pods, Service, NetworkPolicy (only with `network_policies`: without them
+    the operator neither reads nor writes NetworkPolicies) and budgets; with `drains`, the draining pods' state."""
+    resource, pods, service, network_policy, pdbs = await asyncio.gather(
         api.get(deployment_path(namespace, name)),
         api.list(namespaced(namespace, "pods"), label_selector(name)),
         api.get(namespaced(namespace, "services", service_name(name))),
-        api.get(namespaced(namespace, "secrets", secret_name(name))),
+        api.get(network_policies_path(namespace, network_policy_name(name))) if network_policies else _none(),
         api.list(pdbs_path(namespace), label_selector(name)),
     )
-    secret_meta = {"metadata": secret["metadata"]} if secret is not None else None
-    observed = Observed.from_objects(pods, service, secret_meta, errors, pdbs=pdbs)
+    observed = Observed.from_objects(pods, service, network_policy, errors, pdbs=pdbs)
     if drains is not None and resource is not None:
         observed = replace(observed, drain_probes=await drains.probe_all(observed.pods, port))
     return Observation(resource, observed, pods)
 
 
-async def drain_token(api: KubeApi, namespace: str, name: str) -> str | None:
-    """The drain token from the deployment's Secret (None when it does not exist yet)."""
-    secret = await api.get(namespaced(namespace, "secrets", secret_name(name)))
-    data = (secret or {}).get("data") or {}
-    raw = data.get(DRAIN_TOKEN_KEY)
-    return base64.b64decode(raw).decode() if raw else None
+async def _none() -> None:
+    return None

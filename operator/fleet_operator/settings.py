@@ -1,29 +1,75 @@
 """Typed settings of the operator, from `LLMFLEET_OPERATOR_*` environment variables and `llmfleet operator` flags.
 
 One validated object decides what the operator watches, how it reaches the cluster, how fast it re-checks, how
-worker pods look by default and how far a rollout may go at once. Flags win over the environment; a bad value
+worker pods look by default, how far a rollout may go at once, which pods may reach the workers (the
+NetworkPolicy peers) and where the drain-token key comes from. Flags win over the environment; a bad value
 fails at start-up with a message that names the variable and says how to fix it.
+
+The drain key (`LLMFLEET_OPERATOR_DRAIN_KEY_FILE`, a file the chart mounts from its Secret, or
+`LLMFLEET_OPERATOR_DRAIN_KEY`) is read once by `load_drain_key` when the operator starts; the operator derives
+every deployment's drain token from it (`controllers.drain_token`) and needs no Secret rights. Without a key it
+refuses to start unless `LLMFLEET_OPERATOR_INSECURE_EPHEMERAL_DRAIN_KEY=true` (development only: a random key per
+process, so a restarted operator cannot `POST /drain` to the pods its predecessor created; they still drain on
+SIGTERM).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import secrets
 import shlex
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic.alias_generators import to_camel
 
 from controllers import PodDefaults, Policy
+from controllers.drain_token import MIN_KEY_BYTES
+from controllers.network import (
+    GATEWAY_POD_LABELS,
+    OPERATOR_POD_LABELS,
+    SCRAPER_POD_LABELS,
+    NetworkPolicySettings,
+    Peer,
+)
 
 ENV_PREFIX = "LLMFLEET_OPERATOR_"
 # Settings holding lists: the environment gives them comma-separated (namespaces) or shell-quoted (arguments).
 _LIST_FIELDS = {"namespaces": "comma", "worker_command": "shell", "worker_extra_args": "shell", "worker_env": "shell"}
+# Settings holding objects: the environment gives them as JSON.
+_JSON_FIELDS = {"network_policy_gateway", "network_policy_operator", "network_policy_scraper"}
+_LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
 
 
 class SettingsError(ValueError):
     """The settings are invalid; the message lists every problem with its fix."""
+
+
+class PeerSelector(BaseModel):
+    """Pods admitted to the workers by their NetworkPolicy: `podSelector` labels in the namespaces matching
+    `namespaceSelector` (absent = the workers' own namespace; `{}` = every namespace). JSON in the environment,
+    e.g. `{"namespaceSelector": {"kubernetes.io/metadata.name": "llm"}, "podSelector": {"app": "gateway"}}`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", alias_generator=to_camel, populate_by_name=True)
+
+    namespace_selector: dict[str, str] | None = None
+    pod_selector: dict[str, str]
+
+    @field_validator("namespace_selector", "pod_selector")
+    @classmethod
+    def _labels(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        wrong = [f"{k}={v}" for k, v in (value or {}).items() if not (_LABEL_KEY.match(k) and _LABEL_VALUE.match(v))]
+        if wrong:
+            raise ValueError(f"not valid label selectors: {', '.join(wrong)} (use label keys and values, e.g. "
+                             "app.kubernetes.io/name=prometheus)")
+        return value
+
+    def peer(self) -> Peer:
+        return Peer(pod_labels=dict(self.pod_selector), namespace_labels=self.namespace_selector)
 
 
 class OperatorSettings(BaseModel):
@@ -143,6 +189,39 @@ class OperatorSettings(BaseModel):
         "llmfleet_gateway_queued_at_zero when configured, else none.",
     )
 
+    drain_key_file: str | None = Field(
+        None,
+        description="File holding the key drain tokens are derived from (at least 32 bytes; the chart mounts its "
+        "Secret here). Read once at start.",
+    )
+    drain_key: SecretStr | None = Field(
+        None, description="The drain-token key itself, when it is not given as a file (at least 32 bytes)."
+    )
+    insecure_ephemeral_drain_key: bool = Field(
+        False,
+        description="Development only: start without a drain key, using a random one per process (a restarted "
+        "operator then cannot POST /drain to older pods; they still drain on SIGTERM).",
+    )
+    network_policy: bool = Field(
+        True,
+        description="Keep a NetworkPolicy per deployment admitting only the gateway, operator and scraper pods to "
+        "the workers; false for clusters whose CNI lacks NetworkPolicy (the operator then leaves them alone).",
+    )
+    network_policy_gateway: PeerSelector = Field(
+        PeerSelector(pod_selector=dict(GATEWAY_POD_LABELS)),
+        description="The gateway pods (JSON: namespaceSelector, podSelector); default: the chart's gateway labels "
+        "in the workers' namespace.",
+    )
+    network_policy_operator: PeerSelector = Field(
+        PeerSelector(pod_selector=dict(OPERATOR_POD_LABELS)),
+        description="The operator pods (drain probes, pod scraping); default: the chart's operator labels in the "
+        "workers' namespace.",
+    )
+    network_policy_scraper: PeerSelector = Field(
+        PeerSelector(pod_selector=dict(SCRAPER_POD_LABELS), namespace_selector={}),
+        description="The metrics scraper's pods; default: app.kubernetes.io/name=prometheus in any namespace.",
+    )
+
     @field_validator("namespaces")
     @classmethod
     def _clean_namespaces(cls, value: list[str]) -> list[str]:
@@ -156,10 +235,41 @@ class OperatorSettings(BaseModel):
             raise ValueError(f"expected NAME=value items, e.g. OTEL_SERVICE_NAME=worker; got {', '.join(wrong)}")
         return value
 
-    @field_validator("worker_cache_dir", "gateway_url")
+    @field_validator("worker_cache_dir", "gateway_url", "drain_key_file")
     @classmethod
     def _empty_is_none(cls, value: str | None) -> str | None:
         return value or None
+
+    def network_policy_settings(self) -> NetworkPolicySettings:
+        peers = (self.network_policy_gateway, self.network_policy_operator, self.network_policy_scraper)
+        return NetworkPolicySettings(enabled=self.network_policy, peers=tuple(p.peer() for p in peers))
+
+    def load_drain_key(self) -> bytes:
+        """The drain-token key: read the file (or take the variable) now. Call once per process: without a key and
+        with `insecure_ephemeral_drain_key`, every call makes a new random key. Raises SettingsError saying how to
+        provide one."""
+        fix = ("put at least 32 random bytes in a file and set LLMFLEET_OPERATOR_DRAIN_KEY_FILE to it (the chart "
+               "does this from its Secret; e.g. `head -c 48 /dev/urandom | base64 > drain.key`)")
+        if self.drain_key_file and self.drain_key is not None:
+            raise SettingsError("both LLMFLEET_OPERATOR_DRAIN_KEY_FILE and LLMFLEET_OPERATOR_DRAIN_KEY are set: "
+                                "keep one")
+        if self.drain_key_file:
+            try:
+                key = Path(self.drain_key_file).read_bytes().strip()
+            except OSError as error:
+                raise SettingsError(f"cannot read LLMFLEET_OPERATOR_DRAIN_KEY_FILE {self.drain_key_file}: "
+                                    f"{error.strerror}; {fix}") from None
+            where = f"LLMFLEET_OPERATOR_DRAIN_KEY_FILE {self.drain_key_file}"
+        elif self.drain_key is not None:
+            key, where = self.drain_key.get_secret_value().strip().encode(), "LLMFLEET_OPERATOR_DRAIN_KEY"
+        elif self.insecure_ephemeral_drain_key:
+            return secrets.token_bytes(MIN_KEY_BYTES)
+        else:
+            raise SettingsError(f"no drain key: {fix}; for development only, "
+                                "LLMFLEET_OPERATOR_INSECURE_EPHEMERAL_DRAIN_KEY=true uses a random key per process")
+        if len(key) < MIN_KEY_BYTES:
+            raise SettingsError(f"{where} holds {len(key)} bytes, fewer than {MIN_KEY_BYTES}; {fix}")
+        return key
 
     def pod_defaults(self) -> PodDefaults:
         return PodDefaults(
@@ -179,7 +289,8 @@ class OperatorSettings(BaseModel):
         if self.max_surge == 0 and self.max_unavailable == 0:
             raise SettingsError("max_surge and max_unavailable are both 0, so no pod could ever be replaced: "
                                 "set LLMFLEET_OPERATOR_MAX_SURGE=1")
-        return Policy(max_surge=self.max_surge, max_unavailable=self.max_unavailable, defaults=self.pod_defaults())
+        return Policy(max_surge=self.max_surge, max_unavailable=self.max_unavailable, defaults=self.pod_defaults(),
+                      network=self.network_policy_settings())
 
     @classmethod
     def load(cls, env: Mapping[str, str], **flags: Any) -> OperatorSettings:
@@ -209,6 +320,12 @@ class OperatorSettings(BaseModel):
 
 
 def _from_env(name: str, raw: str) -> Any:
+    if name in _JSON_FIELDS:
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError as error:
+            raise SettingsError(f"{ENV_PREFIX}{name.upper()} is not JSON ({error}); expected e.g. "
+                                '{"namespaceSelector": {}, "podSelector": {"app.kubernetes.io/name": "prometheus"}}') from None
     kind = _LIST_FIELDS.get(name)
     if kind == "comma":
         return [part for part in raw.split(",") if part.strip()]

@@ -19,8 +19,8 @@ from controllers import (
     DeletePdb,
     DeletePod,
     DrainProbe,
+    EnsureNetworkPolicy,
     EnsurePdb,
-    EnsureSecret,
     EnsureService,
     Observed,
     PatchStatus,
@@ -96,7 +96,7 @@ class FakeCluster:
     resource: dict[str, Any]
     policy: Policy = field(default_factory=Policy)
     pods: dict[str, dict[str, Any]] = field(default_factory=dict)
-    secret: bool = False
+    network_policy: dict[str, Any] | None = None
     service: dict[str, Any] | None = None
     pdbs: dict[str, dict[str, Any]] = field(default_factory=dict)
     in_flight: dict[str, int] = field(default_factory=dict)
@@ -117,7 +117,7 @@ class FakeCluster:
         observed = Observed.from_objects(
             self.pods.values(),
             self.service,
-            {} if self.secret else None,
+            self.network_policy,
             drain_probes=probes,
             pdbs=self.pdbs.values(),
             analysis=analysis,
@@ -144,8 +144,8 @@ class FakeCluster:
                 self.posts.append(action.name)
             elif isinstance(action, PatchStatus):
                 self.resource["status"] = merge_patch(self.resource.get("status") or {}, dict(action.status))
-            elif isinstance(action, EnsureSecret):
-                self.secret = True
+            elif isinstance(action, EnsureNetworkPolicy):
+                self.network_policy = copy.deepcopy(dict(action.manifest))
             elif isinstance(action, EnsureService):
                 self.service = dict(action.manifest)
             elif isinstance(action, EnsurePdb):

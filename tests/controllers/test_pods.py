@@ -10,7 +10,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from controllers import CreatePod, Observed
+from controllers import CreatePod, Observed, Policy
+from controllers.drain_token import drain_token
 from controllers.pods import (
     PodDefaults,
     extra_engine_args,
@@ -66,7 +67,7 @@ def test_command_carries_model_engine_and_variant_settings(kit):
     assert "--host" not in args  # the worker binds to $POD_IP
     env = {e["name"]: e for e in container["env"]}
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
-    assert env["LLMFLEET_DRAIN_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "smollm2-drain-token", "key": "token"}
+    assert "LLMFLEET_DRAIN_TOKEN" not in env  # no operator key in this policy: no token, POST /drain stays off
     assert pod["spec"]["terminationGracePeriodSeconds"] == 45
 
 
@@ -81,6 +82,37 @@ def test_probes_ports_and_drain_hook(kit):
     command = container["lifecycle"]["preStop"]["exec"]["command"]
     assert command[:2] == ["python3", "-c"]
     compile(command[2], "<preStop>", "exec")
+
+
+KEY = b"operator-drain-key-for-tests-0123456789"
+
+
+@pytest.mark.parametrize(
+    ("template_env", "expected_names"),
+    [
+        ([], ["LLMFLEET_DRAIN_TOKEN", "POD_IP"]),
+        # a CR cannot pin its own token: the derived one replaces it
+        ([{"name": "LLMFLEET_DRAIN_TOKEN", "value": "mine"}], ["LLMFLEET_DRAIN_TOKEN", "POD_IP"]),
+    ],
+)
+def test_pods_carry_the_drain_token_derived_from_the_operator_key(kit, template_env, expected_names):
+    resource = kit.resource({"template": {"env": template_env}})
+    plan = kit.reconcile(resource, Observed(), kit.now, Policy(drain_key=KEY))
+    (container,) = plan.of_type(CreatePod)[0].manifest["spec"]["containers"]
+    tokens = [e for e in container["env"] if e["name"] == "LLMFLEET_DRAIN_TOKEN"]
+    assert tokens == [{"name": "LLMFLEET_DRAIN_TOKEN", "value": drain_token(KEY, "default", "smollm2", kit.uid)}]
+    assert [e["name"] for e in container["env"][:2]] == expected_names
+    assert not any("secretKeyRef" in (e.get("valueFrom") or {}) for e in container["env"])
+
+
+def test_a_key_rotation_changes_the_token_of_new_pods_but_not_the_revision(kit):
+    resource = kit.resource()
+    before = kit.reconcile(resource, Observed(), kit.now, Policy(drain_key=KEY)).of_type(CreatePod)[0]
+    after = kit.reconcile(resource, Observed(), kit.now, Policy(drain_key=b"rotated-" + KEY)).of_type(CreatePod)[0]
+    none = kit.reconcile(resource, Observed(), kit.now, Policy()).of_type(CreatePod)[0]
+    assert before.revision == after.revision == none.revision and before.name == after.name
+    env = [{e["name"]: e.get("value") for e in c.manifest["spec"]["containers"][0]["env"]} for c in (before, after)]
+    assert env[0]["LLMFLEET_DRAIN_TOKEN"] != env[1]["LLMFLEET_DRAIN_TOKEN"]
 
 
 def test_resources_and_gpus(kit):

@@ -11,12 +11,14 @@ from controllers import (
     CreatePod,
     DeletePod,
     EmitEvent,
-    EnsureSecret,
+    EnsureNetworkPolicy,
     EnsureService,
     Observed,
     PatchStatus,
     StartDrain,
 )
+from controllers.network import NetworkPolicySettings, Peer
+from controllers.pods import PodDefaults
 from controllers.reconcile import Policy
 
 
@@ -60,7 +62,7 @@ def test_fresh_deployment_creates_the_desired_pods(kit, spec, expected):
         counts[create.variant] = counts.get(create.variant, 0) + 1
     assert {k: v for k, v in expected.items() if v} == counts
     assert len({c.name for c in creates}) == len(creates)
-    assert plan.of_type(EnsureSecret) and plan.of_type(EnsureService)
+    assert plan.of_type(EnsureNetworkPolicy) and plan.of_type(EnsureService)
     scaled = [e for e in plan.of_type(EmitEvent) if e.reason == "Scaled"]
     assert len(scaled) == len(expected)
 
@@ -164,10 +166,45 @@ def test_crash_looping_pod_marks_degraded_and_is_left_to_the_kubelet(kit):
 def test_api_errors_of_the_last_pass_show_as_degraded(kit):
     c = kit.cluster()
     c.converge()
-    observed = Observed(pods=c.observed().pods, service=c.service, secret_exists=True, errors=("create pod: 500",))
+    observed = Observed(pods=c.observed().pods, service=c.service, network_policy=c.network_policy, errors=("create pod: 500",))
     plan = kit.reconcile(c.resource, observed, kit.now)
     degraded = _conditions(plan)["Degraded"]
     assert degraded["reason"] == "ApiError" and "500" in degraded["message"]
+
+
+def test_network_policy_is_kept_and_put_back_when_deleted_or_changed(kit):
+    c = kit.cluster()
+    c.converge()
+    assert c.network_policy is not None
+    assert c.network_policy["metadata"]["ownerReferences"][0]["uid"] == kit.uid
+    assert c.network_policy["spec"]["podSelector"] == {"matchLabels": {"llmfleet.io/deployment": "smollm2"}}
+    assert not c.plan().of_type(EnsureNetworkPolicy)  # in place: nothing to do
+    c.network_policy["spec"]["ingress"] = [{}]  # opened to everyone by hand
+    (fix,) = c.plan().of_type(EnsureNetworkPolicy)
+    assert fix.manifest["spec"]["ingress"][0]["from"]
+    c.network_policy = None  # deleted
+    assert c.plan().of_type(EnsureNetworkPolicy)
+
+
+@pytest.mark.parametrize(
+    ("network", "ensured"),
+    [
+        (NetworkPolicySettings(), True),
+        (NetworkPolicySettings(enabled=False), False),  # a CNI without NetworkPolicy: the operator leaves them be
+    ],
+)
+def test_network_policy_follows_the_operator_setting(kit, network, ensured):
+    plan = kit.reconcile(kit.resource(), Observed(), kit.now, Policy(network=network))
+    assert bool(plan.of_type(EnsureNetworkPolicy)) is ensured
+
+
+def test_network_policy_admits_the_configured_peers_on_the_configured_port(kit):
+    peers = (Peer({"app": "gw"}, {"kubernetes.io/metadata.name": "llm"}),)
+    policy = Policy(network=NetworkPolicySettings(peers=peers), defaults=PodDefaults(port=9000))
+    (ensure,) = kit.reconcile(kit.resource(), Observed(), kit.now, policy).of_type(EnsureNetworkPolicy)
+    assert ensure.manifest["spec"]["ingress"] == [
+        {"from": [peers[0].rule()], "ports": [{"protocol": "TCP", "port": 9000}]}
+    ]
 
 
 # -------------------------------------------------------------------------------------------------- revisions

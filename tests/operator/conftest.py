@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -152,6 +153,10 @@ class OperatorProcess:
         self.log_path = log_path
         self.extra_env = dict(env or {})
         self.proc: subprocess.Popen[bytes] | None = None
+        # The drain-token key, as the chart mounts it: one file kept across restarts of this operator.
+        self.drain_key_file = log_path.with_name("drain.key")
+        if not self.drain_key_file.exists():
+            self.drain_key_file.write_text(secrets.token_urlsafe(32))
 
     def start(self) -> None:
         env = {
@@ -161,6 +166,7 @@ class OperatorProcess:
             "LLMFLEET_OPERATOR_WORKER_CACHE_DIR": "",
             "LLMFLEET_OPERATOR_RESYNC_SECONDS": "5",
             "LLMFLEET_OPERATOR_DELETION_RETRY_SECONDS": "1",
+            "LLMFLEET_OPERATOR_DRAIN_KEY_FILE": str(self.drain_key_file),
             **self.extra_env,
         }
         with open(self.log_path, "ab") as log:

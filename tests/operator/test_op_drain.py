@@ -5,7 +5,6 @@ runner with a scripted metrics source."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import socket
 import threading
@@ -25,17 +24,20 @@ from fleet_operator.testing import DEPLOYMENT as RESOURCE
 from fleet_operator.testing import ScriptedApi
 
 from controllers import (
+    CreatePod,
     DeletePdb,
     EnsurePdb,
     Observed,
     Plan,
     PodDefaults,
+    Policy,
     ProbeState,
     RemoveAnnotations,
     StartDrain,
     reconcile,
 )
 from controllers.analysis import RevisionSample
+from controllers.drain_token import drain_token
 from controllers.observed import PodInfo, PodPhase
 from crds.models import Verdict
 
@@ -134,7 +136,7 @@ async def test_probe_all_asks_only_draining_pods_that_are_not_deleted(worker):
     assert list(probes) == ["draining"] and probes["draining"].in_flight == 2
 
 
-SECRET = "/api/v1/namespaces/ns/secrets/m-drain-token"
+KEY = b"operator-drain-key-for-tests-0123456789"
 
 
 def _start(address: str | None, *, mark: bool = True, name: str = "m-default-r-0") -> StartDrain:
@@ -144,19 +146,32 @@ def _start(address: str | None, *, mark: bool = True, name: str = "m-default-r-0
 
 async def test_start_drain_marks_the_pod_then_posts_with_the_token(worker):
     handler, address = worker
-    api = ScriptedApi(objects={SECRET: {"data": {"token": base64.b64encode(b"s3cret").decode()}}})
-    drains = WorkerDrains(timeout_s=5)
+    api = ScriptedApi()
+    drains = WorkerDrains(timeout_s=5, key=KEY)
     try:
         errors = await execute(api, Plan(actions=(_start(address),)), RESOURCE, drains)  # type: ignore[arg-type]
     finally:
         await drains.aclose()
-    assert errors == [] and handler.posts == ["Bearer s3cret"]
+    assert errors == [] and handler.posts == [f"Bearer {drain_token(KEY, 'ns', 'm', 'u')}"]
+    assert not [c for c in api.calls if "/secrets" in c[1]]  # derived, never read from a Secret
     (patch,) = [c for c in api.calls if c[0] == "patch"]
     assert patch[1] == "/api/v1/namespaces/ns/pods/m-default-r-0"
     assert patch[2]["metadata"]["labels"] == {"llmfleet.io/draining": "true"}
     assert patch[2]["metadata"]["annotations"]["llmfleet.io/drain-reason"] == "ScaleDown"
     events = [c[2] for c in api.calls if c[0] == "create" and c[1].endswith("/events")]
     assert [e["reason"] for e in events] == ["DrainingPod"]
+
+
+def test_a_restarted_operator_derives_the_token_its_pods_hold():
+    resource = {**RESOURCE, "spec": {"model": {"name": "m", "source": "bundled://x"}, "variants": [{"name": "a"}]}}
+    plan = reconcile(resource, Observed(), NOW, Policy(drain_key=KEY))
+    (container,) = plan.of_type(CreatePod)[0].manifest["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    restarted = WorkerDrains(key=bytes(KEY))  # a new process reading the same key file
+    assert env["LLMFLEET_DRAIN_TOKEN"] == restarted.token(RESOURCE["metadata"]) is not None
+    assert WorkerDrains(key=b"another-key-after-rotation-0123456789").token(RESOURCE["metadata"]) != env[
+        "LLMFLEET_DRAIN_TOKEN"]
+    assert "operator-drain-key" not in repr(restarted)
 
 
 async def test_a_failed_post_or_a_vanished_pod_is_not_an_api_error():

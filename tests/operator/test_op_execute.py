@@ -14,7 +14,7 @@ from controllers import (
     CreatePod,
     DeletePod,
     EmitEvent,
-    EnsureSecret,
+    EnsureNetworkPolicy,
     EventType,
     PatchStatus,
     Plan,
@@ -70,16 +70,24 @@ def test_successful_pod_changes_are_recorded_as_events():
     assert all(e["involvedObject"]["uid"] == "u" and e["source"]["component"] == "llmfleet-operator" for e in events)
 
 
-def test_secret_gets_a_random_token_and_is_never_overwritten():
-    manifest = {"metadata": {"name": "m-drain-token"}}
-    first, second = ScriptedApi(), ScriptedApi({("create", "/api/v1/namespaces/ns/secrets"):
-                                                [_error(409, "AlreadyExists")]})
-    assert _run(first, Plan(actions=(EnsureSecret(manifest, "token"),))) == []
-    assert _run(second, Plan(actions=(EnsureSecret(manifest, "token"),))) == []
-    (body,) = [b for v, p, b in first.calls if p.endswith("/secrets")]
-    token = body["data"]["token"]
-    assert len(token) >= 40
-    assert not [c for c in second.calls if c[0] == "patch"]
+NETPOLS = "/apis/networking.k8s.io/v1/namespaces/ns/networkpolicies"
+
+
+def test_network_policy_is_created_and_an_existing_one_gets_its_spec_back():
+    manifest = {"metadata": {"name": "m-workers"}, "spec": {"podSelector": {}, "ingress": [{"from": []}]}}
+    fresh = ScriptedApi()
+    assert _run(fresh, Plan(actions=(EnsureNetworkPolicy(manifest),))) == []
+    assert fresh.calls[0] == ("create", NETPOLS, manifest)
+    existing = ScriptedApi({("create", NETPOLS): [_error(409, "AlreadyExists")]})
+    assert _run(existing, Plan(actions=(EnsureNetworkPolicy(manifest),))) == []
+    assert ("patch", f"{NETPOLS}/m-workers", {"spec": manifest["spec"]}) in existing.calls
+
+
+def test_no_secret_is_ever_read_or_written():
+    api = ScriptedApi()
+    manifest = {"metadata": {"name": "m-workers"}, "spec": {}}
+    assert _run(api, Plan(actions=(_create("p0"), EnsureNetworkPolicy(manifest)))) == []
+    assert not [c for c in api.calls if "/secrets" in c[1]]
 
 
 @pytest.mark.parametrize("status", [400, 422])

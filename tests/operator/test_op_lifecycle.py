@@ -106,3 +106,43 @@ def test_operator_killed_mid_scale_up_converges_without_duplicates(fleet, kit):
     fleet.operator.start()
     kit.wait_until(lambda: kube.get("infd", "grow") is None, "the CR to be removed after the restart")
     assert kube.pods("grow") == []
+
+
+def _token(pod):
+    (container,) = pod["spec"]["containers"]
+    return {e["name"]: e for e in container["env"]}["LLMFLEET_DRAIN_TOKEN"]
+
+
+def test_network_policy_and_drain_tokens_without_secrets(fleet, kit):
+    kube = fleet.kube
+    kube.apply(kit.deployment("guarded", replicas=1))
+    kit.wait_until(lambda: _available(fleet, kit, "guarded"), "Available=True")
+    resource = kube.get("infd", "guarded")
+    policy = kit.wait_until(lambda: kube.get("networkpolicy", "guarded-workers"), "the workers' NetworkPolicy")
+    (owner,) = policy["metadata"]["ownerReferences"]
+    assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == (
+        "InferenceDeployment", "guarded", resource["metadata"]["uid"], True)
+    assert policy["spec"]["podSelector"] == {"matchLabels": {"llmfleet.io/deployment": "guarded"}}
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 8000}] and len(rule["from"]) == 3
+
+    # deleted by hand: the operator puts it back (at the latest on its next resync)
+    kube.run("delete", "networkpolicy", "guarded-workers")
+    again = kit.wait_until(lambda: kube.get("networkpolicy", "guarded-workers"), "the NetworkPolicy re-created")
+    assert again["metadata"]["uid"] != policy["metadata"]["uid"]
+
+    # the drain token is a literal value derived from the operator's key; no Secret exists, and a restarted
+    # operator derives the same token for the pods it creates next
+    (pod,) = kube.pods("guarded")
+    token = _token(pod)
+    assert set(token) == {"name", "value"} and len(token["value"]) == 43
+    assert kube.get("secrets") == []
+    fleet.operator.kill()
+    fleet.operator.start()
+    kube.run("scale", "infd", "guarded", "--replicas", "2")
+    kit.wait_until(lambda: len(kit.ready_pods(kube.pods("guarded"))) == 2, "2 ready pods after the restart")
+    assert {_token(p)["value"] for p in kube.pods("guarded")} == {token["value"]}
+
+    # deleting the deployment takes its NetworkPolicy with it (owner garbage collection)
+    kube.run("delete", "infd", "guarded", "--timeout=90s")
+    kit.wait_until(lambda: kube.get("networkpolicy", "guarded-workers") is None, "the NetworkPolicy collected")
