@@ -287,6 +287,7 @@ class LocalFleet:
             # One gateway here, so its own count of requests held at zero is exact and has no scrape lag.
             "LLMFLEET_OPERATOR_GATEWAY_URL": f"http://127.0.0.1:{self._gateway_port}",
             "LLMFLEET_OPERATOR_GATEWAY_API_KEY": self.api_key,
+            "LLMFLEET_OPERATOR_DRAIN_KEY_FILE": str(self._drain_key_file()),
         }
         if self.prometheus_url:
             env["LLMFLEET_OPERATOR_PROMETHEUS_URL"] = self.prometheus_url
@@ -296,6 +297,16 @@ class LocalFleet:
                                        self._env(env))
         self._launch_operator()
         self._report(f"operator running (pid {self.operator.pid}, its metrics at {self.operator_metrics_url})")
+
+    def _drain_key_file(self) -> Path:
+        """The operator's drain-token key (owner-only file in the work dir, kept across operator restarts, as the
+        chart's Secret is in a cluster)."""
+        path = self.work_dir / "operator-drain.key"
+        if not path.exists():
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as key:
+                key.write(secrets.token_urlsafe(32))
+        return path
 
     def _launch_operator(self) -> None:
         assert self.operator is not None
