@@ -20,16 +20,17 @@ OPERATOR_NEEDS = [
     *[("llmfleet.io", "inferencedeployments/scale", v) for v in ("get", "patch", "update")],
     *[("", "pods", v) for v in ("get", "list", "watch", "create", "delete", "patch")],
     *[("", "services", v) for v in ("get", "list", "watch", "create", "patch")],
-    *[("", "secrets", v) for v in ("get", "create")],
     *[("", "events", v) for v in ("create", "patch")],
     *[("events.k8s.io", "events", v) for v in ("create", "patch")],
     *[("policy", "poddisruptionbudgets", v) for v in ("get", "list", "watch", "create", "delete", "patch")],
+    *[("networking.k8s.io", "networkpolicies", v) for v in ("get", "create", "patch")],
 ]
 # What the operator must never be able to do.
 OPERATOR_MUST_NOT = [
-    ("", "secrets", "list"),  # reading every Secret of a namespace
-    ("", "secrets", "watch"),
-    ("", "secrets", "delete"),
+    # No Secret rights at all: drain tokens are derived from the operator's mounted key.
+    *[("", "secrets", v) for v in ("get", "list", "watch", "create", "patch", "update", "delete")],
+    # NetworkPolicies: only its own, by name; the garbage collector deletes them.
+    *[("networking.k8s.io", "networkpolicies", v) for v in ("list", "watch", "delete", "update")],
     ("", "pods/exec", "create"),
     ("", "configmaps", "get"),
     ("apps", "deployments", "create"),
@@ -165,3 +166,16 @@ def test_rbac_create_false_renders_no_rbac(render):
     for kind in ("Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding"):
         assert rendered.of_kind(kind) == [], kind
     assert len(rendered.of_kind("ServiceAccount")) == 2
+
+
+@pytest.mark.parametrize(("set_name", "namespace"), [("defaults", "llm"), ("cluster-wide", None)])
+def test_operator_has_no_secret_rule_at_all(rendered_sets, set_name, namespace):
+    rules = rules_for(rendered_sets[set_name], OPERATOR_SA, namespace)
+    assert rules and not [r for r in rules if "secrets" in r.get("resources", [])]
+
+
+@pytest.mark.parametrize("cluster_wide", [False, True])
+def test_network_policy_rights_follow_network_policy_enabled(render, cluster_wide):
+    rendered = render({"networkPolicy": {"enabled": False}, "rbac": {"clusterWide": cluster_wide}})
+    rules = rules_for(rendered, OPERATOR_SA, None if cluster_wide else "llm")
+    assert rules and not any(allows(rules, "networking.k8s.io", "networkpolicies", v) for v in ("get", "create", "patch"))

@@ -90,7 +90,7 @@ def test_defaults_render_the_whole_product(rendered_sets):
     assert kinds["Service"] == 2  # gateway + operator webhook
     assert kinds["ClusterRole"] == 0 and kinds["ClusterRoleBinding"] == 0, "namespaced RBAC is the default"
     assert kinds["ConfigMap"] == 1  # gateway settings; no dashboard without monitoring
-    assert kinds["Secret"] == 1  # the generated alerts token
+    assert kinds["Secret"] == 2  # the generated alerts token and the operator's drain key
 
 
 def test_the_validator_rejects_an_unknown_field(rendered_sets):

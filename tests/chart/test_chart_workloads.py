@@ -127,7 +127,8 @@ def test_operator_alerts_token_comes_from_the_secret(rendered_sets):
     (container,) = _containers(existing, OPERATOR)
     ref = next(e for e in container["env"] if e["name"] == "LLMFLEET_OPERATOR_ALERTS_TOKEN")["valueFrom"]
     assert ref["secretKeyRef"] == {"name": "my-alerts-token", "key": "bearer"}
-    assert existing.of_kind("Secret") == [], "an existing Secret is referenced, never rendered"
+    secrets = [s["metadata"]["name"] for s in existing.of_kind("Secret")]
+    assert secrets == ["fleet-llmfleet-drain-key"], "an existing alerts Secret is referenced, never rendered"
 
 
 def test_one_operator_is_recreated_two_roll_with_a_budget_and_spread(rendered_sets):

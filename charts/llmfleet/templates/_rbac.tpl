@@ -16,10 +16,8 @@
 - apiGroups: [""]
   resources: ["services"]
   verbs: ["get", "list", "watch", "create", "delete", "patch", "update"]
-# The per-deployment drain-token Secret: created with a random token, read by name; no list/watch of Secrets.
-- apiGroups: [""]
-  resources: ["secrets"]
-  verbs: ["get", "create", "patch"]
+# No Secret rights at all: drain tokens are derived from the operator's own key (a file mounted from the chart's
+# Secret into the operator pod), never created or read through the API.
 # Events for decisions, rollouts and drains (kopf posts core/v1 Events).
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
@@ -28,4 +26,11 @@
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "list", "watch", "create", "delete", "patch", "update"]
+{{- if .Values.networkPolicy.enabled }}
+# A NetworkPolicy per deployment (workers admit only the gateway, the operator and the scraper): read by name,
+# created, its spec patched back; deletion is the garbage collector's (it is owner-referenced).
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "create", "patch"]
+{{- end }}
 {{- end }}
