@@ -72,7 +72,7 @@ MAX_ANALYSIS = 20  # status.rollout.analysis is bounded (oldest dropped first)
 # No canary metrics series this many analysis intervals after its first pod was ready: the check fails.
 SERIES_TIMEOUT_INTERVALS = 2
 # While waiting for the canary's series, a pass looks for them this often.
-SERIES_POLL_SECONDS = 2.0
+SERIES_POLL_SECONDS = 1.0
 _PERCENT = 100
 # Spec fields that never reach a pod: left out of the stable snapshot and always taken from the current spec.
 _NON_POD_FIELDS = NON_POD_FIELDS
