@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 
 import pytest
@@ -136,3 +137,17 @@ def test_network_policy_peers_and_switch_come_from_the_environment():
 def test_bad_network_policy_peers_say_what_to_fix(raw, needle):
     with pytest.raises(SettingsError, match=needle):
         OperatorSettings.load({"LLMFLEET_OPERATOR_NETWORK_POLICY_GATEWAY": raw})
+
+
+def test_the_operator_command_refuses_to_start_without_a_drain_key(monkeypatch):
+    import typer
+    from fleet_operator.cli import operator_command
+    from typer.testing import CliRunner
+
+    for name in [n for n in os.environ if n.startswith("LLMFLEET_OPERATOR_")]:
+        monkeypatch.delenv(name)
+    app = typer.Typer()
+    app.command()(operator_command)
+    result = CliRunner().invoke(app, ["--namespace", "x"])
+    assert result.exit_code == 2
+    assert "no drain key" in result.output and "LLMFLEET_OPERATOR_DRAIN_KEY_FILE" in result.output
