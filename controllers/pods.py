@@ -235,7 +235,7 @@ def pod_template(
             "fsGroup": defaults.run_as_user,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "containers": [_container(deployment, spec, variant, defaults, mounts)],
+        "containers": [_container(spec, variant, defaults, mounts)],
     }
     pod_spec["volumes"] = list(template.pod_spec.get("volumes") or []) + volumes
     if template.node_selector:
@@ -351,7 +351,6 @@ def pdb_matches(observed: Mapping[str, Any], wanted: Mapping[str, Any]) -> bool:
 
 
 def _container(
-    deployment: str,
     spec: InferenceDeploymentSpec,
     variant: VariantSpec,
     defaults: PodDefaults,
