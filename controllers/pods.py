@@ -27,13 +27,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from crds.helpers import parse_quantity
-from crds.models import API_VERSION, KIND, InferenceDeploymentSpec, VariantSpec
+from crds.models import (
+    API_VERSION,
+    DEFAULT_CACHE_DIR,
+    KIND,
+    MODELS_MOUNT,
+    OPERATOR_VOLUME_NAMES,
+    TMP_MOUNT,
+    InferenceDeploymentSpec,
+    VariantSpec,
+)
 from controllers.observed import LABEL_DEPLOYMENT, LABEL_REVISION, LABEL_VARIANT
 
 CONTAINER_NAME = "worker"
 PORT_NAME = "http"
 DRAIN_TOKEN_ENV = "LLMFLEET_DRAIN_TOKEN"
-MODELS_MOUNT = "/models"
 MANAGED_BY = "llmfleet-operator"
 
 
@@ -53,7 +61,7 @@ class PodDefaults:
     probe_period_seconds: int = 2
     # Writable emptyDir for converted/downloaded models, with HOME=/tmp; None = leave HOME and caches to the image
     # (e.g. on localkube, where pods share the host's model cache).
-    cache_dir: str | None = "/var/cache/llmfleet"
+    cache_dir: str | None = DEFAULT_CACHE_DIR
     # Appended to every worker command, e.g. ("--engine", "fake") for control-plane tests; later flags win.
     extra_args: tuple[str, ...] = field(default=())
     # Extra environment (name, value) of worker pods, before the CR's env. Rendering only: running pods keep theirs
@@ -222,8 +230,11 @@ def pod_template(
         "prometheus.io/path": "/metrics",
     }
     volumes, mounts = _volumes(variant.source or spec.model.source, defaults)
+    # The CR's extra pod fields come from an allow-list (crds.models.PodExtras); the operator's own fields below
+    # are written after them, so none of them can be overridden.
+    extras = template.pod_spec.model_dump(mode="json", by_alias=True, exclude_none=True)
     pod_spec: dict[str, Any] = {
-        **template.pod_spec,
+        **extras,
         "restartPolicy": "Always",
         "terminationGracePeriodSeconds": spec.drain.termination_grace_period_seconds,
         "automountServiceAccountToken": False,
@@ -237,7 +248,7 @@ def pod_template(
         },
         "containers": [_container(spec, variant, defaults, mounts)],
     }
-    pod_spec["volumes"] = list(template.pod_spec.get("volumes") or []) + volumes
+    pod_spec["volumes"] = list(extras.get("volumes") or []) + volumes
     if template.node_selector:
         pod_spec["nodeSelector"] = dict(template.node_selector)
     if template.tolerations:
@@ -408,7 +419,8 @@ def _container(
             "runAsNonRoot": True,
             "capabilities": {"drop": ["ALL"]},
         },
-        "volumeMounts": mounts,
+        "volumeMounts": mounts
+        + [m.model_dump(mode="json", by_alias=True, exclude_none=True) for m in template.volume_mounts or []],
     }
     resources = _resources(variant)
     if resources:
@@ -440,13 +452,14 @@ def _resources(variant: VariantSpec) -> dict[str, dict[str, str]]:
 
 
 def _volumes(source: str, defaults: PodDefaults) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}]
-    mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"}]
+    tmp, cache, model = OPERATOR_VOLUME_NAMES
+    volumes: list[dict[str, Any]] = [{"name": tmp, "emptyDir": {}}]
+    mounts: list[dict[str, Any]] = [{"name": tmp, "mountPath": TMP_MOUNT}]
     if defaults.cache_dir is not None:
-        volumes.append({"name": "model-cache", "emptyDir": {}})
-        mounts.append({"name": "model-cache", "mountPath": defaults.cache_dir})
+        volumes.append({"name": cache, "emptyDir": {}})
+        mounts.append({"name": cache, "mountPath": defaults.cache_dir})
     if source.startswith("pvc://"):
         claim = source.removeprefix("pvc://").partition("/")[0]
-        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
-        mounts.append({"name": "model", "mountPath": f"{MODELS_MOUNT}/{claim}", "readOnly": True})
+        volumes.append({"name": model, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        mounts.append({"name": model, "mountPath": f"{MODELS_MOUNT}/{claim}", "readOnly": True})
     return volumes, mounts

@@ -16,6 +16,7 @@ from typing import Annotated, Any
 
 from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, WithJsonSchema
 from pydantic.alias_generators import to_camel
+from pydantic.json_schema import JsonDict, JsonValue
 
 GROUP = "llmfleet.io"
 VERSION = "v1alpha1"
@@ -39,6 +40,26 @@ MODEL_SOURCE_PATTERN = (
     r"|/[^\s]*)$"
 )
 ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+# Names of Secrets, ConfigMaps, claims, RuntimeClasses, schedulers (Kubernetes' DNS-1123 subdomain).
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+CONFIG_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
+# Label and annotation keys under the operator's own prefix (`llmfleet.io/deployment`, `llmfleet.io/draining`,
+# ...) are the operator's: a pod created with them would be mistaken for another deployment's or a draining one.
+OPERATOR_KEY_PREFIX = f"{GROUP}/"
+# Annotation keys that loosen a container's confinement (AppArmor unconfined, seccomp off); worker pods keep the
+# operator's security context.
+CONFINEMENT_ANNOTATION_PREFIXES = (
+    "container.apparmor.security.beta.kubernetes.io/",
+    "seccomp.security.alpha.kubernetes.io/",
+    "container.seccomp.security.alpha.kubernetes.io/",
+)
+# Volume names the operator gives its own volumes of the worker pod (scratch /tmp, model cache, model claim).
+OPERATOR_VOLUME_NAMES = ("tmp", "model-cache", "model")
+# Where the operator mounts them in the worker container (`controllers.pods`).
+TMP_MOUNT = "/tmp"
+MODELS_MOUNT = "/models"
+DEFAULT_CACHE_DIR = "/var/cache/llmfleet"
+OPERATOR_MOUNT_PATHS = (TMP_MOUNT, MODELS_MOUNT, DEFAULT_CACHE_DIR)
 
 
 def _int_to_quantity(value: Any) -> Any:
@@ -332,13 +353,76 @@ class DrainSpec(_SpecModel):
     )
 
 
+def _cel(rule: str, message: str) -> JsonDict:
+    """One CEL rule of `x-kubernetes-validations`: what the API server checks at apply time that the schema cannot
+    say. `crds/validate.py` checks the same in Python, so the operator refuses what an API server without the rule
+    (or localkube, which runs no CEL) let through."""
+    return {"rule": rule, "message": message}
+
+
+def _one_of(fields: tuple[str, ...], what: str) -> list[JsonValue]:
+    """The CEL rule of an object that must set exactly one of `fields` (wire names)."""
+    count = " + ".join(f"(has(self.{name}) ? 1 : 0)" for name in fields)
+    return [_cel(f"{count} == 1", f"set exactly one {what}: {', '.join(fields)}")]
+
+
+class KeySelector(_SpecModel):
+    """A key of a Secret or ConfigMap in the deployment's own namespace (Kubernetes never looks elsewhere)."""
+
+    name: str = Field(
+        max_length=253, pattern=DNS_SUBDOMAIN_PATTERN, description="Name of the Secret or ConfigMap."
+    )
+    key: str = Field(min_length=1, max_length=253, pattern=CONFIG_KEY_PATTERN, description="The key to select.")
+    optional: bool | None = Field(None, description="Whether a missing object or key is allowed.")
+
+
+class ObjectFieldSelector(_SpecModel):
+    """A field of the pod (downward API), e.g. `metadata.name`, `status.podIP`, `metadata.labels['app']`."""
+
+    field_path: str = Field(min_length=1, max_length=256, description="Path of the field, e.g. `status.hostIP`.")
+    api_version: str | None = Field(None, max_length=64, description="Schema version of the path; default `v1`.")
+
+
+class ResourceFieldSelector(_SpecModel):
+    """A resource request or limit of the worker container (downward API), e.g. `limits.memory`."""
+
+    resource: str = Field(min_length=1, max_length=128, description="e.g. `requests.cpu`, `limits.memory`.")
+    container_name: str | None = Field(None, max_length=63, description="Container; default the worker.")
+    divisor: Quantity | None = Field(None, description="Unit the value is divided by, e.g. `1Mi`.")
+
+
+ENV_SOURCE_FIELDS = ("secretKeyRef", "configMapKeyRef", "fieldRef", "resourceFieldRef")
+
+
+class EnvVarSource(_SpecModel):
+    """Where a variable's value comes from: exactly one of a Secret key, a ConfigMap key, a pod field or a
+    resource of the worker container. Secrets and ConfigMaps are those of the deployment's namespace."""
+
+    model_config = ConfigDict(
+        json_schema_extra={"x-kubernetes-validations": _one_of(ENV_SOURCE_FIELDS, "value source")}
+    )
+
+    secret_key_ref: KeySelector | None = Field(None, description="A key of a Secret of the namespace.")
+    config_map_key_ref: KeySelector | None = Field(None, description="A key of a ConfigMap of the namespace.")
+    field_ref: ObjectFieldSelector | None = Field(None, description="A field of the pod.")
+    resource_field_ref: ResourceFieldSelector | None = Field(None, description="A resource of the worker.")
+
+
 class EnvVar(_SpecModel):
-    """An environment variable of the worker container."""
+    """An environment variable of the worker container: a literal `value` or a `valueFrom` source, not both."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel("!(has(self.value) && has(self.valueFrom))", "set either value or valueFrom, not both")
+            ]
+        }
+    )
 
     name: str = Field(min_length=1, max_length=256, pattern=ENV_NAME_PATTERN, description="Variable name.")
     value: str | None = Field(None, description="Literal value.")
-    value_from: FreeForm | None = Field(
-        None, description="A Kubernetes `EnvVarSource` (secretKeyRef, configMapKeyRef, fieldRef, ...)."
+    value_from: EnvVarSource | None = Field(
+        None, description="Value from a Secret or ConfigMap key, a pod field or a container resource."
     )
 
 
@@ -375,28 +459,301 @@ class PullPolicy(StrEnum):
     NEVER = "Never"
 
 
+FileMode = Annotated[int, Field(ge=0, le=0o777, description="File mode bits (0-0777, e.g. 0440 = 288).")]
+
+
+class KeyToPath(_SpecModel):
+    """A key of a ConfigMap or Secret projected to a file of the volume."""
+
+    key: str = Field(min_length=1, max_length=253, pattern=CONFIG_KEY_PATTERN, description="The key.")
+    path: str = Field(min_length=1, max_length=4096, description="Relative file path in the volume.")
+    mode: FileMode | None = None
+
+
+class PersistentVolumeClaimSource(_SpecModel):
+    """A PersistentVolumeClaim of the deployment's namespace."""
+
+    claim_name: str = Field(max_length=253, pattern=DNS_SUBDOMAIN_PATTERN, description="Name of the claim.")
+    read_only: bool | None = Field(None, description="Mount read-only.")
+
+
+class ConfigMapVolumeSource(_SpecModel):
+    """A ConfigMap of the deployment's namespace as files."""
+
+    name: str = Field(max_length=253, pattern=DNS_SUBDOMAIN_PATTERN, description="Name of the ConfigMap.")
+    items: list[KeyToPath] | None = Field(None, max_length=256, description="Keys to project; unset = all.")
+    default_mode: FileMode | None = None
+    optional: bool | None = Field(None, description="Whether a missing ConfigMap is allowed.")
+
+
+class SecretVolumeSource(_SpecModel):
+    """A Secret of the deployment's namespace as files."""
+
+    secret_name: str = Field(max_length=253, pattern=DNS_SUBDOMAIN_PATTERN, description="Name of the Secret.")
+    items: list[KeyToPath] | None = Field(None, max_length=256, description="Keys to project; unset = all.")
+    default_mode: FileMode | None = None
+    optional: bool | None = Field(None, description="Whether a missing Secret is allowed.")
+
+
+class StorageMedium(StrEnum):
+    """Backing of an emptyDir: the node's disk (empty string) or memory (tmpfs, counted in the pod's memory)."""
+
+    DEFAULT = ""
+    MEMORY = "Memory"
+
+
+class EmptyDirSource(_SpecModel):
+    """A scratch directory that lives as long as the pod."""
+
+    medium: StorageMedium | None = Field(None, strict=False, description="`\"\"` (node disk) or `Memory`.")
+    size_limit: Quantity | None = Field(None, description="Most space used, e.g. `10Gi`.")
+
+
+class DownwardAPIFile(_SpecModel):
+    """A pod field or container resource written to a file."""
+
+    model_config = ConfigDict(
+        json_schema_extra={"x-kubernetes-validations": _one_of(("fieldRef", "resourceFieldRef"), "file source")}
+    )
+
+    path: str = Field(min_length=1, max_length=4096, description="Relative file path in the volume.")
+    field_ref: ObjectFieldSelector | None = Field(None, description="A field of the pod.")
+    resource_field_ref: ResourceFieldSelector | None = Field(None, description="A resource of a container.")
+    mode: FileMode | None = None
+
+
+class DownwardAPIProjection(_SpecModel):
+    """Pod fields as files."""
+
+    items: list[DownwardAPIFile] = Field(max_length=64, description="Files to write.")
+
+
+class ConfigMapProjection(_SpecModel):
+    """A ConfigMap of the namespace, projected."""
+
+    name: str = Field(max_length=253, pattern=DNS_SUBDOMAIN_PATTERN, description="Name of the ConfigMap.")
+    items: list[KeyToPath] | None = Field(None, max_length=256, description="Keys to project; unset = all.")
+    optional: bool | None = Field(None, description="Whether a missing ConfigMap is allowed.")
+
+
+class SecretProjection(_SpecModel):
+    """A Secret of the namespace, projected."""
+
+    name: str = Field(max_length=253, pattern=DNS_SUBDOMAIN_PATTERN, description="Name of the Secret.")
+    items: list[KeyToPath] | None = Field(None, max_length=256, description="Keys to project; unset = all.")
+    optional: bool | None = Field(None, description="Whether a missing Secret is allowed.")
+
+
+PROJECTION_FIELDS = ("configMap", "secret", "downwardAPI")
+
+
+class VolumeProjection(_SpecModel):
+    """One source of a projected volume: a ConfigMap, a Secret or pod fields (never a service account token)."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _one_of(PROJECTION_FIELDS, "projection")})
+
+    config_map: ConfigMapProjection | None = Field(None, description="A ConfigMap of the namespace.")
+    secret: SecretProjection | None = Field(None, description="A Secret of the namespace.")
+    downward_api: DownwardAPIProjection | None = Field(None, alias="downwardAPI", description="Pod fields.")
+
+
+class ProjectedSource(_SpecModel):
+    """Several ConfigMaps, Secrets and pod fields in one directory."""
+
+    sources: list[VolumeProjection] = Field(min_length=1, max_length=16, description="What to project.")
+    default_mode: FileMode | None = None
+
+
+VOLUME_SOURCE_FIELDS = ("persistentVolumeClaim", "configMap", "secret", "emptyDir", "projected")
+
+
+class Volume(_SpecModel):
+    """A volume of the worker pod, of a type that reaches only the deployment's own namespace or the pod itself:
+    persistentVolumeClaim, configMap, secret, emptyDir or projected (configMap, secret, downwardAPI). Never
+    hostPath or another node-level or cluster-level source."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                *_one_of(VOLUME_SOURCE_FIELDS, "volume source"),
+                _cel(
+                    "!(self.name in [" + ", ".join(f"'{name}'" for name in OPERATOR_VOLUME_NAMES) + "])",
+                    f"volume names {', '.join(OPERATOR_VOLUME_NAMES)} are the operator's: choose another name",
+                ),
+            ]
+        }
+    )
+
+    name: str = Field(max_length=63, pattern=DNS_LABEL_PATTERN, description="Volume name (DNS label).")
+    persistent_volume_claim: PersistentVolumeClaimSource | None = Field(
+        None, description="A PersistentVolumeClaim of the namespace."
+    )
+    config_map: ConfigMapVolumeSource | None = Field(None, description="A ConfigMap of the namespace.")
+    secret: SecretVolumeSource | None = Field(None, description="A Secret of the namespace.")
+    empty_dir: EmptyDirSource | None = Field(None, description="Scratch space for the pod's lifetime.")
+    projected: ProjectedSource | None = Field(None, description="ConfigMaps, Secrets and pod fields together.")
+
+
+class LocalObjectReference(_SpecModel):
+    """An object of the deployment's namespace, by name."""
+
+    name: str = Field(max_length=253, pattern=DNS_SUBDOMAIN_PATTERN, description="Its name.")
+
+
+class DnsPolicy(StrEnum):
+    """How the pod resolves names (`ClusterFirstWithHostNet` is left out: worker pods never use the host network)."""
+
+    CLUSTER_FIRST = "ClusterFirst"
+    DEFAULT = "Default"
+    NONE = "None"
+
+
+class DnsOption(_SpecModel):
+    """A resolver option."""
+
+    name: str = Field(min_length=1, max_length=64, description="Option name, e.g. `ndots`.")
+    value: str | None = Field(None, max_length=64, description="Option value.")
+
+
+class DnsConfig(_SpecModel):
+    """Resolver settings merged with those of `dnsPolicy`."""
+
+    nameservers: list[str] | None = Field(None, max_length=3, description="Name server IP addresses.")
+    searches: list[Annotated[str, StringConstraints(max_length=253)]] | None = Field(
+        None, max_length=32, description="Search domains."
+    )
+    options: list[DnsOption] | None = Field(None, max_length=16, description="Resolver options.")
+
+
+POD_EXTRAS_DESCRIPTION = (
+    "Extra pod fields, from an allow-list: affinity, topologySpreadConstraints, runtimeClassName, "
+    "schedulerName, imagePullSecrets, dnsPolicy, dnsConfig, volumes (persistentVolumeClaim, configMap, secret, "
+    "emptyDir, projected). Anything else (hostNetwork/PID/IPC, nodeName, hostPath, initContainers, "
+    "securityContext, ...) is refused: whoever may create an InferenceDeployment gets pods of this shape only."
+)
+
+
+class PodExtras(_SpecModel):
+    """The pod fields a model server legitimately needs beyond the template's own, and nothing that widens what
+    the pod may do on its node or in the cluster (see docs/cr-authors.md)."""
+
+    affinity: FreeForm | None = Field(
+        None, description="Node, pod and anti-affinity (a Kubernetes `Affinity`): scheduling only."
+    )
+    topology_spread_constraints: list[FreeForm] | None = Field(
+        None, max_length=16, description="Spread of the pods over zones or nodes (Kubernetes' constraints)."
+    )
+    runtime_class_name: str | None = Field(
+        None, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN, description="RuntimeClass, e.g. `nvidia`."
+    )
+    scheduler_name: str | None = Field(
+        None, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN, description="Scheduler; unset = the default one."
+    )
+    image_pull_secrets: list[LocalObjectReference] | None = Field(
+        None, max_length=16, description="Secrets of the namespace to pull the worker image with."
+    )
+    dns_policy: DnsPolicy | None = Field(None, strict=False, description="ClusterFirst, Default or None.")
+    dns_config: DnsConfig | None = Field(None, description="Resolver settings.")
+    volumes: list[Volume] | None = Field(
+        None,
+        max_length=32,
+        description="Extra volumes (persistentVolumeClaim, configMap, secret, emptyDir, projected), mounted with "
+        "spec.template.volumeMounts.",
+        json_schema_extra=_list_map("name"),
+    )
+
+
+class VolumeMount(_SpecModel):
+    """A volume of `spec.template.podSpec.volumes` mounted into the worker container."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "!(" + " || ".join(f"self.mountPath == '{p}' || self.mountPath.startsWith('{p}/')"
+                                       for p in OPERATOR_MOUNT_PATHS) + ")",
+                    f"mount paths {', '.join(OPERATOR_MOUNT_PATHS)} and below are the operator's: choose another",
+                ),
+                _cel(
+                    "!has(self.subPath) || (!self.subPath.startsWith('/') && !self.subPath.contains('..'))",
+                    "subPath must be a relative path without '..'",
+                ),
+            ]
+        }
+    )
+
+    name: str = Field(max_length=63, pattern=DNS_LABEL_PATTERN, description="Name of a volume of podSpec.volumes.")
+    mount_path: str = Field(
+        min_length=2, max_length=1024, pattern=r"^/[^:]*$", description="Absolute path in the container."
+    )
+    read_only: bool | None = Field(None, description="Mount read-only.")
+    sub_path: str | None = Field(None, min_length=1, max_length=1024, description="Path inside the volume.")
+
+
+_KEY_RULES: list[JsonValue] = [
+    _cel(
+        f"self.all(k, !k.startsWith('{OPERATOR_KEY_PREFIX}'))",
+        f"keys under {OPERATOR_KEY_PREFIX} are set by the operator: remove them",
+    )
+]
+_ANNOTATION_RULES: list[JsonValue] = [
+    *_KEY_RULES,
+    _cel(
+        "self.all(k, " + " && ".join(f"!k.startsWith('{p}')" for p in CONFINEMENT_ANNOTATION_PREFIXES) + ")",
+        "AppArmor and seccomp annotations are not allowed: worker pods keep the operator's security context",
+    ),
+]
+
+
 class PodTemplate(_SpecModel):
     """What the worker pods look like beyond the engine: image, env, placement, extra pod fields."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "!has(self.volumeMounts) || self.volumeMounts.all(m, has(self.podSpec) && "
+                    "has(self.podSpec.volumes) && self.podSpec.volumes.exists(v, v.name == m.name))",
+                    "every volumeMounts[].name must name a volume of podSpec.volumes",
+                )
+            ]
+        }
+    )
 
     image: str | None = Field(None, min_length=1, max_length=512, description="Worker image; unset = operator default.")
     image_pull_policy: PullPolicy | None = Field(None, strict=False, description="Always, IfNotPresent or Never.")
     env: list[EnvVar] = Field(
         default_factory=list, max_length=128, description="Extra environment.", json_schema_extra=_list_map("name")
     )
-    labels: dict[str, str] = Field(default_factory=dict, description="Extra pod labels.")
-    annotations: dict[str, str] = Field(default_factory=dict, description="Extra pod annotations.")
+    labels: dict[str, str] = Field(
+        default_factory=dict,
+        max_length=64,
+        description=f"Extra pod labels (keys under {OPERATOR_KEY_PREFIX} are the operator's).",
+        json_schema_extra={"x-kubernetes-validations": _KEY_RULES},
+    )
+    annotations: dict[str, str] = Field(
+        default_factory=dict,
+        max_length=64,
+        description=f"Extra pod annotations (not under {OPERATOR_KEY_PREFIX}; no AppArmor or seccomp annotations).",
+        json_schema_extra={"x-kubernetes-validations": _ANNOTATION_RULES},
+    )
     node_selector: dict[str, str] = Field(default_factory=dict, description="Pod node selector.")
     tolerations: list[Toleration] = Field(default_factory=list, max_length=64, description="Pod tolerations.")
     service_account_name: str | None = Field(
-        None, max_length=253, pattern=DNS_LABEL_PATTERN, description="Service account of the pods."
+        None,
+        max_length=253,
+        pattern=DNS_LABEL_PATTERN,
+        description="Service account the pods run as (any of the namespace, as for a pod author); its token is "
+        "never mounted.",
     )
     priority_class_name: str | None = Field(None, max_length=253, description="Priority class of the pods.")
-    pod_spec: FreeForm = Field(
-        default_factory=dict,
-        description="Extra PodSpec fields merged into every worker pod (affinity, runtimeClassName, "
-        "imagePullSecrets, volumes, ...). Fields the operator owns (containers, nodeSelector, tolerations, "
-        "terminationGracePeriodSeconds, ...) are refused: use the fields above.",
+    volume_mounts: list[VolumeMount] | None = Field(
+        None,
+        max_length=32,
+        description="Volumes of podSpec.volumes mounted into the worker container.",
+        json_schema_extra=_list_map("mountPath"),
     )
+    pod_spec: PodExtras = Field(default_factory=PodExtras, description=POD_EXTRAS_DESCRIPTION)
 
 
 class InferenceDeploymentSpec(_SpecModel):

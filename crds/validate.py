@@ -26,9 +26,17 @@ from pydantic import BaseModel, ValidationError
 
 from crds.models import (
     API_VERSION,
+    CONFINEMENT_ANNOTATION_PREFIXES,
+    ENV_SOURCE_FIELDS,
     KIND,
+    OPERATOR_KEY_PREFIX,
+    OPERATOR_MOUNT_PATHS,
+    OPERATOR_VOLUME_NAMES,
+    PROJECTION_FIELDS,
+    VOLUME_SOURCE_FIELDS,
     Engine,
     InferenceDeploymentSpec,
+    PodExtras,
     Quantization,
 )
 
@@ -66,15 +74,46 @@ _RESERVED_ENGINE_ARGS: Mapping[str, str] = {
     "no-enable-chunked-prefill": "set spec.engine.enableChunkedPrefill",
 }
 
-# PodSpec fields the operator writes itself; `template.podSpec` may not set them.
-_OPERATOR_OWNED_POD_FIELDS: Mapping[str, str] = {
+# Why a pod field is not in `template.podSpec` and what to do instead. Fields not listed here get the allow-list.
+_FORBIDDEN_POD_FIELDS: Mapping[str, str] = {
     "containers": "use spec.template.image/env and the engine fields",
+    "initContainers": "remove it: worker pods run the worker container only (put setup steps into the image)",
+    "ephemeralContainers": "remove it: debug with `kubectl debug`, under your own RBAC",
     "nodeSelector": "use spec.template.nodeSelector",
     "tolerations": "use spec.template.tolerations",
     "terminationGracePeriodSeconds": "use spec.drain.terminationGracePeriodSeconds",
     "serviceAccountName": "use spec.template.serviceAccountName",
+    "serviceAccount": "use spec.template.serviceAccountName",
+    "automountServiceAccountToken": "remove it: worker pods never get a service account token mounted",
     "priorityClassName": "use spec.template.priorityClassName",
     "restartPolicy": "remove it (worker pods always restart)",
+    "hostNetwork": "remove it: worker pods never share the node's network, PID or IPC namespaces",
+    "hostPID": "remove it: worker pods never share the node's network, PID or IPC namespaces",
+    "hostIPC": "remove it: worker pods never share the node's network, PID or IPC namespaces",
+    "hostUsers": "remove it: worker pods never share the node's user namespace",
+    "nodeName": "remove it (it bypasses the scheduler); pick nodes with spec.template.nodeSelector or "
+    "podSpec.affinity",
+    "securityContext": "remove it: the operator sets a restricted security context (non-root, no privilege "
+    "escalation, all capabilities dropped, RuntimeDefault seccomp)",
+    "shareProcessNamespace": "remove it: the worker container runs alone",
+    "hostAliases": "remove it; use podSpec.dnsConfig",
+    "hostname": "remove it (the operator names the pods)",
+    "subdomain": "remove it (the operator names the pods)",
+    "overhead": "remove it (the RuntimeClass sets it)",
+    "enableServiceLinks": "remove it (the operator turns service links off)",
+}
+_ALLOWED_VOLUME_TYPES = ", ".join(VOLUME_SOURCE_FIELDS)
+# Fixes for unknown fields by the (index-free) path of the object that does not have them.
+_EXTRA_FIELD_FIXES: Mapping[str, tuple[str, str]] = {
+    "template.podSpec.volumes[]": (
+        "is not an allowed volume type",
+        f"use one of {_ALLOWED_VOLUME_TYPES}; never hostPath or another node-level source",
+    ),
+    "template.podSpec.volumes[].projected.sources[]": (
+        "is not an allowed projection",
+        f"use one of {', '.join(PROJECTION_FIELDS)} (worker pods never get a service account token)",
+    ),
+    "template.env[].valueFrom": ("is not an allowed value source", f"use one of {', '.join(ENV_SOURCE_FIELDS)}"),
 }
 
 # Field-specific advice for schema errors, keyed by path without `spec.` and with list indices as `[]`.
@@ -185,9 +224,7 @@ def _problem_from_error(error: Mapping[str, Any]) -> Problem:
         fix = hint or f"add `{field}` (see `kubectl explain {_explain(loc)}`)"
         return Problem(_path(loc), "is required but missing", fix)
     if kind == "extra_forbidden":
-        close = difflib.get_close_matches(field, sorted(set(_known_fields())), n=1)
-        fix = f"rename it to `{close[0]}`" if close else "remove it"
-        return Problem(_path(loc), "is not a field of InferenceDeployment", f"{fix} (field names are camelCase)")
+        return _unknown_field(loc, field)
     fixes: dict[str, Callable[[], str]] = {
         "too_short": lambda: f"give at least {ctx.get('min_length')} item(s)",
         "too_long": lambda: f"give at most {ctx.get('max_length')} item(s)",
@@ -214,6 +251,22 @@ def _problem_from_error(error: Mapping[str, Any]) -> Problem:
     }
     fix = hint or fixes.get(kind, lambda: f"see `kubectl explain {_explain(loc)}`")()
     return Problem(_path(loc), message, fix)
+
+
+def _unknown_field(loc: tuple[str | int, ...], field: str) -> Problem:
+    """A field the schema does not have: in `template.podSpec` (and the volume and env sources) that means a
+    field outside the allow-list, with why and what to use instead; elsewhere a typo, with a suggestion."""
+    parent = _hint_key(loc[:-1])
+    if parent == "template.podSpec":
+        allowed = ", ".join(f.alias or name for name, f in PodExtras.model_fields.items())
+        fix = _FORBIDDEN_POD_FIELDS.get(field, f"remove it; allowed pod fields: {allowed}")
+        return Problem(_path(loc), "is not an allowed pod field", fix)
+    if parent in _EXTRA_FIELD_FIXES:
+        message, fix = _EXTRA_FIELD_FIXES[parent]
+        return Problem(_path(loc), message, fix)
+    close = difflib.get_close_matches(field, sorted(set(_known_fields())), n=1)
+    fix = f"rename it to `{close[0]}`" if close else "remove it"
+    return Problem(_path(loc), "is not a field of InferenceDeployment", f"{fix} (field names are camelCase)")
 
 
 # ----------------------------------------------------------------------------------------------- semantic rules
@@ -347,11 +400,89 @@ def _engine_args(spec: InferenceDeploymentSpec) -> Iterator[Problem]:
                 yield Problem(f"{at}.{key}", f"engine flag {key!r} is managed by llmfleet", fix)
 
 
+def _set_fields(model: BaseModel, names: Iterable[str]) -> list[str]:
+    """Which of the fields `names` (wire names) of `model` are set."""
+    wire = {field.alias or name: name for name, field in type(model).model_fields.items()}
+    return [name for name in names if getattr(model, wire[name]) is not None]
+
+
+def _exactly_one(at: str, model: BaseModel, names: tuple[str, ...], what: str) -> Iterator[Problem]:
+    chosen = _set_fields(model, names)
+    if len(chosen) != 1:
+        got = f"sets {', '.join(chosen)}" if chosen else "sets none"
+        yield Problem(at, f"a {what} needs exactly one of {', '.join(names)}, this one {got}", f"keep one {what}")
+
+
+def _under(path: str, roots: Iterable[str]) -> str | None:
+    return next((root for root in roots if path == root or path.startswith(root + "/")), None)
+
+
 def _pod_spec(spec: InferenceDeploymentSpec) -> Iterator[Problem]:
-    for key in spec.template.pod_spec:
-        fix = _OPERATOR_OWNED_POD_FIELDS.get(key)
-        if fix is not None:
-            yield Problem(f"spec.template.podSpec.{key}", f"pod field {key!r} is set by the operator", fix)
+    """The CEL rules of the pod template's volumes and mounts (see crds/models.py), for API servers and
+    localkube that do not run them."""
+    template = spec.template
+    volumes = template.pod_spec.volumes or []
+    for index, volume in enumerate(volumes):
+        at = f"spec.template.podSpec.volumes[{index}]"
+        yield from _exactly_one(at, volume, VOLUME_SOURCE_FIELDS, "volume source")
+        if volume.name in OPERATOR_VOLUME_NAMES:
+            yield Problem(
+                f"{at}.name",
+                f"volume name {volume.name!r} is the operator's ({', '.join(OPERATOR_VOLUME_NAMES)})",
+                "choose another name",
+            )
+        for i, source in enumerate(volume.projected.sources if volume.projected else []):
+            yield from _exactly_one(f"{at}.projected.sources[{i}]", source, PROJECTION_FIELDS, "projection")
+            for j, item in enumerate(source.downward_api.items if source.downward_api else []):
+                at_item = f"{at}.projected.sources[{i}].downwardAPI.items[{j}]"
+                yield from _exactly_one(at_item, item, ("fieldRef", "resourceFieldRef"), "file source")
+    names = {volume.name for volume in volumes}
+    for index, mount in enumerate(template.volume_mounts or []):
+        at = f"spec.template.volumeMounts[{index}]"
+        if mount.name not in names:
+            yield Problem(
+                f"{at}.name",
+                f"no volume {mount.name!r} in spec.template.podSpec.volumes",
+                "add the volume to podSpec.volumes or mount one that is there",
+            )
+        root = _under(mount.mount_path, OPERATOR_MOUNT_PATHS)
+        if root is not None:
+            yield Problem(
+                f"{at}.mountPath",
+                f"{mount.mount_path!r} is at or below {root}, where the operator mounts its own volumes",
+                "mount it somewhere else, e.g. /data",
+            )
+        if mount.sub_path is not None and (mount.sub_path.startswith("/") or ".." in mount.sub_path):
+            yield Problem(f"{at}.subPath", "must be a relative path without '..'", "use a path inside the volume")
+
+
+def _env(spec: InferenceDeploymentSpec) -> Iterator[Problem]:
+    for index, env in enumerate(spec.template.env):
+        at = f"spec.template.env[{index}]"
+        if env.value is not None and env.value_from is not None:
+            yield Problem(at, f"{env.name} has both value and valueFrom", "keep one of them")
+        if env.value_from is not None:
+            yield from _exactly_one(f"{at}.valueFrom", env.value_from, ENV_SOURCE_FIELDS, "value source")
+
+
+def _metadata_keys(spec: InferenceDeploymentSpec) -> Iterator[Problem]:
+    template = spec.template
+    for kind, keys in (("labels", template.labels), ("annotations", template.annotations)):
+        for key in keys:
+            if key.startswith(OPERATOR_KEY_PREFIX):
+                yield Problem(
+                    f'spec.template.{kind}["{key}"]',
+                    f"keys under {OPERATOR_KEY_PREFIX} are set by the operator (deployment, variant, revision, "
+                    "draining)",
+                    "remove it, or use another prefix",
+                )
+    for key in template.annotations:
+        if key.startswith(CONFINEMENT_ANNOTATION_PREFIXES):
+            yield Problem(
+                f'spec.template.annotations["{key}"]',
+                "AppArmor and seccomp annotations would change the worker's confinement",
+                "remove it: worker pods run with the operator's security context (RuntimeDefault seccomp)",
+            )
 
 
 def _drain(spec: InferenceDeploymentSpec) -> Iterator[Problem]:
@@ -374,5 +505,7 @@ _RULES: tuple[Callable[[InferenceDeploymentSpec], Iterable[Problem]], ...] = (
     _engine_budget,
     _engine_args,
     _pod_spec,
+    _env,
+    _metadata_keys,
     _drain,
 )

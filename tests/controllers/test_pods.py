@@ -138,10 +138,10 @@ def test_security_context_is_locked_down(kit):
 
 
 def test_identity_labels_and_owner(kit):
-    pod = _pod(kit, {"template": {"labels": {"team": "a", "llmfleet.io/deployment": "spoof"}}})
+    pod = _pod(kit, {"template": {"labels": {"team": "a"}}})  # llmfleet.io/ keys are refused (crds.validate)
     meta = pod["metadata"]
     labels = meta["labels"]
-    assert labels["llmfleet.io/deployment"] == "smollm2"  # ours win over the template's
+    assert labels["llmfleet.io/deployment"] == "smollm2"
     assert labels["llmfleet.io/variant"] == "default"
     assert len(labels["llmfleet.io/revision"]) == 10 and labels["team"] == "a"
     assert meta["name"] == f"smollm2-default-{labels['llmfleet.io/revision']}-0"
@@ -180,6 +180,33 @@ def test_template_placement_and_extra_pod_fields(kit):
     container = _container(pod)
     assert (container["image"], container["imagePullPolicy"]) == ("example.com/worker:1", "IfNotPresent")
     assert {"name": "LOG", "value": "debug"} in container["env"]
+
+
+def test_allow_listed_pod_fields_and_mounts_reach_the_pod_and_the_operator_fields_win(kit):
+    extras = {
+        "affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}},
+        "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule"}],
+        "schedulerName": "gpu-scheduler",
+        "imagePullSecrets": [{"name": "registry"}],
+        "dnsPolicy": "None",
+        "dnsConfig": {"nameservers": ["10.0.0.10"]},
+        "volumes": [
+            {"name": "templates", "configMap": {"name": "chat", "defaultMode": 0o440}},
+            {"name": "scratch", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
+        ],
+    }
+    mounts = [{"name": "templates", "mountPath": "/etc/templates", "readOnly": True}]
+    pod = _pod(kit, {"template": {"podSpec": extras, "volumeMounts": mounts}})
+    spec = pod["spec"]
+    for key in ("affinity", "topologySpreadConstraints", "schedulerName", "imagePullSecrets", "dnsPolicy", "dnsConfig"):
+        assert spec[key] == extras[key], key
+    assert [v["name"] for v in spec["volumes"]][:2] == ["templates", "scratch"]
+    assert spec["volumes"][0] == {"name": "templates", "configMap": {"name": "chat", "defaultMode": 0o440}}
+    assert {"name": "tmp", "emptyDir": {}} in spec["volumes"]
+    assert mounts[0] in _container(pod)["volumeMounts"]
+    assert {"name": "tmp", "mountPath": "/tmp"} in _container(pod)["volumeMounts"]
+    assert spec["automountServiceAccountToken"] is False and spec["securityContext"]["runAsNonRoot"] is True
+    assert not {"hostNetwork", "hostPID", "hostIPC", "nodeName", "initContainers"} & set(spec)
 
 
 def test_pvc_sources_are_mounted_read_only(kit):

@@ -461,6 +461,37 @@ def test_schema_violations_are_reported_not_raised(kit):
     assert "variants[0].name" in message and "nope" in message
 
 
+@pytest.mark.parametrize(
+    ("template", "field"),
+    [
+        ({"podSpec": {"hostNetwork": True}}, "spec.template.podSpec.hostNetwork"),
+        ({"podSpec": {"volumes": [{"name": "root", "hostPath": {"path": "/"}}]}}, "podSpec.volumes[0].hostPath"),
+        ({"podSpec": {"initContainers": [{"name": "x", "image": "busybox", "securityContext": {"privileged": True}}]}},
+         "spec.template.podSpec.initContainers"),
+        ({"labels": {"llmfleet.io/draining": "true"}}, 'spec.template.labels["llmfleet.io/draining"]'),
+    ],
+)
+def test_a_pod_spec_outside_the_allow_list_is_invalid_and_creates_no_pod(kit, template, field):
+    plan = kit.reconcile(kit.resource({"template": template}), Observed(), kit.now)
+    assert plan.of_type(CreatePod) == []
+    invalid = _conditions(plan)["InvalidSpec"]
+    assert invalid["status"] == "True" and field in invalid["message"] and "Fix:" in invalid["message"]
+    (warning,) = plan.of_type(EmitEvent)
+    assert (warning.type, warning.reason) == ("Warning", "InvalidSpec") and field in warning.message
+
+
+def test_an_edit_to_a_privileged_pod_spec_keeps_the_last_valid_pods(kit):
+    c = kit.cluster({"replicas": 1})
+    c.converge()
+    pods_before = copy.deepcopy(c.pods)
+    c.resource["spec"]["template"] = {"podSpec": {"hostPID": True, "nodeName": "node-1"}}
+    c.resource["metadata"]["generation"] = 2
+    c.converge()
+    assert c.pods == pods_before
+    assert not any("hostPID" in p["spec"] or "nodeName" in p["spec"] for p in c.pods.values())
+    assert c.resource["status"]["phase"] == "InvalidSpec"
+
+
 def test_fixing_the_spec_resumes_and_says_so(kit):
     c = kit.cluster({"replicas": 1})
     c.converge()

@@ -107,8 +107,8 @@ def test_free_form_fields_are_exactly_the_intended_ones(openapi_schema: dict[str
     assert free == {
         "spec.engine.extraArgs",
         "spec.variants[].extraArgs",
-        "spec.template.podSpec",
-        "spec.template.env[].valueFrom",
+        "spec.template.podSpec.affinity",
+        "spec.template.podSpec.topologySpreadConstraints[]",
         "status.rollout.stableSpec",
         "status.lastValidSpec",
     }

@@ -64,7 +64,7 @@ VALID = {
     "drain timeout below grace": _set("drain", {"timeoutSeconds": 29, "terminationGracePeriodSeconds": 30}),
     "quantities as numbers": _set("variants[0].resources", {"cpu": 2, "memory": "1.5Gi", "nvidia.com/gpu": 1}),
     "free-form engine args": _set("engine.extraArgs", {"gpu-memory-utilization": 0.9, "enforce-eager": True}),
-    "free-form pod fields": _set("template.podSpec", {"runtimeClassName": "nvidia", "affinity": {}}),
+    "allow-listed pod fields": _set("template.podSpec", {"runtimeClassName": "nvidia", "affinity": {}}),
     "one weight-0 variant beside a weighted one": _set(
         "variants", [{"name": "a", "weight": 0, "tiers": ["batch"]}, {"name": "b"}]
     ),
@@ -168,8 +168,8 @@ INVALID: dict[str, tuple[Callable[[dict[str, Any]], None], list[tuple[str, str]]
     "operator-owned pod fields": (
         _set("template.podSpec", {"containers": [], "affinity": {}, "terminationGracePeriodSeconds": 5}),
         [
-            ("spec.template.podSpec.containers", "set by the operator"),
-            ("spec.template.podSpec.terminationGracePeriodSeconds", "set by the operator"),
+            ("spec.template.podSpec.containers", "not an allowed pod field"),
+            ("spec.template.podSpec.terminationGracePeriodSeconds", "not an allowed pod field"),
         ],
     ),
     "duplicate env names": (
