@@ -5,6 +5,12 @@ description written here is what the API server enforces and what `kubectl expla
 span several fields (min <= max, increasing canary weights, ...) are not here: they live in `crds/validate.py`, so
 a semantically wrong spec still parses and the operator can report it instead of failing to read the resource.
 
+The pod template is an allow-list (`PodExtras`, `Volume`, `EnvVarSource`, ...): a CR author gets worker pods of that
+shape only (docs/cr-authors.md), so these models declare every field they accept and the CRD schema has no
+free-form pod fields. What a structural schema cannot say ("exactly one volume source", operator-owned names and
+keys) is written here as CEL `x-kubernetes-validations` (`_cel`), which a real API server enforces at apply time;
+`crds/validate.py` checks the same rules in Python, because localkube and older API servers run no CEL.
+
 Names are snake_case in Python and camelCase on the wire (`by_alias=True` when dumping). Spec models reject
 unknown fields (typos are errors); status models ignore them (an older operator can read a newer status).
 """

@@ -5,6 +5,10 @@ Given a dict, it first checks the schema through the pydantic models (the same r
 and turns each error into a Problem; given a model, or once the dict parses, it applies the semantic rules below.
 The operator reports problems as an `InvalidSpec` condition and a Warning Event; `llmfleet crd validate` prints them.
 
+The pod template is an allow-list (docs/cr-authors.md): a field outside it (hostNetwork, nodeName, hostPath,
+initContainers, securityContext, ...) gets a problem saying why it is refused and what to use instead, and the
+CEL rules of the CRD (crds/models.py) are checked here again for API servers that do not run them.
+
 Quantization support matrix (`engine.type` x `variants[].quantization`):
 - builtin: none, fp8, int4 -- the builtin engine quantizes weights itself at load time (weight-only).
 - vllm: none, fp8 (vLLM's online `--quantization fp8`), int4 *only from a pre-quantized checkpoint* named in the

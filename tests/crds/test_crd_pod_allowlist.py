@@ -10,10 +10,12 @@ holds) or `cel` (an `x-kubernetes-validations` rule, evaluated here with cel-pyt
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
+import yaml
 
 from crds.validate import validate
 
@@ -21,6 +23,7 @@ MINIMAL: dict[str, Any] = {
     "model": {"name": "smollm2", "source": "bundled://smollm2-135m-instruct"},
     "variants": [{"name": "default"}],
 }
+EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
 PS = "spec.template.podSpec"
 
 
@@ -382,3 +385,14 @@ def test_lists_under_cel_rules_are_bounded(spec_schema) -> None:
     template = spec_schema["properties"]["template"]["properties"]
     assert template["labels"]["maxProperties"] and template["annotations"]["maxProperties"]
     assert template["volumeMounts"]["maxItems"] and template["podSpec"]["properties"]["volumes"]["maxItems"]
+
+
+@pytest.mark.parametrize(
+    "example",
+    sorted(p for p in EXAMPLES_DIR.glob("*.yaml") if not p.name.startswith("invalid")),
+    ids=lambda p: p.name,
+)
+def test_examples_have_no_unknown_fields_and_pass_the_cel_rules(spec_schema, example) -> None:
+    spec = yaml.safe_load(example.read_text())["spec"]
+    assert list(_unknown_fields(spec_schema, spec)) == []
+    assert list(_cel_failures(spec_schema, spec)) == []
