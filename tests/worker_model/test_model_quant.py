@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
+from worker.model.linear import DenseLinear
 from worker.model.quality import compare, reference
 from worker.model.quant import (
-    DenseLinear,
     Fp8Linear,
     Int4Linear,
     fp8_to_fp16,

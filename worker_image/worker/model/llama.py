@@ -3,12 +3,15 @@
 Written as plain tensors and functions rather than `nn.Module`s: inference never needs autograd or module
 hooks, and the fewer Python calls per layer, the less a CPU step costs. Projections are fused (q/k/v into one
 matmul, gate/up into one) so a layer is four matmuls; every linear is a `quant.Linear`, so fp8 and int4
-variants are the same code. Numerics follow HF `LlamaForCausalLM` (RMSNorm in fp32, RoPE tables in fp32, HF's
+variants are the same code. Unquantized linears (and the output head) run on the kernel `linear.py` chooses for
+the device, dtype and CPU (oneDNN with weights reordered once at load for bf16 on CPUs with native bf16;
+plain torch otherwise); the choice and its reason are logged once per model. Numerics follow HF `LlamaForCausalLM` (RMSNorm in fp32, RoPE tables in fp32, HF's
 llama3/linear frequency scaling) so greedy outputs match the reference token for token in fp32.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -18,7 +21,17 @@ import torch.nn.functional as F
 from worker.model.attention import AttentionMetadata, paged_attention
 from worker.model.config import ModelConfig
 from worker.model.kernels import PagedDecode
+from worker.model.linear import (
+    DenseLinear,
+    LinearKernel,
+    available_kernels,
+    choose_linear_kernel,
+    make_dense_linear,
+    read_cpu_flags,
+)
 from worker.model.quant import Linear, make_linear
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -85,7 +98,9 @@ class LlamaModel:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         quantization: str | None = None,
+        linear_kernel: LinearKernel | None = None,
     ) -> None:
+        """`linear_kernel` None: chosen by `choose_linear_kernel` for this device, dtype and CPU."""
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
@@ -101,13 +116,22 @@ class LlamaModel:
                 f"embed_tokens has shape {tuple(embed.shape)}, config says ({cfg.vocab_size}, {cfg.hidden_size})"
             )
 
+        if linear_kernel is None:
+            flags = read_cpu_flags() if self.device.type == "cpu" else frozenset()
+            linear_kernel, reason = choose_linear_kernel(self.device, dtype, flags, available_kernels())
+        else:
+            reason = "asked for by the caller"
+        self.linear_kernel: LinearKernel = linear_kernel
+        self.linear_kernel_reason = reason
+        log.info("dense linears run on %s: %s", linear_kernel, reason)
+
         def take(name: str) -> torch.Tensor:
             return weights[name].to(device=self.device, dtype=dtype)
 
         def linear(prefixes: list[str], bias: bool) -> Linear:
             w = torch.cat([weights[f"{p}.weight"] for p in prefixes]).to(self.device)
             b = torch.cat([weights[f"{p}.bias"] for p in prefixes]).to(self.device) if bias else None
-            return make_linear(w, b, quantization, dtype)
+            return make_linear(w, b, quantization, dtype, linear_kernel)
 
         self.layers: list[DecoderLayer] = []
         for i in range(cfg.num_hidden_layers):
@@ -124,16 +148,19 @@ class LlamaModel:
             )
         self.norm = take("model.norm.weight")
         self.embed = take("model.embed_tokens.weight")
-        # The output head stays dense (as in vLLM's weight-only schemes): it is one matmul per sampled row.
-        self.lm_head = self.embed if cfg.tie_word_embeddings else take("lm_head.weight")
+        # The output head stays dense (as in vLLM's weight-only schemes): it is one matmul per sampled row. A tied
+        # head shares the embedding's storage unless the kernel packs it (a second, reordered copy).
+        head = weights["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+        self.lm_head: Linear = make_dense_linear(head.to(self.device), None, dtype, linear_kernel)
         self.inv_freq = rope_inv_freq(cfg).to(self.device)
 
     @property
     def nbytes(self) -> int:
         """Bytes held by weights (tied embeddings counted once)."""
         total = self.embed.numel() * self.embed.element_size()
-        if self.lm_head is not self.embed:
-            total += self.lm_head.numel() * self.lm_head.element_size()
+        head = self.lm_head
+        if not (isinstance(head, DenseLinear) and head.weight.data_ptr() == self.embed.data_ptr()):
+            total += head.nbytes
         total += self.norm.numel() * self.norm.element_size()
         for layer in self.layers:
             total += layer.qkv.nbytes + layer.o_proj.nbytes + layer.gate_up.nbytes + layer.down.nbytes
@@ -178,4 +205,4 @@ class LlamaModel:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [N, vocab] for the given hidden rows."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()

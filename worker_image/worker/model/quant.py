@@ -41,6 +41,8 @@ from typing import Literal, Protocol
 import torch
 import torch.nn.functional as F
 
+from worker.model.linear import LinearKernel, make_dense_linear, nbytes_of
+
 Quantization = Literal["fp8", "int4"]
 QUANTIZATIONS: tuple[str, ...] = ("fp8", "int4")
 FP8_MAX = 448.0
@@ -59,22 +61,6 @@ class Linear(Protocol):
     def nbytes(self) -> int: ...
 
 
-class DenseLinear:
-    __slots__ = ("weight", "bias", "out_features")
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.weight = weight
-        self.bias = bias
-        self.out_features = weight.shape[0]
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-    @property
-    def nbytes(self) -> int:
-        return _nbytes(self.weight, self.bias)
-
-
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-output-channel symmetric fp8: returns (`float8_e4m3fn` [N, K], fp32 scales [N])."""
     w = weight.float()
@@ -89,7 +75,7 @@ def fp8_to_fp16(w8: torch.Tensor) -> torch.Tensor:
 
 
 class Fp8Linear:
-    __slots__ = ("weight", "scale", "bias", "out_features", "_out_scale")
+    __slots__ = ("_out_scale", "bias", "out_features", "scale", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         self.weight, self.scale = quantize_fp8(weight)
@@ -106,7 +92,7 @@ class Fp8Linear:
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self.weight, self.scale, self.bias)
+        return nbytes_of(self.weight, self.scale, self.bias)
 
 
 def int4_group_size(in_features: int) -> int:
@@ -132,7 +118,7 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
 
 
 class Int4Linear:
-    __slots__ = ("packed", "scales_zeros", "group_size", "bias", "out_features", "out_dtype")
+    __slots__ = ("bias", "group_size", "out_dtype", "out_features", "packed", "scales_zeros")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         self.group_size = int4_group_size(weight.shape[1])
@@ -161,15 +147,19 @@ class Int4Linear:
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self.packed, self.scales_zeros, self.bias)
+        return nbytes_of(self.packed, self.scales_zeros, self.bias)
 
 
 def make_linear(
-    weight: torch.Tensor, bias: torch.Tensor | None, quantization: str | None, dtype: torch.dtype
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    quantization: str | None,
+    dtype: torch.dtype,
+    kernel: LinearKernel = "aten",
 ) -> Linear:
-    """A linear layer over `weight` [out, in] in `dtype`, quantized as asked (None = dense)."""
+    """A linear layer over `weight` [out, in] in `dtype`, quantized as asked (None = dense, run by `kernel`)."""
     if quantization is None:
-        return DenseLinear(weight.to(dtype), None if bias is None else bias.to(dtype))
+        return make_dense_linear(weight, bias, dtype, kernel)
     b = None if bias is None else bias.to(dtype)
     if quantization == "fp8":
         return Fp8Linear(weight, b, dtype)
@@ -178,7 +168,3 @@ def make_linear(
             raise ValueError("int4 weight-only quantization uses torch's CPU int4 kernel: run it on device cpu")
         return Int4Linear(weight, b, dtype)
     raise ValueError(f"unknown quantization {quantization!r}; choose one of {QUANTIZATIONS} or None")
-
-
-def _nbytes(*tensors: torch.Tensor | None) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)

@@ -1,0 +1,167 @@
+"""Linear-layer kernels on this CPU: which library multiplies SmolLM2-135M's linear shapes fastest.
+
+Why it exists: the engine's speed on CPU is set by its linear layers, and torch offers several paths for the same
+`y = x @ W.T` whose speed differs by integer factors depending on the CPU's units (AVX512, AVX512-BF16, VNNI,
+AMX). This probe measures them on the shapes the engine runs (one decoder layer's fused projections, and the
+output head) for decode- and prefill-sized row counts, so `worker/model/linear.py` chooses from figures rather
+than folklore. Paths:
+
+* `fp32_mkl`: `F.linear` in fp32 (what torch does by default: MKL sgemm);
+* `fp32_mkl_packed`: `torch.ops.mkl._mkl_linear` with the weight packed once (MKL packed sgemm);
+* `fp32_onednn`: `torch.ops.mkldnn._linear_pointwise` with the weight reordered once for oneDNN;
+* `bf16_aten`: `F.linear` in bf16 (what a bf16 model does today);
+* `bf16_onednn`: `_linear_pointwise` in bf16 with the weight reordered once (AVX512-BF16 / AMX);
+* `int8_dyn`: `quantize_dynamic` (W8A8, activations quantized per call; x86 engine = fbgemm/oneDNN, VNNI);
+* `int8_wo_bf16`: `aten._weight_int8pack_mm` (int8 weights, bf16 activations);
+* `int4_wo_bf16`: `aten._weight_int4pack_mm_for_cpu` (int4 groups of 32, bf16 activations: today's int4 path).
+
+Prints GFLOP/s (2*M*N*K per call) per (path, M) for the layer and for the head, the ratio to `fp32_mkl`, and
+as its LAST line one JSON object. Each cell is the best of a few short timing rounds (~0.1 s each), so a full
+run takes under a minute.
+
+    .venv/bin/python bench/linear_kernels.py
+    .venv/bin/python bench/linear_kernels.py --rows 1,64 --paths fp32_mkl,bf16_onednn
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+HIDDEN, INTER, VOCAB, Q, KV = 576, 1536, 49152, 576, 192
+# [N, K] of one decoder layer's linears as the engine runs them (QKV and gate+up fused) and of the output head.
+GROUPS: dict[str, list[tuple[int, int]]] = {
+    "layer": [(Q + 2 * KV, HIDDEN), (HIDDEN, Q), (2 * INTER, HIDDEN), (HIDDEN, INTER)],
+    "head": [(VOCAB, HIDDEN)],
+}
+ROWS = (1, 16, 64, 256, 512)
+
+Call = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _int8_dyn(w: torch.Tensor) -> tuple[Call, torch.dtype]:
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    lin.weight.data = w
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q = torch.ao.quantization.quantize_dynamic(torch.nn.Sequential(lin), {torch.nn.Linear}, dtype=torch.qint8)
+    return q, torch.float32
+
+
+def _int8_wo(w: torch.Tensor) -> tuple[Call, torch.dtype]:
+    scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-12)
+    q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+    s = scale.to(torch.bfloat16)
+    return (lambda x: torch.ops.aten._weight_int8pack_mm(x, q, s)), torch.bfloat16
+
+
+def _int4_wo(w: torch.Tensor) -> tuple[Call, torch.dtype]:
+    n, k = w.shape
+    g = 32
+    wg = w.view(n, k // g, g)
+    lo, hi = wg.amin(-1), wg.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-12)
+    q = ((wg - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).view(n, k)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    sz = torch.stack([scale.t(), (lo + 8 * scale).t()], dim=-1).contiguous().to(torch.bfloat16)
+    return (lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, g, sz)), torch.bfloat16
+
+
+def _onednn(w: torch.Tensor, dtype: torch.dtype) -> tuple[Call, torch.dtype]:
+    packed = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), None)
+    return (lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")), dtype
+
+
+def _mkl_packed(w: torch.Tensor) -> tuple[Call, torch.dtype]:
+    packed = torch.ops.mkl._mkl_reorder_linear_weight(w, 64)
+    return (lambda x: torch.ops.mkl._mkl_linear(x, packed, w, None, 64)), torch.float32
+
+
+def _aten(w: torch.Tensor, dtype: torch.dtype) -> tuple[Call, torch.dtype]:
+    wd = w.to(dtype)
+    return (lambda x: F.linear(x, wd)), dtype
+
+
+PATHS: dict[str, Callable[[torch.Tensor], tuple[Call, torch.dtype]]] = {
+    "fp32_mkl": lambda w: _aten(w, torch.float32),
+    "fp32_mkl_packed": _mkl_packed,
+    "fp32_onednn": lambda w: _onednn(w, torch.float32),
+    "bf16_aten": lambda w: _aten(w, torch.bfloat16),
+    "bf16_onednn": lambda w: _onednn(w, torch.bfloat16),
+    "int8_dyn": _int8_dyn,
+    "int8_wo_bf16": _int8_wo,
+    "int4_wo_bf16": _int4_wo,
+}
+
+
+def time_calls(calls: list[tuple[Call, torch.Tensor]], rounds: int = 3, round_s: float = 0.1) -> float:
+    """Best seconds for one pass over `calls`, over `rounds` rounds of about `round_s` each (bounded count)."""
+    for fn, x in calls:
+        fn(x)
+    best = float("inf")
+    for _ in range(rounds):
+        n, start = 0, time.perf_counter()
+        while n < 10_000:
+            for fn, x in calls:
+                fn(x)
+            n += 1
+            if time.perf_counter() - start >= round_s:
+                break
+        best = min(best, (time.perf_counter() - start) / n)
+    return best
+
+
+def measure(paths: list[str], rows: list[int]) -> dict[str, dict[str, dict[int, float]]]:
+    """GFLOP/s per group, path and row count."""
+    torch.manual_seed(0)
+    out: dict[str, dict[str, dict[int, float]]] = {}
+    for group, shapes in GROUPS.items():
+        weights = [torch.randn(n, k) * k**-0.5 for n, k in shapes]
+        out[group] = {}
+        for path in paths:
+            try:
+                built = [PATHS[path](w) for w in weights]
+            except (RuntimeError, NotImplementedError) as e:
+                print(f"{group:5s} {path:16s} unavailable: {str(e).splitlines()[0][:100]}")
+                continue
+            out[group][path] = {}
+            for m in rows:
+                calls = [(fn, torch.randn(m, k).to(dt)) for (fn, dt), (_, k) in zip(built, shapes)]
+                secs = time_calls(calls)
+                flops = sum(2 * m * n * k for n, k in shapes)
+                out[group][path][m] = flops / secs / 1e9
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma-separated row counts M")
+    ap.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated: {','.join(PATHS)}")
+    args = ap.parse_args()
+    rows = [int(r) for r in args.rows.split(",")]
+    paths = [p for p in args.paths.split(",") if p]
+    unknown = [p for p in paths if p not in PATHS]
+    if unknown:
+        ap.error(f"unknown paths {unknown}; choose from {list(PATHS)}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu capability "
+          f"{torch.backends.cpu.get_cpu_capability()}, mkldnn bf16 {torch.ops.mkldnn._is_mkldnn_bf16_supported()}")
+    res = measure(paths, rows)
+    for group, by_path in res.items():
+        base = by_path.get("fp32_mkl", {})
+        print(f"\n{group}: GFLOP/s (x fp32_mkl)")
+        print(f"{'path':16s}" + "".join(f"{'M=' + str(m):>16s}" for m in rows))
+        for path, by_m in by_path.items():
+            cells = [f"{by_m[m]:7.1f} ({by_m[m] / base[m]:4.2f}x)" if m in base else f"{by_m[m]:7.1f}" for m in rows]
+            print(f"{path:16s}" + "".join(f"{c:>16s}" for c in cells))
+    print(json.dumps({g: {p: {str(m): round(v, 1) for m, v in bm.items()} for p, bm in bp.items()}
+                      for g, bp in res.items()}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""Dense linear kernels: which library multiplies the model's (unquantized) linear layers, and the packed layer.
+
+Why it exists: on CPU the same `y = x @ W.T` runs at very different speeds depending on the library and the
+weight layout. `bench/linear_kernels.py` measured SmolLM2-135M's shapes (one decoder layer: fused QKV, o,
+fused gate+up, down; and the 49152x576 head) with torch 2.13.0+cpu, 2 threads, on an Intel Xeon with
+avx512_bf16, avx512_vnni and AMX (GFLOP/s, layer group, M rows):
+
+    path                      M=1   M=16   M=64  M=256  M=512
+    fp32 MKL (F.linear)        25    151    296    375    411
+    fp32 oneDNN, prepacked     19    206    323    407    414
+    bf16 F.linear              22    349    848   1734   2319
+    bf16 oneDNN, prepacked     32    490   1417   2295   2203
+
+So bf16 with the weight reordered once into oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`
++ `_linear_pointwise`: the path inductor's CPU weight prepacking emits) is 1.3-1.7x plain bf16 `F.linear` for
+decode-sized batches and 3-6x fp32 MKL. fp32 stays on MKL: oneDNN fp32 is 0.77-1.4x MKL, slower for single
+rows, and rounds differently (~1e-4 absolute), which would cost the token-for-token greedy match with
+transformers that fp32 promises. MKL's own packed sgemm (`torch.ops.mkl._mkl_linear`) only pays at the one
+batch size it was packed for and falls back to `F.linear` at any other, so it is not used.
+
+`choose_linear_kernel` is the pure decision (device, dtype, CPU flags, which torch ops exist -> kind and a
+reason the worker logs); `make_dense_linear` builds the layer of that kind. Fused projections are the
+caller's business (llama.py concatenates QKV and gate+up before calling). Imports torch only: the model
+package (worker/model) uses it, nothing here knows about the server.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+LinearKernel = Literal["aten", "onednn_bf16"]
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # any one: oneDNN then has native bf16 dot products
+ONEDNN_LINEAR = "onednn_linear"  # name of the capability `available_kernels` reports
+
+
+def read_cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> frozenset[str]:
+    """The CPU feature flags the kernel reports (empty where there is no /proc/cpuinfo)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def available_kernels() -> frozenset[str]:
+    """Which optional torch kernels this build has (oneDNN's prepacked linear needs a build with mkldnn)."""
+    have: set[str] = set()
+    try:
+        if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            torch.ops.mkldnn._reorder_linear_weight  # noqa: B018 (raises when the op is absent)
+            torch.ops.mkldnn._linear_pointwise  # noqa: B018
+            have.add(ONEDNN_LINEAR)
+    except (AttributeError, RuntimeError):
+        pass
+    return frozenset(have)
+
+
+def choose_linear_kernel(
+    device: str | torch.device, dtype: torch.dtype, cpu_flags: frozenset[str], kernels: frozenset[str]
+) -> tuple[LinearKernel, str]:
+    """Which kernel runs the dense linears, and why (one line for the worker log)."""
+    dev = torch.device(device).type
+    if dev != "cpu":
+        return "aten", f"device {dev}: torch's default matmul"
+    if dtype == torch.float32:
+        return "aten", "fp32 on CPU: MKL sgemm (oneDNN fp32 is not faster here and rounds differently)"
+    if dtype != torch.bfloat16:
+        return "aten", f"{dtype} on CPU: torch's default matmul (only bf16 has a packed oneDNN path)"
+    units = [f for f in BF16_CPU_FLAGS if f in cpu_flags]
+    if not units:
+        return "aten", f"bf16 on a CPU without {' or '.join(BF16_CPU_FLAGS)}: torch's default matmul"
+    if ONEDNN_LINEAR not in kernels:
+        return "aten", "bf16: this torch build lacks oneDNN's prepacked linear (mkldnn), torch's default matmul"
+    return "onednn_bf16", f"bf16 on a CPU with {'+'.join(units)}: oneDNN linear, weights reordered once at load"
+
+
+class DenseLinear:
+    """`F.linear` over a plain weight: the fallback on every device."""
+
+    __slots__ = ("bias", "out_features", "weight")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight = weight
+        self.bias = bias
+        self.out_features = weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes_of(self.weight, self.bias)
+
+
+class PackedLinear:
+    """oneDNN linear with the weight reordered once into oneDNN's blocked layout (CPU only).
+
+    The packed weight is an opaque mkldnn tensor; `dequantize` gives the plain weight back for tests and tools.
+    """
+
+    __slots__ = ("_bytes", "bias", "in_features", "out_features", "packed")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        if weight.device.type != "cpu":
+            raise ValueError("oneDNN packed linears run on device cpu; use DenseLinear elsewhere")
+        self.out_features, self.in_features = weight.shape
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+        self.bias = bias
+        self._bytes = nbytes_of(weight, bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The plain [out, in] weight the layer multiplies by."""
+        return self.packed.to_dense().to(dtype).reshape(self.out_features, self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+
+def make_dense_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, kernel: LinearKernel = "aten"
+) -> DenseLinear | PackedLinear:
+    """An unquantized linear over `weight` [out, in] in `dtype`, run by `kernel`."""
+    w = weight.to(dtype)
+    b = None if bias is None else bias.to(dtype)
+    if kernel == "onednn_bf16":
+        return PackedLinear(w, b)
+    return DenseLinear(w, b)
+
+
+def nbytes_of(*tensors: torch.Tensor | None) -> int:
+    """Bytes held by the given tensors (None skipped)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
