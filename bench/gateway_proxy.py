@@ -142,7 +142,8 @@ async def bench_gateway(args: argparse.Namespace, urls: list[str], keys: Path, s
     rows: list[dict[str, object]] = []
     port = free_port()
     gw_args = ["-m", "llmfleet.cli", "gateway", "--port", str(port), "--backend", "bench=" + ",".join(urls),
-               "--api-keys-file", str(keys), "--log-level", "warning", *STACKS[stack]]
+               "--api-keys-file", str(keys), "--log-level", "warning", "--metrics-port", str(free_port()),
+               *STACKS[stack]]
     async with spawn(sys.executable, *gw_args) as gw_proc:
         gateway = f"http://127.0.0.1:{port}"
         await wait_http_ok(gateway + "/ready")

@@ -29,15 +29,15 @@ def _restarts(pod: dict) -> int:
     return sum(int(c.get("restartCount") or 0) for c in pod["status"].get("containerStatuses") or [])
 
 
-def _gateway_retries(url: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+def _gateway_retries(metrics_url: str) -> float:
+    text = httpx.get(metrics_url, timeout=10).text
     return sum(float(v) for v in re.findall(r'^llmfleet_gateway_retries_total\{[^}]*\} ([0-9.e+]+)$', text, re.M))
 
 
 def test_killed_worker_is_replaced_and_unstarted_requests_are_retried(scene, fleet, figures) -> None:
     scene.apply(scene.deployment("victim", replicas=2))
     scene.wait_until(lambda: scene.settled("victim", 2), "2 ready pods", timeout_s=90)
-    retries_before = _gateway_retries(fleet.gateway_url)
+    retries_before = _gateway_retries(fleet.gateway_metrics_url)
     with StreamLoad(fleet.gateway_url, fleet.api_key, "victim", workers=WORKERS, deadline_s=150) as load:
         scene.wait_until(lambda: load.completed >= 10, "streams through the gateway", timeout_s=60)
         target = sorted(scene.ready_pods("victim"), key=lambda p: p["metadata"]["name"])[0]
@@ -64,4 +64,4 @@ def test_killed_worker_is_replaced_and_unstarted_requests_are_retried(scene, fle
     assert _restarts(back) == restarts + 1
     figures(f"pod {name} restarted and Ready {replaced_s:.1f} s after SIGKILL; {load.summary()}; "
             f"{len(mid_stream)} stream(s) in flight on it broke ({sent_before} done before the kill); gateway "
-            f"retries +{_gateway_retries(fleet.gateway_url) - retries_before:.0f}")
+            f"retries +{_gateway_retries(fleet.gateway_metrics_url) - retries_before:.0f}")

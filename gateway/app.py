@@ -1,8 +1,10 @@
-"""The gateway's ASGI app factory: proxy routes, model list, health, metrics and the scale-from-zero queue view.
+"""The gateway's ASGI app factory: proxy routes, model list, health and the scale-from-zero queue view.
 
 `create_app` wires one `GatewayState` (no module-level state) to a discovery source; the app's lifespan opens
-the pooled upstream client, starts discovery (which publishes a first routing table before the app serves), and
-closes both on shutdown.
+the pooled upstream client, starts the internal metrics server (`gateway.metrics_server`: `/metrics` is never on
+this public app), starts discovery (which publishes a first routing table before the app serves), and stops all
+three on shutdown. `gateway.middleware` wraps every route: request ids, the fail-closed API-key gate (503 while
+no key is loaded) and generic 500s.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.auth import KeyStore
 from gateway.errors import error_body
+from gateway.metrics_server import MetricsServer
+from gateway.middleware import GatewayMiddleware
 from gateway.proxy import ProxyEndpoint
 from gateway.settings import GatewaySettings
 from gateway.sources import Source
@@ -28,8 +31,9 @@ from gateway.state import GatewayState, make_client
 log = logging.getLogger("llmfleet.gateway")
 
 OPEN_MODE_WARNING = (
-    "NO API KEYS CONFIGURED: the gateway runs in OPEN MODE and accepts every request without authentication "
-    "(all callers share one rate-limit identity at the default tier). Pass --api-keys-file or --api-keys-secret."
+    "INSECURE OPEN MODE (--insecure-open-mode): the gateway accepts every request without authentication "
+    "(all callers share one rate-limit identity at the default tier). Use --api-keys-file or --api-keys-secret "
+    "anywhere but a development machine."
 )
 
 
@@ -41,21 +45,33 @@ def create_app(
         settings=settings, keys=keys, rng=rng if rng is not None else random.Random(settings.seed)
     )
 
+    metrics_server = (
+        MetricsServer(state.metrics.registry, settings.metrics_host, settings.metrics_port)
+        if settings.metrics_port is not None
+        else None
+    )
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if state.keys.open_mode:
             log.warning(OPEN_MODE_WARNING)
         state.client, state.transport = make_client(settings)
         try:
+            if metrics_server is not None:
+                await metrics_server.start()
             await source.start(state)
             yield
         finally:
             await source.stop()
+            if metrics_server is not None:
+                await metrics_server.stop()
             await state.client.aclose()
             state.client = state.transport = None
 
     app = FastAPI(title="llmfleet gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = state
+    app.state.metrics_server = metrics_server
+    app.add_middleware(GatewayMiddleware, state=state)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -68,11 +84,13 @@ def create_app(
             headers=exc.headers,
         )
 
-    app.add_route("/v1/chat/completions", ProxyEndpoint(state, "/v1/chat/completions"))
-    app.add_route("/v1/completions", ProxyEndpoint(state, "/v1/completions"))
+    # plain ASGI endpoints (Starlette routes a non-function endpoint as an ASGI app; its stubs say Request->Response)
+    app.add_route("/v1/chat/completions", ProxyEndpoint(state, "/v1/chat/completions"))  # type: ignore[arg-type]
+    app.add_route("/v1/completions", ProxyEndpoint(state, "/v1/completions"))  # type: ignore[arg-type]
 
     def unauthorized(request: Request) -> Response | None:
-        """A 401 unless the request carries a valid API key (every request passes in open mode)."""
+        """A 401 unless the request carries a valid API key (every request passes in explicit open mode; while no
+        key is loaded, `GatewayMiddleware` answers 503 before this runs)."""
         if state.keys.authenticate(request.headers.get("authorization")) is not None:
             return None
         return Response(
@@ -98,13 +116,13 @@ def create_app(
 
     @app.get("/ready")
     async def ready() -> Response:
+        """503 until discovery has routed a first table, and while no API key is loaded (a gateway that refuses
+        every request must not receive traffic); `/health` (liveness) stays 200 meanwhile."""
         if not state.ready:
             return JSONResponse({"status": "discovering"}, status_code=503)
+        if (reason := state.keys.unavailable) is not None:
+            return JSONResponse({"status": "no API keys", "reason": reason}, status_code=503)
         return JSONResponse({"status": "ready", "backends": len(state.table.endpoints())})
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/internal/queued", response_model=None)
     async def queued(request: Request) -> dict[str, object] | Response:

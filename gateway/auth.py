@@ -9,8 +9,10 @@ Checking hashes the presented key and compares it with `hmac.compare_digest` aga
 key (no early exit), so the time taken reveals neither which key nor how much of one matched. Keys never appear in
 logs, errors or metrics: a key is identified by `key_id`, the first 12 hex digits of its SHA-256.
 
-With no key configured the gateway runs in open mode: every request is accepted at the default tier under one
-shared identity, and the gateway logs a loud warning at start-up.
+Fail closed: a store with no key rejects every request; `unavailable` then says why (e.g. the Secret is missing),
+which the app answers with 503 until keys arrive. Open mode (every request accepted at the default tier under one
+shared identity, with a loud warning at start-up) exists only when asked for by name: `KeyStore.open`, reached from
+`--insecure-open-mode` / `GatewaySettings.allow_open_mode`, which the chart never sets.
 """
 
 from __future__ import annotations
@@ -98,23 +100,43 @@ def keys_from_secret(
     return parse_keys(text, known_tiers, default_tier, source)
 
 
-class KeyStore:
-    """The configured keys, checked in constant time; empty means open mode."""
+NO_KEYS = "no API keys are loaded"
 
-    def __init__(self, keys: Mapping[str, str], default_tier: str) -> None:
+
+class KeyStore:
+    """The configured keys, checked in constant time. No keys means every request is refused (`unavailable` says
+    why), unless the store was made with `KeyStore.open` (explicit open mode)."""
+
+    def __init__(self, keys: Mapping[str, str], default_tier: str, unavailable: str = NO_KEYS) -> None:
         self._entries = [(hashlib.sha256(k.encode()).digest(), key_id(k), tier) for k, tier in keys.items()]
         self._default_tier = default_tier
+        self._open = False
+        self._unavailable = unavailable
+
+    @classmethod
+    def open(cls, default_tier: str) -> KeyStore:
+        """Open mode: every caller is accepted at `default_tier` under one shared identity. Only for an explicit
+        `--insecure-open-mode`."""
+        store = cls({}, default_tier)
+        store._open = True
+        return store
 
     @property
     def open_mode(self) -> bool:
-        return not self._entries
+        return self._open
+
+    @property
+    def unavailable(self) -> str | None:
+        """Why every request is refused (no key loaded and not open mode), else None."""
+        return None if self._open or self._entries else self._unavailable
 
     def key_ids(self) -> set[str]:
-        return {kid for _, kid, _ in self._entries} or {OPEN_MODE_KEY_ID}
+        ids = {kid for _, kid, _ in self._entries}
+        return ids | {OPEN_MODE_KEY_ID} if self._open else ids
 
     def authenticate(self, authorization: str | None) -> Principal | None:
-        """The caller behind an `Authorization: Bearer KEY` header, or None (-> 401)."""
-        if self.open_mode:
+        """The caller behind an `Authorization: Bearer KEY` header, or None (-> 401; 503 while `unavailable`)."""
+        if self._open:
             return Principal(OPEN_MODE_KEY_ID, self._default_tier, open_mode=True)
         if not authorization:
             return None

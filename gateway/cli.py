@@ -3,6 +3,10 @@
 Static mode: `llmfleet gateway --backend smollm2=http://127.0.0.1:8000[,URL...] [--api-keys-file keys.txt]`.
 Kubernetes mode (no --backend): watch InferenceDeployments and their pods with `--kubeconfig` (or $KUBECONFIG, or
 the pod's service account), in `--namespace` or all namespaces, with keys from `--api-keys-secret [NS/]NAME`.
+Authentication fails closed: one key source (`--api-keys-file` or `--api-keys-secret`) is required, and a Secret
+that is missing or holds no keys refuses every request (503) until it has some; `--insecure-open-mode` (accept
+everyone, for a development machine) is the only way to run without keys. `/metrics` is served on the internal
+`--metrics-host`/`--metrics-port`, never on the public port.
 Every other knob lives in `--config FILE` (YAML/JSON of `gateway.settings.GatewaySettings`). Heavy imports happen
 inside the command so `llmfleet --help` stays fast.
 """
@@ -10,6 +14,7 @@ inside the command so `llmfleet --help` stays fast.
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import typer
@@ -18,6 +23,13 @@ import typer
 def gateway_command(
     host: str = typer.Option("127.0.0.1", help="Listen address."),
     port: int = typer.Option(8080, help="Listen port."),
+    metrics_host: str | None = typer.Option(None, help="Listen address of the internal /metrics server [default: 127.0.0.1]."),
+    metrics_port: int | None = typer.Option(
+        None, help="Internal port of /metrics (not the public port) [default: 9090; 0 picks a free one]."
+    ),
+    insecure_open_mode: bool = typer.Option(
+        False, "--insecure-open-mode", help="Accept every request WITHOUT an API key (development only)."
+    ),
     backend: list[str] = typer.Option(
         [], "--backend", help="Static mode: MODEL[:VARIANT]=URL[,URL...] (repeatable). Without it: Kubernetes mode."
     ),
@@ -53,22 +65,15 @@ def gateway_command(
         raise fail(f"--loop must be auto, asyncio or uvloop, got {loop!r}")
     if http not in ("auto", "h11", "httptools"):
         raise fail(f"--http must be auto, h11 or httptools, got {http!r}")
+    overrides = {"host": host, "port": port, "metrics_host": metrics_host, "metrics_port": metrics_port,
+                 "allow_open_mode": insecure_open_mode or None}
     try:
         if config is not None:
-            settings = GatewaySettings.from_file(config, host=host, port=port)
+            settings = GatewaySettings.from_file(config, **overrides)
         else:
-            settings = GatewaySettings(host=host, port=port)
+            settings = GatewaySettings.model_validate({k: v for k, v in overrides.items() if v is not None})
     except (ValidationError, ValueError) as e:
         raise fail(f"bad settings: {e}") from None
-    tier_names = [t.name for t in settings.tiers]
-    keys: dict[str, str] = {}
-    if api_keys_file is not None:
-        try:
-            keys = load_keys_file(api_keys_file, tier_names, settings.default_tier)
-        except KeyFileError as e:
-            raise fail(str(e)) from None
-        if not keys and api_keys_secret is None:
-            raise fail(f"{api_keys_file} holds no key; remove --api-keys-file to run in open mode on purpose")
     source: Source
     if backend:
         if kubeconfig or namespace or api_keys_secret:
@@ -87,7 +92,25 @@ def gateway_command(
             ns, _, name = api_keys_secret.rpartition("/")
             secret = (ns or namespace or "default", name)
         source = KubeSource(connection, namespace=namespace, keys_secret=secret)
-    app = create_app(settings, source, KeyStore(keys, settings.default_tier))
+    if settings.allow_open_mode and (api_keys_file or api_keys_secret):
+        raise fail("--insecure-open-mode (allow_open_mode) accepts everyone: drop it or the API-key source")
+    if api_keys_file is not None and api_keys_secret:
+        raise fail("give one API-key source: --api-keys-file or --api-keys-secret")
+    if not (settings.allow_open_mode or api_keys_file or api_keys_secret):
+        raise fail(
+            "no API keys: pass --api-keys-file FILE or --api-keys-secret [NS/]NAME (Kubernetes mode); "
+            "--insecure-open-mode runs without authentication, for a development machine only"
+        )
+    keys = KeyStore.open(settings.default_tier) if settings.allow_open_mode else KeyStore({}, settings.default_tier)
+    if api_keys_file is not None:
+        try:
+            loaded = load_keys_file(api_keys_file, [t.name for t in settings.tiers], settings.default_tier)
+        except KeyFileError as e:
+            raise fail(str(e)) from None
+        if not loaded:
+            raise fail(f"{api_keys_file} holds no key: add `KEY [TIER]` lines")
+        keys = KeyStore(loaded, settings.default_tier)
+    app = create_app(settings, source, keys)
     uvicorn.run(
         app,
         host=settings.host,
@@ -95,7 +118,7 @@ def gateway_command(
         log_level=log_level.lower(),
         backlog=4096,
         timeout_keep_alive=30,
-        timeout_graceful_shutdown=settings.shutdown_grace_seconds,
+        timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_seconds),
         access_log=False,
         loop=loop,
         http=http,

@@ -262,8 +262,8 @@ class _Request:
     def _parse(self) -> tuple[dict[str, Any], str, bool]:
         try:
             body = json.loads(self.raw)
-        except (ValueError, UnicodeDecodeError):
-            raise _Failure(400, "the request body is not valid JSON", "invalid_json") from None
+        except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested too deeply to parse
+            raise _Failure(400, "the request body is not valid JSON (or is nested too deeply)", "invalid_json") from None
         if not isinstance(body, dict):
             raise _Failure(400, "the request body must be a JSON object", "invalid_request")
         model = body.get("model")

@@ -72,6 +72,21 @@ class GatewaySettings(_Strict):
 
     host: str = Field(default="127.0.0.1", description="Listen address.")
     port: int = Field(default=8080, ge=0, le=65535, description="Listen port (0 picks a free one).")
+    metrics_host: str = Field(
+        default="127.0.0.1", min_length=1, description="Listen address of the internal /metrics server."
+    )
+    metrics_port: int | None = Field(
+        default=9090,
+        ge=0,
+        le=65535,
+        description="Internal port of /metrics (never the public port: its series name pods and namespaces); "
+        "0 picks a free one, null serves no metrics.",
+    )
+    allow_open_mode: bool = Field(
+        default=False,
+        description="Accept every request without an API key (one shared identity at the default tier). Only for "
+        "a development gateway on a trusted machine; with it, no key source may be given.",
+    )
     timeouts: TimeoutSettings = TimeoutSettings()
     pool: PoolSettings = PoolSettings()
     max_attempts: int = Field(
@@ -118,6 +133,11 @@ class GatewaySettings(_Strict):
         if self.default_tier not in {t.name for t in self.tiers}:
             known = ", ".join(t.name for t in self.tiers)
             raise ValueError(f"default_tier {self.default_tier!r} is not a configured tier (known: {known})")
+        if self.metrics_port and self.metrics_port == self.port:
+            raise ValueError(
+                f"metrics_port equals port ({self.port}): /metrics needs its own internal port; choose another, "
+                "e.g. 9090"
+            )
         if self.pool.max_keepalive_connections > self.pool.max_connections:
             raise ValueError("pool.max_keepalive_connections must be <= pool.max_connections")
         return self

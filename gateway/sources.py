@@ -123,9 +123,18 @@ class KubeConnection:
 
         def headers() -> dict[str, str]:
             auth = cfg.auth_settings().get("BearerToken")
-            return {"authorization": auth["value"]} if auth and auth.get("value") else {}
+            value = auth.get("value") if auth else None
+            return {"authorization": str(value)} if value else {}
 
         return cls(host=cfg.host.rstrip("/"), verify=verify, headers=headers)
+
+
+def missing_secret_message(namespace: str, name: str) -> str:
+    return f"API keys not loaded yet: the Secret {namespace}/{name} is missing or holds no keys"
+
+
+def malformed_secret_message(namespace: str, name: str) -> str:
+    return f"API keys not loaded: the Secret {namespace}/{name} is malformed (the gateway's log names the line)"
 
 
 class _Gone(Exception):
@@ -236,17 +245,25 @@ class KubeSource:
             )
 
     def _apply_keys(self, state: GatewayState, secret: Mapping[str, Any] | None) -> None:
+        """Replace the key store with the Secret's keys. Fails closed: a missing Secret, one without keys or a
+        malformed one leaves no key loaded (every request refused with 503 and this reason) until it is fixed."""
         s = state.settings
+        ns, name = self.keys_secret or ("", "")
+        keys: dict[str, str] = {}
         if secret is None:
-            log.error("API-key Secret %s not found: keeping the keys loaded before", self.keys_secret)
-            return
-        try:
-            keys = keys_from_secret(secret, self.keys_item, [t.name for t in s.tiers], s.default_tier)
-        except KeyFileError as e:
-            log.error("API-key Secret unusable, keeping the keys loaded before: %s", e)
-            return
-        state.set_keys(KeyStore(keys, s.default_tier))
-        log.info("loaded %d API keys from Secret %s/%s", len(keys), *self.keys_secret)  # type: ignore[misc]
+            log.error("API-key Secret %s/%s not found: refusing every request until it exists", ns, name)
+        else:
+            try:
+                keys = keys_from_secret(secret, self.keys_item, [t.name for t in s.tiers], s.default_tier)
+            except KeyFileError as e:
+                log.error("API-key Secret unusable, refusing every request until it is fixed: %s", e)
+                state.set_keys(KeyStore({}, s.default_tier, unavailable=malformed_secret_message(ns, name)))
+                return
+            if not keys:
+                log.error("API-key Secret %s/%s holds no key: refusing every request until it does", ns, name)
+        state.set_keys(KeyStore(keys, s.default_tier, unavailable=missing_secret_message(ns, name)))
+        if keys:
+            log.info("loaded %d API keys from Secret %s/%s", len(keys), ns, name)
 
     async def _run(self, coll: _Collection, on_change: Callable[[], None]) -> None:
         assert self._client is not None

@@ -22,6 +22,7 @@ from gateway.routing import RoutingTable
 from gateway.settings import GatewaySettings
 from gateway.transport import PooledTransport
 
+
 def make_client(settings: GatewaySettings) -> tuple[httpx.AsyncClient, PooledTransport]:
     """The one pooled upstream client of an app, and its transport (which counts its connections)."""
     t, p = settings.timeouts, settings.pool
@@ -97,8 +98,8 @@ class GatewayState:
                 for e in v.endpoints:
                     known[e.url] = (dep.name, v.name)
         for url in sorted(set(known) | set(self.outstanding)):
-            dep, variant = known.get(url, ("", ""))
-            yield url, dep, variant, self.outstanding.get(url, 0)
+            dep_name, variant = known.get(url, ("", ""))
+            yield url, dep_name, variant, self.outstanding.get(url, 0)
 
 
 def _task_count() -> int:

@@ -18,7 +18,13 @@ import uvicorn
 from gateway.app import create_app
 from gateway.auth import KeyStore
 from gateway.discovery import StaticBackend
-from gateway.routing import DeploymentRoute, Endpoint, RevisionRoute, RoutingTable, VariantRoute
+from gateway.routing import (
+    DeploymentRoute,
+    Endpoint,
+    RevisionRoute,
+    RoutingTable,
+    VariantRoute,
+)
 from gateway.settings import GatewaySettings
 from gateway.sources import Source
 from gateway.state import GatewayState
@@ -31,9 +37,17 @@ class RunningGateway:
     url: str
     state: GatewayState
     server: uvicorn.Server
+    metrics_url: str  # the internal metrics server's base URL (GET {metrics_url}/metrics)
 
     def client(self, **kw: object) -> httpx.AsyncClient:
         return httpx.AsyncClient(base_url=self.url, timeout=30, **kw)  # type: ignore[arg-type]
+
+    async def metrics_text(self) -> str:
+        """The exposition the internal metrics server serves."""
+        async with httpx.AsyncClient(timeout=30, trust_env=False) as c:
+            r = await c.get(self.metrics_url + "/metrics")
+            r.raise_for_status()
+            return r.text
 
 
 @contextlib.asynccontextmanager
@@ -42,9 +56,18 @@ async def run_gateway(
     keys: dict[str, str] | None = None,
     settings: GatewaySettings | None = None,
     seed: int = 7,
+    open_mode: bool = False,
 ) -> AsyncIterator[RunningGateway]:
-    settings = settings or GatewaySettings(health_interval_seconds=0.05)
-    app = create_app(settings, source, KeyStore(keys or {}, settings.default_tier), rng=random.Random(seed))
+    """A gateway on free loopback ports (its metrics server too, whatever `settings` say) authenticating with
+    `keys`; without keys it refuses every request (fail closed) unless `open_mode` asks for open mode by name.
+    A Kubernetes source with a Secret replaces the key store when it starts."""
+    settings = (settings or GatewaySettings(health_interval_seconds=0.05)).model_copy(
+        update={"metrics_host": "127.0.0.1", "metrics_port": 0}
+    )
+    if open_mode and keys:
+        raise ValueError("open_mode accepts everyone: give keys or open_mode, not both")
+    store = KeyStore.open(settings.default_tier) if open_mode else KeyStore(keys or {}, settings.default_tier)
+    app = create_app(settings, source, store, rng=random.Random(seed))
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on", backlog=4096)
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
@@ -57,7 +80,9 @@ async def run_gateway(
         raise RuntimeError("the gateway did not start")
     port = server.servers[0].sockets[0].getsockname()[1]
     try:
-        yield RunningGateway(f"http://127.0.0.1:{port}", app.state.gateway, server)
+        yield RunningGateway(
+            f"http://127.0.0.1:{port}", app.state.gateway, server, f"http://127.0.0.1:{app.state.metrics_server.port}"
+        )
     finally:
         server.should_exit = True
         await asyncio.wait_for(task, 30)

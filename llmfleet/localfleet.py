@@ -118,8 +118,10 @@ class LocalFleet:
         self.gateway_url = ""
         self.operator_health_url = ""
         self.operator_metrics_url = ""  # the operator's /metrics, on its own internal port
+        self.gateway_metrics_url = ""  # the gateway's /metrics, on its own internal port
         self._lock_file: Any = None
-        self._gateway_port = 0  # chosen at start: Prometheus scrapes the gateway too
+        self._gateway_port = 0  # chosen at start: the operator asks the gateway for its queue
+        self._gateway_metrics_port = 0  # chosen at start: Prometheus scrapes the gateway's internal metrics port
         self._operator_env: dict[str, str] = {}
 
     # ----------------------------------------------------------------------------------------------- lifecycle
@@ -132,7 +134,8 @@ class LocalFleet:
 
     def start(self) -> LocalFleet:
         try:
-            self._gateway_port = free_port()
+            self._gateway_port, self._gateway_metrics_port = free_port(), free_port()
+            self.gateway_metrics_url = f"http://127.0.0.1:{self._gateway_metrics_port}/metrics"
             self._prepare_work_dir()
             self._start_localkube()
             self._install_basics()
@@ -257,7 +260,7 @@ class LocalFleet:
         interval = f"{self.settings.scrape_interval_s:g}s"
         config["scrape_configs"].append({"job_name": "llmfleet-gateway", "scrape_interval": interval,
                                          "scrape_timeout": interval,
-                                         "static_configs": [{"targets": [f"127.0.0.1:{self._gateway_port}"]}]})
+                                         "static_configs": [{"targets": [f"127.0.0.1:{self._gateway_metrics_port}"]}]})
         config_path = self.work_dir / "prometheus.yml"
         config_path.write_text(yaml.safe_dump(config, sort_keys=False))
         port = free_port()
@@ -330,12 +333,13 @@ class LocalFleet:
             "gateway",
             llmfleet_argv("gateway", "--port", str(port), "--kubeconfig", str(self.kubeconfig),
                           "--api-keys-secret", f"{self.settings.namespace}/{KEYS_SECRET}",
+                          "--metrics-port", str(self._gateway_metrics_port),
                           "--config", str(config_path), "--log-level", self.settings.log_level),
             self.logs / "gateway.log", self._env(),
         ).start()
         self.gateway_url = f"http://127.0.0.1:{port}"
         self.gateway.wait_http(f"{self.gateway_url}/ready", self.settings.start_timeout_s, "readiness")
-        self._report(f"gateway at {self.gateway_url}")
+        self._report(f"gateway at {self.gateway_url} (its metrics at {self.gateway_metrics_url})")
 
     # ---------------------------------------------------------------------------------------------- helpers
 

@@ -122,7 +122,7 @@ async def test_rate_limit_429_with_headers() -> None:
             ok = [await c.post("/v1/chat/completions", json=chat()) for _ in range(2)]
             r = await c.post("/v1/chat/completions", json=chat())
             premium = await c.post("/v1/chat/completions", json=chat(), headers={"authorization": f"Bearer {PREMIUM_KEY}"})
-            metrics = (await c.get("/metrics")).text
+            metrics = await gw.metrics_text()
     assert [x.status_code for x in ok] == [200, 200]
     assert ok[0].headers["x-ratelimit-limit-requests"] == "2"
     assert ok[0].headers["x-ratelimit-remaining-requests"] == "1"
@@ -161,7 +161,7 @@ async def test_retries_another_pod_before_the_first_byte(failure: str) -> None:
             for i in range(12):
                 r = await c.post("/v1/chat/completions", json=chat(stream=i % 2 == 0, content=f"q{i}"))
                 assert r.status_code == 200, r.text
-            metrics = (await c.get("/metrics")).text
+            metrics = await gw.metrics_text()
     assert good.stats.requests == 12 and good.stats.completed == 12
     if failure != "refused":
         assert sum(b.stats.requests for b in bad) > 0  # the failing pods were tried, and every try moved on
@@ -183,7 +183,7 @@ async def test_never_retried_after_the_first_byte() -> None:
         async with run_gateway(FixedSource(one_variant_table("m", ws)), KEYS, settings(max_attempts=3)) as gw:
             async with gw.client(headers=AUTH) as c:
                 r = await c.post("/v1/chat/completions", json=chat(stream=True))
-                metrics = (await c.get("/metrics")).text
+                metrics = await gw.metrics_text()
     assert r.status_code == 200  # committed at the first byte
     evs = events(r.text)
     assert len(evs) == 3 and "[DONE]" not in evs
@@ -208,7 +208,7 @@ async def test_client_disconnect_mid_stream_reaches_the_worker() -> None:
         assert ws[0].stats.active == 0 and ws[0].stats.completed == 0
         assert gw.state.client is not None
         async with gw.client(headers=AUTH) as c:
-            metrics = (await c.get("/metrics")).text
+            metrics = await gw.metrics_text()
         assert 'kind="client_disconnect"' in metrics
 
 
@@ -281,7 +281,7 @@ async def test_saturation_sheds_low_tiers_queues_standard_and_lets_premium_throu
             assert (await queued).status_code == 200
             premium.cancel()
             await asyncio.gather(first, premium, return_exceptions=True)
-            metrics = (await c.get("/metrics")).text
+            metrics = await gw.metrics_text()
     assert batch.status_code == 503 and batch.json()["error"]["code"] == "overloaded" and batch.headers["retry-after"]
     assert 'llmfleet_gateway_shed_total{reason="shed",tier="batch"} 1.0' in metrics
 
@@ -294,7 +294,7 @@ async def test_scaled_to_zero_variant_holds_requests_and_exports_the_queue() -> 
                 held = asyncio.create_task(c.post("/v1/chat/completions", json=chat(stream=True)))
                 await eventually(lambda: gw.state.hold.counts != {}, "the request is held")
                 queued = (await c.get("/internal/queued")).json()
-                metrics = (await c.get("/metrics")).text
+                metrics = await gw.metrics_text()
                 assert queued == {"queued": [{"namespace": "", "deployment": "m", "variant": "v", "queued": 1}]}
                 assert 'llmfleet_gateway_queued_at_zero{deployment="m",namespace="",variant="v"} 1.0' in metrics
                 assert ws[0].stats.requests == 0
@@ -332,7 +332,7 @@ async def test_health_ready_and_metrics() -> None:
             assert (await c.get("/ready")).json() == {"status": "ready", "backends": 1}
             for stream in (True, False):
                 assert (await c.post("/v1/chat/completions", json=chat(stream=stream))).status_code == 200
-            text = (await c.get("/metrics")).text
+            text = await gw.metrics_text()
     for needle in (
         'llmfleet_gateway_requests_total{model="m",status="200"} 2.0',
         'llmfleet_gateway_time_to_first_token_seconds_count{model="m"} 1.0',

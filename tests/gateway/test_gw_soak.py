@@ -19,8 +19,10 @@ TOKENS = 20
 KEY = "sk-soak-test-key"
 
 
-async def metrics(c: httpx.AsyncClient) -> dict[str, float]:
-    return parse_metrics((await c.get("/metrics")).text)
+async def metrics(base: str) -> dict[str, float]:
+    """The gateway's series, from its internal metrics port."""
+    async with httpx.AsyncClient(base_url=base, timeout=10, trust_env=False) as c:
+        return parse_metrics((await c.get("/metrics")).text)
 
 
 async def stub_stats(urls: list[str]) -> list[dict]:
@@ -32,10 +34,11 @@ async def stub_stats(urls: list[str]) -> list[dict]:
 async def test_soak_1000_concurrent_streams(tmp_path: Path) -> None:
     keys = tmp_path / "keys.txt"
     keys.write_text(f"{KEY} premium\n")
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
+    metrics_base = f"http://127.0.0.1:{metrics_port}"
     async with spawn(sys.executable, "-m", "gateway.stub", "--count", "4", "--delay", "0.05", "--tokens", str(TOKENS), ready_prefix="listening on") as stub:
         urls = stub.first_line.removeprefix("listening on ").split()
-        args = ["-m", "llmfleet.cli", "gateway", "--port", str(port), "--backend", "soak=" + ",".join(urls), "--api-keys-file", str(keys), "--log-level", "warning"]
+        args = ["-m", "llmfleet.cli", "gateway", "--port", str(port), "--backend", "soak=" + ",".join(urls), "--api-keys-file", str(keys), "--log-level", "warning", "--metrics-port", str(metrics_port)]
         async with spawn(sys.executable, *args) as _gateway:
             base = f"http://127.0.0.1:{port}"
             await wait_http_ok(base + "/ready")
@@ -46,7 +49,7 @@ async def test_soak_1000_concurrent_streams(tmp_path: Path) -> None:
                 # warm up one stream, then take the baseline
                 r = await c.post("/v1/chat/completions", json={"model": "soak", "stream": True, "messages": [{"role": "user", "content": "warm"}]})
                 assert r.status_code == 200
-                before = await metrics(c)
+                before = await metrics(metrics_base)
 
                 async def one(i: int) -> tuple[int, int, bool]:
                     body = {"model": "soak", "stream": True, "messages": [{"role": "user", "content": f"request {i}"}]}
@@ -61,12 +64,12 @@ async def test_soak_1000_concurrent_streams(tmp_path: Path) -> None:
                 assert all(r == (200, TOKENS, True) for r in results), [r for r in results if r != (200, TOKENS, True)][:5]
 
                 # afterwards: the gateway's task count returns to the baseline and nothing is outstanding
-                after = await metrics(c)
+                after = await metrics(metrics_base)
                 for _ in range(200):
                     if after["llmfleet_gateway_asyncio_tasks"] <= before["llmfleet_gateway_asyncio_tasks"]:
                         break
                     await asyncio.sleep(0.05)
-                    after = await metrics(c)
+                    after = await metrics(metrics_base)
             assert after["llmfleet_gateway_asyncio_tasks"] == before["llmfleet_gateway_asyncio_tasks"]
             assert after["llmfleet_gateway_in_flight_requests"] == 0
             assert all(v == 0 for k, v in after.items() if k.startswith("llmfleet_gateway_backend_outstanding_requests"))
@@ -82,15 +85,10 @@ async def test_soak_1000_concurrent_streams(tmp_path: Path) -> None:
             # upstream connections: only idle keep-alive ones remain, bounded by the pool, and both ends agree
             # (each stub counts the connection its /stats answer travels on: minus one each)
             for _ in range(100):
-                upstream = (await metrics_once(base))["llmfleet_gateway_upstream_connections"]
+                upstream = (await metrics(metrics_base))["llmfleet_gateway_upstream_connections"]
                 stub_side = sum(s["connections"] - 1 for s in await stub_stats(urls))
                 if stub_side == upstream:
                     break
                 await asyncio.sleep(0.05)
             assert upstream <= 512
             assert stub_side == upstream
-
-
-async def metrics_once(base: str) -> dict[str, float]:
-    async with httpx.AsyncClient(base_url=base, timeout=10, trust_env=False, headers={"authorization": f"Bearer {KEY}"}) as c:
-        return await metrics(c)

@@ -41,7 +41,7 @@ async def workers(n: int, **engine_kw: object) -> AsyncIterator[list]:
 async def test_client_disconnect_frees_the_workers_request_and_kv_cache() -> None:
     async with workers(1, itl_s=0.02) as [(server, engine, url)]:
         source = StaticSource([StaticBackend("fake-model", "default", (url,))])
-        async with run_gateway(source) as gw, gw.client() as c:
+        async with run_gateway(source, open_mode=True) as gw, gw.client() as c:
             body = chat(model="fake-model", stream=True, max_tokens=1000)
             async with c.stream("POST", "/v1/chat/completions", json=body) as r:
                 assert r.status_code == 200
@@ -62,7 +62,7 @@ async def test_a_draining_workers_503_is_retried_on_another_worker() -> None:
         eps = tuple(Endpoint(url=u, name=u, variant="default", revision="r") for u in (d_url, url))
         table = RoutingTable({"fake-model": DeploymentRoute("fake-model", "fake-model", variants=(VariantRoute("default", 1, revisions=(RevisionRoute("r", 1, eps),)),))})
         draining.service.begin_drain("test")  # lame duck: answers 503 + Retry-After to new requests
-        async with run_gateway(FixedSource(table)) as gw, gw.client() as c:
+        async with run_gateway(FixedSource(table), open_mode=True) as gw, gw.client() as c:
             for i in range(6):
                 r = await c.post("/v1/chat/completions", json=chat(model="fake-model", stream=i % 2 == 0, max_tokens=4))
                 assert r.status_code == 200, r.text

@@ -250,7 +250,8 @@ def gateway(fleet: Any, localkube_cluster: Any, tmp_path: Path) -> Iterator[str]
     log = open(tmp_path / "gateway.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
         [LLMFLEET, "gateway", "--port", str(port), "--kubeconfig", str(localkube_cluster.kubeconfig),
-         "--namespace", fleet.namespace, "--log-level", "warning"],
+         "--namespace", fleet.namespace, "--log-level", "warning", "--metrics-port", str(free_port()),
+         "--insecure-open-mode"],  # these tests send no API key
         env={**os.environ}, stdout=log, stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
