@@ -11,14 +11,22 @@ tokens), run on the same machine in one process run, by:
   when present), with `VLLM_CPU_OMP_THREADS_BIND` set to all cores.
 
 For each it prints useful tokens/s (generated tokens the requests asked for, per wall second), TTFT and ITL
-p50/p99, and the ratios to `hf_static` and to `vllm`; plus the machine's fp32 GEMM rate measured here and the
-throughput ceiling it implies for this workload (all linear-layer FLOPs of prompt and output tokens at that
-rate, attention ignored), and the engine's per-step overhead outside the model (scheduler, KV bookkeeping,
-detokenisation: step time minus runner time) at the largest batch. The LAST line printed is one JSON object.
+p50/p99, and the ratios to `hf_static` and to `vllm`; plus the GEMM rate measured here on the model's layer
+shapes (256 rows) with the SAME linear layers the engine builds for that variant (the kernel
+`worker.model.linear.choose_linear_kernel` picks: MKL for fp32, oneDNN prepacked for bf16 on CPUs with native
+bf16; torch's int4/fp8 paths for the quantized variants), the throughput ceiling it implies for this workload
+(all linear-layer FLOPs of prompt and output tokens at that rate, attention ignored) and ours as a fraction of
+it, and the engine's per-step overhead outside the model (scheduler, KV bookkeeping, detokenisation: step time
+minus runner time) at the largest batch. The LAST line printed is one JSON object.
+
+`--variants` runs several variants in one process run (so their ratios share the machine's state): fp32 and
+bf16 run every system; int4/fp8 (weights quantized, activations fp32) run `ours` only, and their `x_vllm`
+is against vLLM fp32 and `x_fp32` against our fp32 when those ran.
 
     .venv/bin/python bench/engine.py                # SmolLM2-135M fp32, full workload (~10-20 min on 2 cores)
     .venv/bin/python bench/engine.py --quick        # 12 short requests: a smoke run in about a minute
     .venv/bin/python bench/engine.py --dtype bfloat16 --skip hf_static,ours_seq1
+    .venv/bin/python bench/engine.py --variants fp32,bf16 --skip hf_static,ours_seq1
 """
 
 from __future__ import annotations
@@ -36,6 +44,10 @@ from typing import Any
 
 SYSTEMS = ("ours", "ours_seq1", "hf_static", "vllm")
 HF_BATCH = 8
+# variant -> (dtype, quantization); quantized variants compute in fp32 like `quantization:` in a CR does.
+VARIANTS = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int4": ("float32", "int4"),
+            "fp8": ("float32", "fp8")}
+CEILING_ROWS = 256
 
 
 def make_workload(n: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab: int, seed: int):
@@ -69,7 +81,9 @@ def summarize(name: str, wall: float, useful: int, ttft: list[float], itl: list[
     }
 
 
-def run_ours(path: str, work, *, dtype: str, max_num_seqs: int, batched_tokens: int, name: str) -> dict:
+def run_ours(
+    path: str, work, *, dtype: str, max_num_seqs: int, batched_tokens: int, name: str, quantization: str | None = None
+) -> dict:
     from worker.engine.llm import LLM
     from worker.request import SamplingParams
 
@@ -77,6 +91,7 @@ def run_ours(path: str, work, *, dtype: str, max_num_seqs: int, batched_tokens: 
     llm = LLM(
         path,
         dtype=dtype,
+        quantization=quantization,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max(batched_tokens, max_num_seqs),
         num_blocks=need // 16 + 2 * len(work) + 16,
@@ -124,8 +139,10 @@ def run_ours(path: str, work, *, dtype: str, max_num_seqs: int, batched_tokens: 
     core.runner.execute_model = execute
     peak = max(r for r, _ in overhead)
     at_peak = [o for r, o in overhead if r == peak]
+    model = runner.model
     return summarize(
         name, wall, produced, list(first.values()), itl,
+        linear_kernel=model.linear_kernel,
         steps=len(overhead),
         overhead_ms_p50=round(pct([o for _, o in overhead], 50) * 1e3, 3),
         overhead_ms_at_peak_p50=round(pct(at_peak, 50) * 1e3, 3),
@@ -235,36 +252,47 @@ def run_vllm(python: str, path: str, work, *, dtype: str, timeout_s: int) -> dic
     return json.loads(lines[-1])
 
 
-def gemm_ceiling(path: str, work, dtype: str) -> dict:
-    """Measured dense GEMM rate on the model's layer shapes, and the tok/s it allows for this workload."""
+def gemm_ceiling(path: str, work, dtype: str, quantization: str | None = None) -> dict:
+    """GEMM rate on the model's layer shapes through the linear layers the engine builds for this variant (same
+    kernel choice, same library), and the tok/s it allows for this workload."""
     import torch
     from worker.model.config import ModelConfig
+    from worker.model.linear import (
+        available_kernels,
+        choose_linear_kernel,
+        read_cpu_flags,
+    )
+    from worker.model.quant import make_linear
 
     cfg = ModelConfig.from_dir(path)
     h, i = cfg.hidden_size, cfg.intermediate_size
     shapes = [(cfg.q_size + 2 * cfg.kv_size, h), (h, cfg.q_size), (2 * i, h), (h, i)]
     layer_params = sum(n * k for n, k in shapes)
     dt = getattr(torch, dtype)
-    rows = 256
+    kernel, reason = choose_linear_kernel("cpu", dt, read_cpu_flags(), available_kernels())
+    rows = CEILING_ROWS
     flops = 0.0
     secs = 0.0
-    for n, k in shapes:
-        x = torch.randn(rows, k, dtype=dt)
-        w = torch.randn(n, k, dtype=dt)
-        for _ in range(3):
-            torch.nn.functional.linear(x, w)
-        reps = 20
-        t = time.perf_counter()
-        for _ in range(reps):
-            torch.nn.functional.linear(x, w)
-        secs += time.perf_counter() - t
-        flops += 2.0 * rows * n * k * reps
+    with torch.inference_mode():
+        for n, k in shapes:
+            x = torch.randn(rows, k, dtype=dt)
+            lin = make_linear(torch.randn(n, k) * k**-0.5, None, quantization, dt, kernel)
+            for _ in range(3):
+                lin(x)
+            reps = 20
+            t = time.perf_counter()
+            for _ in range(reps):
+                lin(x)
+            secs += time.perf_counter() - t
+            flops += 2.0 * rows * n * k * reps
     rate = flops / secs
     prompt_tokens = sum(len(p) for p, _ in work)
     output_tokens = sum(n for _, n in work)
     work_flops = 2.0 * cfg.num_hidden_layers * layer_params * (prompt_tokens + output_tokens)
     work_flops += 2.0 * cfg.vocab_size * h * output_tokens  # the output head, for sampled rows only
     return {
+        "linear_kernel": kernel if quantization is None else quantization,
+        "kernel_reason": reason if quantization is None else f"{quantization} weight-only (quant.py)",
         "gemm_gflops": round(rate / 1e9, 1),
         "model_gflop_per_token": round(2.0 * (cfg.num_hidden_layers * layer_params + cfg.vocab_size * h) / 1e9, 3),
         "ceiling_tok_s": round(output_tokens / (work_flops / rate), 1),
@@ -274,30 +302,31 @@ def gemm_ceiling(path: str, work, dtype: str) -> dict:
 
 
 def print_table(result: dict) -> None:
-    rows = [r for r in result["systems"] if "tok_s" in r]
     print(f"\nworkload: {result['workload']}")
-    c = result["ceiling"]
-    print(f"fp32 GEMM here: {c['gemm_gflops']} GFLOP/s -> ceiling {c['ceiling_tok_s']} useful tok/s "
-          f"({c['prompt_tokens']} prompt + {c['output_tokens']} output tokens)")
-    print(f"{'system':10} {'tok/s':>8} {'wall s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}"
-          f" {'x hf':>6} {'x vllm':>7}")
-    for r in rows:
-        print(f"{r['system']:10} {r['tok_s']:8.1f} {r['wall_s']:8.1f} {r['ttft_p50_s']:8.2f}s {r['ttft_p99_s']:8.2f}s"
-              f" {r['itl_p50_ms']:6.0f}ms {r['itl_p99_ms']:6.0f}ms {r.get('x_hf_static', float('nan')):6.2f}"
-              f" {r.get('x_vllm', float('nan')):7.2f}")
+    for variant, c in result["ceilings"].items():
+        print(f"{variant} GEMM here ({c['linear_kernel']}, {CEILING_ROWS} rows): {c['gemm_gflops']} GFLOP/s -> "
+              f"ceiling {c['ceiling_tok_s']} useful tok/s ({c['prompt_tokens']} prompt + {c['output_tokens']} output)")
+    print(f"{'variant':7} {'system':10} {'tok/s':>8} {'wall s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8}"
+          f" {'ITL p99':>8} {'x hf':>6} {'x vllm':>7} {'x fp32':>7} {'x ceil':>7}")
+    nan = float("nan")
     for r in result["systems"]:
-        if "error" in r:
-            print(f"{r['system']}: not run ({r['error'][:300]})")
-    ours = next((r for r in rows if r["system"] == "ours"), None)
-    if ours:
-        print(f"engine overhead per step outside the model at {ours['peak_running']} running: "
-              f"p50 {ours['overhead_ms_at_peak_p50']} ms, p99 {ours['overhead_ms_at_peak_p99']} ms")
+        if "tok_s" not in r:
+            print(f"{r['variant']:7} {r['system']}: not run ({r['error'][:300]})")
+            continue
+        print(f"{r['variant']:7} {r['system']:10} {r['tok_s']:8.1f} {r['wall_s']:8.1f} {r['ttft_p50_s']:8.2f}s"
+              f" {r['ttft_p99_s']:8.2f}s {r['itl_p50_ms']:6.0f}ms {r['itl_p99_ms']:6.0f}ms"
+              f" {r.get('x_hf_static', nan):6.2f} {r.get('x_vllm', nan):7.2f} {r.get('x_fp32', nan):7.2f}"
+              f" {r.get('x_ceiling', nan):7.2f}")
+        if r["system"] == "ours":
+            print(f"        engine overhead per step outside the model at {r['peak_running']} running: "
+                  f"p50 {r['overhead_ms_at_peak_p50']} ms, p99 {r['overhead_ms_at_peak_p99']} ms")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="bundled://smollm2-135m-instruct")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="one variant: fp32/bf16")
+    ap.add_argument("--variants", default=None, help=f"comma-separated, run in this order: {','.join(VARIANTS)}")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="12 requests, prompts 16..96, outputs 8..32")
@@ -328,40 +357,60 @@ def main() -> None:
     unknown = skip - set(SYSTEMS)
     if unknown:
         ap.error(f"unknown systems in --skip: {sorted(unknown)}")
+    names = (args.variants or {"float32": "fp32", "bfloat16": "bf16"}[args.dtype]).split(",")
+    bad = [v for v in names if v not in VARIANTS]
+    if bad:
+        ap.error(f"unknown variants {bad}; choose from {','.join(VARIANTS)}")
+    vpy = args.vllm_python or str(Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python")
     systems: list[dict] = []
+    ceilings: dict[str, dict] = {}
 
-    def progress(name: str) -> None:
-        print(f"[bench] {time.strftime('%H:%M:%S')} running {name} ...", file=sys.stderr, flush=True)
+    def progress(name: str, variant: str) -> None:
+        print(f"[bench] {time.strftime('%H:%M:%S')} running {name} {variant} ...", file=sys.stderr, flush=True)
 
-    if "ours" not in skip:
-        progress("ours")
-        systems.append(run_ours(path, work, dtype=args.dtype, max_num_seqs=64,
-                                batched_tokens=args.max_num_batched_tokens, name="ours"))
-    if "ours_seq1" not in skip:
-        progress("ours_seq1")
-        systems.append(run_ours(path, work, dtype=args.dtype, max_num_seqs=1,
-                                batched_tokens=args.max_num_batched_tokens, name="ours_seq1"))
-    if "hf_static" not in skip:
-        progress("hf_static")
-        systems.append(run_hf_static(path, work, dtype=args.dtype))
-    if "vllm" not in skip:
-        vpy = args.vllm_python or str(Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python")
-        if Path(vpy).is_file():
-            progress("vllm")
-            systems.append(run_vllm(vpy, path, work, dtype=args.dtype, timeout_s=args.vllm_timeout))
-        else:
-            systems.append({"system": "vllm", "error": f"no vLLM interpreter at {vpy} (pass --vllm-python)"})
-    by = {r["system"]: r for r in systems if "tok_s" in r}
-    for r in by.values():
+    for variant in names:
+        dtype, quant = VARIANTS[variant]
+        found: list[dict] = []
+        if "ours" not in skip:
+            progress("ours", variant)
+            found.append(run_ours(path, work, dtype=dtype, max_num_seqs=64, quantization=quant,
+                                  batched_tokens=args.max_num_batched_tokens, name="ours"))
+        if quant is None and "ours_seq1" not in skip:
+            progress("ours_seq1", variant)
+            found.append(run_ours(path, work, dtype=dtype, max_num_seqs=1,
+                                  batched_tokens=args.max_num_batched_tokens, name="ours_seq1"))
+        if quant is None and "hf_static" not in skip:
+            progress("hf_static", variant)
+            found.append(run_hf_static(path, work, dtype=dtype))
+        if quant is None and "vllm" not in skip:
+            if Path(vpy).is_file():
+                progress("vllm", variant)
+                found.append(run_vllm(vpy, path, work, dtype=dtype, timeout_s=args.vllm_timeout))
+            else:
+                found.append({"system": "vllm", "error": f"no vLLM interpreter at {vpy} (pass --vllm-python)"})
+        ceilings[variant] = gemm_ceiling(path, work, dtype, quant)
+        for r in found:
+            r["variant"] = variant
+            if "tok_s" in r and r["system"] == "ours":
+                r["x_ceiling"] = round(r["tok_s"] / ceilings[variant]["ceiling_tok_s"], 3)
+        systems += found
+    done = {(r["variant"], r["system"]): r for r in systems if "tok_s" in r}
+    for (variant, _), r in done.items():
+        dtype, quant = VARIANTS[variant]
+        base = variant if quant is None else "fp32"  # quantized variants compute in fp32
         for ref in ("hf_static", "vllm"):
-            if ref in by:
-                r[f"x_{ref}"] = round(r["tok_s"] / by[ref]["tok_s"], 3)
+            if (base, ref) in done:
+                r[f"x_{ref}"] = round(r["tok_s"] / done[(base, ref)]["tok_s"], 3)
+        if variant != "fp32" and r["system"] == "ours" and ("fp32", "ours") in done:
+            r["x_fp32"] = round(r["tok_s"] / done[("fp32", "ours")]["tok_s"], 3)
     result = {
         "model": args.model,
-        "dtype": args.dtype,
+        "dtype": VARIANTS[names[0]][0],
+        "variants": names,
         "workload": {"requests": n, "prompt_len": prange, "output_len": orange, "seed": args.seed,
                      "greedy": True, "ignore_eos": True},
-        "ceiling": gemm_ceiling(path, work, args.dtype),
+        "ceiling": ceilings[names[0]],
+        "ceilings": ceilings,
         "systems": systems,
     }
     print_table(result)
