@@ -15,6 +15,7 @@ from worker.model.linear import (
     choose_linear_kernel,
     make_dense_linear,
     read_cpu_flags,
+    resolve_auto_dtype,
 )
 from worker.model.llama import LlamaModel
 from worker.model.loader import load_weights
@@ -44,6 +45,22 @@ GEN = torch.Generator().manual_seed(0)
 def test_choose_linear_kernel(device, dtype, flags, kernels, expected, why):
     kind, reason = choose_linear_kernel(device, dtype, flags, kernels)
     assert kind == expected
+    assert why in reason
+
+
+@pytest.mark.parametrize(
+    "device,flags,kernels,expected,why",
+    [
+        ("cpu", BF16_CPU, ONEDNN, "bfloat16", "avx512_bf16"),
+        ("cpu", AMX_CPU, ONEDNN, "bfloat16", "amx_bf16"),
+        ("cpu", OLD_CPU, ONEDNN, "float32", "without avx512_bf16"),
+        ("cpu", BF16_CPU, frozenset(), "float32", "lacks oneDNN"),
+        ("cuda", frozenset(), frozenset(), "bfloat16", "device cuda"),
+    ],
+)
+def test_resolve_auto_dtype(device, flags, kernels, expected, why):
+    dtype, reason = resolve_auto_dtype(device, flags, kernels)
+    assert dtype == expected
     assert why in reason
 
 
@@ -133,3 +150,23 @@ def test_bf16_model_chooses_onednn_on_a_bf16_cpu(tiny_weights):
 def _linears(model: LlamaModel) -> list:
     layers = [lin for layer in model.layers for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
     return [*layers, model.lm_head]
+
+
+def test_runner_resolves_auto_dtype_as_the_pure_rule_says(tmp_path):
+    from worker.model.runner import ModelRunner
+
+    root = make_tiny_llama(tmp_path / "m")
+    runner = ModelRunner(str(root), dtype="auto", num_blocks=8)
+    expected, reason = resolve_auto_dtype("cpu", read_cpu_flags(), available_kernels())
+    assert runner.dtype == getattr(torch, expected)
+    assert runner.dtype_reason == reason
+    assert runner.kv_cache.dtype == runner.dtype
+    assert runner.model.compute_logits(torch.zeros(1, runner.config.hidden_size, dtype=runner.dtype)).dtype == (
+        torch.float32
+    )
+
+
+def test_engine_config_accepts_auto_dtype():
+    from worker.config import EngineConfig
+
+    assert EngineConfig(dtype="auto").dtype == "auto"

@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Quantization = Literal["none", "fp8", "int4"]
-DType = Literal["float32", "bfloat16", "float16"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]  # auto: worker.model.linear.resolve_auto_dtype
 SchedulingPolicy = Literal["fcfs", "priority"]
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import os
 import warnings
 from pathlib import Path
@@ -24,6 +25,7 @@ from worker.core.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from worker.model.attention import SeqSpan, build_metadata
 from worker.model.config import ModelConfig
 from worker.model.kernels import load_paged_decode
+from worker.model.linear import available_kernels, read_cpu_flags, resolve_auto_dtype
 from worker.model.llama import LlamaModel
 from worker.model.loader import load_weights
 from worker.model.quant import QUANTIZATIONS
@@ -100,8 +102,13 @@ class ModelRunner:
         max_model_len: int | None = None,
         enforce_eager: bool = False,
     ) -> None:
+        self.dtype_reason = "asked for"
+        if dtype == "auto":
+            flags = read_cpu_flags() if torch.device(device).type == "cpu" else frozenset()
+            dtype, self.dtype_reason = resolve_auto_dtype(device, flags, available_kernels())
+            logging.getLogger(__name__).info("dtype auto -> %s: %s", dtype, self.dtype_reason)
         if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+            raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
         if quantization not in (None, "none", *QUANTIZATIONS):
             raise ValueError(f"quantization must be none or one of {QUANTIZATIONS}, got {quantization!r}")
         if block_size < 1:
