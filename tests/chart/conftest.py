@@ -40,8 +40,9 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "monitoring": {"enabled": True},
     },
     "watch-namespaces": {"watchNamespaces": ["team-a", "team-b"], "gateway": {"enabled": False}},
-    "open-gateway": {
-        "gateway": {"apiKeys": {"openMode": True}, "replicaCount": 1, "config": {"max_attempts": 2}},
+    "custom-gateway": {
+        "gateway": {"apiKeys": {"existingSecret": "team-keys"}, "metricsPort": 9191, "replicaCount": 1,
+                    "config": {"max_attempts": 2}},
         "operator": {"alerts": {"existingSecret": "my-alerts-token", "secretKey": "bearer"}},
     },
 }

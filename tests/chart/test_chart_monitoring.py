@@ -216,16 +216,31 @@ def test_cluster_wide_pod_monitor_watches_every_namespace(rendered_sets):
     assert monitor["spec"]["namespaceSelector"] == {"any": True}
 
 
-def test_service_monitor_selects_the_gateway_service(rendered_sets):
-    rendered = rendered_sets["monitoring"]
-    monitors = rendered.of_kind("ServiceMonitor")
-    assert {m["metadata"]["name"] for m in monitors} == {"fleet-llmfleet-gateway"}
-    for monitor in monitors:
-        service = rendered.get("Service", monitor["metadata"]["name"])
-        assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
-        (endpoint,) = monitor["spec"]["endpoints"]
-        assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
-        assert endpoint["honorLabels"] is True
+def test_gateway_metrics_are_scraped_from_the_pods_internal_port_never_through_the_service(rendered_sets, value_set):
+    """The gateway's /metrics names pod URLs, deployments and namespaces: it is served on its own port (metricsPort,
+    bound to the pod IP), scraped by a PodMonitor, and the Service (what API clients reach) does not expose it."""
+    rendered = rendered_sets[value_set]
+    if "fleet-llmfleet-gateway" not in {d["metadata"]["name"] for d in rendered.of_kind("Deployment")}:
+        return  # gateway.enabled=false in this value set
+    deployment = rendered.get("Deployment", "fleet-llmfleet-gateway")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    flags = dict(arg.removeprefix("--").split("=", 1) for arg in container["args"])
+    assert flags["metrics-port"] == str(ports["metrics"]) != flags["port"]
+    assert flags["metrics-host"] == "$(POD_IP)"
+    assert value_set != "custom-gateway" or ports["metrics"] == 9191
+    service = rendered.get("Service", "fleet-llmfleet-gateway")
+    assert {p["targetPort"] for p in service["spec"]["ports"]} == {"http"}
+    assert [m for m in rendered.of_kind("ServiceMonitor") if "gateway" in m["metadata"]["name"]] == []
+    monitors = [m for m in rendered.of_kind("PodMonitor") if m["metadata"]["name"] == "fleet-llmfleet-gateway"]
+    if value_set != "monitoring" and not monitors:
+        return  # monitoring off in this value set: nothing scrapes the gateway
+    (monitor,) = monitors  # "monitoring" turns the monitors on
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [deployment["metadata"]["namespace"]]}
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["path"], endpoint["honorLabels"]) == ("metrics", "/metrics", True)
 
 
 def test_operator_metrics_are_scraped_from_the_pods_internal_port_never_through_the_service(rendered_sets, value_set):

@@ -155,10 +155,10 @@ def test_gateway_reads_routes_and_only_its_key_secret(rendered_sets, set_name, n
                 assert set(rule["verbs"]) <= {"get", "list", "watch"}, f"gateway may write: {rule}"
 
 
-def test_open_mode_gateway_gets_no_secret_access(rendered_sets):
-    rendered = rendered_sets["open-gateway"]
-    rules = rules_for(rendered, GATEWAY_SA, "llm")
-    assert not any("secrets" in r["resources"] for r in rules)
+def test_gateway_secret_access_follows_existing_secret(rendered_sets):
+    rules = rules_for(rendered_sets["custom-gateway"], GATEWAY_SA, "llm")
+    assert allows(rules, "", "secrets", "watch", name="team-keys")
+    assert not allows(rules, "", "secrets", "get", name="llmfleet-api-keys")
 
 
 def test_rbac_create_false_renders_no_rbac(render):

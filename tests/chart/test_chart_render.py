@@ -65,11 +65,10 @@ def test_every_object_carries_the_release_labels(value_set, rendered_sets):
     [
         ("defaults", {"InferenceDeployment CRD"}),
         ("no-crds", set()),
-        ("monitoring", {"InferenceDeployment CRD", "PodMonitor", "ServiceMonitor", "PrometheusRule",
-                        "AlertmanagerConfig"}),
+        ("monitoring", {"InferenceDeployment CRD", "PodMonitor", "PrometheusRule", "AlertmanagerConfig"}),
         ("two-operators", {"InferenceDeployment CRD", "kopf peering CRDs", "KopfPeering"}),
         ("two-operators-cluster-wide", {"InferenceDeployment CRD", "kopf peering CRDs", "ClusterKopfPeering",
-                                        "PodMonitor", "ServiceMonitor", "PrometheusRule"}),
+                                        "PodMonitor", "PrometheusRule"}),
     ],
 )  # fmt: skip
 def test_crd_backed_kinds_are_exactly_the_expected_ones(set_name, expected, rendered_sets):

@@ -82,6 +82,22 @@ def test_schema_rejects_bad_values_with_the_key_path(template, values, message):
             {"gateway": {"config": {"port": 9000}}},
             "use gateway.port instead",
         ),
+        (
+            {"gateway": {"config": {"metrics_port": 9000}}},
+            "use gateway.metricsPort instead",
+        ),
+        (
+            {"gateway": {"config": {"metrics_host": "0.0.0.0"}}},
+            "gateway.config.metrics_host is set by the chart",
+        ),
+        (
+            {"gateway": {"config": {"allow_open_mode": True}}},
+            "the chart runs the gateway with API keys only",
+        ),
+        (
+            {"gateway": {"metricsPort": 8080}},
+            "gateway.metricsPort must differ from gateway.port",
+        ),
     ],
 )
 def test_cross_value_rules_fail_with_how_to_fix(template, values, message):

@@ -123,7 +123,7 @@ def test_operator_alerts_token_comes_from_the_secret(rendered_sets):
     assert ref["secretKeyRef"] == {"name": "fleet-llmfleet-alerts-token", "key": "token"}
     secret = defaults.get("Secret", "fleet-llmfleet-alerts-token")
     assert len(secret["data"]["token"]) >= 48
-    existing = rendered_sets["open-gateway"]
+    existing = rendered_sets["custom-gateway"]
     (container,) = _containers(existing, OPERATOR)
     ref = next(e for e in container["env"] if e["name"] == "LLMFLEET_OPERATOR_ALERTS_TOKEN")["valueFrom"]
     assert ref["secretKeyRef"] == {"name": "my-alerts-token", "key": "bearer"}
@@ -165,7 +165,7 @@ def _gateway_options() -> set[str]:
     [
         ("defaults", "llm", "llm/llmfleet-api-keys"),
         ("cluster-wide", None, "llm/llmfleet-api-keys"),
-        ("open-gateway", "llm", None),
+        ("custom-gateway", "llm", "llm/team-keys"),
     ],
 )
 def test_gateway_flags_are_real_options_and_follow_the_values(rendered_sets, set_name, namespace, secret):
@@ -179,9 +179,18 @@ def test_gateway_flags_are_real_options_and_follow_the_values(rendered_sets, set
     assert flags["host"] == "$(POD_IP)", "the gateway binds to its pod IP"
     assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in container["env"]
     assert flags["port"] == str(next(p["containerPort"] for p in container["ports"] if p["name"] == "http"))
+    assert "insecure-open-mode" not in flags, "the chart never runs the gateway without API keys"
 
 
-@pytest.mark.parametrize("set_name", ["defaults", "open-gateway"])
+def test_gateway_is_ready_only_with_keys_and_live_without(rendered_sets):
+    """A missing key Secret makes /ready 503 (not Ready: no traffic) while /health stays 200 (no restart loop)."""
+    (container,) = _containers(rendered_sets["defaults"], GATEWAY)
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert container["startupProbe"]["httpGet"]["path"] == "/health"
+
+
+@pytest.mark.parametrize("set_name", ["defaults", "custom-gateway"])
 def test_gateway_configmap_loads_as_gateway_settings(rendered_sets, set_name, tmp_path):
     rendered = rendered_sets[set_name]
     config = rendered.get("ConfigMap", GATEWAY)["data"]["gateway.yaml"]

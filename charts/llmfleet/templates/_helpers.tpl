@@ -91,8 +91,20 @@ Included by every template that depends on them, so `helm template` stops before
 {{- if and $v.gateway.enabled (not $v.rbac.clusterWide) (gt (len (include "llmfleet.watchNamespaces" . | fromJsonArray)) 1) }}
 {{- fail "the gateway watches one namespace or all of them: with several watchNamespaces set rbac.clusterWide=true, install one release per namespace, or set gateway.enabled=false" }}
 {{- end }}
-{{- if and $v.gateway.enabled (not $v.gateway.apiKeys.openMode) (not $v.gateway.apiKeys.existingSecret) }}
-{{- fail "gateway.apiKeys.existingSecret is empty: name the Secret holding the API keys (item `api-keys`), or set gateway.apiKeys.openMode=true to run without keys" }}
+{{- if and $v.gateway.enabled (not $v.gateway.apiKeys.existingSecret) }}
+{{- fail "gateway.apiKeys.existingSecret is empty: name the Secret holding the API keys (item `api-keys`)" }}
+{{- end }}
+{{- if eq (int $v.gateway.metricsPort) (int $v.gateway.port) }}
+{{- fail "gateway.metricsPort must differ from gateway.port: /metrics is served on its own internal port" }}
+{{- end }}
+{{- if hasKey $v.gateway.config "allow_open_mode" }}
+{{- fail "gateway.config.allow_open_mode: the chart runs the gateway with API keys only (gateway.apiKeys.existingSecret); remove it" }}
+{{- end }}
+{{- if hasKey $v.gateway.config "metrics_host" }}
+{{- fail "gateway.config.metrics_host is set by the chart (the pod IP): remove it" }}
+{{- end }}
+{{- if hasKey $v.gateway.config "metrics_port" }}
+{{- fail "gateway.config.metrics_port is set by the chart: use gateway.metricsPort instead" }}
 {{- end }}
 {{- if hasKey $v.gateway.config "host" }}
 {{- fail "gateway.config.host is set by the chart (the pod IP): remove it" }}
