@@ -23,6 +23,8 @@ from llmfleet.cli import app
         (["--kubeconfig", "/nonexistent/kubeconfig"], "cannot load kubeconfig"),
         (["--backend", "m=http://a:1", "--loop", "trio"], "--loop must be auto, asyncio or uvloop"),
         (["--backend", "m=http://a:1", "--http", "h2"], "--http must be auto, h11 or httptools"),
+        (["--backend", "m=http://a:1"], "no API keys: pass --api-keys-file FILE or --api-keys-secret"),
+        (["--backend", "m=http://a:1", "--port", "9000", "--metrics-port", "9000"], "metrics_port equals port"),
     ],
 )
 def test_bad_options_exit_2_with_a_clear_message(args: list[str], message: str) -> None:
@@ -40,6 +42,17 @@ def test_bad_key_file_and_config_are_reported(tmp_path: Path) -> None:
     keys.write_text("# no keys yet\n")
     result = CliRunner().invoke(app, ["gateway", "--backend", "m=http://a:1", "--api-keys-file", str(keys)])
     assert result.exit_code == 2 and "holds no key" in result.output
+    keys.write_text("sk-secret-key-1\n")
+    result = CliRunner().invoke(
+        app, ["gateway", "--backend", "m=http://a:1", "--api-keys-file", str(keys), "--insecure-open-mode"]
+    )
+    assert result.exit_code == 2 and "--insecure-open-mode (allow_open_mode) accepts everyone" in result.output
+    open_config = tmp_path / "open.yaml"
+    open_config.write_text("allow_open_mode: true\n")
+    result = CliRunner().invoke(
+        app, ["gateway", "--backend", "m=http://a:1", "--api-keys-file", str(keys), "--config", str(open_config)]
+    )
+    assert result.exit_code == 2 and "accepts everyone" in result.output
     config = tmp_path / "gw.yaml"
     config.write_text("load_factor: 0.5\n")
     result = CliRunner().invoke(app, ["gateway", "--backend", "m=http://a:1", "--config", str(config)])

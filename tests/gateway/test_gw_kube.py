@@ -155,3 +155,35 @@ async def test_list_then_watch_events_and_410() -> None:
     assert changes == [["a", "b"], ["a", "b"], ["a"]]  # ADDED, MODIFIED, DELETED (not the bookmark)
     assert coll.objects[(NS, "a")]["spec"] == {"x": 1} and coll.resource_version == "14"
     assert seen[1] == {"labelSelector": "llmfleet.io/deployment", "watch": "1", "allowWatchBookmarks": "true", "timeoutSeconds": "5", "resourceVersion": "10"}
+
+
+@pytest.mark.slow
+async def test_the_key_secret_fails_closed_missing_empty_and_deleted(cluster: Any) -> None:
+    """Through the API server's watch: no Secret -> 503 and not ready; a Secret with no key -> still 503; a key ->
+    401 without it, 200 with it; the Secret deleted -> 503 again (every key dropped)."""
+    name, path = "gw-keys-closed", f"/api/v1/namespaces/{NS}/secrets"
+    doc = {**secret(KEY), "metadata": {"name": name}}
+    empty = {**doc, "data": {"api-keys": base64.b64encode(b"# none yet\n").decode()}}
+    async with httpx.AsyncClient(base_url=cluster.url, timeout=10) as api:
+        source = KubeSource(KubeConnection.load(str(cluster.kubeconfig)), namespace=NS, keys_secret=(NS, name), retry_delay_s=0.1)
+        async with run_gateway(source) as gw, gw.client() as c:
+            r = await c.get("/v1/models", headers={"authorization": f"Bearer {KEY}"})
+            assert r.status_code == 503 and f"the Secret {NS}/{name} is missing or holds no keys" in r.json()["error"]["message"]
+            assert (await c.get("/ready")).status_code == 503 and (await c.get("/health")).status_code == 200
+
+            before = gw.state.keys
+            ok(await api.post(path, json=empty))
+            await eventually(lambda: gw.state.keys is not before, "the empty Secret is seen")
+            assert gw.state.keys.unavailable is not None
+            assert (await c.get("/v1/models", headers={"authorization": f"Bearer {KEY}"})).status_code == 503
+
+            ok(await api.put(f"{path}/{name}", json=doc))
+            await eventually(lambda: gw.state.keys.unavailable is None, "the key is loaded")
+            assert (await c.get("/v1/models")).status_code == 401
+            assert (await c.get("/v1/models", headers={"authorization": f"Bearer {KEY}"})).status_code == 200
+            assert (await c.get("/ready")).status_code == 200
+
+            ok(await api.delete(f"{path}/{name}"))
+            await eventually(lambda: gw.state.keys.unavailable is not None, "the deletion is seen")
+            assert (await c.get("/v1/models", headers={"authorization": f"Bearer {KEY}"})).status_code == 503
+            assert (await c.get("/ready")).status_code == 503
