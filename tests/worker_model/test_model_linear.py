@@ -113,8 +113,14 @@ def test_make_dense_linear_builds_the_kind_asked(kernel, cls):
 
 @pytest.fixture(scope="module")
 def tiny_weights(tmp_path_factory):
-    root = make_tiny_llama(tmp_path_factory.mktemp("lin"), tie_word_embeddings=True)
+    root = make_tiny_llama(tmp_path_factory.mktemp("lin"))
     return ModelConfig.from_dir(root), load_weights(root, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def tied_weights(tmp_path_factory):
+    root = make_tiny_llama(tmp_path_factory.mktemp("tied"), tie_word_embeddings=True)
+    return ModelConfig.from_dir(root), load_weights(root, torch.bfloat16)
 
 
 def test_fp32_model_keeps_plain_torch_linears(tiny_weights):
@@ -135,6 +141,18 @@ def test_bf16_model_packs_every_linear_and_matches_plain_torch(tiny_weights):
     hidden = torch.randn(9, cfg.hidden_size, generator=GEN).bfloat16()
     torch.testing.assert_close(packed.compute_logits(hidden), plain.compute_logits(hidden))
     assert packed.compute_logits(hidden).dtype == torch.float32
+
+
+@needs_onednn
+def test_tied_head_shares_the_embedding_under_every_kernel(tied_weights):
+    cfg, weights = tied_weights
+    plain = LlamaModel(cfg, weights, dtype=torch.bfloat16, linear_kernel="aten")
+    packed = LlamaModel(cfg, weights, dtype=torch.bfloat16, linear_kernel="onednn_bf16")
+    assert isinstance(packed.lm_head, DenseLinear)
+    assert packed.lm_head.weight.data_ptr() == packed.embed.data_ptr()
+    assert packed.nbytes == plain.nbytes
+    hidden = torch.randn(4, cfg.hidden_size, generator=GEN).bfloat16()
+    torch.testing.assert_close(packed.compute_logits(hidden), plain.compute_logits(hidden))
 
 
 @needs_onednn
