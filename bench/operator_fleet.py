@@ -137,6 +137,8 @@ def main() -> None:
             "LLMFLEET_OPERATOR_WORKER_COMMAND": json.dumps(["python3", "-c", STUB]),
             "LLMFLEET_OPERATOR_WORKER_CACHE_DIR": "",
             "LLMFLEET_OPERATOR_DELETION_RETRY_SECONDS": "0.5",
+            "LLMFLEET_OPERATOR_INSECURE_EPHEMERAL_DRAIN_KEY": "true",  # a benchmark: no drain-key file to manage
+            "LLMFLEET_OPERATOR_METRICS_PORT": str(free_port()),
         }
         with open(workdir / "operator.log", "wb") as log:
             operator = subprocess.Popen([str(BIN / "llmfleet"), "operator", "--namespace", NAMESPACE],
