@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import typer.main
 import yaml
-
 from fleet_operator.settings import ENV_PREFIX, OperatorSettings
+
 from gateway.settings import GatewaySettings
 from llmfleet.cli import app as llmfleet_app
 
