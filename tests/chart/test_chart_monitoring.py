@@ -216,55 +216,51 @@ def test_cluster_wide_pod_monitor_watches_every_namespace(rendered_sets):
     assert monitor["spec"]["namespaceSelector"] == {"any": True}
 
 
+def _metrics_port_is_private(rendered, value_set: str, name: str) -> dict[str, int]:
+    """`name`'s Service exposes only `http`, and (with monitoring on) a PodMonitor scrapes the pods' `metrics` port;
+    returns the container's ports by name."""
+    deployment = rendered.get("Deployment", name)
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["http"] != ports["metrics"]
+    service = rendered.get("Service", name)
+    assert {p["targetPort"] for p in service["spec"]["ports"]} == {"http"}
+    assert [m for m in rendered.of_kind("ServiceMonitor") if m["metadata"]["name"] == name] == []
+    monitors = [m for m in rendered.of_kind("PodMonitor") if m["metadata"]["name"] == name]
+    if value_set != "monitoring" and not monitors:
+        return ports  # monitoring off in this value set: nothing scrapes it
+    (monitor,) = monitors  # "monitoring" turns the monitors on
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [deployment["metadata"]["namespace"]]}
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["path"], endpoint["honorLabels"]) == ("metrics", "/metrics", True)
+    return ports
+
+
 def test_gateway_metrics_are_scraped_from_the_pods_internal_port_never_through_the_service(rendered_sets, value_set):
     """The gateway's /metrics names pod URLs, deployments and namespaces: it is served on its own port (metricsPort,
     bound to the pod IP), scraped by a PodMonitor, and the Service (what API clients reach) does not expose it."""
     rendered = rendered_sets[value_set]
     if "fleet-llmfleet-gateway" not in {d["metadata"]["name"] for d in rendered.of_kind("Deployment")}:
         return  # gateway.enabled=false in this value set
-    deployment = rendered.get("Deployment", "fleet-llmfleet-gateway")
-    (container,) = deployment["spec"]["template"]["spec"]["containers"]
-    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    ports = _metrics_port_is_private(rendered, value_set, "fleet-llmfleet-gateway")
+    (container,) = rendered.get("Deployment", "fleet-llmfleet-gateway")["spec"]["template"]["spec"]["containers"]
     flags = dict(arg.removeprefix("--").split("=", 1) for arg in container["args"])
-    assert flags["metrics-port"] == str(ports["metrics"]) != flags["port"]
+    assert (flags["metrics-port"], flags["port"]) == (str(ports["metrics"]), str(ports["http"]))
     assert flags["metrics-host"] == "$(POD_IP)"
     assert value_set != "custom-gateway" or ports["metrics"] == 9191
-    service = rendered.get("Service", "fleet-llmfleet-gateway")
-    assert {p["targetPort"] for p in service["spec"]["ports"]} == {"http"}
-    assert [m for m in rendered.of_kind("ServiceMonitor") if "gateway" in m["metadata"]["name"]] == []
-    monitors = [m for m in rendered.of_kind("PodMonitor") if m["metadata"]["name"] == "fleet-llmfleet-gateway"]
-    if value_set != "monitoring" and not monitors:
-        return  # monitoring off in this value set: nothing scrapes the gateway
-    (monitor,) = monitors  # "monitoring" turns the monitors on
-    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
-    assert monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
-    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [deployment["metadata"]["namespace"]]}
-    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
-    assert (endpoint["port"], endpoint["path"], endpoint["honorLabels"]) == ("metrics", "/metrics", True)
 
 
 def test_operator_metrics_are_scraped_from_the_pods_internal_port_never_through_the_service(rendered_sets, value_set):
     """The operator's /metrics names deployments and namespaces: it is served on its own port (metricsPort, bound
     to the pod IP), scraped by a PodMonitor, and the Service (what Alertmanager reaches) does not expose it."""
     rendered = rendered_sets[value_set]
-    deployment = rendered.get("Deployment", "fleet-llmfleet-operator")
-    (container,) = deployment["spec"]["template"]["spec"]["containers"]
-    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    ports = _metrics_port_is_private(rendered, value_set, "fleet-llmfleet-operator")
+    (container,) = rendered.get("Deployment", "fleet-llmfleet-operator")["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["LLMFLEET_OPERATOR_METRICS_PORT"] == str(ports["metrics"]) != env["LLMFLEET_OPERATOR_HTTP_PORT"]
     assert env["LLMFLEET_OPERATOR_METRICS_HOST"] == "$(POD_IP)"
-    service = rendered.get("Service", "fleet-llmfleet-operator")
-    assert {p["targetPort"] for p in service["spec"]["ports"]} == {"http"}
-    assert ports["http"] != ports["metrics"]
-    monitors = [m for m in rendered.of_kind("PodMonitor") if m["metadata"]["name"] == "fleet-llmfleet-operator"]
-    if value_set != "monitoring" and not monitors:
-        return  # monitoring off in this value set: nothing scrapes the operator
-    (monitor,) = monitors  # "monitoring" turns the monitors on
-    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
-    assert monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
-    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [deployment["metadata"]["namespace"]]}
-    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
-    assert (endpoint["port"], endpoint["path"], endpoint["honorLabels"]) == ("metrics", "/metrics", True)
 
 
 def test_alertmanager_config_routes_scale_alerts_to_the_operator_with_the_token(rendered_sets):
