@@ -222,8 +222,10 @@ def deployment_route(cr: Mapping[str, Any], pods: Iterable[Mapping[str, Any]]) -
         )
         for v in order
     )
+    max_len = ((cr.get("spec") or {}).get("model") or {}).get("maxModelLen")
     return DeploymentRoute(
-        model=model, name=str(meta.get("name", "")), namespace=str(meta.get("namespace", "")), variants=variants
+        model=model, name=str(meta.get("name", "")), namespace=str(meta.get("namespace", "")), variants=variants,
+        max_model_len=max_len if isinstance(max_len, int) and not isinstance(max_len, bool) and max_len > 0 else None,
     )
 
 

@@ -4,10 +4,14 @@ Why raw ASGI rather than a FastAPI route: the proxy must own the whole life of a
 before the response starts) to propagate a client disconnect at any moment, and it sits on the hot path of
 thousands of concurrent streams, where every per-chunk layer costs.
 
-Life of a request: authenticate -> parse -> tier -> resolve model -> rate limit -> admission (priority queue)
--> choose variant (hold while it has no ready pod) -> attempts: choose pod, send, and before the first response
-body byte retry another pod on connection failure, 503 or 429 -> commit: stream chunks through as they arrive
-(each `send` waits for the client socket to drain: backpressure) -> release.
+Life of a request: authenticate -> parse -> tier -> resolve model -> per-key limits (a slot, one request and a
+token reservation of the prompt estimate plus max_tokens: `gateway.ratelimit`) -> admission (priority queue)
+-> choose variant (hold while it has no ready pod) -> attempts: choose pod, send (streams ask for usage:
+`gateway.usage`), and before the first response body byte retry another pod only where a retry cannot repeat
+harm (`retry_elsewhere`: connection refused, a worker draining or loading, a full queue; never a dead engine,
+never another 4xx, a reset once at most) -> commit: stream chunks through as they arrive (each `send` waits for
+the client socket to drain: backpressure), picking the worker's usage out of the last events -> release, and
+settle the reservation from the usage (no usage: the reservation stands).
 
 A watcher task waits for `http.disconnect`; when the client leaves before the response completes it cancels the
 request's task, and the `finally` blocks close the upstream response, which closes its connection, which the
@@ -30,7 +34,7 @@ import httpx
 from gateway.admission import Rejected
 from gateway.auth import Principal
 from gateway.errors import error_body, sse_error_event
-from gateway.ratelimit import estimate_prompt_tokens
+from gateway.ratelimit import CONCURRENCY, CostError, Reservation, request_cost
 from gateway.routing import (
     DeploymentRoute,
     RoutingError,
@@ -45,6 +49,13 @@ from gateway.routing import (
 from gateway.settings import TierSettings
 from gateway.state import GatewayState
 from gateway.tiers import TierError, resolve_tier
+from gateway.usage import (
+    ask_for_usage,
+    has_usage,
+    strip_null_usage,
+    take_usage,
+    usage_of_body,
+)
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -52,9 +63,28 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 _FORWARD_REQUEST_HEADERS = (b"content-type", b"accept", b"traceparent", b"tracestate")
-_RETRY_STATUSES = frozenset({429, 503})
-_RETRYABLE_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError)
+# Never delivered: always safe to try elsewhere.
+_UNDELIVERED_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
+# Maybe delivered (the worker may have read the request, then died of it): tried elsewhere once at most.
+_MAYBE_DELIVERED_ERRORS = (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError)
+_RETRYABLE_ERRORS = _UNDELIVERED_ERRORS + _MAYBE_DELIVERED_ERRORS
 _MAX_BODY_BYTES = 16 * 1024 * 1024
+_MAX_PENDING_BYTES = 1024 * 1024  # a partial SSE line held back for the next read, at most
+
+# The worker's error codes (worker_image/worker/server) that say "this pod cannot take it now, another can".
+# `engine_dead` is absent on purpose: the request may be what killed the engine, and a retry would kill the next.
+_RETRY_503_UNLESS = frozenset({"engine_dead"})
+_RETRY_429_CODES = frozenset({"queue_full", "tokenizer_busy"})
+
+
+def retry_elsewhere(status: int, code: str | None) -> bool:
+    """Whether an upstream answer (before any body byte reached the client) is retried on another pod: a 503
+    unless the engine died, a 429 only for the worker's full queues; never any other status."""
+    if status == 503:
+        return code not in _RETRY_503_UNLESS
+    if status == 429:
+        return code in _RETRY_429_CODES
+    return False
 
 
 class _Disconnected(Exception):
@@ -162,6 +192,7 @@ class _Upstream:
     first_chunk: bytes | None  # None for non-streaming responses (the body is in `body`)
     body: bytes | None
     chunks: AsyncIterator[bytes] | None  # the remaining raw chunks of a stream
+    code: str | None = None  # the error code of a non-200 body already parsed
 
 
 async def _read_body(receive: Receive) -> bytes:
@@ -248,6 +279,11 @@ class _Request:
         self.model_label = "unknown"
         self.request_id = (headers.get(b"x-request-id") or uuid.uuid4().hex.encode()).decode("latin-1")
         self.response_headers: dict[str, str] = {}
+        self.upstream_raw = raw  # the body sent upstream (streams: with stream_options.include_usage)
+        self.client_wants_usage = True
+        # Tokens to settle the reservation with: 0 until a worker answers 200 (nothing generated), then None
+        # (unknown: the reservation stands) until the worker's usage arrives.
+        self.used: int | None = 0
 
     async def serve(self, send: Send, watch: _DisconnectWatch) -> None:
         metrics = self.state.metrics
@@ -286,22 +322,54 @@ class _Request:
             raise _Failure(e.status, e.message, getattr(e, "code", "invalid_tier")) from None
         self.model_label = dep.model
         prompt = prompt_text(body)
-        verdict = state.limiter.check(self.principal.key_id, key_tier, estimate_prompt_tokens(prompt), state.clock())
+        try:
+            cost = request_cost(body, prompt, dep.max_model_len or s.default_max_model_len)
+        except CostError as e:
+            raise _Failure(400, str(e), "invalid_request") from None
+        verdict = state.limiter.admit(self.principal.key_id, key_tier, cost.total, state.clock())
         self.response_headers = {**verdict.headers, "x-request-id": self.request_id}
-        if not verdict.allowed:
+        if verdict.reservation is None:
             state.metrics.rate_limited.labels(key_tier.name, verdict.limit or "").inc()
             retry = self.response_headers.pop("retry-after")
+            if verdict.limit == CONCURRENCY:
+                raise _Failure(
+                    429, f"this API key may have {key_tier.max_concurrent_requests} requests at a time in progress; "
+                    "wait for one to finish", "too_many_concurrent_requests", {"retry-after": retry},
+                )
             raise _Failure(
-                429, f"rate limit reached for {verdict.limit} per minute on this API key; retry after {retry}s",
-                "rate_limit_exceeded", {"retry-after": retry},
+                429, f"rate limit reached for {verdict.limit} per minute on this API key (this request reserves "
+                f"{cost.total} tokens: its prompt estimate plus max_tokens, or the rest of the context when max_tokens "
+                f"is absent); retry after {retry}s", "rate_limit_exceeded", {"retry-after": retry},
             )
+        try:
+            upstream_body, self.client_wants_usage = ask_for_usage(body)
+            if upstream_body is not body:
+                self.upstream_raw = json.dumps(upstream_body, separators=(",", ":"), ensure_ascii=False).encode()
+            return await self._admitted(send, watch, dep, suffix, tier, stream, prompt)
+        finally:
+            self._settle(verdict.reservation)
+
+    def _settle(self, reservation: Reservation) -> None:
+        self.state.limiter.settle(reservation, self.used, self.state.clock())
+
+    async def _admitted(
+        self,
+        send: Send,
+        watch: _DisconnectWatch,
+        dep: DeploymentRoute,
+        suffix: str | None,
+        tier: TierSettings,
+        stream: bool,
+        prompt: str,
+    ) -> int:
+        state, s = self.state, self.state.settings
         try:
             await state.admission.acquire(tier)
         except Rejected as r:
             state.metrics.shed.labels(tier.name, r.reason).inc()
             raise _Failure(503, r.message, "overloaded", {"retry-after": str(s.retry_after_seconds)}) from None
         try:
-            return await self._route_and_proxy(send, watch, dep, suffix, tier, key_tier, stream, prompt)
+            return await self._route_and_proxy(send, watch, dep, suffix, tier, stream, prompt)
         finally:
             state.admission.release()
 
@@ -312,7 +380,6 @@ class _Request:
         dep: DeploymentRoute,
         suffix: str | None,
         tier: TierSettings,
-        key_tier: TierSettings,
         stream: bool,
         prompt: str,
     ) -> int:
@@ -335,8 +402,9 @@ class _Request:
             self.response_headers["x-llmfleet-variant"] = upstream.variant
             self.response_headers["x-llmfleet-revision"] = upstream.revision
             if upstream.first_chunk is None:
-                return await self._send_whole(send, watch, upstream, key_tier)
-            return await self._pump(send, watch, upstream, key_tier)
+                return await self._send_whole(send, watch, upstream)
+            self.used = None  # a stream was committed: from here the worker generates
+            return await self._pump(send, watch, upstream)
         finally:
             await upstream.response.aclose()
             state.release_pod(upstream.url)
@@ -353,6 +421,7 @@ class _Request:
         assert client is not None, "the app's lifespan creates the upstream client"
         tried: set[str] = set()
         last: _Failure | None = None
+        maybe_delivered = 0  # attempts that failed after the worker may have read the request
         forward = [(k, v) for k, v in self.scope["headers"] if k in _FORWARD_REQUEST_HEADERS]
         forward.append((b"x-request-id", self.request_id.encode()))
         for attempt in range(s.max_attempts):
@@ -368,7 +437,7 @@ class _Request:
             tried.add(ep.url)
             state.acquire_pod(ep.url)
             try:
-                request = client.build_request("POST", ep.url + self.path, content=self.raw, headers=forward)
+                request = client.build_request("POST", ep.url + self.path, content=self.upstream_raw, headers=forward)
                 response = await client.send(request, stream=True)
             except httpx.PoolTimeout:
                 state.release_pod(ep.url)
@@ -379,9 +448,13 @@ class _Request:
                 ) from None
             except _RETRYABLE_ERRORS as e:
                 last = _Failure(502, f"could not reach a backend for {model!r}: {type(e).__name__}", "upstream_unreachable")
-                state.metrics.retries.labels(self.model_label, "connect").inc()
                 state.metrics.errors.labels(self.model_label, "connect").inc()
                 state.release_pod(ep.url)
+                if isinstance(e, _MAYBE_DELIVERED_ERRORS):
+                    maybe_delivered += 1
+                    if maybe_delivered > 1:
+                        break
+                state.metrics.retries.labels(self.model_label, "connect").inc()
                 continue
             except httpx.TimeoutException as e:
                 state.release_pod(ep.url)
@@ -391,9 +464,12 @@ class _Request:
                 state.release_pod(ep.url)
                 raise
             try:
-                if response.status_code in _RETRY_STATUSES:
-                    retry_after = response.headers.get("retry-after")
+                if response.status_code in (429, 503):
                     body = await response.aread()
+                    code = _upstream_code(body)
+                    if not retry_elsewhere(response.status_code, code):  # passed through as the worker said it
+                        return _Upstream(response, ep.url, ep.variant, ep.revision, None, body, None, code)
+                    retry_after = response.headers.get("retry-after")
                     await response.aclose()
                     state.metrics.retries.labels(self.model_label, str(response.status_code)).inc()
                     last = _Failure(
@@ -415,12 +491,15 @@ class _Request:
                 return _Upstream(response, ep.url, ep.variant, ep.revision, None, body, None)
             except StopAsyncIteration:  # a stream that ended without a byte: passed through as it is
                 return _Upstream(response, ep.url, ep.variant, ep.revision, b"", None, chunks)
-            except _RETRYABLE_ERRORS as e:  # failed before the first body byte: safe to retry elsewhere
+            except _RETRYABLE_ERRORS as e:  # failed before the first body byte: the worker may have died of it
                 await response.aclose()
-                state.metrics.retries.labels(self.model_label, "reset").inc()
                 state.metrics.errors.labels(self.model_label, "connect").inc()
                 last = _Failure(502, f"the backend failed before answering: {type(e).__name__}", "upstream_failed")
                 state.release_pod(ep.url)
+                maybe_delivered += 1
+                if maybe_delivered > 1:
+                    break
+                state.metrics.retries.labels(self.model_label, "reset").inc()
                 continue
             except httpx.TimeoutException as e:
                 await response.aclose()
@@ -437,59 +516,89 @@ class _Request:
                 503, f"no ready backend for model {model!r} (variant {variant_name!r})", "no_ready_backend",
                 {"retry-after": str(s.retry_after_seconds)},
             )
-        elif last.status in _RETRY_STATUSES:
+        elif last.status in (429, 503):
             state.metrics.errors.labels(self.model_label, "upstream_status").inc()
         raise last
 
     def _client_headers(self, response: httpx.Response) -> list[tuple[bytes, bytes]]:
         hdrs = [(b"content-type", response.headers.get("content-type", "application/json").encode())]
-        if response.headers.get("cache-control"):
-            hdrs.append((b"cache-control", response.headers["cache-control"].encode()))
+        for name in ("cache-control", "retry-after"):
+            if response.headers.get(name):
+                hdrs.append((name.encode(), response.headers[name].encode()))
         hdrs += [(k.encode(), v.encode()) for k, v in self.response_headers.items()]
         return hdrs
 
-    async def _send_whole(self, send: Send, watch: _DisconnectWatch, up: _Upstream, key_tier: TierSettings) -> int:
+    async def _send_whole(self, send: Send, watch: _DisconnectWatch, up: _Upstream) -> int:
         body = up.body or b""
         status = up.response.status_code
         if status == 200:
-            tokens = _usage_completion_tokens(body)
-            self.state.limiter.charge_tokens(self.principal.key_id, key_tier, tokens, self.state.clock())
-            self.state.metrics.output_tokens.labels(self.model_label).inc(tokens)
+            usage = usage_of_body(body)
+            self.used = usage.total if usage is not None else None
+            if usage is not None:
+                self.state.metrics.output_tokens.labels(self.model_label).inc(usage.completion_tokens)
         else:
             self.state.metrics.errors.labels(self.model_label, "upstream_status").inc()
         watch.finished = True
         await send_bytes(send, status, body, self._client_headers(up.response))
         return status
 
-    async def _pump(self, send: Send, watch: _DisconnectWatch, up: _Upstream, key_tier: TierSettings) -> int:
-        """Stream the upstream body to the client chunk by chunk; never retried from here on."""
+    def _usage_from(self, chunk: bytes, strip: bool) -> bytes:
+        """Settle from the usage in `chunk` (whole SSE lines) and return what the client gets of it."""
+        chunk, usage = take_usage(chunk, strip)
+        if usage is not None:
+            self.used = usage.total
+            self.state.metrics.output_tokens.labels(self.model_label).inc(usage.completion_tokens)
+        return chunk
+
+    async def _pump(self, send: Send, watch: _DisconnectWatch, up: _Upstream) -> int:
+        """Stream the upstream body to the client chunk by chunk; never retried from here on.
+
+        Per chunk: a partial last line is held back for the next read (an SSE client can do nothing with it
+        before it completes), so every chunk looked at holds whole lines; only a chunk with the usage marker is
+        parsed. The rest is substring scans and the send."""
         state = self.state
         metrics = state.metrics
-        limiter, key_id, clock = state.limiter, self.principal.key_id, state.clock
         itl = metrics.itl.labels(self.model_label)
-        tokens_counter = metrics.output_tokens.labels(self.model_label)
         read_timeout = state.settings.timeouts.read
+        strip = not self.client_wants_usage
+        chunks = up.chunks
         status = up.response.status_code
         await send({"type": "http.response.start", "status": status, "headers": self._client_headers(up.response)})
         chunk = up.first_chunk or b""
         last = time.perf_counter()
         if chunk:
             metrics.ttft.labels(self.model_label).observe(last - self.arrival)
-        ended_clean = chunk.endswith(b"\n\n") or not chunk
+        pending = b""
+        ended_clean = True
         stall = _StallTimer(read_timeout)
         try:
-            while chunk:
-                n = chunk.count(b"data:") - (1 if b"[DONE]" in chunk else 0)
-                if n > 0:
-                    limiter.charge_tokens(key_id, key_tier, n, clock())
-                    tokens_counter.inc(n)
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                ended_clean = chunk.endswith(b"\n\n")
+            while True:
+                if pending:
+                    chunk, pending = pending + chunk, b""
+                if chunk and chunk[-1] != 10:  # not ending in b"\n": hold the partial line back
+                    cut = chunk.rfind(b"\n") + 1
+                    if cut or len(chunk) <= _MAX_PENDING_BYTES:
+                        chunk, pending = chunk[:cut], chunk[cut:]
+                if chunk:
+                    if strip:
+                        chunk = strip_null_usage(chunk)
+                    if has_usage(chunk):
+                        chunk = self._usage_from(chunk, strip)
+                    if chunk:
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                        ended_clean = chunk.endswith(b"\n\n")
                 failure: str | None = None
                 stall.arm()
                 try:
-                    chunk = await anext(up.chunks)  # type: ignore[arg-type]
+                    chunk = await anext(chunks)  # type: ignore[arg-type]
                 except StopAsyncIteration:
+                    if not pending:
+                        break
+                    chunk, pending = pending, b""  # an unterminated last line: passed on as it is
+                    stall.disarm()
+                    if has_usage(chunk):
+                        chunk = self._usage_from(chunk, strip)
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     break
                 except httpx.HTTPError as e:
                     failure = type(e).__name__
@@ -531,20 +640,11 @@ def _upstream_message(body: bytes, default: str) -> str:
     return default
 
 
-def _usage_completion_tokens(body: bytes) -> int:
-    """Output tokens of a non-streamed answer: `usage.completion_tokens`, else characters / 4 of its text."""
+def _upstream_code(body: bytes) -> str | None:
+    """`error.code` of an upstream error body, None when it has none."""
     try:
-        data = json.loads(body)
-    except ValueError:
-        return 0
-    if not isinstance(data, dict):
-        return 0
-    usage = data.get("usage")
-    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-        return usage["completion_tokens"]
-    text = ""
-    for choice in data.get("choices") or []:
-        if isinstance(choice, dict):
-            msg = choice.get("message")
-            text += (msg.get("content") or "") if isinstance(msg, dict) else (choice.get("text") or "")
-    return estimate_prompt_tokens(text) if text else 0
+        err = json.loads(body).get("error")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    code = err.get("code") if isinstance(err, dict) else None
+    return code if isinstance(code, str) else None

@@ -1,27 +1,93 @@
-"""Per-key token-bucket rate limits (requests/minute and tokens/minute), with time passed in.
+"""Per-key limits: requests/minute and tokens/minute token buckets and a cap on requests at a time, with time
+passed in; and what one request may cost, bounded before it is trusted.
 
-Each API key gets two buckets sized by its tier: one request per call, and tokens charged twice: the prompt's
-estimate up front (`estimate_prompt_tokens`: characters / 4, the usual rule of thumb for English BPE tokenizers)
-and the output tokens as they stream (each SSE `data:` event counts one token, as workers emit one event per
-token). A bucket holds at most one minute of its limit, refills continuously and may go into debt when streamed
-output exceeds what was left; a debt simply delays the key's next request. A request whose prompt estimate alone
-exceeds a full bucket is admitted when the bucket is full, so an oversized prompt is slow rather than impossible.
+A request is admitted only if its whole possible cost fits: one request, and a token reservation of the prompt's
+estimate (`estimate_prompt_tokens`: characters / 4, the usual rule of thumb for English BPE tokenizers; token-id
+prompts count their ids) plus every output token it may generate (`max_tokens`, or when absent the rest of the
+model's context, times the choices asked for: `request_cost`). A key's concurrent requests are capped too. When
+the answer is done the reservation is settled (`settle`) from the worker's `usage` and the unused part refunded;
+when no usage arrives (the client left, the stream broke) the reservation stands: fail safe, never a free ride.
+
+A bucket holds at most one minute of its limit, refills continuously and may go into debt when usage exceeds the
+reservation; a debt simply delays the key's next request. A reservation larger than a full bucket is admitted
+when the bucket is full (then it is in debt), so an oversized request is slow rather than impossible, and the
+key's other requests wait until the debt is paid.
 
 The 429 answer carries `Retry-After` (whole seconds) and OpenAI's `x-ratelimit-*` headers; admitted answers carry
-the same headers so clients can pace themselves.
+the same headers (after the reservation) so clients can pace themselves.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from gateway.settings import TierSettings
+
+CONCURRENCY = "concurrent requests"  # Verdict.limit when the key's cap on requests at a time is reached
 
 
 def estimate_prompt_tokens(prompt: str) -> int:
     """Up-front token estimate of a request: ceil(chars / 4) of the prompt, at least 1 (output is charged later)."""
     return max(1, math.ceil(len(prompt) / 4))
+
+
+class CostError(ValueError):
+    """A number in the request that bounds its cost is not a positive integer (400, naming the field)."""
+
+    def __init__(self, param: str, value: object) -> None:
+        super().__init__(f"`{param}` must be a positive integer, got {value!r}")
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class Cost:
+    """The most one request may cost in tokens: prompt estimate plus every output token it may generate."""
+
+    prompt_tokens: int
+    output_tokens: int
+
+    @property
+    def total(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+
+def _positive_int(body: Mapping[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CostError(name, value)
+    return value
+
+
+def _prompts(body: Mapping[str, Any], prompt_text: str) -> list[int]:
+    """Token estimate of each prompt the request carries (a completions batch has several)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return [estimate_prompt_tokens(p) for p in prompt]
+        if all(isinstance(p, int) for p in prompt):
+            return [max(1, len(prompt))]
+        if all(isinstance(p, list) for p in prompt):
+            return [max(1, len(p)) for p in prompt]
+    return [estimate_prompt_tokens(prompt_text)]
+
+
+def request_cost(body: Mapping[str, Any], prompt_text: str, max_model_len: int) -> Cost:
+    """The reservation of one request: each prompt's estimate, plus for each prompt and choice its output bound
+    (`max_completion_tokens` or `max_tokens`, else the context left after the prompt; never above the model's
+    context). Raises CostError for a bound that is not a positive integer."""
+    max_tokens = _positive_int(body, "max_completion_tokens") or _positive_int(body, "max_tokens")
+    choices = max(_positive_int(body, "n") or 1, _positive_int(body, "best_of") or 1)
+    prompts = _prompts(body, prompt_text)
+    output = 0
+    for p in prompts:
+        bound = max_tokens if max_tokens is not None else max(1, max_model_len - p)
+        output += min(bound, max_model_len) * choices
+    return Cost(prompt_tokens=sum(prompts), output_tokens=output)
 
 
 def format_reset(seconds: float) -> str:
@@ -61,9 +127,9 @@ class TokenBucket:
         return 0.0 if self.level >= need else (need - self.level) / self.rate
 
     def take(self, amount: float, now: float) -> None:
-        """Debit unconditionally (the level may go negative)."""
+        """Debit unconditionally (the level may go negative); a negative amount credits, up to the capacity."""
         self.refill(now)
-        self.level -= amount
+        self.level = min(self.capacity, self.level - amount)
 
     def remaining(self, now: float) -> int:
         self.refill(now)
@@ -77,20 +143,31 @@ class TokenBucket:
 
 @dataclass(slots=True)
 class KeyBuckets:
-    """The buckets of one API key (None where its tier sets no limit)."""
+    """The buckets of one API key (None where its tier sets no limit) and its requests in progress."""
 
     requests: TokenBucket | None
     tokens: TokenBucket | None
+    in_flight: int = 0
+
+
+@dataclass(slots=True)
+class Reservation:
+    """What an admitted request holds until `RateLimiter.settle`: a slot of its key and `tokens` of its bucket."""
+
+    buckets: KeyBuckets
+    tokens: int
+    settled: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
-    """Outcome of a rate-limit check: allowed or not, what ran out, when to retry, headers to send."""
+    """Outcome of admission: allowed (with the reservation to settle) or not, what ran out, when to retry, headers."""
 
     allowed: bool
-    limit: str | None  # "requests" or "tokens" when rejected
+    limit: str | None  # "requests", "tokens" or CONCURRENCY when rejected
     retry_after: float
     headers: dict[str, str]
+    reservation: Reservation | None = None
 
 
 def _headers(b: KeyBuckets, now: float) -> dict[str, str]:
@@ -119,11 +196,16 @@ class RateLimiter:
             self.buckets[key_id] = b
         return b
 
-    def check(self, key_id: str, tier: TierSettings, prompt_tokens: int, now: float) -> Verdict:
-        """Take one request and the prompt estimate if both fit; otherwise reject and take nothing."""
+    def admit(self, key_id: str, tier: TierSettings, tokens: int, now: float) -> Verdict:
+        """Take a slot, one request and a reservation of `tokens` if all fit; otherwise reject and take nothing."""
         b = self._buckets(key_id, tier, now)
+        cap = tier.max_concurrent_requests
+        if cap is not None and b.in_flight >= cap:
+            headers = _headers(b, now)
+            headers["retry-after"] = "1"
+            return Verdict(False, CONCURRENCY, 1.0, headers)
         wait_req = b.requests.wait_for(1, now) if b.requests else 0.0
-        wait_tok = b.tokens.wait_for(prompt_tokens, now) if b.tokens else 0.0
+        wait_tok = b.tokens.wait_for(tokens, now) if b.tokens else 0.0
         if wait_req > 0 or wait_tok > 0:
             limit = "requests" if wait_req >= wait_tok else "tokens"
             retry = max(wait_req, wait_tok)
@@ -133,16 +215,20 @@ class RateLimiter:
         if b.requests:
             b.requests.take(1, now)
         if b.tokens:
-            b.tokens.take(prompt_tokens, now)
-        return Verdict(True, None, 0.0, _headers(b, now))
-
-    def charge_tokens(self, key_id: str, tier: TierSettings, tokens: int, now: float) -> None:
-        """Charge streamed output tokens (may put the key into debt)."""
-        if tokens <= 0:
-            return
-        b = self._buckets(key_id, tier, now)
-        if b.tokens:
             b.tokens.take(tokens, now)
+        b.in_flight += 1
+        return Verdict(True, None, 0.0, _headers(b, now), Reservation(b, tokens if b.tokens else 0))
+
+    def settle(self, reservation: Reservation, used: int | None, now: float) -> None:
+        """End a request: free its slot and charge `used` tokens instead of the reservation (refunding the rest, or
+        charging the excess); `used=None` (no usage arrived) keeps the whole reservation. Idempotent."""
+        if reservation.settled:
+            return
+        reservation.settled = True
+        b = reservation.buckets
+        b.in_flight -= 1
+        if b.tokens is not None and used is not None:
+            b.tokens.take(used - reservation.tokens, now)
 
     def forget_except(self, key_ids: set[str]) -> None:
         """Drop buckets of keys no longer configured (after a key-store reload)."""

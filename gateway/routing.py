@@ -73,6 +73,7 @@ class DeploymentRoute:
     name: str  # the deployment's name (static mode: the model name)
     namespace: str = ""
     variants: tuple[VariantRoute, ...] = ()
+    max_model_len: int | None = None  # spec.model.maxModelLen (None: unknown, the gateway's default applies)
 
     def variant(self, name: str) -> VariantRoute | None:
         for v in self.variants:

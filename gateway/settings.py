@@ -25,7 +25,13 @@ class TierSettings(_Strict):
         default=None, gt=0, description="Per-key request rate limit; unset means unlimited."
     )
     tokens_per_minute: float | None = Field(
-        default=None, gt=0, description="Per-key token rate limit (prompt estimate + streamed output); unset = none."
+        default=None,
+        gt=0,
+        description="Per-key token rate limit: a request reserves its prompt estimate plus max_tokens (or the rest of "
+        "the context) at admission and is settled from the worker's usage; unset = none.",
+    )
+    max_concurrent_requests: int | None = Field(
+        default=64, ge=1, description="Requests one API key may have in progress at once (429 above); unset = no cap."
     )
     bypass_queue: bool = Field(
         default=False, description="Admitted at once even when the gateway is saturated (max_in_flight reached)."
@@ -39,9 +45,18 @@ class TierSettings(_Strict):
 
 def _default_tiers() -> tuple[TierSettings, ...]:
     return (
-        TierSettings(name="premium", priority=20, bypass_queue=True),
-        TierSettings(name="standard", priority=10),
-        TierSettings(name="batch", priority=0, shed_above_in_flight=3072),
+        TierSettings(
+            name="premium", priority=20, bypass_queue=True, requests_per_minute=10_000, tokens_per_minute=5_000_000,
+            max_concurrent_requests=256,
+        ),
+        TierSettings(
+            name="standard", priority=10, requests_per_minute=3_000, tokens_per_minute=1_000_000,
+            max_concurrent_requests=64,
+        ),
+        TierSettings(
+            name="batch", priority=0, shed_above_in_flight=3072, requests_per_minute=3_000,
+            tokens_per_minute=2_000_000, max_concurrent_requests=128,
+        ),
     )
 
 
@@ -91,6 +106,13 @@ class GatewaySettings(_Strict):
     pool: PoolSettings = PoolSettings()
     max_attempts: int = Field(
         default=3, ge=1, le=16, description="Upstream attempts per request; retries happen only before the first byte."
+    )
+    default_max_model_len: int = Field(
+        default=32_768,
+        ge=16,
+        le=1_048_576,
+        description="Context length assumed for a model whose InferenceDeployment sets no spec.model.maxModelLen "
+        "(static mode: every model): a request without max_tokens reserves this minus its prompt.",
     )
     affinity_prefix_chars: int = Field(
         default=256, ge=0, description="Leading characters of the rendered prompt hashed for prefix affinity (0=off)."

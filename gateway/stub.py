@@ -2,11 +2,14 @@
 concurrent streams on one core, and scriptable to misbehave.
 
 It answers `POST /v1/chat/completions` and `/v1/completions` (SSE when `stream` is true: one `data:` event per
-token, `max_tokens` tokens (default `tokens`), `delay` seconds apart, then `[DONE]`; else one JSON body with
-`usage`), `GET /ready`, `GET /stats` (its counters as JSON) and `GET /v1/models`. Its `mode` makes it answer 503
-(with Retry-After, like a draining worker), 429 (queue full), 400 (a client error), hang before the first byte, close the connection
-before answering (reset), or fail mid-stream after `fail_after` events. It records every request, every client
-disconnect before completion, and its open connections.
+token (`tokens_per_event` tokens per event: what a stop string that holds text back looks like), `max_tokens`
+tokens (default `tokens`), `delay` seconds apart, a usage event when `stream_options.include_usage` asks for it,
+then `[DONE]`; else one JSON body with `usage`), `GET /ready`, `GET /stats` (its counters as JSON) and
+`GET /v1/models`. Its `mode` makes it answer as the worker does: 503 `draining` (with Retry-After), 503
+`engine_dead` (the engine died, maybe because of this very request), 429 `queue_full`, 429 `tokenizer_busy`, a
+429 with another code, 400 (a client error); or hang before the first byte, close the connection before answering
+(reset), or fail mid-stream after `fail_after` events. It records every request, every client disconnect before
+completion, and its open connections.
 
 Run as a process: `python -m gateway.stub --count 4 --delay 0.01` (prints `listening on URL URL ...`).
 """
@@ -19,7 +22,17 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 
-MODES = ("ok", "400", "503", "429", "hang", "reset", "midstream")
+MODES = ("ok", "400", "503", "engine_dead", "429", "429_tokenizer", "429_other", "hang", "reset", "midstream")
+# mode -> (status, body, headers) of the error answers; the bodies carry the worker's codes
+# (worker_image/worker/server: admission.py, generation.py, tokenizing.py, app.py)
+_ERRORS: dict[str, tuple[int, bytes, dict[str, str]]] = {
+    "503": (503, b'{"error": {"message": "draining", "code": "draining"}}', {"retry-after": "2"}),
+    "engine_dead": (503, b'{"error": {"message": "the engine has failed", "code": "engine_dead"}}', {"retry-after": "1"}),
+    "400": (400, b'{"error": {"message": "max_tokens too large", "code": "bad_request"}}', {}),
+    "429": (429, b'{"error": {"message": "queue full", "code": "queue_full"}}', {"retry-after": "1"}),
+    "429_tokenizer": (429, b'{"error": {"message": "tokenizer busy", "code": "tokenizer_busy"}}', {"retry-after": "1"}),
+    "429_other": (429, b'{"error": {"message": "slow down", "code": "rate_limit_exceeded"}}', {"retry-after": "1"}),
+}
 
 
 @dataclass
@@ -43,6 +56,7 @@ class StubWorker:
     delay: float = 0.0
     tokens: int = 8
     fail_after: int = 2
+    tokens_per_event: int = 1
     ready: bool = True
     model: str = "stub"
     keep_bodies: int = 64
@@ -128,14 +142,8 @@ class StubWorker:
         s.bodies.append(body)
         del s.bodies[: -self.keep_bodies]
         mode = self.mode
-        if mode == "503":
-            await _respond(writer, 503, b'{"error": {"message": "draining", "code": "draining"}}', {"retry-after": "2"})
-            return True
-        if mode == "400":
-            await _respond(writer, 400, b'{"error": {"message": "max_tokens too large", "code": "bad_request"}}')
-            return True
-        if mode == "429":
-            await _respond(writer, 429, b'{"error": {"message": "queue full"}}', {"retry-after": "1"})
+        if mode in _ERRORS:
+            await _respond(writer, *_ERRORS[mode])
             return True
         if mode == "reset":
             return False  # close without a byte
@@ -148,7 +156,8 @@ class StubWorker:
             n = int(body.get("max_tokens") or self.tokens)
             chat = path.endswith("chat/completions")
             if body.get("stream"):
-                done = await self._stream(reader, writer, n, chat, mode == "midstream")
+                usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                done = await self._stream(reader, writer, n, chat, mode == "midstream", usage)
                 return done
             await asyncio.sleep(self.delay * n)
             text = "".join(f"tok{i} " for i in range(n))
@@ -168,25 +177,30 @@ class StubWorker:
             elif mode != "midstream":
                 s.disconnects += 1
 
-    async def _stream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int, chat: bool, fail: bool) -> bool:
-        """Stream n events; False when it stopped early (failure injected, or the client went away)."""
+    async def _stream(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int, chat: bool, fail: bool, usage: bool
+    ) -> bool:
+        """Stream n tokens; False when it stopped early (failure injected, or the client went away)."""
         eof = asyncio.ensure_future(reader.read(1)) if self.delay else None  # completes when the client closes
         try:
-            return await self._events(writer, n, chat, fail, eof)
+            return await self._events(writer, n, chat, fail, eof, usage)
         finally:
             if eof is not None:
                 eof.cancel()
                 await asyncio.gather(eof, return_exceptions=True)  # the next request's read must not race it
 
     async def _events(
-        self, writer: asyncio.StreamWriter, n: int, chat: bool, fail: bool, eof: asyncio.Future | None
+        self, writer: asyncio.StreamWriter, n: int, chat: bool, fail: bool, eof: asyncio.Future | None, usage: bool
     ) -> bool:
         writer.write(
             b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
             b"transfer-encoding: chunked\r\n\r\n"
         )
         created = int(time.time())
-        for i in range(n):
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        per = max(1, self.tokens_per_event)
+        events = -(-n // per)
+        for i in range(events):
             if fail and i == self.fail_after:
                 writer.transport.abort()  # connection reset in the middle of the body
                 return False
@@ -196,16 +210,21 @@ class StubWorker:
                     return False
             if chat:
                 delta = {"role": "assistant", "content": f"tok{i} "} if i == 0 else {"content": f"tok{i} "}
-                choice = {"index": 0, "delta": delta, "finish_reason": None if i < n - 1 else "length"}
-                obj = "chat.completion.chunk"
+                choice = {"index": 0, "delta": delta, "finish_reason": None if i < events - 1 else "length"}
             else:
-                choice = {"index": 0, "text": f"tok{i} ", "finish_reason": None if i < n - 1 else "length"}
-                obj = "text_completion"
+                choice = {"index": 0, "text": f"tok{i} ", "finish_reason": None if i < events - 1 else "length"}
             event = b"data: " + json.dumps(
                 {"id": "cmpl-stub", "object": obj, "created": created, "model": self.model, "choices": [choice]}
             ).encode() + b"\n\n"
             writer.write(b"%x\r\n%s\r\n" % (len(event), event))
             await writer.drain()
+        if usage:  # the worker's last event before [DONE]: no choices, the request's usage
+            counts = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
+            event = b"data: " + json.dumps(
+                {"id": "cmpl-stub", "object": obj, "created": created, "model": self.model, "choices": [], "usage": counts},
+                separators=(",", ":"),
+            ).encode() + b"\n\n"
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
         done = b"data: [DONE]\n\n"
         writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
         await writer.drain()

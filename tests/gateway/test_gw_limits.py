@@ -1,16 +1,44 @@
-"""Pure policy: API keys, token buckets and per-key limits, tiers and admission decisions (time passed in)."""
+"""Pure policy: API keys, token buckets and per-key limits, tiers and admission decisions (time passed in); then
+the limits end to end through a gateway on loopback against stub workers (reservation, usage, refunds)."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import json
+from dataclasses import replace
 
 import pytest
 
 from gateway.admission import Admission, Rejected, ZeroHold
-from gateway.auth import OPEN_MODE_KEY_ID, KeyFileError, KeyStore, key_id, keys_from_secret, parse_keys
-from gateway.ratelimit import RateLimiter, TokenBucket, estimate_prompt_tokens, format_reset
+from gateway.auth import (
+    OPEN_MODE_KEY_ID,
+    KeyFileError,
+    KeyStore,
+    key_id,
+    keys_from_secret,
+    parse_keys,
+)
+from gateway.ratelimit import (
+    CONCURRENCY,
+    CostError,
+    RateLimiter,
+    TokenBucket,
+    estimate_prompt_tokens,
+    format_reset,
+    request_cost,
+)
+from gateway.routing import RoutingTable
 from gateway.settings import GatewaySettings, TierSettings
+from gateway.stub import StubWorker
+from gateway.testing import (
+    FixedSource,
+    chat,
+    eventually,
+    one_variant_table,
+    run_gateway,
+    stubs,
+)
 from gateway.tiers import Admit, TierError, admission_decision, resolve_tier
 
 TIERS = ["premium", "standard", "batch"]
@@ -118,7 +146,7 @@ LIMITED = TierSettings(name="standard", priority=10, requests_per_minute=2, toke
 
 def test_limiter_rejects_on_requests_with_headers_and_takes_nothing() -> None:
     rl = RateLimiter()
-    v1 = rl.check("k", LIMITED, 10, now=0.0)
+    v1 = rl.admit("k", LIMITED, 10, now=0.0)
     assert v1.allowed and v1.headers == {
         "x-ratelimit-limit-requests": "2",
         "x-ratelimit-remaining-requests": "1",
@@ -127,29 +155,103 @@ def test_limiter_rejects_on_requests_with_headers_and_takes_nothing() -> None:
         "x-ratelimit-remaining-tokens": "90",
         "x-ratelimit-reset-tokens": "6s",
     }
-    assert rl.check("k", LIMITED, 10, now=0.0).allowed
-    v3 = rl.check("k", LIMITED, 10, now=0.0)
-    assert (v3.allowed, v3.limit, v3.headers["retry-after"]) == (False, "requests", "30")
+    assert rl.admit("k", LIMITED, 10, now=0.0).allowed
+    v3 = rl.admit("k", LIMITED, 10, now=0.0)
+    assert (v3.allowed, v3.limit, v3.headers["retry-after"], v3.reservation) == (False, "requests", "30", None)
     assert v3.headers["x-ratelimit-remaining-requests"] == "0"
     assert v3.headers["x-ratelimit-remaining-tokens"] == "80"  # the rejected request took no tokens
-    assert rl.check("other", LIMITED, 10, now=0.0).allowed  # per key
-    assert rl.check("k", LIMITED, 10, now=30.0).allowed  # one request refilled after 30 s
+    assert rl.admit("other", LIMITED, 10, now=0.0).allowed  # per key
+    assert rl.admit("k", LIMITED, 10, now=30.0).allowed  # one request refilled after 30 s
 
 
-def test_limiter_rejects_on_tokens_and_counts_streamed_output() -> None:
+def test_limiter_reserves_then_settles_from_usage() -> None:
     rl = RateLimiter()
-    assert rl.check("k", LIMITED, 50, now=0.0).allowed
-    rl.charge_tokens("k", LIMITED, 45, now=0.0)  # output streamed: 5 tokens left
-    v = rl.check("k", LIMITED, 10, now=0.0)
+    first = rl.admit("k", LIMITED, 50, now=0.0).reservation
+    assert first is not None
+    rl.settle(first, 95, now=0.0)  # used more than reserved: 5 tokens left
+    rl.settle(first, 0, now=0.0)  # settling twice changes nothing
+    v = rl.admit("k", LIMITED, 10, now=0.0)
     assert (v.allowed, v.limit) == (False, "tokens")
     assert v.retry_after == pytest.approx(5 * 60 / 100)
     assert v.headers["retry-after"] == "3"
-    assert rl.check("k", LIMITED, 10, now=3.0).allowed
+    second = rl.admit("k", LIMITED, 60, now=3.0).reservation  # 10 available: a reservation over the level waits
+    assert second is None
+    big = rl.admit("k", LIMITED, 1000, now=60.0).reservation  # larger than a full bucket: admitted when full
+    assert big is not None and rl.buckets["k"].tokens is not None
+    assert not rl.admit("k", LIMITED, 1, now=60.0).allowed  # ... and the key is in debt
+    rl.settle(big, 20, now=60.0)  # refund of the unused part, never above the capacity
+    assert rl.buckets["k"].tokens.remaining(60.0) == 80
+
+
+def test_limiter_keeps_the_reservation_when_no_usage_arrives() -> None:
+    rl = RateLimiter()
+    r = rl.admit("k", LIMITED, 70, now=0.0).reservation
+    assert r is not None
+    rl.settle(r, None, now=0.0)
+    assert rl.buckets["k"].tokens is not None and rl.buckets["k"].tokens.remaining(0.0) == 30
+
+
+def test_limiter_caps_requests_in_progress_per_key() -> None:
+    tier = TierSettings(name="standard", priority=10, max_concurrent_requests=2)
+    rl = RateLimiter()
+    held = [rl.admit("k", tier, 1, now=0.0).reservation for _ in range(2)]
+    v = rl.admit("k", tier, 1, now=0.0)
+    assert (v.allowed, v.limit, v.headers["retry-after"]) == (False, CONCURRENCY, "1")
+    assert rl.admit("other", tier, 1, now=0.0).allowed
+    assert held[0] is not None
+    rl.settle(held[0], 1, now=0.0)
+    assert rl.admit("k", tier, 1, now=0.0).allowed
 
 
 def test_unlimited_tier_sends_no_headers() -> None:
-    v = RateLimiter().check("k", TierSettings(name="premium", priority=1), 10**6, now=0.0)
+    tier = TierSettings(name="premium", priority=1, max_concurrent_requests=None)
+    v = RateLimiter().admit("k", tier, 10**6, now=0.0)
     assert v.allowed and v.headers == {}
+
+
+def test_default_tiers_have_limits() -> None:
+    for tier in GatewaySettings().tiers:
+        assert tier.requests_per_minute and tier.tokens_per_minute and tier.max_concurrent_requests, tier
+
+
+@pytest.mark.parametrize(
+    ("body", "prompt", "max_model_len", "cost"),
+    [
+        ({"max_tokens": 100}, "x" * 40, 4096, (10, 100)),
+        ({"max_completion_tokens": 50, "max_tokens": 100}, "x" * 40, 4096, (10, 50)),
+        ({}, "x" * 40, 4096, (10, 4086)),  # no max_tokens: the rest of the context
+        ({}, "x" * 40_000, 4096, (10_000, 1)),  # the prompt alone overflows: the worker refuses it
+        ({"max_tokens": 10**9}, "x" * 40, 4096, (10, 4096)),  # never more than the context
+        ({"max_tokens": 100, "n": 3}, "", 4096, (1, 300)),
+        ({"max_tokens": 100, "n": 2, "best_of": 4}, "", 4096, (1, 400)),
+        ({"max_tokens": 10, "prompt": ["aaaa", "bbbbbbbb", "c"]}, "ignored", 4096, (4, 30)),  # a batch of prompts
+        ({"max_tokens": 10, "prompt": [1, 2, 3, 4, 5]}, "1 2 3 4 5", 4096, (5, 10)),  # token ids count as tokens
+        ({"max_tokens": 10, "prompt": [[1, 2], [3, 4, 5]]}, "1 2", 4096, (5, 20)),
+        ({"max_tokens": None}, "x" * 4, 100, (1, 99)),
+    ],
+)
+def test_request_cost(body: dict, prompt: str, max_model_len: int, cost: tuple[int, int]) -> None:
+    c = request_cost(body, prompt, max_model_len)
+    assert (c.prompt_tokens, c.output_tokens) == cost and c.total == sum(cost)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -5}, "max_tokens"),
+        ({"max_tokens": 1.5}, "max_tokens"),
+        ({"max_tokens": "100"}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"max_completion_tokens": -1}, "max_completion_tokens"),
+        ({"n": 0}, "n"),
+        ({"best_of": "9"}, "best_of"),
+    ],
+)
+def test_request_cost_refuses_numbers_it_cannot_bound(body: dict, param: str) -> None:
+    with pytest.raises(CostError) as e:
+        request_cost(body, "hi", 4096)
+    assert e.value.param == param and f"`{param}` must be a positive integer" in str(e.value)
 
 
 # ------------------------------------------------------------------------------------------- tiers, admission
@@ -257,3 +359,112 @@ async def test_zero_hold_waits_for_the_table_and_is_bounded() -> None:
     with pytest.raises(Rejected) as e:
         await short.wait(key, lambda: False, asyncio.get_running_loop().time)
     assert e.value.reason == "hold_timeout" and short.counts == {}
+
+
+# --------------------------------------------------------------------- limits end to end (gateway + stub workers)
+
+LIMIT_KEY = "sk-test-key-limited"
+LIMIT_AUTH = {"authorization": f"Bearer {LIMIT_KEY}"}
+
+
+def _limited(**tier: object) -> GatewaySettings:
+    tiers = (
+        TierSettings(name="standard", priority=10, **tier),  # type: ignore[arg-type]
+        TierSettings(name="premium", priority=20),
+        TierSettings(name="batch", priority=0),
+    )
+    return GatewaySettings(health_interval_seconds=0.05, tiers=tiers)
+
+
+def _table(ws: list[StubWorker], max_model_len: int | None = None) -> RoutingTable:
+    table = one_variant_table("m", ws)
+    if max_model_len is None:
+        return table
+    return RoutingTable({"m": replace(table.deployments["m"], max_model_len=max_model_len)})
+
+
+def _sse_events(text: str) -> list[str]:
+    return [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
+
+
+async def test_max_tokens_is_reserved_at_admission_so_concurrent_requests_cannot_overrun_the_limit() -> None:
+    """30 concurrent requests of max_tokens=1000 on a 200 tokens/min key: one runs (a full bucket admits one
+    request larger than itself), the other 29 get 429 with Retry-After instead of all running at once."""
+    async with stubs(1, delay=0.002) as ws, run_gateway(FixedSource(_table(ws)), {LIMIT_KEY: "standard"}, _limited(tokens_per_minute=200)) as gw:
+        async with gw.client(headers=LIMIT_AUTH) as c:
+            body = chat(stream=True, max_tokens=1000)
+            answers = await asyncio.gather(*(c.post("/v1/chat/completions", json=body) for _ in range(30)))
+    statuses = sorted(r.status_code for r in answers)
+    assert statuses == [200] + [429] * 29
+    refused = [r for r in answers if r.status_code == 429]
+    assert all(r.json()["error"]["code"] == "rate_limit_exceeded" and int(r.headers["retry-after"]) >= 1 for r in refused)
+    assert ws[0].stats.requests == 1
+
+
+async def test_streams_are_charged_from_the_workers_usage_not_by_counting_events() -> None:
+    """A stop string that never matches holds text back: 1,500 tokens arrive as 2 events. The usage the worker
+    reports is what counts, and the usage event the gateway asked for is not shown to a client that did not."""
+    settings = _limited(tokens_per_minute=2000)
+    async with stubs(1, tokens_per_event=750) as ws, run_gateway(FixedSource(_table(ws)), {LIMIT_KEY: "standard"}, settings) as gw:
+        async with gw.client(headers=LIMIT_AUTH) as c:
+            first = await c.post("/v1/chat/completions", json=chat(stream=True, max_tokens=1500, stop=["never"]))
+            second = await c.post("/v1/chat/completions", json=chat(stream=True, max_tokens=1000))
+    assert first.status_code == 200
+    evs = _sse_events(first.text)
+    assert len(evs) == 3 and evs[-1] == "[DONE]" and all("usage" not in json.loads(e) for e in evs[:-1])
+    assert ws[0].stats.bodies[0]["stream_options"] == {"include_usage": True}
+    assert second.status_code == 429, second.text  # 2000 - 1501 used < 1000 + prompt
+    assert int(first.headers["x-ratelimit-remaining-tokens"]) < 500  # the reservation showed at admission
+
+
+async def test_a_client_that_asked_for_usage_gets_it() -> None:
+    async with stubs(1, tokens=5) as ws, run_gateway(FixedSource(_table(ws)), {LIMIT_KEY: "standard"}, _limited()) as gw:
+        async with gw.client(headers=LIMIT_AUTH) as c:
+            body = chat(stream=True, max_tokens=5, stream_options={"include_usage": True})
+            r = await c.post("/v1/chat/completions", json=body)
+    evs = _sse_events(r.text)
+    assert evs[-1] == "[DONE]" and json.loads(evs[-2])["usage"]["completion_tokens"] == 5
+    assert len(evs) == 7
+
+
+async def test_unused_reservation_is_refunded_with_max_model_len_from_the_routing_table() -> None:
+    """Without max_tokens a request reserves the remaining context (the deployment's max_model_len minus the
+    prompt); what the usage shows unused comes back, so short answers do not exhaust the key."""
+    settings = _limited(tokens_per_minute=1000)
+    async with stubs(1, tokens=8) as ws, run_gateway(FixedSource(_table(ws, max_model_len=500)), {LIMIT_KEY: "standard"}, settings) as gw:
+        async with gw.client(headers=LIMIT_AUTH) as c:
+            answers = [await c.post("/v1/chat/completions", json=chat(stream=i % 2 == 0)) for i in range(4)]
+            remaining = int(answers[-1].headers["x-ratelimit-remaining-tokens"])
+    assert [r.status_code for r in answers] == [200] * 4
+    assert 1000 - 3 * 9 - 500 <= remaining <= 1000 - 3 * 9 - 498  # three settled answers, one 499-token reservation
+
+
+async def test_a_client_that_disconnects_mid_stream_is_charged_its_reservation() -> None:
+    """Usage never arrives when the client leaves (the worker aborts): the reservation stands (fail safe)."""
+    settings = _limited(tokens_per_minute=1000)
+    async with stubs(1, delay=0.02, tokens_per_event=1) as ws, run_gateway(FixedSource(_table(ws)), {LIMIT_KEY: "standard"}, settings) as gw:
+        async with gw.client(headers=LIMIT_AUTH) as c:
+            async with c.stream("POST", "/v1/chat/completions", json=chat(stream=True, max_tokens=900)) as r:
+                async for chunk in r.aiter_raw():
+                    if b"data:" in chunk:
+                        break
+            await eventually(lambda: gw.state.admission.in_flight == 0, "the request settled")
+            after = await c.post("/v1/chat/completions", json=chat(max_tokens=300))
+    assert after.status_code == 429, after.text
+
+
+async def test_per_key_concurrency_cap() -> None:
+    async with stubs(1, mode="hang") as ws, run_gateway(FixedSource(_table(ws)), {LIMIT_KEY: "standard"}, _limited(max_concurrent_requests=2)) as gw:
+        async with gw.client(headers=LIMIT_AUTH) as c:
+            held = [asyncio.create_task(c.post("/v1/chat/completions", json=chat(max_tokens=4))) for _ in range(2)]
+            await eventually(lambda: ws[0].stats.active == 2, "two requests reached the worker")
+            third = await c.post("/v1/chat/completions", json=chat(max_tokens=4))
+            for t in held:
+                t.cancel()
+            await asyncio.gather(*held, return_exceptions=True)
+            await eventually(lambda: gw.state.admission.in_flight == 0, "the held requests settled")
+            ws[0].mode = "ok"
+            fourth = await c.post("/v1/chat/completions", json=chat(max_tokens=4))
+    assert third.status_code == 429 and third.json()["error"]["code"] == "too_many_concurrent_requests"
+    assert "2 requests at a time" in third.json()["error"]["message"] and third.headers["retry-after"] == "1"
+    assert fourth.status_code == 200

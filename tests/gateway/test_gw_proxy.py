@@ -49,7 +49,9 @@ async def test_streaming_and_plain_requests_pass_through_unchanged() -> None:
             evs = events(text)
             assert len(evs) == 8 and evs[-1] == "[DONE]"
             assert "".join(json.loads(e)["choices"][0]["delta"]["content"] for e in evs[:-1]) == "".join(f"tok{i} " for i in range(7))
-            assert body in [b for w in ws for b in w.stats.bodies]  # the worker got the client's body as sent
+            # the worker got the client's body, asked for usage (what the gateway charges), and no usage came back
+            assert {**body, "stream_options": {"include_usage": True}} in [b for w in ws for b in w.stats.bodies]
+            assert all("usage" not in json.loads(e) for e in evs[:-1])
 
             r = await c.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 3})
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == "tok0 tok1 tok2 "
@@ -116,12 +118,12 @@ async def test_models_lists_known_models() -> None:
 
 async def test_rate_limit_429_with_headers() -> None:
     tiers = (TierSettings(name="standard", priority=10, requests_per_minute=2, tokens_per_minute=10_000),)
-    tiers += (TierSettings(name="premium", priority=20), TierSettings(name="batch", priority=0))
+    tiers += (TierSettings(name="premium", priority=20, requests_per_minute=None), TierSettings(name="batch", priority=0))
     async with stubs(1) as ws, run_gateway(StaticSource([static("m", ws)]), KEYS, settings(tiers=tiers)) as gw:
         async with gw.client(headers=AUTH) as c:
-            ok = [await c.post("/v1/chat/completions", json=chat()) for _ in range(2)]
-            r = await c.post("/v1/chat/completions", json=chat())
-            premium = await c.post("/v1/chat/completions", json=chat(), headers={"authorization": f"Bearer {PREMIUM_KEY}"})
+            ok = [await c.post("/v1/chat/completions", json=chat(max_tokens=8)) for _ in range(2)]
+            r = await c.post("/v1/chat/completions", json=chat(max_tokens=8))
+            premium = await c.post("/v1/chat/completions", json=chat(max_tokens=8), headers={"authorization": f"Bearer {PREMIUM_KEY}"})
             metrics = await gw.metrics_text()
     assert [x.status_code for x in ok] == [200, 200]
     assert ok[0].headers["x-ratelimit-limit-requests"] == "2"
@@ -147,9 +149,9 @@ async def test_streamed_output_tokens_count_against_the_token_limit() -> None:
     assert second.status_code == 429 and second.json()["error"]["message"].startswith("rate limit reached for tokens")
 
 
-@pytest.mark.parametrize("failure", ["503", "429", "reset", "refused"])
+@pytest.mark.parametrize("failure", ["503", "429", "429_tokenizer", "reset", "refused"])
 async def test_retries_another_pod_before_the_first_byte(failure: str) -> None:
-    async with stubs(3, tokens=4) as ws:
+    async with stubs(3 if failure != "reset" else 2, tokens=4) as ws:  # a reset is retried once only: one bad pod
         good, bad = ws[0], ws[1:]
         for b in bad:
             b.mode = failure if failure != "refused" else "ok"
@@ -175,6 +177,37 @@ async def test_when_every_pod_refuses_the_last_answer_is_returned() -> None:
     assert r.status_code == 503 and r.headers["retry-after"] == "2"
     assert r.json()["error"]["message"] == "draining"
     assert [w.stats.requests for w in ws] == [1, 1]  # each pod once, never twice
+    assert gw.state.outstanding == {}
+
+
+@pytest.mark.parametrize(
+    ("failure", "status", "code"),
+    [
+        ("engine_dead", 503, "engine_dead"),  # the request may have killed the engine: never offer it to another
+        ("429_other", 429, "rate_limit_exceeded"),  # a 4xx other than the worker's queue-full is the client's
+        ("400", 400, "bad_request"),
+    ],
+)
+async def test_answers_that_a_retry_could_repeat_are_passed_through_untried_elsewhere(
+    failure: str, status: int, code: str
+) -> None:
+    async with stubs(3, mode=failure) as ws, run_gateway(FixedSource(one_variant_table("m", ws)), KEYS, settings(max_attempts=3)) as gw:
+        async with gw.client(headers=AUTH) as c:
+            for stream in (True, False):
+                r = await c.post("/v1/chat/completions", json=chat(stream=stream, max_tokens=4))
+                assert r.status_code == status and r.json()["error"]["code"] == code, r.text
+    assert sum(w.stats.requests for w in ws) == 2  # one pod per request, never a second
+    assert gw.state.outstanding == {}
+
+
+async def test_a_connection_reset_is_retried_once_only() -> None:
+    """A worker that dies while reading a request (a poison request crashing the process) resets the connection;
+    one retry covers the benign race with a keep-alive close, a second would spread the poison."""
+    async with stubs(3, mode="reset") as ws, run_gateway(FixedSource(one_variant_table("m", ws)), KEYS, settings(max_attempts=3)) as gw:
+        async with gw.client(headers=AUTH) as c:
+            r = await c.post("/v1/chat/completions", json=chat(max_tokens=4))
+    assert r.status_code == 502
+    assert sum(w.stats.requests for w in ws) == 2
     assert gw.state.outstanding == {}
 
 
