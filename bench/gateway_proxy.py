@@ -3,7 +3,7 @@
 Stub workers (one process, `gateway.stub`: one SSE event per token, `--delay` seconds apart) stand in for the
 engine so the numbers isolate the gateway. For each concurrency (default 1, 64 and 512 concurrent streams) the
 same load runs twice, direct (round-robin over the workers) and through `llmfleet gateway` (its own process, with
-API-key auth on), and the report gives the ratios gateway/direct. Every loop is bounded in count and time.
+API-key auth and per-key limits on), and the report gives the ratios gateway/direct. Every loop is bounded in count and time.
 
     .venv/bin/python bench/gateway_proxy.py                          # 1, 64, 512 streams, 32 tokens, 10 ms apart
     .venv/bin/python bench/gateway_proxy.py --streams 1,64 --tokens 16 --json
@@ -59,6 +59,15 @@ class Run:
             "tokens_per_s": self.tokens / self.seconds if self.seconds else 0.0,
             "errors": self.errors,
         }
+
+
+def gateway_config(path: Path, streams: int) -> None:
+    """Limits on, sized so that the load itself is never refused: the cost of checking them is what we measure."""
+    tier = {
+        "name": "premium", "priority": 20, "bypass_queue": True, "requests_per_minute": 10_000_000,
+        "tokens_per_minute": 10_000_000_000, "max_concurrent_requests": 2 * streams,
+    }
+    path.write_text(json.dumps({"tiers": [tier], "default_tier": "premium"}))
 
 
 def cpu_seconds(pid: int) -> float:
@@ -128,21 +137,25 @@ async def bench(args: argparse.Namespace) -> list[dict[str, object]]:
     stub_args = ["-m", "gateway.stub", "--count", str(args.workers), "--delay", str(args.delay), "--tokens", str(args.tokens)]
     rows: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        keys = Path(tmp) / "keys.txt"
+        keys, config = Path(tmp) / "keys.txt", Path(tmp) / "gateway.json"
         keys.write_text(f"{KEY} premium\n")
+        gateway_config(config, max(args.streams))
         async with spawn(sys.executable, *stub_args, ready_prefix="listening on") as stub:
             urls = stub.first_line.removeprefix("listening on ").split()
             for stack in args.stacks:
-                rows += await bench_gateway(args, urls, keys, stack)
+                rows += await bench_gateway(args, urls, keys, config, stack)
     return rows
 
 
-async def bench_gateway(args: argparse.Namespace, urls: list[str], keys: Path, stack: str) -> list[dict[str, object]]:
+async def bench_gateway(
+    args: argparse.Namespace, urls: list[str], keys: Path, config: Path, stack: str
+) -> list[dict[str, object]]:
     """The load levels against one gateway process running on `stack` (see STACKS), each also run direct."""
     rows: list[dict[str, object]] = []
     port = free_port()
     gw_args = ["-m", "llmfleet.cli", "gateway", "--port", str(port), "--backend", "bench=" + ",".join(urls),
-               "--api-keys-file", str(keys), "--log-level", "warning", "--metrics-port", str(free_port()),
+               "--api-keys-file", str(keys), "--config", str(config), "--log-level", "warning",
+               "--metrics-port", str(free_port()),
                *STACKS[stack]]
     async with spawn(sys.executable, *gw_args) as gw_proc:
         gateway = f"http://127.0.0.1:{port}"

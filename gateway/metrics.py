@@ -89,7 +89,8 @@ class GatewayMetrics:
         )
         self.itl = Histogram(
             "llmfleet_gateway_inter_token_latency_seconds",
-            "Time between consecutive streamed chunks sent to the client.",
+            "Mean time per output token after the first of each stream as the client received it (one observation "
+            "per stream: its first to last chunk over the worker's completion tokens - 1).",
             ["model"], buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.rate_limited = Counter(
@@ -101,7 +102,7 @@ class GatewayMetrics:
             ["tier", "reason"], registry=r,
         )
         self.output_tokens = Counter(
-            "llmfleet_gateway_output_tokens", "Streamed output tokens (SSE events) passed to clients.", ["model"],
+            "llmfleet_gateway_output_tokens", "Output tokens the workers reported (usage) for answers passed to clients.", ["model"],
             registry=r,
         )
         r.register(_LiveCollector(live))

@@ -70,6 +70,7 @@ _MAYBE_DELIVERED_ERRORS = (httpx.ReadError, httpx.RemoteProtocolError, httpx.Wri
 _RETRYABLE_ERRORS = _UNDELIVERED_ERRORS + _MAYBE_DELIVERED_ERRORS
 _MAX_BODY_BYTES = 16 * 1024 * 1024
 _MAX_PENDING_BYTES = 1024 * 1024  # a partial SSE line held back for the next read, at most
+_USAGE_KEY = b'"usage"'  # the one substring scan each streamed chunk gets (see gateway.usage)
 
 # The worker's error codes (worker_image/worker/server) that say "this pod cannot take it now, another can".
 # `engine_dead` is absent on purpose: the request may be what killed the engine, and a retry would kill the next.
@@ -284,6 +285,7 @@ class _Request:
         # Tokens to settle the reservation with: 0 until a worker answers 200 (nothing generated), then None
         # (unknown: the reservation stands) until the worker's usage arrives.
         self.used: int | None = 0
+        self.completion_tokens: int | None = None  # from the worker's usage
 
     async def serve(self, send: Send, watch: _DisconnectWatch) -> None:
         metrics = self.state.metrics
@@ -543,31 +545,45 @@ class _Request:
         return status
 
     def _usage_from(self, chunk: bytes, strip: bool) -> bytes:
-        """Settle from the usage in `chunk` (whole SSE lines) and return what the client gets of it."""
+        """Settle from the usage in `chunk` (whole SSE lines, holding the usage marker) and return what the client
+        gets of it."""
+        if strip:
+            chunk = strip_null_usage(chunk)
+        if not has_usage(chunk):
+            return chunk
         chunk, usage = take_usage(chunk, strip)
         if usage is not None:
             self.used = usage.total
+            self.completion_tokens = usage.completion_tokens
             self.state.metrics.output_tokens.labels(self.model_label).inc(usage.completion_tokens)
         return chunk
+
+    def _observe_itl(self, first: float, reads: int) -> None:
+        """One observation per stream: its mean time per output token after the first (by the worker's usage;
+        without usage, per upstream read)."""
+        tokens = self.completion_tokens if self.completion_tokens is not None else reads
+        if tokens > 1:
+            self.state.metrics.itl.labels(self.model_label).observe((time.perf_counter() - first) / (tokens - 1))
 
     async def _pump(self, send: Send, watch: _DisconnectWatch, up: _Upstream) -> int:
         """Stream the upstream body to the client chunk by chunk; never retried from here on.
 
         Per chunk: a partial last line is held back for the next read (an SSE client can do nothing with it
-        before it completes), so every chunk looked at holds whole lines; only a chunk with the usage marker is
-        parsed. The rest is substring scans and the send."""
+        before it completes), so every chunk looked at holds whole lines; only a chunk holding `"usage":` is
+        looked at further. No metric is touched per chunk: the stream's inter-token latency is observed once at
+        its end."""
         state = self.state
         metrics = state.metrics
-        itl = metrics.itl.labels(self.model_label)
         read_timeout = state.settings.timeouts.read
         strip = not self.client_wants_usage
         chunks = up.chunks
         status = up.response.status_code
         await send({"type": "http.response.start", "status": status, "headers": self._client_headers(up.response)})
         chunk = up.first_chunk or b""
-        last = time.perf_counter()
+        first = time.perf_counter()
         if chunk:
-            metrics.ttft.labels(self.model_label).observe(last - self.arrival)
+            metrics.ttft.labels(self.model_label).observe(first - self.arrival)
+        reads = 0
         pending = b""
         ended_clean = True
         stall = _StallTimer(read_timeout)
@@ -580,9 +596,7 @@ class _Request:
                     if cut or len(chunk) <= _MAX_PENDING_BYTES:
                         chunk, pending = chunk[:cut], chunk[cut:]
                 if chunk:
-                    if strip:
-                        chunk = strip_null_usage(chunk)
-                    if has_usage(chunk):
+                    if _USAGE_KEY in chunk:
                         chunk = self._usage_from(chunk, strip)
                     if chunk:
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -596,7 +610,7 @@ class _Request:
                         break
                     chunk, pending = pending, b""  # an unterminated last line: passed on as it is
                     stall.disarm()
-                    if has_usage(chunk):
+                    if _USAGE_KEY in chunk:
                         chunk = self._usage_from(chunk, strip)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     break
@@ -618,11 +632,10 @@ class _Request:
                     body = event if ended_clean else b"\n\n" + event
                     await send({"type": "http.response.body", "body": body, "more_body": False})
                     return 502
-                now = time.perf_counter()
-                itl.observe(now - last)
-                last = now
+                reads += 1
         finally:
             stall.stop()
+            self._observe_itl(first, reads)
         watch.finished = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return status

@@ -5,8 +5,9 @@ Why: the gateway charges a request what the worker says it used (`prompt_tokens 
 it can count in the stream: a stop string that never matches holds text back, so 1,500 generated tokens can arrive
 as 2 SSE events. Every streamed request therefore goes upstream with `stream_options.include_usage`, and the worker
 (ours and vLLM alike) ends the stream with one event that has no choices and a `usage` object, just before
-`[DONE]`. Finding it must not cost every chunk a JSON parse: only a chunk holding the byte marker `"usage":{` (or
-`"usage": {`) is looked at (chunks carry `"usage":null` while include_usage is on, which the marker skips).
+`[DONE]`. Finding it must not cost every chunk a JSON parse: the proxy scans each chunk once for `"usage"`, and
+only a chunk holding the marker `"usage":{` (or `"usage": {`) is parsed (chunks carry `"usage":null` while
+include_usage is on, which the marker skips).
 
 Pure functions on bytes and dicts; imports nothing of ours.
 """

@@ -5,6 +5,7 @@ Each stream is 20 tokens 50 ms apart, so 1000 of them overlap even on a slow mac
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from pathlib import Path
 
@@ -33,12 +34,17 @@ async def stub_stats(urls: list[str]) -> list[dict]:
 @pytest.mark.slow
 async def test_soak_1000_concurrent_streams(tmp_path: Path) -> None:
     keys = tmp_path / "keys.txt"
-    keys.write_text(f"{KEY} premium\n")
+    keys.write_text(f"{KEY} soak\n")
+    # per-key limits stay on, sized so the soak itself is never refused (the default tiers cap a key's concurrency)
+    tier = {"name": "soak", "priority": 20, "bypass_queue": True, "requests_per_minute": 1_000_000,
+            "tokens_per_minute": 1_000_000_000, "max_concurrent_requests": 2 * STREAMS}
+    config = tmp_path / "gateway.json"
+    config.write_text(json.dumps({"tiers": [tier], "default_tier": "soak"}))
     port, metrics_port = free_port(), free_port()
     metrics_base = f"http://127.0.0.1:{metrics_port}"
     async with spawn(sys.executable, "-m", "gateway.stub", "--count", "4", "--delay", "0.05", "--tokens", str(TOKENS), ready_prefix="listening on") as stub:
         urls = stub.first_line.removeprefix("listening on ").split()
-        args = ["-m", "llmfleet.cli", "gateway", "--port", str(port), "--backend", "soak=" + ",".join(urls), "--api-keys-file", str(keys), "--log-level", "warning", "--metrics-port", str(metrics_port)]
+        args = ["-m", "llmfleet.cli", "gateway", "--port", str(port), "--backend", "soak=" + ",".join(urls), "--api-keys-file", str(keys), "--config", str(config), "--log-level", "warning", "--metrics-port", str(metrics_port)]
         async with spawn(sys.executable, *args) as _gateway:
             base = f"http://127.0.0.1:{port}"
             await wait_http_ok(base + "/ready")

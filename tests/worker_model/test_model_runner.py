@@ -42,7 +42,7 @@ def test_plan_num_blocks_errors(num_blocks, kv_bytes, match):
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"dtype": "float64"}, "dtype must be one of"),
+        ({"dtype": "float64"}, "dtype must be auto or one of"),
         ({"quantization": "int3"}, "quantization must be"),
         ({"block_size": 0}, "block_size"),
         ({"max_model_len": 10**6}, "max_model_len"),

@@ -1,0 +1,127 @@
+"""Our gateway side by side with vllm-router (the vLLM project's Rust router) on the same fake upstreams.
+
+Why: a Python proxy on the hot path of every token must not cost much more than the router people would put
+there instead. Both proxies forward to the same stub workers (`gateway.stub`, one process: one SSE event per
+token, `--delay` seconds apart) and take the same streamed chat load, one after the other; a direct run (no proxy)
+gives the baseline TTFT. Our gateway keeps its whole request path on: API-key auth, per-key limits (a token
+reservation per request, settled from the worker's usage, a concurrency cap) and its metrics; vllm-router runs
+round-robin with its defaults otherwise (it authenticates nobody).
+
+    .venv/bin/python bench/gateway_vs_router.py                      # 64, 256 and 512 streams, 32 tokens each
+    .venv/bin/python bench/gateway_vs_router.py --streams 512 --tokens 64
+
+vllm-router lives in its own venv, `.venv-router` (created by `scripts/router-venv.sh` on first use: pip from
+PyPI). Figures per proxy: CPU time per streamed token (Linux /proc: the figure least disturbed by the load
+generator and workers sharing the machine) and TTFT p50 added over direct; then our/router ratios. The last line
+printed is one JSON object. Targets: CPU per token <= 1.2x the router's, added TTFT p50 within 2x at 512 streams.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from gateway_proxy import Run, cpu_seconds, gateway_config, load
+
+from gateway.testing import free_port, spawn, wait_http_ok
+
+ROOT = Path(__file__).resolve().parent.parent
+ROUTER_VENV = ROOT / ".venv-router"
+KEY = "sk-bench-router-comparison"
+
+
+def ensure_router() -> Path:
+    """The vllm-router executable, installing it into .venv-router first when missing."""
+    exe = ROUTER_VENV / "bin" / "vllm-router"
+    if not exe.exists():
+        subprocess.run([str(ROOT / "scripts" / "router-venv.sh"), str(ROUTER_VENV)], check=True)
+    return exe
+
+
+def row(name: str, run: Run, cpu: float, direct: dict[str, float]) -> dict[str, float]:
+    s = run.summary()
+    return {
+        **{f"{name}_{k}": v for k, v in s.items()},
+        f"{name}_cpu_us_per_token": 1e6 * cpu / max(1, run.tokens),
+        f"{name}_ttft_added_ms": s["ttft_p50_ms"] - direct["ttft_p50_ms"],
+    }
+
+
+async def measure(name: str, pid: int, url: str, streams: int, per_stream: int, tokens: int,
+                  headers: dict[str, str], direct: dict[str, float]) -> dict[str, float]:
+    cpu0 = cpu_seconds(pid)
+    run = await load([url], streams, per_stream, tokens, headers)
+    return row(name, run, cpu_seconds(pid) - cpu0, direct)
+
+
+async def bench(args: argparse.Namespace) -> list[dict[str, float]]:
+    router = ensure_router()
+    stub_args = ["-m", "gateway.stub", "--count", str(args.workers), "--delay", str(args.delay), "--tokens", str(args.tokens)]
+    rows: list[dict[str, float]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        keys, config = Path(tmp) / "keys.txt", Path(tmp) / "gateway.json"
+        keys.write_text(f"{KEY} premium\n")
+        gateway_config(config, max(args.streams))
+        async with spawn(sys.executable, *stub_args, ready_prefix="listening on") as stub:
+            urls = stub.first_line.removeprefix("listening on ").split()
+            gw_port, rt_port = free_port(), free_port()
+            gw_args = ["-m", "llmfleet.cli", "gateway", "--port", str(gw_port), "--backend", "bench=" + ",".join(urls),
+                       "--api-keys-file", str(keys), "--config", str(config), "--log-level", "warning",
+                       "--metrics-port", str(free_port())]
+            rt_args = ["--host", "127.0.0.1", "--port", str(rt_port), "--worker-urls", *urls, "--policy", "round_robin",
+                       "--max-concurrent-requests", str(4 * max(args.streams)), "--queue-size", str(4 * max(args.streams)),
+                       "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warning"]
+            env = {**os.environ, "RUST_LOG": "warn"}
+            async with spawn(sys.executable, *gw_args) as gw, spawn(str(router), *rt_args, env=env) as rt:
+                gateway, routed = f"http://127.0.0.1:{gw_port}", f"http://127.0.0.1:{rt_port}"
+                await wait_http_ok(gateway + "/ready")
+                await wait_http_ok(routed + "/health")
+                auth = {"authorization": f"Bearer {KEY}"}
+                for url, hdrs in ((gateway, auth), (routed, {}), (urls[0], {})):  # warm up every path
+                    await load([url], 4, 2, args.tokens, hdrs)
+                for streams in args.streams:
+                    per_stream = min(args.max_per_stream, max(1, args.requests // streams))
+                    direct = (await load(urls, streams, per_stream, args.tokens, {})).summary()
+                    r: dict[str, float] = {"streams": streams, "requests": streams * per_stream,
+                                           "direct_ttft_p50_ms": direct["ttft_p50_ms"]}
+                    r |= await measure("router", rt.proc.pid, routed, streams, per_stream, args.tokens, {}, direct)
+                    r |= await measure("gateway", gw.proc.pid, gateway, streams, per_stream, args.tokens, auth, direct)
+                    r["cpu_per_token_ratio"] = r["gateway_cpu_us_per_token"] / r["router_cpu_us_per_token"]
+                    r["ttft_added_ratio"] = r["gateway_ttft_added_ms"] / max(r["router_ttft_added_ms"], 0.1)
+                    rows.append(r)
+                    print(
+                        f"{streams:>5} streams: CPU/token us gateway {r['gateway_cpu_us_per_token']:.1f} router "
+                        f"{r['router_cpu_us_per_token']:.1f} ratio {r['cpu_per_token_ratio']:.2f} | TTFT p50 added ms "
+                        f"gateway {r['gateway_ttft_added_ms']:.1f} router {r['router_ttft_added_ms']:.1f} | "
+                        f"errors gateway {r['gateway_errors']:.0f} router {r['router_errors']:.0f} | tok/s gateway "
+                        f"{r['gateway_tokens_per_s']:.0f} router {r['router_tokens_per_s']:.0f}",
+                        flush=True,
+                    )
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--streams", default="64,256,512", help="comma-separated concurrency levels")
+    ap.add_argument("--tokens", type=int, default=32, help="tokens per streamed answer")
+    ap.add_argument("--delay", type=float, default=0.01, help="seconds between tokens at the stub workers")
+    ap.add_argument("--workers", type=int, default=4, help="stub workers (one process)")
+    ap.add_argument("--requests", type=int, default=1024, help="requests per run (at least one per stream)")
+    ap.add_argument("--max-per-stream", type=int, default=16, help="most requests one stream sends in a run")
+    args = ap.parse_args()
+    args.streams = [int(s) for s in args.streams.split(",") if s.strip()]
+    print(f"our gateway vs vllm-router: {args.workers} stub workers, {args.tokens} tokens/answer "
+          f"{1000 * args.delay:.0f} ms apart, {os.cpu_count()} CPUs shared by load generator, workers and proxies",
+          flush=True)
+    rows = asyncio.run(bench(args))
+    print(json.dumps({"cpus": os.cpu_count(), "tokens": args.tokens, "delay_s": args.delay, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
