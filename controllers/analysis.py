@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -100,6 +101,15 @@ def _usable(label: str, sample: RevisionSample | None) -> tuple[RevisionSample |
     return sample, None
 
 
+@dataclass
+class _Findings:
+    """What one analysis interval found, in the order the checks ran: the message lists them in that order."""
+
+    failures: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    passed: list[str] = field(default_factory=list)
+
+
 def analyse(
     spec: AnalysisSpec,
     stable: RevisionSample | None,
@@ -117,101 +127,22 @@ def analyse(
         raise ValueError(f"quality agreement must be within 0..1, got {quality_agreement}")
     if latency_floor_s < 0:
         raise ValueError(f"latency_floor_s must be >= 0, got {latency_floor_s}")
-    failures: list[str] = []
-    missing: list[str] = []
-    passed: list[str] = []
-
+    found = _Findings()
     stable_ok, why = _usable("stable", stable)
     if why:
-        missing.append(why)
+        found.missing.append(why)
     canary_ok, why = _usable("canary", canary)
     if why:
-        missing.append(why)
+        found.missing.append(why)
 
-    min_requests = spec.min_requests
+    error_rate = _judge_error_rate(spec, canary_ok, found)
+    _note_stable_traffic(spec, stable_ok, found)
+    enough_traffic = _enough_traffic(spec, stable_ok, canary_ok)
+    ratios = _judge_latencies(spec, stable_ok, canary_ok, enough_traffic, latency_floor_s, found)
+    _judge_quality(spec, quality_agreement, quality_required, found)
+
+    verdict, message = _verdict(found)
     canary_requests = canary_ok.requests if canary_ok else None
-    stable_requests = stable_ok.requests if stable_ok else None
-
-    # Error rate: needs the canary's requests and errors.
-    error_rate: float | None = None
-    if canary_ok is not None:
-        if canary_requests is None or canary_ok.errors is None:
-            missing.append("canary request/error counts missing")
-        else:
-            errors = canary_ok.errors
-            counted = f"{_count(errors)} errors / {_count(canary_requests)} requests"
-            if canary_requests > 0:
-                error_rate = min(errors / canary_requests, 1.0)
-            lower_bound = min(errors / max(canary_requests, min_requests, 1), 1.0)
-            if lower_bound > spec.error_rate_max:
-                failures.append(
-                    f"error rate {lower_bound:.3f} > {spec.error_rate_max:g} ({counted})"
-                    if canary_requests >= min_requests and canary_requests > 0
-                    else f"error rate at least {lower_bound:.3f} > {spec.error_rate_max:g} ({counted}, "
-                    f"judged over minRequests {min_requests})"
-                )
-            elif canary_requests <= 0:
-                missing.append("no canary requests")
-            elif canary_requests < min_requests:
-                missing.append(f"canary requests {canary_requests:g} < minRequests {min_requests}")
-            else:
-                passed.append(f"error rate {error_rate:.3f} <= {spec.error_rate_max:g} ({counted})")
-
-    # Latency ratios: need both revisions with enough requests for a p95 to mean something.
-    enough_traffic = (
-        canary_requests is not None
-        and stable_requests is not None
-        and canary_requests >= min_requests
-        and stable_requests >= min_requests
-        and canary_requests > 0
-        and stable_requests > 0
-    )
-    if stable_ok is not None and stable_requests is None:
-        missing.append("stable request count missing")
-    elif stable_requests is not None and stable_requests <= 0:
-        missing.append("no stable requests")
-    elif stable_requests is not None and stable_requests < min_requests:
-        missing.append(f"stable requests {stable_requests:g} < minRequests {min_requests}")
-    ratios: dict[str, float | None] = {}
-    for key, name, limit in (
-        ("ttft", "TTFT", spec.ttft_p95_max_ratio),
-        ("itl", "ITL", spec.itl_p95_max_ratio),
-    ):
-        ratio: float | None = None
-        if stable_ok is not None and canary_ok is not None:
-            ratio, why = _latency_ratio(
-                name,
-                getattr(stable_ok, f"{key}_p95_seconds"),
-                getattr(canary_ok, f"{key}_p95_seconds"),
-                latency_floor_s,
-            )
-            if why:
-                missing.append(why)
-            elif ratio is not None and enough_traffic:
-                (failures if ratio > limit else passed).append(
-                    f"{name} p95 ratio {_fmt_ratio(ratio)} {'>' if ratio > limit else '<='} {limit:g}"
-                )
-            # With too little traffic the ratio is recorded but not judged (the traffic shortfall is noted above).
-        ratios[key] = ratio
-
-    # Quality probe: judged whenever it ran; required when quantization changes.
-    if quality_agreement is not None:
-        if quality_agreement < spec.quality_min_agreement:
-            failures.append(f"quality agreement {quality_agreement:.3f} < {spec.quality_min_agreement:g}")
-        else:
-            passed.append(f"quality agreement {quality_agreement:.3f} >= {spec.quality_min_agreement:g}")
-    elif quality_required:
-        missing.append("quality probe did not run")
-
-    if failures:
-        verdict, parts = Verdict.FAIL, failures + ([f"also: {'; '.join(missing)}"] if missing else [])
-    elif missing:
-        verdict, parts = Verdict.INCONCLUSIVE, missing
-    else:
-        verdict, parts = Verdict.PASS, passed
-    message = f"{verdict.value}: {'; '.join(parts)}"
-    if len(message) > _MESSAGE_LIMIT:
-        message = message[: _MESSAGE_LIMIT - 3] + "..."
     return AnalysisResult(
         time=now,
         step=step,
@@ -223,6 +154,114 @@ def analyse(
         canary_requests=round(canary_requests) if canary_requests is not None else None,
         message=message,
     )
+
+
+def _judge_error_rate(spec: AnalysisSpec, canary: RevisionSample | None, found: _Findings) -> float | None:
+    """The canary's error rate (None without requests), judged against `errorRateMax`; with fewer than
+    `minRequests` requests only its lower bound errors / minRequests can fail (see the module docstring)."""
+    if canary is None:
+        return None
+    requests, errors = canary.requests, canary.errors
+    if requests is None or errors is None:
+        found.missing.append("canary request/error counts missing")
+        return None
+    min_requests = spec.min_requests
+    counted = f"{_count(errors)} errors / {_count(requests)} requests"
+    error_rate = min(errors / requests, 1.0) if requests > 0 else None
+    lower_bound = min(errors / max(requests, min_requests, 1), 1.0)
+    if lower_bound > spec.error_rate_max:
+        found.failures.append(
+            f"error rate {lower_bound:.3f} > {spec.error_rate_max:g} ({counted})"
+            if requests >= min_requests and requests > 0
+            else f"error rate at least {lower_bound:.3f} > {spec.error_rate_max:g} ({counted}, "
+            f"judged over minRequests {min_requests})"
+        )
+    elif requests <= 0:
+        found.missing.append("no canary requests")
+    elif requests < min_requests:
+        found.missing.append(f"canary requests {requests:g} < minRequests {min_requests}")
+    else:
+        found.passed.append(f"error rate {error_rate:.3f} <= {spec.error_rate_max:g} ({counted})")
+    return error_rate
+
+
+def _note_stable_traffic(spec: AnalysisSpec, stable: RevisionSample | None, found: _Findings) -> None:
+    """Notes why the stable revision has too little traffic for its p95 to mean something, if it has."""
+    if stable is None:
+        return
+    requests = stable.requests
+    if requests is None:
+        found.missing.append("stable request count missing")
+    elif requests <= 0:
+        found.missing.append("no stable requests")
+    elif requests < spec.min_requests:
+        found.missing.append(f"stable requests {requests:g} < minRequests {spec.min_requests}")
+
+
+def _enough_traffic(spec: AnalysisSpec, stable: RevisionSample | None, canary: RevisionSample | None) -> bool:
+    """Whether both revisions served at least `minRequests` (and some) requests: latency ratios are judged only then."""
+    counts = (stable.requests if stable else None, canary.requests if canary else None)
+    return all(count is not None and count >= spec.min_requests and count > 0 for count in counts)
+
+
+def _judge_latencies(
+    spec: AnalysisSpec,
+    stable: RevisionSample | None,
+    canary: RevisionSample | None,
+    enough_traffic: bool,
+    floor: float,
+    found: _Findings,
+) -> dict[str, float | None]:
+    """TTFT and ITL p95 ratios (canary / stable), keyed "ttft" and "itl". With too little traffic a ratio is
+    recorded but not judged (the traffic shortfall is noted by the other checks)."""
+    ratios: dict[str, float | None] = {}
+    for key, name, limit in (
+        ("ttft", "TTFT", spec.ttft_p95_max_ratio),
+        ("itl", "ITL", spec.itl_p95_max_ratio),
+    ):
+        ratio: float | None = None
+        if stable is not None and canary is not None:
+            ratio, why = _latency_ratio(
+                name,
+                getattr(stable, f"{key}_p95_seconds"),
+                getattr(canary, f"{key}_p95_seconds"),
+                floor,
+            )
+            if why:
+                found.missing.append(why)
+            elif ratio is not None and enough_traffic:
+                (found.failures if ratio > limit else found.passed).append(
+                    f"{name} p95 ratio {_fmt_ratio(ratio)} {'>' if ratio > limit else '<='} {limit:g}"
+                )
+        ratios[key] = ratio
+    return ratios
+
+
+def _judge_quality(spec: AnalysisSpec, agreement: float | None, required: bool, found: _Findings) -> None:
+    """The quality probe is judged whenever it ran; its absence counts only when it is required (quantization
+    changes)."""
+    if agreement is not None:
+        if agreement < spec.quality_min_agreement:
+            found.failures.append(f"quality agreement {agreement:.3f} < {spec.quality_min_agreement:g}")
+        else:
+            found.passed.append(f"quality agreement {agreement:.3f} >= {spec.quality_min_agreement:g}")
+    elif required:
+        found.missing.append("quality probe did not run")
+
+
+def _verdict(found: _Findings) -> tuple[Verdict, str]:
+    """The worst verdict of the checks and the message that says why (failures also name what was missing)."""
+    if found.failures:
+        extra = [f"also: {'; '.join(found.missing)}"] if found.missing else []
+        verdict, parts = Verdict.FAIL, found.failures + extra
+    elif found.missing:
+        verdict, parts = Verdict.INCONCLUSIVE, found.missing
+    else:
+        verdict, parts = Verdict.PASS, found.passed
+    message = f"{verdict.value}: {'; '.join(parts)}"
+    if len(message) > _MESSAGE_LIMIT:
+        message = message[: _MESSAGE_LIMIT - 3] + "..."
+    return verdict, message
 
 
 # ---------------------------------------------------------------------------------------------- histogram helpers
