@@ -25,7 +25,8 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, MutableMapping
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,7 @@ from gateway.errors import error_body, sse_error_event
 from gateway.ratelimit import CONCURRENCY, CostError, Reservation, request_cost
 from gateway.routing import (
     DeploymentRoute,
+    Endpoint,
     RoutingError,
     VariantRoute,
     affinity_key,
@@ -194,6 +196,15 @@ class _Upstream:
     body: bytes | None
     chunks: AsyncIterator[bytes] | None  # the remaining raw chunks of a stream
     code: str | None = None  # the error code of a non-200 body already parsed
+
+
+@dataclass(frozen=True)
+class _Retry:
+    """An attempt that failed in a way another pod may not: why, and the retry metric's reason."""
+
+    failure: _Failure
+    reason: str
+    maybe_delivered: bool  # the worker may have read the request (such failures are retried once at most)
 
 
 async def _read_body(receive: Receive) -> bytes:
@@ -399,25 +410,26 @@ class _Request:
                 state.metrics.errors.labels(self.model_label, "no_backend").inc()
                 raise _Failure(503, r.message, "no_ready_backend", {"retry-after": str(s.retry_after_seconds)}) from None
         key = affinity_key(prompt, s.affinity_prefix_chars)
-        upstream = await self._open(dep.model, variant.name, key, stream)
-        try:
+        async with self._open(dep.model, variant.name, key, stream) as upstream:
             self.response_headers["x-llmfleet-variant"] = upstream.variant
             self.response_headers["x-llmfleet-revision"] = upstream.revision
             if upstream.first_chunk is None:
                 return await self._send_whole(send, watch, upstream)
             self.used = None  # a stream was committed: from here the worker generates
             return await self._pump(send, watch, upstream)
-        finally:
-            await upstream.response.aclose()
-            state.release_pod(upstream.url)
 
     def _variant(self, model: str, variant: str) -> VariantRoute:
         dep = self.state.table.deployments.get(model)
         v = dep.variant(variant) if dep is not None else None
         return v if v is not None else VariantRoute(name=variant, weight=0)
 
-    async def _open(self, model: str, variant_name: str, key: str | None, stream: bool) -> _Upstream:
-        """Attempts until one pod answers with a first body byte; retries only what is safe to retry."""
+    @asynccontextmanager
+    async def _open(self, model: str, variant_name: str, key: str | None, stream: bool) -> AsyncIterator[_Upstream]:
+        """Attempts until one pod answers with a first body byte; retries only what is safe to retry.
+
+        Yields the committed upstream; its pod's lease and its response are held until the caller's block ends.
+        Each attempt leases its pod (`state.outstanding`) for exactly as long as the `with self._lease` block, so
+        the lease is released in one place whatever the attempt's outcome."""
         state, s = self.state, self.state.settings
         client = state.client
         assert client is not None, "the app's lifespan creates the upstream client"
@@ -427,100 +439,128 @@ class _Request:
         forward = [(k, v) for k, v in self.scope["headers"] if k in _FORWARD_REQUEST_HEADERS]
         forward.append((b"x-request-id", self.request_id.encode()))
         for attempt in range(s.max_attempts):
-            variant = self._variant(model, variant_name)
-            if attempt == 0:
-                revision = choose_revision(variant, state.rng)
-                endpoints = revision.endpoints if revision is not None else ()
-            else:
-                endpoints = variant.endpoints
-            ep = choose_endpoint(endpoints, state.outstanding, key, s.load_factor, state.rng, exclude=tried)
+            ep = self._choose_endpoint(model, variant_name, key, tried, first=attempt == 0)
             if ep is None:
                 break
             tried.add(ep.url)
-            state.acquire_pod(ep.url)
-            try:
-                request = client.build_request("POST", ep.url + self.path, content=self.upstream_raw, headers=forward)
-                response = await client.send(request, stream=True)
-            except httpx.PoolTimeout:
-                state.release_pod(ep.url)
-                state.metrics.errors.labels(self.model_label, "pool_timeout").inc()
-                raise _Failure(
-                    503, "the gateway has no free upstream connection (pool.max_connections reached), retry later",
-                    "overloaded", {"retry-after": str(s.retry_after_seconds)},
-                ) from None
-            except _RETRYABLE_ERRORS as e:
-                last = _Failure(502, f"could not reach a backend for {model!r}: {type(e).__name__}", "upstream_unreachable")
-                state.metrics.errors.labels(self.model_label, "connect").inc()
-                state.release_pod(ep.url)
-                if isinstance(e, _MAYBE_DELIVERED_ERRORS):
-                    maybe_delivered += 1
-                    if maybe_delivered > 1:
-                        break
-                state.metrics.retries.labels(self.model_label, "connect").inc()
-                continue
-            except httpx.TimeoutException as e:
-                state.release_pod(ep.url)
-                state.metrics.errors.labels(self.model_label, "timeout").inc()
-                raise _Failure(504, f"the backend did not answer in time ({type(e).__name__})", "upstream_timeout") from None
-            except BaseException:
-                state.release_pod(ep.url)
-                raise
-            try:
-                if response.status_code in (429, 503):
-                    body = await response.aread()
-                    code = _upstream_code(body)
-                    if not retry_elsewhere(response.status_code, code):  # passed through as the worker said it
-                        return _Upstream(response, ep.url, ep.variant, ep.revision, None, body, None, code)
-                    retry_after = response.headers.get("retry-after")
-                    await response.aclose()
-                    state.metrics.retries.labels(self.model_label, str(response.status_code)).inc()
-                    last = _Failure(
-                        response.status_code,
-                        _upstream_message(body, f"backend answered {response.status_code}"),
-                        "upstream_busy" if response.status_code == 429 else "upstream_unavailable",
-                        {"retry-after": retry_after} if retry_after else None,
-                    )
-                    state.release_pod(ep.url)
-                    continue
-                is_stream = stream and response.status_code == 200
-                chunks = response.aiter_raw()
-                if is_stream:
-                    first = b""
-                    while not first:  # skip empty reads; an ended body yields StopAsyncIteration
-                        first = await anext(chunks)
-                    return _Upstream(response, ep.url, ep.variant, ep.revision, first, None, chunks)
-                body = await response.aread()
-                return _Upstream(response, ep.url, ep.variant, ep.revision, None, body, None)
-            except StopAsyncIteration:  # a stream that ended without a byte: passed through as it is
-                return _Upstream(response, ep.url, ep.variant, ep.revision, b"", None, chunks)
-            except _RETRYABLE_ERRORS as e:  # failed before the first body byte: the worker may have died of it
-                await response.aclose()
-                state.metrics.errors.labels(self.model_label, "connect").inc()
-                last = _Failure(502, f"the backend failed before answering: {type(e).__name__}", "upstream_failed")
-                state.release_pod(ep.url)
+            with self._lease(ep.url):
+                outcome = await self._attempt(client, ep, forward, model, stream)
+                if isinstance(outcome, _Upstream):
+                    try:
+                        yield outcome
+                    finally:
+                        await outcome.response.aclose()
+                    return
+            last = outcome.failure
+            if outcome.maybe_delivered:
                 maybe_delivered += 1
                 if maybe_delivered > 1:
                     break
-                state.metrics.retries.labels(self.model_label, "reset").inc()
-                continue
-            except httpx.TimeoutException as e:
+            state.metrics.retries.labels(self.model_label, outcome.reason).inc()
+        raise self._no_answer(last, model, variant_name)
+
+    def _choose_endpoint(
+        self, model: str, variant_name: str, key: str | None, tried: set[str], *, first: bool
+    ) -> Endpoint | None:
+        """The pod of the next attempt, from the routing table as it is now: the first attempt keeps to the
+        revision chosen by weight, a retry may take any ready pod of the variant not tried yet."""
+        state, s = self.state, self.state.settings
+        variant = self._variant(model, variant_name)
+        if first:
+            revision = choose_revision(variant, state.rng)
+            endpoints = revision.endpoints if revision is not None else ()
+        else:
+            endpoints = variant.endpoints
+        return choose_endpoint(endpoints, state.outstanding, key, s.load_factor, state.rng, exclude=tried)
+
+    @contextmanager
+    def _lease(self, url: str) -> Iterator[None]:
+        """Counts a request outstanding on the pod (least-outstanding routing) while the block runs."""
+        self.state.acquire_pod(url)
+        try:
+            yield
+        finally:
+            self.state.release_pod(url)
+
+    async def _attempt(
+        self, client: httpx.AsyncClient, ep: Endpoint, forward: list[tuple[bytes, bytes]], model: str, stream: bool
+    ) -> _Upstream | _Retry:
+        """One attempt on one pod: the upstream to commit, or why to try another pod; raises `_Failure` for what
+        must not be retried."""
+        state, s = self.state, self.state.settings
+        try:
+            request = client.build_request("POST", ep.url + self.path, content=self.upstream_raw, headers=forward)
+            response = await client.send(request, stream=True)
+        except httpx.PoolTimeout:
+            state.metrics.errors.labels(self.model_label, "pool_timeout").inc()
+            raise _Failure(
+                503, "the gateway has no free upstream connection (pool.max_connections reached), retry later",
+                "overloaded", {"retry-after": str(s.retry_after_seconds)},
+            ) from None
+        except _RETRYABLE_ERRORS as e:
+            state.metrics.errors.labels(self.model_label, "connect").inc()
+            failure = _Failure(502, f"could not reach a backend for {model!r}: {type(e).__name__}", "upstream_unreachable")
+            return _Retry(failure, "connect", maybe_delivered=isinstance(e, _MAYBE_DELIVERED_ERRORS))
+        except httpx.TimeoutException as e:
+            state.metrics.errors.labels(self.model_label, "timeout").inc()
+            raise _Failure(504, f"the backend did not answer in time ({type(e).__name__})", "upstream_timeout") from None
+        committed = False
+        try:
+            outcome = await self._first_answer(response, ep, stream)
+            committed = isinstance(outcome, _Upstream)
+            return outcome
+        finally:
+            if not committed:
                 await response.aclose()
-                state.metrics.errors.labels(self.model_label, "timeout").inc()
-                state.release_pod(ep.url)
-                raise _Failure(504, f"the backend did not answer in time ({type(e).__name__})", "upstream_timeout") from None
-            except BaseException:
-                await response.aclose()
-                state.release_pod(ep.url)
-                raise
+
+    async def _first_answer(self, response: httpx.Response, ep: Endpoint, stream: bool) -> _Upstream | _Retry:
+        """Reads a pod's answer up to its first body byte (a whole body when it is not a stream)."""
+        state = self.state
+        status = response.status_code
+        chunks = response.aiter_raw()
+        try:
+            if status in (429, 503):
+                body = await response.aread()
+                code = _upstream_code(body)
+                if not retry_elsewhere(status, code):  # passed through as the worker said it
+                    return _Upstream(response, ep.url, ep.variant, ep.revision, None, body, None, code)
+                retry_after = response.headers.get("retry-after")
+                failure = _Failure(
+                    status,
+                    _upstream_message(body, f"backend answered {status}"),
+                    "upstream_busy" if status == 429 else "upstream_unavailable",
+                    {"retry-after": retry_after} if retry_after else None,
+                )
+                return _Retry(failure, str(status), maybe_delivered=False)
+            if stream and status == 200:
+                first = b""
+                while not first:  # skip empty reads; an ended body yields StopAsyncIteration
+                    first = await anext(chunks)
+                return _Upstream(response, ep.url, ep.variant, ep.revision, first, None, chunks)
+            body = await response.aread()
+            return _Upstream(response, ep.url, ep.variant, ep.revision, None, body, None)
+        except StopAsyncIteration:  # a stream that ended without a byte: passed through as it is
+            return _Upstream(response, ep.url, ep.variant, ep.revision, b"", None, chunks)
+        except _RETRYABLE_ERRORS as e:  # failed before the first body byte: the worker may have died of it
+            state.metrics.errors.labels(self.model_label, "connect").inc()
+            failure = _Failure(502, f"the backend failed before answering: {type(e).__name__}", "upstream_failed")
+            return _Retry(failure, "reset", maybe_delivered=True)
+        except httpx.TimeoutException as e:
+            state.metrics.errors.labels(self.model_label, "timeout").inc()
+            raise _Failure(504, f"the backend did not answer in time ({type(e).__name__})", "upstream_timeout") from None
+
+    def _no_answer(self, last: _Failure | None, model: str, variant_name: str) -> _Failure:
+        """The failure of a request no attempt got an answer for: the last attempt's, or "no ready backend"."""
+        metrics, s = self.state.metrics, self.state.settings
         if last is None:
-            state.metrics.errors.labels(self.model_label, "no_backend").inc()
-            last = _Failure(
+            metrics.errors.labels(self.model_label, "no_backend").inc()
+            return _Failure(
                 503, f"no ready backend for model {model!r} (variant {variant_name!r})", "no_ready_backend",
                 {"retry-after": str(s.retry_after_seconds)},
             )
-        elif last.status in (429, 503):
-            state.metrics.errors.labels(self.model_label, "upstream_status").inc()
-        raise last
+        if last.status in (429, 503):
+            metrics.errors.labels(self.model_label, "upstream_status").inc()
+        return last
 
     def _client_headers(self, response: httpx.Response) -> list[tuple[bytes, bytes]]:
         hdrs = [(b"content-type", response.headers.get("content-type", "application/json").encode())]
