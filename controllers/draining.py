@@ -35,20 +35,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from controllers.actions import Action, DeletePod, StartDrain
-from controllers.observed import (
-    DRAIN_DEADLINE,
-    DRAIN_REASON,
-    DRAINING,
-    DrainProbe,
-    PodInfo,
-    PodPhase,
-    ProbeState,
-)
+from controllers.observed import DrainProbe, PodInfo, PodPhase, ProbeState
 from crds.models import DrainReason, DrainStatus
+from crds.pods import DRAIN_DEADLINE, DRAIN_REASON, DRAINING
 
 # How often a draining pod is asked how its drain goes.
 POLL_SECONDS = 1.0
@@ -108,7 +101,7 @@ def mark_patch(action: StartDrain) -> dict[str, Any]:
 
 def timestamp(moment: datetime) -> str:
     """RFC 3339 UTC with microseconds, as the API writes times (parsed back by `observed.parse_time`)."""
-    return moment.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def status_of(action: StartDrain) -> DrainStatus:

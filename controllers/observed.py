@@ -17,15 +17,15 @@ from enum import StrEnum
 from typing import Any
 
 from crds.models import AnalysisResult
-
-LABEL_DEPLOYMENT = "llmfleet.io/deployment"
-LABEL_VARIANT = "llmfleet.io/variant"
-LABEL_REVISION = "llmfleet.io/revision"
-# A pod being drained carries this label ("true": the gateway and scrapers stop using it at once) and this
-# annotation (when the drain started), plus the deadline and reason annotations below; see controllers.draining.
-DRAINING = "llmfleet.io/draining"
-DRAIN_DEADLINE = "llmfleet.io/drain-deadline"
-DRAIN_REASON = "llmfleet.io/drain-reason"
+from crds.pods import (
+    DRAIN_DEADLINE,
+    DRAIN_REASON,
+    DRAINING,
+    LABEL_REVISION,
+    LABEL_VARIANT,
+    is_draining,
+    is_ready,
+)
 
 # Container waiting reasons that mean the pod will not become ready without help.
 STUCK_REASONS = frozenset(
@@ -63,7 +63,7 @@ class PodInfo:
     ready: bool = False
     created_at: datetime | None = None
     deleting: bool = False  # metadata.deletionTimestamp is set: the pod is already going away
-    draining: bool = False  # marked llmfleet.io/draining
+    draining: bool = False  # marked llmfleet.io/draining (`crds.pods.is_draining`)
     restarts: int = 0
     waiting_reason: str | None = None  # e.g. CrashLoopBackOff
     message: str = ""  # why the pod failed, when it did
@@ -96,7 +96,6 @@ class PodInfo:
         labels = meta.get("labels") or {}
         annotations = meta.get("annotations") or {}
         status = pod.get("status") or {}
-        conditions = status.get("conditions") or []
         containers = status.get("containerStatuses") or []
         waiting = [
             ((c.get("state") or {}).get("waiting") or {}).get("reason") for c in containers if isinstance(c, Mapping)
@@ -115,10 +114,10 @@ class PodInfo:
             variant=labels.get(LABEL_VARIANT),
             revision=labels.get(LABEL_REVISION),
             phase=phase,
-            ready=any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions),
+            ready=is_ready(pod),
             created_at=parse_time(meta.get("creationTimestamp")),
             deleting=meta.get("deletionTimestamp") is not None,
-            draining=marked(labels.get(DRAINING)) or marked(annotations.get(DRAINING)),
+            draining=is_draining(pod),
             restarts=sum(int(c.get("restartCount") or 0) for c in containers if isinstance(c, Mapping)),
             waiting_reason=next((reason for reason in waiting if reason), None),
             message=str(status.get("message") or status.get("reason") or ""),
@@ -186,11 +185,6 @@ class Observed:
         )
 
 
-def marked(value: Any) -> bool:
-    """Whether a draining label/annotation value means "draining" (anything but empty, "false" or "0")."""
-    return value is not None and str(value).strip().lower() not in ("", "false", "0")
-
-
 def parse_time(value: Any) -> datetime | None:
     """An RFC 3339 timestamp from the API (`2024-05-01T12:00:00Z`) -> aware datetime; None when absent or bad."""
     if isinstance(value, datetime):
@@ -198,6 +192,6 @@ def parse_time(value: Any) -> datetime | None:
     if not isinstance(value, str) or not value:
         return None
     try:
-        return datetime.fromisoformat(value.replace("Z", "+00:00"))
+        return datetime.fromisoformat(value)
     except ValueError:
         return None

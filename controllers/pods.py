@@ -37,10 +37,15 @@ from crds.models import (
     InferenceDeploymentSpec,
     VariantSpec,
 )
-from controllers.observed import LABEL_DEPLOYMENT, LABEL_REVISION, LABEL_VARIANT
+from crds.pods import (
+    CONTAINER_NAME,
+    LABEL_DEPLOYMENT,
+    LABEL_REVISION,
+    LABEL_VARIANT,
+    PORT_NAME,
+    WORKER_PORT,
+)
 
-CONTAINER_NAME = "worker"
-PORT_NAME = "http"
 DRAIN_TOKEN_ENV = "LLMFLEET_DRAIN_TOKEN"
 MANAGED_BY = "llmfleet-operator"
 
@@ -54,7 +59,7 @@ class PodDefaults:
     image: str = "ghcr.io/llmfleet/llmfleet-worker:0.1.0"
     # The worker entrypoint; the engine flags follow it.
     command: tuple[str, ...] = ("llmfleet", "worker")
-    port: int = 8000
+    port: int = WORKER_PORT
     run_as_user: int = 1000
     # Longest model load before the kubelet restarts the pod (startup probe budget).
     startup_timeout_seconds: int = 1800

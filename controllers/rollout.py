@@ -50,9 +50,14 @@ from typing import Any
 from pydantic import ValidationError
 
 from controllers.actions import EmitEvent, EventType
-from controllers.observed import LABEL_REVISION, LABEL_VARIANT, PodInfo, marked, parse_time
+from controllers.observed import PodInfo, parse_time
 from controllers.pods import PodDefaults, pod_template
-from controllers.revision import NON_POD_FIELDS, NON_POD_VARIANT_FIELDS, revision_of, variant_revision
+from controllers.revision import (
+    NON_POD_FIELDS,
+    NON_POD_VARIANT_FIELDS,
+    revision_of,
+    variant_revision,
+)
 from controllers.running_spec import running_spec
 from crds.helpers import dump_spec, parse_spec, parse_status
 from crds.models import (
@@ -65,6 +70,8 @@ from crds.models import (
     RolloutStatus,
     Verdict,
 )
+from crds.pods import LABEL_REVISION, LABEL_VARIANT, marked, ready_condition
+from crds.pods import labels as pod_labels
 
 PROMOTE = "llmfleet.io/promote"
 ABORT = "llmfleet.io/abort"
@@ -692,14 +699,12 @@ def canary_ready_since(pods: Iterable[Mapping[str, Any]], variant: str, revision
     lastTransitionTime); None without one."""
     moments: list[datetime] = []
     for pod in pods:
-        labels = (pod.get("metadata") or {}).get("labels") or {}
-        if labels.get(LABEL_VARIANT) != variant or labels.get(LABEL_REVISION) != revision:
+        if pod_labels(pod).get(LABEL_VARIANT) != variant or pod_labels(pod).get(LABEL_REVISION) != revision:
             continue
-        for condition in (pod.get("status") or {}).get("conditions") or []:
-            if condition.get("type") == "Ready" and condition.get("status") == "True":
-                moment = parse_time(condition.get("lastTransitionTime"))
-                if moment is not None:
-                    moments.append(moment)
+        condition = ready_condition(pod)
+        moment = parse_time(condition.get("lastTransitionTime")) if condition is not None else None
+        if moment is not None:
+            moments.append(moment)
     return min(moments) if moments else None
 
 

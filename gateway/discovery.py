@@ -9,8 +9,8 @@ Two sources feed the gateway (their I/O lives in `gateway.sources`):
   per (variant, revision), each with a weight (canary split included) and the tiers it serves. Until the
   operator has written them, groups come from `spec.variants` (weight, tiers) with the revisions seen on ready
   pods sharing the variant equally. A pod is routable when it is Ready, has an IP, is not being deleted and
-  carries no `llmfleet.io/draining` label or annotation; its URL is `http://{podIP}:{port}` with the container
-  port named `http` (default 8000). When two deployments serve the same model name, the first by
+  is not marked draining; its URL is `http://{podIP}:{port}` with the container port named `http` (default
+  8000). The labels, the draining marker and the port are the fleet's worker-pod facts (`crds.pods`). When two deployments serve the same model name, the first by
   (namespace, name) wins.
 """
 
@@ -21,13 +21,24 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from gateway.routing import DeploymentRoute, Endpoint, RevisionRoute, RoutingTable, VariantRoute
+from crds.pods import (
+    LABEL_DEPLOYMENT,
+    LABEL_REVISION,
+    LABEL_VARIANT,
+    WORKER_PORT,
+    host_port,
+    is_draining,
+    is_ready,
+    named_port,
+)
+from gateway.routing import (
+    DeploymentRoute,
+    Endpoint,
+    RevisionRoute,
+    RoutingTable,
+    VariantRoute,
+)
 
-LABEL_DEPLOYMENT = "llmfleet.io/deployment"
-LABEL_VARIANT = "llmfleet.io/variant"
-LABEL_REVISION = "llmfleet.io/revision"
-DRAINING = "llmfleet.io/draining"
-DEFAULT_PORT = 8000
 STATIC_REVISION = "static"
 DEFAULT_VARIANT = "default"
 
@@ -104,41 +115,23 @@ def _meta(obj: Mapping[str, Any]) -> Mapping[str, Any]:
     return m if isinstance(m, Mapping) else {}
 
 
-def _truthy_marker(value: Any) -> bool:
-    return value is not None and str(value).lower() not in ("false", "0", "")
-
-
 def pod_is_routable(pod: Mapping[str, Any]) -> bool:
     """Ready, has an IP, not being deleted, not marked draining."""
     meta = _meta(pod)
     if meta.get("deletionTimestamp"):
         return False
-    if _truthy_marker((meta.get("labels") or {}).get(DRAINING)) or _truthy_marker(
-        (meta.get("annotations") or {}).get(DRAINING)
-    ):
+    if is_draining(pod):
         return False
     status = pod.get("status") or {}
     if not status.get("podIP") or status.get("phase") not in (None, "Running"):
         return False
-    return any(
-        c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [] if isinstance(c, dict)
-    )
+    return is_ready(pod)
 
 
 def pod_url(pod: Mapping[str, Any]) -> str:
     """`http://{podIP}:{port}`, the port being the container port named `http` (default 8000)."""
-    port = DEFAULT_PORT
-    for container in (pod.get("spec") or {}).get("containers") or []:
-        for p in container.get("ports") or []:
-            if p.get("name") == "http" and isinstance(p.get("containerPort"), int):
-                port = p["containerPort"]
-                break
-        else:
-            continue
-        break
-    ip = (pod.get("status") or {})["podIP"]
-    host = f"[{ip}]" if ":" in ip else ip
-    return f"http://{host}:{port}"
+    port = named_port(pod) or WORKER_PORT
+    return f"http://{host_port((pod.get('status') or {})['podIP'], port)}"
 
 
 @dataclass(frozen=True, slots=True)

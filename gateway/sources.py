@@ -19,8 +19,9 @@ from typing import Any, Protocol
 
 import httpx
 
+from crds.pods import LABEL_DEPLOYMENT
 from gateway.auth import KeyFileError, KeyStore, keys_from_secret
-from gateway.discovery import LABEL_DEPLOYMENT, StaticBackend, kube_table, static_table
+from gateway.discovery import StaticBackend, kube_table, static_table
 from gateway.state import GatewayState
 
 log = logging.getLogger("llmfleet.gateway.discovery")

@@ -12,10 +12,12 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 import yaml
+
+from crds.pods import LABEL_DEPLOYMENT
 
 # (apiVersion, kind) -> (API prefix, plural, namespaced)
 KINDS: dict[tuple[str, str], tuple[str, str, bool]] = {
@@ -101,7 +103,7 @@ class Kube:
     def close(self) -> None:
         self._http.close()
 
-    def __enter__(self) -> Kube:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *_: object) -> None:
@@ -193,7 +195,7 @@ class Kube:
 
     def pods(self, deployment: str | None = None, namespace: str | None = "default") -> list[dict[str, Any]]:
         """Worker pods of one deployment (or of all, with `deployment=None`); all namespaces with `namespace=None`."""
-        selector = f"llmfleet.io/deployment={deployment}" if deployment else "llmfleet.io/deployment"
+        selector = f"{LABEL_DEPLOYMENT}={deployment}" if deployment else LABEL_DEPLOYMENT
         return self.list("v1", "Pod", namespace, selector=selector, all_namespaces=namespace is None)
 
     def pod_log(self, name: str, namespace: str = "default", tail_lines: int = 40) -> str:

@@ -17,6 +17,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from crds.pods import LABEL_REVISION, is_draining, is_ready
+from crds.pods import labels as pod_labels
 from llmfleet.kube import Kube
 
 
@@ -38,12 +40,9 @@ def _condition(obj: Mapping[str, Any] | None, kind: str) -> Mapping[str, Any]:
 
 
 def pod_ready(pod: Mapping[str, Any]) -> bool:
+    """Serving: Running, Ready and not being deleted."""
     meta = pod.get("metadata") or {}
-    return (
-        (pod.get("status") or {}).get("phase") == "Running"
-        and not meta.get("deletionTimestamp")
-        and _condition(pod, "Ready").get("status") == "True"
-    )
+    return (pod.get("status") or {}).get("phase") == "Running" and not meta.get("deletionTimestamp") and is_ready(pod)
 
 
 def pod_row(pod: Mapping[str, Any]) -> PodRow:
@@ -57,8 +56,7 @@ def pod_row(pod: Mapping[str, Any]) -> PodRow:
         detail = "terminating (draining)"
     elif ready:
         detail = "serving"
-    elif (meta.get("labels") or {}).get("llmfleet.io/draining") or (meta.get("annotations") or {}).get(
-            "llmfleet.io/draining"):
+    elif is_draining(pod):
         detail = "draining"
     else:
         waiting = next((c["state"]["waiting"] for c in containers if (c.get("state") or {}).get("waiting")), None)
@@ -75,7 +73,7 @@ def pod_row(pod: Mapping[str, Any]) -> PodRow:
             detail = status.get("phase") or "Pending"
     return PodRow(
         name=meta.get("name", "?"),
-        revision=(meta.get("labels") or {}).get("llmfleet.io/revision", "?"),
+        revision=pod_labels(pod).get(LABEL_REVISION, "?"),
         phase=status.get("phase") or "Pending",
         ready=ready,
         restarts=restarts,

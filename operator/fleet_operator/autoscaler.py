@@ -52,7 +52,7 @@ from controllers.autoscaling import (
     state_from_status,
     variant_status,
 )
-from controllers.observed import DRAINING, LABEL_VARIANT, marked, parse_time
+from controllers.observed import parse_time
 from controllers.pods import label_selector
 from controllers.running_spec import running_spec
 from controllers.sizing import desired_sizes
@@ -68,6 +68,7 @@ from crds.models import (
     Recommendation,
     VariantAutoscalingStatus,
 )
+from crds.pods import LABEL_VARIANT, is_draining, ready_condition
 from fleet_operator.alerts import AlertPolicy, ParsedAlerts, ScaleIntent
 from fleet_operator.analysis_runner import metrics_source
 from fleet_operator.execute import execute
@@ -142,18 +143,14 @@ def pod_counts(pods: Iterable[Mapping[str, Any]], variant: str) -> PodCounts:
         labels = meta.get("labels") or {}
         if labels.get(LABEL_VARIANT) != variant:
             continue
-        leaving = marked(labels.get(DRAINING)) or marked((meta.get("annotations") or {}).get(DRAINING))
-        if meta.get("deletionTimestamp") or leaving:
+        if meta.get("deletionTimestamp") or is_draining(pod):
             draining += 1
             continue
         status = pod.get("status") or {}
         if status.get("phase") in ("Failed", "Succeeded"):
             continue
         created = parse_time(meta.get("creationTimestamp"))
-        ready = next(
-            (c for c in status.get("conditions") or [] if c.get("type") == "Ready" and c.get("status") == "True"),
-            None,
-        )
+        ready = ready_condition(pod)
         if ready is not None:
             since = parse_time(ready.get("lastTransitionTime")) or created
             ready_since.append(since.timestamp() if since is not None else 0.0)
@@ -184,11 +181,11 @@ def queued_by_variant(answer: Any, namespace: str, deployment: str) -> dict[str,
     """The gateway's `GET /internal/queued` answer -> queued requests per variant of one deployment (a variant
     the gateway does not list has nothing queued). Raises ValueError on an answer of another shape."""
     if not isinstance(answer, Mapping) or not isinstance(answer.get("queued"), list):
-        raise ValueError("expected {'queued': [{namespace, deployment, variant, queued}, ...]}")
+        raise ValueError("expected {'queued': [{namespace, deployment, variant, queued}, ...]}")  # noqa: TRY004 - callers expect ValueError
     out: dict[str, float] = {}
     for row in answer["queued"]:
         if not isinstance(row, Mapping):
-            raise ValueError(f"a queued row is not an object: {row!r}")
+            raise ValueError(f"a queued row is not an object: {row!r}")  # noqa: TRY004 - callers expect ValueError
         if row.get("namespace") == namespace and row.get("deployment") == deployment:
             count = float(row.get("queued") or 0)
             if not math.isfinite(count) or count < 0:

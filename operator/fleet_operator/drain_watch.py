@@ -16,9 +16,9 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
-from controllers.observed import DRAINING, LABEL_DEPLOYMENT
+from crds.pods import DRAINING, LABEL_DEPLOYMENT, marked
 
 WATCH_SECONDS = 2  # one watch request lasts this long, so a stop is noticed within it
 
@@ -49,7 +49,7 @@ class DrainedPodRestarts:
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="drained-pod-restarts", daemon=True)
 
-    def __enter__(self) -> DrainedPodRestarts:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
@@ -64,7 +64,7 @@ class DrainedPodRestarts:
         with self._lock:
             self._names[uid] = meta.get("name") or uid
             self._restarts[uid] = max(self._restarts.get(uid, 0), restarts_of(pod))
-            if (meta.get("labels") or {}).get(DRAINING) == "true":
+            if marked((meta.get("labels") or {}).get(DRAINING)):
                 self._draining.add(uid)
 
     def drained(self) -> dict[str, int]:

@@ -24,8 +24,8 @@ from typing import Any
 
 import kopf
 
-from controllers.observed import LABEL_DEPLOYMENT
 from crds.models import GROUP, PLURAL, VERSION
+from crds.pods import LABEL_DEPLOYMENT
 from fleet_operator.analysis_runner import AnalysisRunner, metrics_source
 from fleet_operator.autoscaler import register_autoscaling
 from fleet_operator.drain_client import WorkerDrains

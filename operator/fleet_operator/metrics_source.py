@@ -79,11 +79,19 @@ from controllers.analysis import (
     merge_buckets,
 )
 from controllers.autoscaling import MetricsSample
-from controllers.observed import DRAINING, LABEL_DEPLOYMENT, LABEL_REVISION, LABEL_VARIANT
+from crds.pods import (
+    LABEL_DEPLOYMENT,
+    LABEL_REVISION,
+    LABEL_VARIANT,
+    WORKER_PORT,
+    host_port,
+    is_draining,
+    is_ready,
+    named_port,
+)
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PORT = 8000
 QUANTILE = 0.95
 # Error codes of llmfleet:request_errors_total that count against a canary: server errors and streams the server
 # aborted or failed after they started. 4xx (client mistakes) and client disconnects are not the canary's fault.
@@ -198,17 +206,13 @@ class MetricsSource(Protocol):
 # ----------------------------------------------------------------------------------------- targets and file_sd
 
 
-def _marked(value: Any) -> bool:
-    return value is not None and str(value).lower() not in ("", "false", "0")
-
-
 def _port(pod: Mapping[str, Any]) -> int:
-    for container in (pod.get("spec") or {}).get("containers") or []:
-        for port in container.get("ports") or []:
-            if port.get("name") == "http" and isinstance(port.get("containerPort"), int):
-                return int(port["containerPort"])
+    """The container port named `http`, else the `prometheus.io/port` annotation, else the worker's port."""
+    named = named_port(pod)
+    if named is not None:
+        return named
     annotated = ((pod.get("metadata") or {}).get("annotations") or {}).get("prometheus.io/port")
-    return int(annotated) if str(annotated or "").isdigit() else DEFAULT_PORT
+    return int(annotated) if str(annotated or "").isdigit() else WORKER_PORT
 
 
 def scrape_targets(pods: Iterable[Mapping[str, Any]]) -> list[ScrapeTarget]:
@@ -219,25 +223,21 @@ def scrape_targets(pods: Iterable[Mapping[str, Any]]) -> list[ScrapeTarget]:
         meta = pod.get("metadata") or {}
         labels = meta.get("labels") or {}
         status = pod.get("status") or {}
-        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
         wanted = (
-            ready
+            is_ready(pod)
             and status.get("phase") == "Running"
             and status.get("podIP")
             and not meta.get("deletionTimestamp")
-            and not _marked(labels.get(DRAINING))
-            and not _marked((meta.get("annotations") or {}).get(DRAINING))
+            and not is_draining(pod)
             and all(labels.get(k) for k in (LABEL_DEPLOYMENT, LABEL_VARIANT, LABEL_REVISION))
         )
         if not wanted:
             continue
-        ip = status["podIP"]
-        host = f"[{ip}]" if ":" in ip else ip
         targets.append(
             ScrapeTarget(
                 namespace=meta.get("namespace") or "default",
                 pod=meta["name"],
-                address=f"{host}:{_port(pod)}",
+                address=host_port(status["podIP"], _port(pod)),
                 deployment=labels[LABEL_DEPLOYMENT],
                 variant=labels[LABEL_VARIANT],
                 revision=labels[LABEL_REVISION],

@@ -19,6 +19,7 @@ from controllers import Observed
 from controllers.network import network_policy_name
 from controllers.pods import label_selector, service_name
 from crds.models import GROUP, PLURAL, VERSION
+from crds.pods import WORKER_PORT
 from fleet_operator.drain_client import WorkerDrains
 from fleet_operator.kube import KubeApi, namespaced
 
@@ -51,7 +52,7 @@ async def observe(
     errors: Iterable[str] = (),
     *,
     drains: WorkerDrains | None = None,
-    port: int = 8000,
+    port: int = WORKER_PORT,
     network_policies: bool = True,
 ) -> Observation:
     """The CR and what exists of its pods, Service, NetworkPolicy (only with `network_policies`: without them
