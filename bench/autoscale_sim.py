@@ -1,7 +1,7 @@
 """Autoscaler simulation benchmark: our decision vs KubeAI's and KEDA/HPA's on replayed traffic.
 
 Why it exists: issue 8's figures. It replays three seeded traces (a 4x load step, a short 4x spike, a compressed
-diurnal ramp up to 4x) through the simulated fleet of controllers/autoscaling_sim.py, driven by
+diurnal ramp up to 4x) through the simulated fleet of bench/autoscaling_sim.py, driven by
 (1) llmfleet: controllers/autoscaling.decide at a 10 s tick, (2) kubeai: KubeAI's published algorithm (10 s tick,
 10-minute moving average of in-flight requests vs targetRequests, 30 s scale-down delay), (3) keda: KEDA + HPA as
 in llm-d's recipe (15 s poll, 300 s stabilisation up and down, HPA formula with 10% tolerance). All three get
@@ -22,8 +22,7 @@ import statistics
 import sys
 import time
 
-from controllers.autoscaling import policy_from_spec
-from controllers.autoscaling_sim import (
+from autoscaling_sim import (
     Autoscaler,
     EngineProfile,
     FleetView,
@@ -38,6 +37,8 @@ from controllers.autoscaling_sim import (
     spike_trace,
     step_trace,
 )
+
+from controllers.autoscaling import policy_from_spec
 from crds.models import AutoscalingSpec, AutoscalingTargets
 
 # Seconds from `python -m` start to the first generated token of SmolLM2-135M-Instruct (safetensors, fp32, CPU)

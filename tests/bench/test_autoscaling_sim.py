@@ -1,4 +1,4 @@
-"""The simulated fleet (controllers.autoscaling_sim) and the benchmark's output contract (bench/autoscale_sim.py).
+"""The simulated fleet (bench/autoscaling_sim.py) and the benchmark's output contract (bench/autoscale_sim.py).
 These check shape and behaviour on short traces, not the benchmark's targets."""
 
 from __future__ import annotations
@@ -10,9 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
-from controllers.autoscaling import AutoscalingPolicy
-from controllers.autoscaling_sim import (
+from autoscaling_sim import (
     Autoscaler,
     EngineProfile,
     FleetView,
@@ -26,6 +24,8 @@ from controllers.autoscaling_sim import (
     simulate,
     step_trace,
 )
+
+from controllers.autoscaling import AutoscalingPolicy
 
 PROFILE = EngineProfile()
 WORKLOAD = Workload()
@@ -100,7 +100,7 @@ def test_keda_waits_for_its_scale_up_stabilisation_then_doubles() -> None:
     for now in range(0, 346, 15):
         desired = keda.evaluate(_view(float(now), desired, running=40))  # 40 running: 8 replicas' worth
         history[now] = desired
-    assert set(history[t] for t in range(0, 300, 15)) == {2}
+    assert {history[t] for t in range(0, 300, 15)} == {2}
     assert (history[300], history[315], history[330]) == (4, 8, 8)
 
 

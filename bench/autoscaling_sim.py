@@ -7,7 +7,9 @@ per-step token budget, chunked prefill, a max batch, a KV-cache capacity, recomp
 that TTFT grows with), with pods that take `startup_s` to become ready and drain before they go. Three
 autoscalers drive it: ours (`controllers.autoscaling.decide`, unmodified) and two baselines written from the
 peers' published algorithms (KubeAI's model autoscaler; KEDA driving a Kubernetes HPA as in llm-d's recipe).
-It is deterministic for a given seed and free of I/O; bench/autoscale_sim.py is its command line.
+It is deterministic for a given seed and free of I/O; bench/autoscale_sim.py is its command line. It is a
+measuring tool, not a decision of the fleet, so it lives in bench/ (imported as `autoscaling_sim`, with bench/ on
+the path as it is for `python bench/autoscale_sim.py`), not in the `controllers` package.
 """
 
 from __future__ import annotations
@@ -141,8 +143,16 @@ class Replica:
     requests and are deleted once empty."""
 
     __slots__ = (
-        "profile", "created_at", "ready_at", "draining", "clock", "waiting", "prefilling", "decoding",
-        "kv_used", "on_first_token",
+        "clock",
+        "created_at",
+        "decoding",
+        "draining",
+        "kv_used",
+        "on_first_token",
+        "prefilling",
+        "profile",
+        "ready_at",
+        "waiting",
     )
 
     def __init__(
@@ -437,10 +447,8 @@ class KedaHpaAutoscaler(Autoscaler):
         self.recommendations = [(t, r) for t, r in self.recommendations if t > keep_after]
         self.recommendations.append((now, desired))
         stabilized = current
-        if stabilized < up:
-            stabilized = up
-        if stabilized > down:
-            stabilized = down
+        stabilized = max(stabilized, up)
+        stabilized = min(stabilized, down)
         stabilized = min(stabilized, max(2 * current, 1))  # scaleUp policy: Percent 100 per 15 s
         return min(self.max_replicas, max(self.min_replicas, stabilized))
 
