@@ -46,6 +46,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from controllers.autoscaling_plan import ScaleIntent
+
 log = logging.getLogger(__name__)
 
 SCALE_LABEL = "llmfleet_scale"
@@ -86,27 +88,6 @@ class _Webhook(BaseModel):
     status: Literal["firing", "resolved"] | None = None
     receiver: str | None = None
     alerts: list[_Alert] = Field(max_length=10_000)
-
-
-@dataclass(frozen=True)
-class ScaleIntent:
-    """One alert's ask: add `step` pods to a deployment's variant (or all its variants) until `expires_at`;
-    `firing=False` ends the intent of the same alert instead."""
-
-    deployment: str
-    namespace: str | None
-    variant: str | None
-    alert: str
-    fingerprint: str | None
-    firing: bool
-    step: int
-    received_at: float
-    expires_at: float
-    reason: str
-
-    @property
-    def ttl_seconds(self) -> float:
-        return self.expires_at - self.received_at
 
 
 @dataclass(frozen=True)
@@ -254,7 +235,7 @@ def create_alerts_app(
                 result = on_intents(parsed)
                 if inspect.isawaitable(result):
                     await result
-            except Exception as error:  # noqa: BLE001 - reported to Alertmanager, which retries
+            except Exception as error:
                 log.exception("applying alert intents failed")
                 return _error(503, f"could not apply the alerts: {error}", "server_error", "apply_failed")
         for reason in parsed.ignored:

@@ -1,6 +1,8 @@
-"""The autoscaler in the operator: gather a variant's inputs, call `controllers.autoscaling.decide`, persist it.
+"""The autoscaler in the operator: fetch a deployment's inputs, call `controllers.autoscaling_plan`, persist it.
 
-Why it exists: the decision is pure (`controllers.autoscaling`); this is its shell. Every InferenceDeployment
+Why it exists: every decision is pure and lives in `controllers` (`controllers.autoscaling.decide` sizes one
+variant; `controllers.autoscaling_plan` counts pods, applies alert intents, bounds the status records and builds
+the status patch and Events); this is its shell: it only fetches and writes. Every InferenceDeployment
 gets a kopf timer (`autoscale_interval_seconds`, default 10 s) and Alertmanager alerts trigger the same
 evaluation at once (`Autoscaler.on_alerts`, called by `http_server`). A deployment with a variant at zero also
 checks, every `wake_interval_seconds` (2 s), whether the gateway holds requests for it, and is evaluated at once
@@ -9,15 +11,15 @@ evaluation of a deployment:
 
 1. read the CR and its pods fresh from the API server (a deleted or deleting CR is left to the reconcile loop;
    while an edit is invalid, the last valid spec is used, as everywhere);
-2. per autoscaled variant: the pods as `PodCounts` (`pod_counts`: ready with their Ready transition time,
-   starting with their creation time, draining/terminating apart), the metrics (`metrics_source`: Prometheus
-   when configured, else the ready pods' own /metrics), the gateway's requests held at zero (`gateway_url`'s
-   `GET /internal/queued`, else Prometheus's `llmfleet_gateway_queued_at_zero`), and the state persisted in
-   `status.autoscaling` (`state_from_status`). Any failure to measure is missing data, which never scales down;
-3. `decide` (`evaluate_variants`, pure), then a merge patch of `status.autoscaling` only, guarded by the
-   CR's resourceVersion (a conflict re-reads the CR and decides again on the same measurements), an Event with
-   the decision's reason when a variant's size changes, and a wake-up of the reconcile loop so that pods follow
-   at once (the planner reads the size from `status.autoscaling.variants[].desiredReplicas`).
+2. per autoscaled variant: the pods (`controllers.autoscaling_plan.pod_counts`: ready with their Ready
+   transition time, starting with their creation time, draining/terminating apart), the metrics
+   (`metrics_source`: Prometheus when configured, else the ready pods' own /metrics), the gateway's requests held
+   at zero (`gateway_url`'s `GET /internal/queued`, else Prometheus's `llmfleet_gateway_queued_at_zero`), and the
+   state persisted in `status.autoscaling`. Any failure to measure is missing data, which never scales down;
+3. `controllers.autoscaling_plan.evaluate_variants` (pure), then a merge patch of `status.autoscaling` only,
+   guarded by the CR's resourceVersion (a conflict re-reads the CR and decides again on the same measurements),
+   an Event with the decision's reason when a variant's size changes, and a wake-up of the reconcile loop so that
+   pods follow at once (the planner reads the size from `status.autoscaling.variants[].desiredReplicas`).
 
 `register_autoscaling` adds the kopf handlers: start/stop of the autoscaler, the operator metrics, the public HTTP
 server (`/alerts`, applied only while kopf peering keeps this replica active) and the internal metrics server; the
@@ -30,32 +32,29 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import httpx
 import kopf
 from pydantic import ValidationError
 
-from controllers import EmitEvent, EventType, Plan
-from controllers.autoscaling import (
-    Decision,
-    GatewaySample,
-    MetricsSample,
-    PodCounts,
-    add_alert,
-    alert_intent,
-    decide,
-    policy_from_spec,
-    remove_alert,
-    state_from_status,
-    variant_status,
+from controllers import Plan
+from controllers.autoscaling import GatewaySample
+from controllers.autoscaling_plan import (
+    ScaleIntent,
+    VariantInputs,
+    VariantOutcome,
+    autoscaling_patch,
+    evaluate_variants,
+    owned,
+    pod_counts,
+    scale_event,
+    variants_at_zero,
+    wants_autoscaling,
 )
-from controllers.observed import parse_time
 from controllers.pods import label_selector
 from controllers.running_spec import running_spec
-from controllers.sizing import desired_sizes
 from crds.helpers import parse_status
 from crds.models import (
     GROUP,
@@ -65,11 +64,8 @@ from crds.models import (
     DecisionTrigger,
     InferenceDeploymentSpec,
     InferenceDeploymentStatus,
-    Recommendation,
-    VariantAutoscalingStatus,
 )
-from crds.pods import LABEL_VARIANT, is_draining, ready_condition
-from fleet_operator.alerts import AlertPolicy, ParsedAlerts, ScaleIntent
+from fleet_operator.alerts import AlertPolicy, ParsedAlerts
 from fleet_operator.analysis_runner import metrics_source
 from fleet_operator.execute import execute
 from fleet_operator.http_server import (
@@ -94,87 +90,9 @@ log = logging.getLogger(__name__)
 
 CR = (GROUP, VERSION, PLURAL)
 GATEWAY_QUEUED = "llmfleet_gateway_queued_at_zero"
-# The status keeps at most 1024 window records (CRD); compact well before that (see `compact_window`).
-MAX_WINDOW_RECORDS = 512
 CONFLICT_ATTEMPTS = 4
 
-
-# ------------------------------------------------------------------------------------------------- pure glue
-
-
-@dataclass(frozen=True)
-class VariantInputs:
-    """What was measured for one variant at one evaluation."""
-
-    pods: PodCounts
-    metrics: MetricsSample | None = None
-    gateway: GatewaySample | None = None
-
-
-@dataclass(frozen=True)
-class VariantOutcome:
-    """One variant's decision and the status entry that records it."""
-
-    variant: str
-    trigger: DecisionTrigger
-    decision: Decision
-    entry: VariantAutoscalingStatus
-
-
-def owned(pods: Iterable[Mapping[str, Any]], uid: str | None) -> list[Mapping[str, Any]]:
-    """The pods this InferenceDeployment controls (a pod merely carrying its labels is not its capacity)."""
-    def controlled(pod: Mapping[str, Any]) -> bool:
-        refs = (pod.get("metadata") or {}).get("ownerReferences") or []
-        return any(ref.get("controller") and ref.get("uid") == uid for ref in refs)
-
-    return [pod for pod in pods if controlled(pod)]
-
-
-def pod_counts(pods: Iterable[Mapping[str, Any]], variant: str) -> PodCounts:
-    """The variant's pods as the decision counts them: ready (with when they turned ready), starting (created,
-    not ready yet, with their creation time) and leaving (marked draining, or terminating). Ended pods (Failed,
-    Succeeded) count as nothing: the reconcile loop replaces them, and the replacement then counts as starting.
-    A missing timestamp reads as long ago: settled if ready, stuck (not capacity on its way) if not."""
-    ready_since: list[float] = []
-    starting_since: list[float] = []
-    draining = 0
-    for pod in pods:
-        meta = pod.get("metadata") or {}
-        labels = meta.get("labels") or {}
-        if labels.get(LABEL_VARIANT) != variant:
-            continue
-        if meta.get("deletionTimestamp") or is_draining(pod):
-            draining += 1
-            continue
-        status = pod.get("status") or {}
-        if status.get("phase") in ("Failed", "Succeeded"):
-            continue
-        created = parse_time(meta.get("creationTimestamp"))
-        ready = ready_condition(pod)
-        if ready is not None:
-            since = parse_time(ready.get("lastTransitionTime")) or created
-            ready_since.append(since.timestamp() if since is not None else 0.0)
-        else:
-            starting_since.append(created.timestamp() if created is not None else 0.0)
-    return PodCounts(
-        ready=len(ready_since),
-        ready_since=tuple(sorted(ready_since)),
-        starting_since=tuple(sorted(starting_since)),
-        draining=draining,
-    )
-
-
-def wants_autoscaling(body: Mapping[str, Any]) -> bool:
-    """Whether a CR (as kopf last saw it) has an autoscaled variant, or autoscaler status left to clean up."""
-    variants = (body.get("spec") or {}).get("variants") or []
-    leftover = ((body.get("status") or {}).get("autoscaling") or {}).get("variants")
-    return bool(leftover) or any(isinstance(v, Mapping) and v.get("autoscaling") for v in variants)
-
-
-def variants_at_zero(body: Mapping[str, Any]) -> list[str]:
-    """Autoscaled variants the autoscaler last sized to zero pods (from the CR as kopf last saw it)."""
-    decided = ((body.get("status") or {}).get("autoscaling") or {}).get("variants") or []
-    return [str(v.get("name")) for v in decided if isinstance(v, Mapping) and v.get("desiredReplicas") == 0]
+# ------------------------------------------------------------------------------------------------------ inputs
 
 
 def queued_by_variant(answer: Any, namespace: str, deployment: str) -> dict[str, float]:
@@ -193,166 +111,6 @@ def queued_by_variant(answer: Any, namespace: str, deployment: str) -> dict[str,
             variant = str(row.get("variant"))
             out[variant] = out.get(variant, 0.0) + count
     return out
-
-
-def intents_for(
-    intents: Iterable[ScaleIntent], namespace: str, deployment: str, variant: str
-) -> list[ScaleIntent]:
-    """The alert intents that name this variant (no namespace: any; no variant: every autoscaled one)."""
-    return [
-        intent
-        for intent in intents
-        if intent.deployment == deployment
-        and (intent.namespace is None or intent.namespace == namespace)
-        and (intent.variant is None or intent.variant == variant)
-    ]
-
-
-def collapse_runs(records: Sequence[Recommendation]) -> list[Recommendation]:
-    """Keep the first record of each run of equal recommendations. The window is piecewise constant (a record
-    holds until the next one), so this changes no decision, and a steady variant's window stops changing: its
-    status is not rewritten at every tick."""
-    kept: list[Recommendation] = []
-    for record in records:
-        if not kept or kept[-1].replicas != record.replicas:
-            kept.append(record)
-    return kept
-
-
-def compact_window(records: Sequence[Recommendation], limit: int = MAX_WINDOW_RECORDS) -> list[Recommendation]:
-    """Bound the stabilisation window kept in status: past `limit` records, drop every record (but the oldest,
-    which shows how far back the history reaches) that a later record equals or exceeds. The window's maximum
-    over any suffix is unchanged, so scale-down is never earlier; at most one record per replica count is left."""
-    if len(records) <= limit:
-        return list(records)
-    kept: list[Recommendation] = []
-    highest_later = -1
-    for record in reversed(records[1:]):
-        if record.replicas > highest_later:
-            kept.append(record)
-            highest_later = record.replicas
-    return [records[0], *reversed(kept)]
-
-
-def record_decision(
-    decision: Decision,
-    previous: VariantAutoscalingStatus | None,
-    *,
-    name: str,
-    trigger: DecisionTrigger,
-    alert_details: Mapping[str, tuple[str | None, str]] | None = None,
-) -> VariantAutoscalingStatus:
-    """`variant_status`, with bounds of its own: a decision that repeats the previous one (same trigger, sizes
-    and reason) is not recorded again (the record keeps the time it was first made: the size has held since),
-    so it neither pushes older, different decisions out of `lastDecisions` nor rewrites the status at every
-    tick; the window keeps the first record of each run of equal ones and is compacted before it could outgrow
-    the CRD's limit."""
-    entry = variant_status(decision, previous, name=name, trigger=trigger, alert_details=alert_details)
-    decisions = entry.last_decisions
-    if len(decisions) >= 2 and _same(decisions[-1], decisions[-2]):
-        decisions = decisions[:-1]
-    window = compact_window(collapse_runs(entry.recommendations))
-    return entry.model_copy(update={"last_decisions": decisions, "recommendations": window})
-
-
-def _same(a: Any, b: Any) -> bool:
-    return a.model_copy(update={"time": b.time}) == b
-
-
-def evaluate_variants(
-    spec: InferenceDeploymentSpec,
-    previous: AutoscalingStatus,
-    inputs: Mapping[str, VariantInputs],
-    *,
-    namespace: str,
-    deployment: str,
-    now: float,
-    intents: Sequence[ScaleIntent] = (),
-    expected_startup_seconds: float = 300.0,
-    settle_seconds: float = 60.0,
-) -> list[VariantOutcome]:
-    """Decide every autoscaled variant that has inputs (pure). The current size is what the planner pursues
-    (`controllers.sizing.desired_sizes`: the last decision clamped to min/max, or the initial size); firing
-    alert intents for the variant are added to its state first, resolved ones removed."""
-    sizes = desired_sizes(spec, previous)
-    entries = {entry.name: entry for entry in previous.variants}
-    outcomes = []
-    for variant in spec.variants:
-        if variant.autoscaling is None or variant.name not in inputs:
-            continue
-        try:
-            policy = policy_from_spec(
-                variant.autoscaling, expected_startup_seconds=expected_startup_seconds, settle_seconds=settle_seconds
-            )
-        except ValidationError as error:  # the reconcile loop reports it as InvalidSpec
-            log.info("%s/%s: variant %s not autoscaled: %s", namespace, deployment, variant.name, error)
-            continue
-        current = sizes[variant.name].replicas
-        previous_entry = entries.get(variant.name)
-        state = state_from_status(previous_entry)
-        details: dict[str, tuple[str | None, str]] = {}
-        mine = intents_for(intents, namespace, deployment, variant.name)
-        for intent in mine:
-            if intent.firing:
-                ask = alert_intent(
-                    intent.alert,
-                    now=now,
-                    current_replicas=current,
-                    policy=policy,
-                    step=intent.step,
-                    ttl_seconds=intent.ttl_seconds,
-                )
-                state = add_alert(state, ask)
-                details[intent.alert] = (intent.fingerprint, intent.reason)
-            else:
-                state = remove_alert(state, intent.alert)
-        measured = inputs[variant.name]
-        decision = decide(
-            policy,
-            now=now,
-            current_replicas=current,
-            pods=measured.pods,
-            metrics=measured.metrics,
-            gateway=measured.gateway,
-            state=state,
-        )
-        if mine:
-            trigger = DecisionTrigger.ALERT
-        elif current == 0 and decision.desired_replicas > 0:
-            trigger = DecisionTrigger.WAKE
-        else:
-            trigger = DecisionTrigger.TIMER
-        entry = record_decision(decision, previous_entry, name=variant.name, trigger=trigger, alert_details=details)
-        outcomes.append(VariantOutcome(variant.name, trigger, decision, entry))
-    return outcomes
-
-
-def autoscaling_patch(
-    spec: InferenceDeploymentSpec, previous: AutoscalingStatus, outcomes: Sequence[VariantOutcome]
-) -> dict[str, Any] | None:
-    """The `status.autoscaling` merge patch: one entry per autoscaled variant in spec order (new decisions, else
-    the previous entry), entries of variants no longer autoscaled dropped; None when nothing changes."""
-    decided = {outcome.variant: outcome.entry for outcome in outcomes}
-    kept = {entry.name: entry for entry in previous.variants}
-    entries = [
-        decided.get(v.name) or kept[v.name]
-        for v in spec.variants
-        if v.autoscaling is not None and (v.name in decided or v.name in kept)
-    ]
-    after = AutoscalingStatus(variants=entries)
-    if after == previous:
-        return None
-    return {"autoscaling": after.model_dump(mode="json", by_alias=True, exclude_none=True)}
-
-
-def scale_event(outcome: VariantOutcome) -> EmitEvent:
-    """The Event of a size change, with the decision's reason (what `kubectl describe infd` shows)."""
-    d = outcome.decision
-    message = (
-        f"variant {outcome.variant}: {d.current_replicas} -> {d.desired_replicas} replicas "
-        f"({outcome.trigger.value.lower()}): {d.reason}"
-    )
-    return EmitEvent(EventType.NORMAL, "Autoscaled", message)
 
 
 # ------------------------------------------------------------------------------------------------------- shell
@@ -443,7 +201,7 @@ class Autoscaler:
                 spec, previous = _autoscaling_view(resource)
                 if spec is None:
                     return []
-                outcomes = evaluate_variants(
+                evaluation = evaluate_variants(
                     spec,
                     previous,
                     inputs,
@@ -454,6 +212,9 @@ class Autoscaler:
                     expected_startup_seconds=self.settings.expected_startup_seconds,
                     settle_seconds=self.settle_seconds,
                 )
+                for variant, why in evaluation.skipped:
+                    log.info("%s/%s: variant %s not autoscaled: %s", namespace, name, variant, why)
+                outcomes = list(evaluation.outcomes)
                 patch = autoscaling_patch(spec, previous, outcomes)
                 if patch is None:
                     return outcomes
