@@ -80,14 +80,14 @@ from controllers.pods import (
     service_manifest,
     service_matches,
 )
-from controllers.running_spec import RunningSpec, running_spec
+from controllers.running_spec import DeploymentView, RunningSpec
 from controllers.sizing import (
     VariantSize,
     desired_sizes,
     shares_spec_replicas,
     split_by_weight,
 )
-from crds.helpers import dump_status, parse_status
+from crds.helpers import dump_status
 from crds.models import (
     ConditionStatus,
     ConditionType,
@@ -150,16 +150,19 @@ class _VariantOutcome:
     reconciling: ReconcilingReason | None = None  # the step under way (None when settled)
 
 
-def reconcile(resource: Mapping[str, Any], observed: Observed, now: datetime, policy: Policy = Policy()) -> Plan:
-    """Plan the next step for one InferenceDeployment (see the module docstring for the rules)."""
-    meta = resource.get("metadata") or {}
-    previous = _previous_status(resource.get("status"))
+def reconcile(
+    resource: Mapping[str, Any] | DeploymentView, observed: Observed, now: datetime, policy: Policy = Policy()
+) -> Plan:
+    """Plan the next step for one InferenceDeployment (see the module docstring for the rules). `resource` is the
+    object as the API returns it, or the pass's `DeploymentView` of it (read once, shared with the analysis)."""
+    view = DeploymentView.of(resource)
+    meta, previous = view.meta, view.status
     own = tuple(pod for pod in observed.pods if pod.owner_uid == meta.get("uid"))
-    if meta.get("deletionTimestamp"):
-        return _deleting(meta, resource.get("spec"), previous, own, observed, now, policy)
-    running = running_spec(resource.get("spec"), previous.last_valid_spec)
+    if view.deleting:
+        return _deleting(meta, view.raw_spec, previous, own, observed, now, policy)
+    running = view.running
     if running.spec is None:
-        return _invalid(meta, resource.get("spec"), previous, list(running.problems), own, observed, now, policy)
+        return _invalid(meta, view.raw_spec, previous, list(running.problems), own, observed, now, policy)
     return _converge(meta, running, previous, own, observed, now, policy)
 
 
@@ -228,16 +231,19 @@ def _converge(
                     f"variant {size.variant}: desired pods {before or 0} -> {size.replicas} ({size.describe()})",
                 )
             )
-    if previous.observed_generation != generation:
-        if spec.replicas is not None and not shares_spec_replicas(spec):
-            events.append(
-                EmitEvent(
-                    EventType.WARNING,
-                    "ReplicasIgnored",
-                    f"spec.replicas={spec.replicas} sizes no variant: every variant sets its own replicas or "
-                    "autoscaling (kubectl scale has no effect)",
-                )
+    if (
+        previous.observed_generation != generation
+        and spec.replicas is not None
+        and not shares_spec_replicas(spec)
+    ):
+        events.append(
+            EmitEvent(
+                EventType.WARNING,
+                "ReplicasIgnored",
+                f"spec.replicas={spec.replicas} sizes no variant: every variant sets its own replicas or "
+                "autoscaling (kubectl scale has no effect)",
             )
+        )
     invalid_before = find(previous.conditions, ConditionType.INVALID_SPEC)
     was_invalid = invalid_before is not None and invalid_before.status == ConditionStatus.TRUE
     if running.fallback:
@@ -687,14 +693,6 @@ def _replacing(before: Any, after: Any) -> Any:
         patch.update({key: None for key in before if key not in after})
         return patch
     return after
-
-
-def _previous_status(raw: Any) -> InferenceDeploymentStatus:
-    """The status as last written; a status this version cannot read is treated as empty (it is recomputed)."""
-    try:
-        return parse_status(raw if isinstance(raw, Mapping) else None)
-    except ValidationError:
-        return InferenceDeploymentStatus()
 
 
 def _drain_timeout(raw_spec: Any) -> int:

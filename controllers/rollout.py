@@ -58,8 +58,8 @@ from controllers.revision import (
     revision_of,
     variant_revision,
 )
-from controllers.running_spec import running_spec
-from crds.helpers import dump_spec, parse_spec, parse_status
+from controllers.running_spec import DeploymentView
+from crds.helpers import dump_spec, parse_spec
 from crds.models import (
     AnalysisResult,
     AnalysisSpec,
@@ -709,20 +709,18 @@ def canary_ready_since(pods: Iterable[Mapping[str, Any]], variant: str, revision
 
 
 def analysis_request(
-    resource: Mapping[str, Any], now: datetime, defaults: PodDefaults
+    resource: Mapping[str, Any] | DeploymentView, now: datetime, defaults: PodDefaults
 ) -> AnalysisRequest | None:
     """What the operator should do about this InferenceDeployment's canary analysis now: look for the canary's
     metrics series (until they appear), run the check that is due, or nothing (None): no canary runs, the spec is
     invalid, the deployment is being deleted, no check is due yet, or the spec has moved on from the running
-    canary (the next reconcile pass supersedes it; analysing it would be wasted)."""
-    meta = resource.get("metadata") or {}
-    if meta.get("deletionTimestamp"):
+    canary (the next reconcile pass supersedes it; analysing it would be wasted). `resource`: the object, or the
+    pass's `DeploymentView` of it."""
+    view = DeploymentView.of(resource)
+    if view.deleting or not view.status_readable:
         return None
-    try:
-        status = parse_status(resource.get("status") if isinstance(resource.get("status"), Mapping) else None)
-    except ValidationError:
-        return None
-    spec = running_spec(resource.get("spec"), status.last_valid_spec).spec  # the last valid one while invalid
+    meta, status = view.meta, view.status
+    spec = view.running.spec  # the last valid one while invalid
     if spec is None:
         return None
     canary = spec.rollout.canary if spec.rollout is not None else None

@@ -44,6 +44,7 @@ from controllers.rollout import (
     canary_ready_since,
     combine,
 )
+from controllers.running_spec import DeploymentView
 from crds.models import AnalysisResult
 from fleet_operator.metrics_source import (
     MetricsSource,
@@ -87,14 +88,16 @@ class AnalysisRunner:
         await self.source.aclose()
 
     async def check(
-        self, resource: Mapping[str, Any], pods: Sequence[Mapping[str, Any]], now: datetime
+        self, resource: Mapping[str, Any] | DeploymentView, pods: Sequence[Mapping[str, Any]], now: datetime
     ) -> AnalysisObservation:
         """The analysis check due now for this deployment, or the look for the canary's series while its clock
-        has not started; an empty observation when nothing is due (or the canary has no ready pod yet)."""
-        request = analysis_request(resource, now, self.defaults)
+        has not started; an empty observation when nothing is due (or the canary has no ready pod yet).
+        `resource`: the object, or the pass's `DeploymentView` of it (then it is not parsed again)."""
+        view = DeploymentView.of(resource)
+        request = analysis_request(view, now, self.defaults)
         if request is None:
             return AnalysisObservation()
-        meta = resource["metadata"]
+        meta = view.meta
         namespace, name = meta.get("namespace", "default"), meta["name"]
         targets = scrape_targets(pods)
         if not all(_of(targets, c.variant, c.canary) for c in request.comparisons):

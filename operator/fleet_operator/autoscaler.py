@@ -37,7 +37,6 @@ from typing import Any
 
 import httpx
 import kopf
-from pydantic import ValidationError
 
 from controllers import Plan
 from controllers.autoscaling import GatewaySample
@@ -54,8 +53,7 @@ from controllers.autoscaling_plan import (
     wants_autoscaling,
 )
 from controllers.pods import label_selector
-from controllers.running_spec import running_spec
-from crds.helpers import parse_status
+from controllers.running_spec import DeploymentView
 from crds.models import (
     GROUP,
     PLURAL,
@@ -63,7 +61,6 @@ from crds.models import (
     AutoscalingStatus,
     DecisionTrigger,
     InferenceDeploymentSpec,
-    InferenceDeploymentStatus,
 )
 from fleet_operator.alerts import AlertPolicy, ParsedAlerts
 from fleet_operator.analysis_runner import metrics_source
@@ -322,17 +319,15 @@ def _gateway_sample(queued: Mapping[str, float | None] | None, variant: str, now
 
 
 def _autoscaling_view(resource: Mapping[str, Any] | None) -> tuple[InferenceDeploymentSpec | None, AutoscalingStatus]:
-    """(the spec the autoscaler acts on, its persisted state), from one read of the CR's status. The spec is the
-    one the fleet runs (the last valid one while an edit is invalid, `controllers.running_spec`); None when the CR
-    is gone, being deleted, or was never valid. An unreadable status starts over, as the reconcile loop does."""
-    if resource is None or (resource.get("metadata") or {}).get("deletionTimestamp"):
+    """(the spec the autoscaler acts on, its persisted state), from one read of the CR (`DeploymentView`). The
+    spec is the one the fleet runs (the last valid one while an edit is invalid); None when the CR is gone, being
+    deleted, or was never valid. An unreadable status starts over, as the reconcile loop does."""
+    if resource is None:
         return None, AutoscalingStatus()
-    raw_status = resource.get("status")
-    try:
-        status = parse_status(raw_status if isinstance(raw_status, Mapping) else None)
-    except ValidationError:
-        status = InferenceDeploymentStatus()
-    return running_spec(resource.get("spec"), status.last_valid_spec).spec, status.autoscaling
+    view = DeploymentView.of(resource)
+    if view.deleting:
+        return None, AutoscalingStatus()
+    return view.running.spec, view.status.autoscaling
 
 
 # ------------------------------------------------------------------------------------------------ kopf wiring

@@ -1,7 +1,8 @@
 """The reconcile loop of each InferenceDeployment: observe -> `controllers.reconcile` -> execute, then wait.
 
-A pass observes the CR and its children (asking draining pods how their drain goes), runs the canary analysis
-check when one is due (`analysis_runner`), plans, and executes the plan (marking and draining pods included).
+A pass observes the CR and its children (asking draining pods how their drain goes), reads the CR once into a
+`controllers.running_spec.DeploymentView` (its status and the spec it runs), runs the canary analysis check when
+one is due (`analysis_runner`), plans, and executes the plan (marking and draining pods included).
 
 `Fleet.run` is the body of the per-deployment kopf daemon: it makes one pass, then sleeps until something
 changes (a watch event on the CR or one of its pods calls `wake`), until the plan asks to look again, or until
@@ -19,10 +20,11 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from controllers import Plan, Policy, reconcile
+from controllers.running_spec import DeploymentView
 from fleet_operator.analysis_runner import AnalysisObservation, AnalysisRunner
 from fleet_operator.drain_client import WorkerDrains
 from fleet_operator.execute import execute
@@ -80,17 +82,18 @@ class Fleet:
             resource, observed = seen.resource, seen.observed
             if resource is None:
                 return PassResult(None, gone=True)
-            now = datetime.now(timezone.utc)
+            now = datetime.now(UTC)
+            view = DeploymentView.of(resource)  # read once: the analysis and the planner share it
             if self.analysis is not None:
                 try:
-                    found = await self.analysis.check(resource, seen.pods, now)
-                except Exception:  # noqa: BLE001 - analysis must never stop reconciling; no result is no verdict
+                    found = await self.analysis.check(view, seen.pods, now)
+                except Exception:  # analysis must never stop reconciling; no result is no verdict
                     log.exception("%s/%s: canary analysis failed", namespace, name)
                     found = AnalysisObservation()
                 if found.result is not None:
                     log.info("%s/%s: canary analysis: %s", namespace, name, found.result.message)
                 observed = replace(observed, analysis=found.result, canary_metrics_since=found.metrics_since)
-            plan = reconcile(resource, observed, now, self.policy)
+            plan = reconcile(view, observed, now, self.policy)
             errors = tuple(await execute(self.api, plan, resource, self.drains))
             if self.on_pass is not None:
                 self.on_pass(resource, plan)
