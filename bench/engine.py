@@ -84,8 +84,8 @@ def summarize(name: str, wall: float, useful: int, ttft: list[float], itl: list[
 def run_ours(
     path: str, work, *, dtype: str, max_num_seqs: int, batched_tokens: int, name: str, quantization: str | None = None
 ) -> dict:
+    from worker.core.request import SamplingParams
     from worker.engine.llm import LLM
-    from worker.request import SamplingParams
 
     need = sum(len(p) + n for p, n in work) if max_num_seqs > 1 else max(len(p) + n for p, n in work)
     llm = LLM(

@@ -23,11 +23,11 @@ import random
 import statistics
 import time
 
-from worker.config import EngineConfig
+from worker.core.config import EngineConfig
 from worker.core.outputs import ModelRunnerOutput, SchedulerOutput
+from worker.core.request import SamplingParams
 from worker.engine.core import EngineCore
 from worker.engine.toy import ByteTokenizer
-from worker.request import SamplingParams
 
 
 class InstantRunner:

@@ -34,9 +34,9 @@ from fleet_operator.metrics_source import (
     scrape_targets,
     write_file_sd,
 )
+from worker.core.request import FinishReason
 from worker.engine.protocol import EngineStats
 from worker.metrics import TTFT_BUCKETS, ServerGauges, WorkerMetrics
-from worker.request import FinishReason
 
 from controllers.analysis import RevisionSample, analyse, histogram_quantile
 from controllers.autoscaling import MetricsSample

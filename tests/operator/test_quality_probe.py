@@ -70,7 +70,7 @@ async def test_real_engines_agree_as_offline_teacher_forcing_says(worker_url, tm
     with the offline engine (stable's greedy continuation, then the canary's argmax at each of its positions)."""
     from controllers.quality import token_agreement
     from worker import LLM, SamplingParams
-    from worker.config import EngineConfig
+    from worker.core.config import EngineConfig
     from worker.engine.async_engine import AsyncEngine
     from worker.model.testing import make_tiny_llama
 

@@ -6,7 +6,7 @@ import pytest
 
 from worker.core import kv_cache_manager as kvm
 from worker.core.kv_cache_manager import KVCacheManager, token_slice
-from worker.request import Request, SamplingParams
+from worker.core.request import Request, SamplingParams
 
 BS = 4
 

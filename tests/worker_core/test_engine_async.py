@@ -8,12 +8,12 @@ import threading
 import pytest
 
 from worker import LLM
-from worker.config import EngineConfig
+from worker.core.config import EngineConfig
 from worker.core.scheduler import QueueFullError
 from worker.engine.async_engine import AsyncEngine, EngineDeadError, merge_outputs
 from worker.engine.protocol import EngineClient, RequestOutput
 from worker.engine.toy import ToyRunner
-from worker.request import FinishReason, SamplingParams
+from worker.core.request import FinishReason, SamplingParams
 
 LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from worker.config import EngineConfig
+from worker.core.config import EngineConfig
 
 
 @pytest.mark.parametrize(

@@ -6,11 +6,11 @@ import pytest
 from pydantic import ValidationError
 
 from worker import LLM, SamplingParams
-from worker.config import EngineConfig
+from worker.core.config import EngineConfig
 from worker.core.scheduler import QueueFullError
 from worker.engine.core import EngineCore
 from worker.engine.toy import ByteTokenizer, ToyRunner
-from worker.request import FinishReason
+from worker.core.request import FinishReason
 
 TOK = ByteTokenizer()
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from worker.core.request import FinishReason, Request, RequestStatus, SamplingParams
 from worker.engine.output_processor import OutputProcessor
 from worker.engine.toy import EOS, ByteTokenizer
 from worker.model.tokenizer import IncrementalDetokenizer
-from worker.request import FinishReason, Request, RequestStatus, SamplingParams
 
 TOK = ByteTokenizer()
 

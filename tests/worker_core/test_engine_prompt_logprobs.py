@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 
 from worker import LLM, SamplingParams
-from worker.config import EngineConfig
+from worker.core.config import EngineConfig
 from worker.engine.core import EngineCore
 from worker.engine.toy import ToyRunner, toy_logprob, toy_top
-from worker.request import Logprob
+from worker.core.request import Logprob
 
 
 def _llm(**engine_args) -> LLM:

@@ -14,7 +14,7 @@ pytest.importorskip("worker.model.runner")
 testing = pytest.importorskip("worker.model.testing")
 
 from worker import LLM, SamplingParams  # noqa: E402
-from worker.config import EngineConfig  # noqa: E402
+from worker.core.config import EngineConfig  # noqa: E402
 from worker.engine.async_engine import AsyncEngine  # noqa: E402
 
 PROMPTS = [

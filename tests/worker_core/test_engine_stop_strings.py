@@ -8,15 +8,15 @@ import itertools
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from worker.engine.output_processor import OutputProcessor
-from worker.engine.stop_strings import StopMatcher
-from worker.engine.toy import EOS, ByteTokenizer
-from worker.request import (
+from worker.core.request import (
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     Request,
     SamplingParams,
 )
+from worker.engine.output_processor import OutputProcessor
+from worker.engine.stop_strings import StopMatcher
+from worker.engine.toy import EOS, ByteTokenizer
 
 
 def feed_all(deltas: list[str], stops: tuple[str, ...]) -> tuple[str, str | None, int]:

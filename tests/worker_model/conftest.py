@@ -10,7 +10,7 @@ import torch
 
 from worker.core.outputs import ScheduledSeq, SchedulerOutput
 from worker.model.testing import make_tiny_llama
-from worker.request import SamplingParams
+from worker.core.request import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=64, temperature=0.0)
 

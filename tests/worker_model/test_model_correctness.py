@@ -145,7 +145,7 @@ def test_model_variants_match_reference(tmp_path, sizes, load_hf_fn, driver_cls,
 def test_logits_close_to_reference(runner, tiny_hf):
     """Beyond argmax: the full next-token distribution matches (fp32 rounding only)."""
     from worker.core.outputs import ScheduledSeq, SchedulerOutput
-    from worker.request import SamplingParams
+    from worker.core.request import SamplingParams
 
     p = prompts(1, [23], runner.config.vocab_size, seed=7)[0]
     meta_seq = ScheduledSeq("l", p, 0, list(range(6)), True, SamplingParams(temperature=0.0, logprobs=True))

@@ -185,6 +185,6 @@ def test_runner_resolves_auto_dtype_as_the_pure_rule_says(tmp_path):
 
 
 def test_engine_config_accepts_auto_dtype():
-    from worker.config import EngineConfig
+    from worker.core.config import EngineConfig
 
     assert EngineConfig(dtype="auto").dtype == "auto"

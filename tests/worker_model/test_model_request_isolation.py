@@ -9,7 +9,7 @@ import pytest
 
 from worker import LLM, SamplingParams
 from worker.model.testing import make_tiny_llama
-from worker.request import FinishReason
+from worker.core.request import FinishReason
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPT = [5, 6, 7, 8]

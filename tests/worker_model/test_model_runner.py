@@ -8,7 +8,7 @@ import torch
 from worker.core.outputs import ScheduledSeq, SchedulerOutput
 from worker.model.config import ModelConfig
 from worker.model.runner import ModelRunner, kv_block_bytes, plan_num_blocks
-from worker.request import SamplingParams
+from worker.core.request import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -32,7 +32,7 @@ def test_builtin_dtype(dtype: str, device: str, expected: str) -> None:
 
 
 def test_builtin_kwargs_are_a_valid_engine_config() -> None:
-    from worker.config import EngineConfig
+    from worker.core.config import EngineConfig
 
     settings = WorkerSettings(model="m", max_model_len=256, max_num_batched_tokens=512, max_num_seqs=8)
     assert EngineConfig(**builtin_engine_kwargs(settings, "/m", "cpu")).max_model_len == 256

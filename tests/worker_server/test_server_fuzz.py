@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 async_engine = pytest.importorskip("worker.engine.async_engine")
 testing = pytest.importorskip("worker.model.testing")
 
-from worker.config import EngineConfig  # noqa: E402
+from worker.core.config import EngineConfig  # noqa: E402
 
 EDGE_INTS = [0, 1, -1, 16, 17, 20, 21, 383, 384, 2**31 - 1, 2**31, 2**63 - 1, 2**63, 2**64, -(2**63), -(2**63) - 1,
              10**30]

@@ -13,9 +13,9 @@ import pytest
 async_engine = pytest.importorskip("worker.engine.async_engine")
 testing = pytest.importorskip("worker.model.testing")
 
-from worker.config import EngineConfig  # noqa: E402
+from worker.core.config import EngineConfig  # noqa: E402
 
-MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS = 16, 256  # worker.request's limits, spelled out: the test pins them
+MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS = 16, 256  # worker.core.request's limits, spelled out: the test pins them
 
 VOCAB = 384  # make_tiny_llama's default
 PROMPT = "The quick brown fox"

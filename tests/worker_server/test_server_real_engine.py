@@ -11,9 +11,9 @@ import pytest
 async_engine = pytest.importorskip("worker.engine.async_engine")
 testing = pytest.importorskip("worker.model.testing")
 
-from worker.config import EngineConfig  # noqa: E402
+from worker.core.config import EngineConfig  # noqa: E402
+from worker.core.request import SamplingParams  # noqa: E402
 from worker.engine.llm import LLM  # noqa: E402
-from worker.request import SamplingParams  # noqa: E402
 
 KV_BYTES = 4_000_000
 PROMPT = "The quick brown fox jumps over the lazy dog."

@@ -20,8 +20,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.registry import Collector
 
+from worker.core.request import FinishReason
 from worker.engine.protocol import EngineStats
-from worker.request import FinishReason
 
 # vLLM v1's buckets (vllm/v1/metrics/loggers.py); ITL gains three finer buckets for fast CPU decode steps.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,

@@ -19,8 +19,8 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from worker.core.request import FinishReason, Logprob, SamplingParams
 from worker.engine.protocol import EngineStats, RequestOutput
-from worker.request import FinishReason, Logprob, SamplingParams
 from worker.server.settings import WorkerSettings
 
 log = logging.getLogger(__name__)

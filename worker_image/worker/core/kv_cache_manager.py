@@ -11,7 +11,7 @@ preempted request re-finds its own prefix without re-hashing, and no step re-has
 from __future__ import annotations
 
 from worker.core.block_pool import BlockHash, BlockPool, KVBlock
-from worker.request import Request
+from worker.core.request import Request
 
 
 def token_slice(request: Request, start: int, end: int) -> list[int]:

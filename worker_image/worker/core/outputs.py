@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from worker.request import Logprob, SamplingParams
+from worker.core.request import Logprob, SamplingParams
 
 
 @dataclass(frozen=True)

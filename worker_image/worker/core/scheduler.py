@@ -22,11 +22,11 @@ import heapq
 import itertools
 from collections.abc import Iterable
 
-from worker.config import EngineConfig
+from worker.core.config import EngineConfig
+from worker.core.errors import QueueFullError
 from worker.core.kv_cache_manager import KVCacheManager, token_slice
 from worker.core.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
-from worker.errors import QueueFullError
-from worker.request import Logprob, Request, RequestStatus
+from worker.core.request import Logprob, Request, RequestStatus
 
 
 def prompt_targets(req: Request, start: int, end: int) -> tuple[int, ...]:

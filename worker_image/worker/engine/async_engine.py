@@ -19,11 +19,11 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
-from worker.config import EngineConfig
-from worker.errors import EngineDeadError, QueueFullError
+from worker.core.config import EngineConfig
+from worker.core.errors import EngineDeadError, QueueFullError
 from worker.engine.core import EngineCore, Runner
 from worker.engine.protocol import EngineStats, RequestOutput
-from worker.request import SamplingParams
+from worker.core.request import SamplingParams
 
 
 

@@ -14,12 +14,12 @@ import logging
 import time
 from typing import Any, Protocol
 
-from worker.config import EngineConfig
+from worker.core.config import EngineConfig
 from worker.core.outputs import ModelRunnerOutput, SchedulerOutput
+from worker.core.request import Request, RequestStatus, SamplingParams
 from worker.core.scheduler import Scheduler
 from worker.engine.output_processor import OutputProcessor
 from worker.engine.protocol import EngineStats, RequestOutput
-from worker.request import Request, RequestStatus, SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from worker.config import EngineConfig
+from worker.core.config import EngineConfig
+from worker.core.request import FinishReason, Logprob, SamplingParams
 from worker.engine.core import EngineCore, Runner
-from worker.request import FinishReason, Logprob, SamplingParams
 
 Prompt = str | list[int]
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from worker.core.request import FinishReason, Request, RequestStatus
 from worker.engine.protocol import RequestOutput
 from worker.engine.stop_strings import StopMatcher
 from worker.model.tokenizer import IncrementalDetokenizer
-from worker.request import FinishReason, Request, RequestStatus
 
 
 class Decoder(Protocol):

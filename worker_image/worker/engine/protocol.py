@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from worker.errors import EngineDeadError, QueueFullError
-from worker.request import FinishReason, Logprob, SamplingParams
+from worker.core.errors import EngineDeadError, QueueFullError
+from worker.core.request import FinishReason, Logprob, SamplingParams
 
 __all__ = ["EngineClient", "EngineDeadError", "EngineStats", "QueueFullError", "RequestOutput"]
 

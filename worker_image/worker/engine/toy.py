@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from worker.core.outputs import ModelRunnerOutput, SchedulerOutput
-from worker.request import Logprob, SamplingParams
+from worker.core.request import Logprob, SamplingParams
 
 EOS = 256
 

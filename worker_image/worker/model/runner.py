@@ -31,7 +31,7 @@ from worker.model.loader import load_weights
 from worker.model.quant import QUANTIZATIONS
 from worker.model.sampler import SampleRequest, Sampler, top_tokens
 from worker.model.tokenizer import Tokenizer
-from worker.request import Logprob
+from worker.core.request import Logprob
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_KV_CACHE_BYTES = 512 * 1024**2

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from worker.request import Logprob, SamplingParams
+from worker.core.request import Logprob, SamplingParams
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,7 @@ def build_engine(settings: WorkerSettings, device: str = "auto", fake: FakeOptio
         return BuiltEngine(VllmEngine.from_settings(settings, model_path), bound)
     import torch
 
-    from worker.config import EngineConfig
+    from worker.core.config import EngineConfig
     from worker.cpu_threads import configure_torch_threads
     from worker.engine.async_engine import AsyncEngine
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from worker.core.request import FinishReason, Logprob, SamplingParams
 from worker.engine.protocol import EngineStats, RequestOutput
-from worker.request import FinishReason, Logprob, SamplingParams
 
 DEFAULT_SCRIPT = "The quick brown fox jumps over the lazy dog. Café, naïve, 北京. "
 EOS_TOKEN_ID = 256  # outside the byte range: never part of the script

@@ -18,18 +18,16 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
+from worker.core.request import FinishReason, Logprob, SamplingParams
 from worker.engine.protocol import EngineDeadError, QueueFullError, RequestOutput
 from worker.metrics import CLIENT_DISCONNECT, STREAM_ABORTED, STREAM_ERROR
-from worker.request import FinishReason, Logprob, SamplingParams
 from worker.server import openai_models as oai
 from worker.server.admission import Limits, Load, admit, check_prompt_bytes
 from worker.server.errors import ApiError, internal_error
 from worker.server.inflight import InflightRequest
-
-if TYPE_CHECKING:
-    from worker.server.app import WorkerService
+from worker.server.service import WorkerService
 
 log = logging.getLogger(__name__)
 

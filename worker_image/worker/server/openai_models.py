@@ -14,7 +14,7 @@ vLLM do it; the canary quality probe relies on it), and vLLM's extensions `top_k
 best_of > 1, JSON response formats) are rejected with a 400 that says so instead of being silently ignored.
 Unknown fields are ignored, as OpenAI-compatible servers do.
 
-Every field is bounded here (the limits are `worker.request`'s, shared with `SamplingParams`), so a request
+Every field is bounded here (the limits are `worker.core.request`'s, shared with `SamplingParams`), so a request
 either gets a 400 naming the field or carries values the engine can run: one request's parameters can fail
 that request only, never the engine and the requests batched with it.
 """
@@ -27,7 +27,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from worker.request import (
+from worker.core.request import (
     LOGIT_BIAS_LIMIT,
     MAX_INT32,
     MAX_LOGIT_BIAS_ENTRIES,

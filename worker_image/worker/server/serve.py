@@ -18,7 +18,8 @@ from collections.abc import Iterator
 import uvicorn
 
 from worker.engine.protocol import EngineClient
-from worker.server.app import WorkerService, create_app
+from worker.server.app import create_app
+from worker.server.service import WorkerService
 from worker.server.settings import WorkerSettings
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
