@@ -331,6 +331,29 @@ def _drains(progress: Sequence[DrainStatus], starts: Sequence[StartDrain]) -> li
     return sorted([*progress, *fresh], key=lambda entry: entry.started_at)[:MAX_DRAINS]
 
 
+@dataclass(frozen=True)
+class _VariantPods:
+    """One variant's pods by what they are to the plan."""
+
+    all: list[PodInfo]  # every pod of the variant
+    ended: list[PodInfo]  # Failed/Succeeded, not yet going: to replace
+    live: list[PodInfo]  # count towards the size
+    going: list[PodInfo]  # deleting or draining
+    old: list[PodInfo]  # live pods of a revision the variant should no longer run
+
+    @classmethod
+    def of(cls, variant: str, pods: Sequence[PodInfo], wanted: Mapping[str, Any]) -> _VariantPods:
+        mine = [p for p in pods if p.variant == variant]
+        live = [p for p in mine if p.live]
+        return cls(
+            all=mine,
+            ended=[p for p in mine if p.failed and not p.deleting and not p.draining],
+            live=live,
+            going=[p for p in mine if not p.live and not p.failed],
+            old=[p for p in live if p.revision not in wanted],
+        )
+
+
 def _plan_variant(
     meta: Mapping[str, Any],
     variant: VariantSpec,
@@ -341,17 +364,42 @@ def _plan_variant(
     now: datetime,
     timeout: int,
 ) -> _VariantOutcome:
+    """One variant's step: replace ended pods, drain old and surplus ones within the availability budget, create
+    the missing ones within the surge room, and report its status and routing groups."""
     wanted = {w.revision: w for w in plan.wanted}
-    primary = plan.primary
     total = sum(w.replicas for w in plan.wanted)
-    port = policy.defaults.port
-    pods = [p for p in all_pods if p.variant == variant.name]
-    ended = [p for p in pods if p.failed and not p.deleting and not p.draining]
-    live = [p for p in pods if p.live]
-    going = [p for p in pods if not p.live and not p.failed]  # deleting or draining
-    old = [p for p in live if p.revision not in wanted]
+    pods = _VariantPods.of(variant.name, all_pods, wanted)
+    removals: list[Action] = [*_replace_ended(variant, pods.ended)]
+    removals += _drain_old_and_surplus(variant, plan, pods, policy, now, timeout)
+    removed = {getattr(action, "name", None) for action in removals}
+    room = _room(plan, pods, removed, policy)
+    creates = _create_missing(meta, variant, plan, pods, room, policy)
 
-    removals: list[Action] = [
+    ready = sum(p.ready for p in pods.live)
+    current = [p for p in pods.live if p.revision in wanted]
+    reconciling, progressing = _progress_reason(total, current, pods.old, pods.going, creates, removals)
+    return _VariantOutcome(
+        creates=tuple(creates),
+        removals=tuple(removals),
+        status=VariantStatus(
+            name=variant.name,
+            replicas=len(pods.live),
+            ready_replicas=ready,
+            desired_replicas=size.replicas,
+            draining_replicas=len(pods.going),
+            revisions=_revision_status(plan, pods.live),
+        ),
+        endpoints=_endpoints(variant, plan, pods.live),
+        progressing=progressing,
+        stuck=tuple(p.name for p in pods.live if p.stuck),
+        failed=tuple(p.name for p in pods.ended),
+        reconciling=reconciling,
+    )
+
+
+def _replace_ended(variant: VariantSpec, ended: Sequence[PodInfo]) -> list[DeletePod]:
+    """Ended pods serve nothing: delete them (their replacements are created like any missing pod)."""
+    return [
         DeletePod(
             p.name,
             p.uid,
@@ -362,39 +410,69 @@ def _plan_variant(
         )
         for p in ended
     ]
+
+
+def _drain_old_and_surplus(
+    variant: VariantSpec,
+    plan: rollout.VariantRollout,
+    pods: _VariantPods,
+    policy: Policy,
+    now: datetime,
+    timeout: int,
+) -> list[Action]:
+    """Remove old-revision pods and each wanted revision's surplus, in deletion order, while the variant keeps
+    at least `wanted - max_unavailable` ready pods (a ready pod removed spends one of the budget)."""
+    wanted = {w.revision: w for w in plan.wanted}
+    total = sum(w.replicas for w in plan.wanted)
     surplus: list[PodInfo] = []
     for want in plan.wanted:
-        mine = [p for p in live if p.revision == want.revision]
+        mine = [p for p in pods.live if p.revision == want.revision]
         surplus += deletion_order(mine, want.revision)[: max(0, len(mine) - want.replicas)]
-    budget = sum(p.ready for p in live) - max(0, total - policy.max_unavailable)
-    for pod in deletion_order(old + surplus, wanted.keys()):
+    budget = sum(p.ready for p in pods.live) - max(0, total - policy.max_unavailable)
+    removals: list[Action] = []
+    for pod in deletion_order(pods.old + surplus, wanted.keys()):
         if pod.ready:
             if budget <= 0:
                 continue
             budget -= 1
         if pod.revision not in wanted:
-            reason, why = DrainReason.ROLLOUT, f"revision {pod.revision} replaced by {primary.revision}"
+            reason, why = DrainReason.ROLLOUT, f"revision {pod.revision} replaced by {plan.primary.revision}"
         else:
             count = wanted[pod.revision].replicas
             reason = DrainReason.SCALE_DOWN
             why = f"variant {variant.name} revision {pod.revision} scales down to {count}"
-        removals.append(draining.remove(pod, reason, why, now, timeout, port))
+        removals.append(draining.remove(pod, reason, why, now, timeout, policy.defaults.port))
+    return removals
 
-    removed = {getattr(action, "name", None) for action in removals}
-    remaining = [p for p in live if p.name not in removed]
-    # Pods kept only for availability: old revisions, or more of a wanted revision than it should have (a canary
-    # step moves pods from stable to canary). While there are any, the variant may surge.
+
+def _room(plan: rollout.VariantRollout, pods: _VariantPods, removed: set[str | None], policy: Policy) -> int:
+    """How many pods may be created now: up to the wanted count of live pods always; beyond it, while pods are
+    kept only for availability (old revisions, or more of a wanted revision than it should have: a canary step
+    moves pods from stable to canary), `max_surge` more, counting pods still draining or terminating (they hold
+    their node's resources, GPUs included, until they are gone)."""
+    total = sum(w.replicas for w in plan.wanted)
+    wanted = {w.revision for w in plan.wanted}
+    remaining = [p for p in pods.live if p.name not in removed]
     excess = any(p.revision not in wanted for p in remaining) or any(
         sum(p.revision == w.revision for p in remaining) > w.replicas for w in plan.wanted
     )
-    # Up to the wanted count of live pods always; beyond it, while pods are in excess, `max_surge` more, counting
-    # pods still draining or terminating (they hold their node's resources, GPUs included, until they are gone).
-    leaving = len(going) + sum(p.name in removed for p in live)
-    room = total - len(remaining) + (max(0, policy.max_surge - leaving) if excess else 0)
-    taken = {p.name for p in pods}
+    leaving = len(pods.going) + sum(p.name in removed for p in pods.live)
+    return total - len(remaining) + (max(0, policy.max_surge - leaving) if excess else 0)
+
+
+def _create_missing(
+    meta: Mapping[str, Any],
+    variant: VariantSpec,
+    plan: rollout.VariantRollout,
+    pods: _VariantPods,
+    room: int,
+    policy: Policy,
+) -> list[CreatePod]:
+    """Create each wanted revision's missing pods, in wanted order, within `room`, in the lowest free slots."""
+    taken = {p.name for p in pods.all}
     creates: list[CreatePod] = []
     for want in plan.wanted:
-        have = sum(p.revision == want.revision for p in live)
+        have = sum(p.revision == want.revision for p in pods.live)
         count = max(0, min(want.replicas - have, room))
         room -= count
         made, slot = 0, 0
@@ -403,7 +481,7 @@ def _plan_variant(
                 if want.canary:
                     reason = "Canary"
                 else:
-                    reason = "Rollout" if old else ("Replace" if ended else "ScaleUp")
+                    reason = "Rollout" if pods.old else ("Replace" if pods.ended else "ScaleUp")
                 creates.append(
                     CreatePod(
                         pod_manifest(meta, want.template, variant.name, want.revision, slot,
@@ -416,27 +494,7 @@ def _plan_variant(
                 )
                 made += 1
             slot += 1
-
-    ready = sum(p.ready for p in live)
-    current = [p for p in live if p.revision in wanted]
-    reconciling, progressing = _progress_reason(total, current, old, going, creates, removals)
-    return _VariantOutcome(
-        creates=tuple(creates),
-        removals=tuple(removals),
-        status=VariantStatus(
-            name=variant.name,
-            replicas=len(live),
-            ready_replicas=ready,
-            desired_replicas=size.replicas,
-            draining_replicas=len(going),
-            revisions=_revision_status(plan, live),
-        ),
-        endpoints=_endpoints(variant, plan, live),
-        progressing=progressing,
-        stuck=tuple(p.name for p in live if p.stuck),
-        failed=tuple(p.name for p in ended),
-        reconciling=reconciling,
-    )
+    return creates
 
 
 def _progress_reason(
