@@ -293,6 +293,20 @@ def _running(
     abort: bool,
 ) -> RolloutDecision:
     """A canary runs: follow spec changes and commands, record analysis, step, promote or roll back."""
+    interrupted = _interrupted(inp, changed, target_id, promote, abort)
+    return interrupted if interrupted is not None else _step(inp, changed)
+
+
+def _interrupted(
+    inp: RolloutInput,
+    changed: Mapping[str, VariantRevisions],
+    target_id: str | None,
+    promote: bool,
+    abort: bool,
+) -> RolloutDecision | None:
+    """What ends or replaces the running canary before its step is judged: the spec reverted to stable,
+    `spec.rollout` removed, the spec moved to another (or a rejected) revision, or a promote/abort command.
+    None when the canary simply goes on."""
     prev = inp.previous
     canary_id = prev.canary_revision
     if not changed:
@@ -332,8 +346,16 @@ def _running(
         why = f"{PROMOTE}: canary {canary_id} promoted at step {prev.step + 1} without further analysis"
         promoted = _promoted(inp, "ManualPromote", why)
         return RolloutDecision(promoted, (EmitEvent(EventType.NORMAL, "CanaryPromoted", why),))
+    return None
 
+
+def _step(inp: RolloutInput, changed: Mapping[str, VariantRevisions]) -> RolloutDecision:
+    """The running canary's step: record a due analysis result (rolling back at `failureLimit` failures in a
+    row), then advance to the next step, promote after the last, or keep waiting (and say for what)."""
+    prev = inp.previous
+    canary_id = prev.canary_revision
     canary = inp.canary
+    assert canary is not None  # `_interrupted` promotes a canary whose spec.rollout was removed
     steps = canary.steps
     index = min(prev.step, len(steps) - 1)
     status = prev.model_copy(update={"step": index, "canary_weight": steps[index].weight})
