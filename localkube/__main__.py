@@ -11,7 +11,8 @@ import tempfile
 from pathlib import Path
 
 from localkube.cluster import ClusterError, check_loopback
-from localkube.server import LocalKube, Options
+from localkube.options import Options
+from localkube.server import LocalKube
 
 
 def _pairs(values: list[str], flag: str) -> dict[str, str]:

@@ -13,7 +13,6 @@ import json
 import logging
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import yaml
 from aiohttp import web
@@ -24,10 +23,8 @@ from localkube.errors import ApiError
 from localkube.meta import utcnow
 from localkube.registry import ResourceType
 from localkube.selectors import parse_field_selector, parse_label_selector
+from localkube.services import PodSubresources
 from localkube.store import Watch
-
-if TYPE_CHECKING:
-    from localkube.server import LocalKube
 
 log = logging.getLogger("localkube.apiserver")
 
@@ -114,9 +111,9 @@ def _wants(request: web.Request, as_kind: str) -> bool:
 
 
 class ApiServer:
-    """Builds the aiohttp application for one ``LocalKube``."""
+    """Builds the aiohttp application for one ``LocalKube`` (seen as the API machinery plus pod subresources)."""
 
-    def __init__(self, kube: LocalKube) -> None:
+    def __init__(self, kube: PodSubresources) -> None:
         self.kube = kube
         self.app = web.Application(client_max_size=64 * 1024 * 1024)
         self.app.router.add_route("*", "/{tail:.*}", self.dispatch)

@@ -15,15 +15,11 @@ import binascii
 import ipaddress
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from localkube.errors import Cause, forbidden, invalid_value, not_supported, required_value
 from localkube.meta import age, clone, parse_time, rfc3339, validate_dns1035_label, validate_dns_label
 from localkube.registry import ResourceType
-from localkube.strategy import AGE_COLUMN, BASE_FIELD_SELECTORS, NAME_COLUMN, Column, Strategy
-
-if TYPE_CHECKING:
-    from localkube.api import ApiCore
+from localkube.strategy import AGE_COLUMN, BASE_FIELD_SELECTORS, NAME_COLUMN, Column, Strategy, StrategyContext
 
 _KEY_RE = re.compile(r"^[-._a-zA-Z0-9]+$")
 SERVICE_CIDR = ipaddress.ip_network("10.96.0.0/16")
@@ -450,7 +446,7 @@ class ServiceStrategy(Strategy):
                 ",".join(ports) or "<none>", age(obj["metadata"].get("creationTimestamp"), now), selector or "<none>"]
 
 
-def _allocate_cluster_ip(core: ApiCore) -> str:
+def _allocate_cluster_ip(core: StrategyContext) -> str:
     used = {(s.get("spec") or {}).get("clusterIP") for s in core.store.list(("", "services"))}
     for host in SERVICE_CIDR.hosts():
         text = str(host)
@@ -459,7 +455,7 @@ def _allocate_cluster_ip(core: ApiCore) -> str:
     raise RuntimeError("service CIDR exhausted")
 
 
-def _used_node_ports(core: ApiCore) -> set[int]:
+def _used_node_ports(core: StrategyContext) -> set[int]:
     return {p.get("nodePort") for s in core.store.list(("", "services"))
             for p in (s.get("spec") or {}).get("ports") or [] if isinstance(p, dict) and p.get("nodePort")}
 

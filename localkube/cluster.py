@@ -17,7 +17,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable
 
-from localkube.server import LocalKube, Options
+from localkube.options import Options
+from localkube.server import LocalKube
 
 
 class ClusterError(RuntimeError):

@@ -14,14 +14,17 @@ import shutil
 import signal
 import subprocess
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
 
+import aiohttp
+
+from localkube.events import EventRecorder
 from localkube.meta import clone, rfc3339
 from localkube.podenv import ContainerConfigError, command_line, container_env
 from localkube.probes import Result, kill_group, run_action, wait_process
-
-if TYPE_CHECKING:
-    from localkube.podworker import PodWorker
+from localkube.store import StorageKey
 
 SECRETS = ("", "secrets")
 CONFIGMAPS = ("", "configmaps")
@@ -29,10 +32,58 @@ _SETPRIV = shutil.which("setpriv")
 _RESET_BACKOFF_AFTER = 600.0
 
 
+class NodeServices(Protocol):
+    """What a container runner asks of its kubelet (``Kubelet`` satisfies it)."""
+
+    @property
+    def recorder(self) -> EventRecorder: ...
+
+    @property
+    def session(self) -> aiohttp.ClientSession | None: ...
+
+    @property
+    def backoff(self) -> tuple[float, float]: ...
+
+    def lookup(self, storage: StorageKey) -> Callable[[str, str], dict | None]: ...
+
+    def node_capacity(self) -> dict: ...
+
+    def base_env(self, pod: dict) -> dict[str, str]: ...
+
+    def log_path(self, pod: dict, container: str, instance: int) -> Path: ...
+
+
+class PodHost(Protocol):
+    """What a container runner asks of the worker of its pod (``PodWorker`` satisfies it)."""
+
+    @property
+    def kubelet(self) -> NodeServices: ...
+
+    @property
+    def pod(self) -> dict: ...
+
+    @property
+    def uid(self) -> str: ...
+
+    @property
+    def namespace(self) -> str: ...
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def ip(self) -> str | None: ...
+
+    @property
+    def has_init(self) -> bool: ...
+
+    def publish(self) -> None: ...
+
+
 class ContainerRunner:
     """One container of one pod: its process, probes, restarts and status."""
 
-    def __init__(self, worker: PodWorker, spec: dict, init: bool) -> None:
+    def __init__(self, worker: PodHost, spec: dict, init: bool) -> None:
         self.worker = worker
         self.spec = spec
         self.name = spec["name"]

@@ -19,17 +19,14 @@ import asyncio
 import datetime as dt
 import logging
 import math
-from typing import TYPE_CHECKING
 
 from localkube.api import DeleteOptions
 from localkube.custom import CLEANUP_FINALIZER
 from localkube.errors import ApiError
 from localkube.meta import clone, generate_suffix, parse_time, rfc3339, utcnow
 from localkube.selectors import selector_from_map, selector_from_object
+from localkube.services import ClusterContext
 from localkube.store import DELETED, Event
-
-if TYPE_CHECKING:
-    from localkube.server import LocalKube
 
 log = logging.getLogger("localkube.controllers")
 
@@ -70,7 +67,7 @@ def _scaled(value, total: int, round_up: bool) -> int:
 
 
 class Controllers:
-    def __init__(self, kube: LocalKube) -> None:
+    def __init__(self, kube: ClusterContext) -> None:
         self.kube = kube
         self._wake = asyncio.Event()
         self._gc = True

@@ -8,18 +8,15 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING
 
 from localkube.meta import clone, rfc3339
-
-if TYPE_CHECKING:
-    from localkube.server import LocalKube
+from localkube.services import Apis
 
 _EVENTS = ("", "events")
 
 
 class EventRecorder:
-    def __init__(self, kube: LocalKube, component: str, host: str = "", max_tracked: int = 4096) -> None:
+    def __init__(self, kube: Apis, component: str, host: str = "", max_tracked: int = 4096) -> None:
         self.kube = kube
         self.component = component
         self.host = host

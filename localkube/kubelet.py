@@ -17,7 +17,6 @@ import os
 import random
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -29,10 +28,8 @@ from localkube.events import EventRecorder
 from localkube.meta import clone, rfc3339
 from localkube.podworker import PodWorker
 from localkube.scheduler import fits
+from localkube.services import KubeletHost
 from localkube.store import DELETED, Event
-
-if TYPE_CHECKING:
-    from localkube.server import LocalKube
 
 log = logging.getLogger("localkube.kubelet")
 
@@ -88,7 +85,7 @@ class IPAllocator:
 
 
 class Kubelet:
-    def __init__(self, kube: LocalKube) -> None:
+    def __init__(self, kube: KubeletHost) -> None:
         self.kube = kube
         self.node_name = kube.options.node_name
         self.backoff = kube.options.restart_backoff

@@ -5,19 +5,37 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from localkube.api import DeleteOptions
-from localkube.containers import ContainerRunner
+from localkube.containers import ContainerRunner, NodeServices
 from localkube.errors import ApiError
 from localkube.meta import clone, rfc3339
-
-if TYPE_CHECKING:
-    from localkube.kubelet import Kubelet
+from localkube.registry import ResourceType
+from localkube.services import ClusterContext
 
 log = logging.getLogger("localkube.kubelet")
 
 PODS = ("", "pods")
+
+
+class AddressPool(Protocol):
+    def allocate(self, preferred: str | None = None) -> str: ...
+
+    def release(self, ip: str | None) -> None: ...
+
+
+class KubeletServices(NodeServices, Protocol):
+    """What a pod worker asks of its kubelet, beyond what its containers ask (``Kubelet`` satisfies it)."""
+
+    @property
+    def kube(self) -> ClusterContext: ...
+
+    @property
+    def ips(self) -> AddressPool: ...
+
+    @property
+    def pod_rt(self) -> ResourceType | None: ...
 
 
 def _condition(kind: str, ok: bool, previous: dict, reason: str = "", message: str = "") -> dict:
@@ -35,7 +53,7 @@ def _condition(kind: str, ok: bool, previous: dict, reason: str = "", message: s
 class PodWorker:
     """Everything the kubelet does for one pod (keyed by uid)."""
 
-    def __init__(self, kubelet: Kubelet, pod: dict) -> None:
+    def __init__(self, kubelet: KubeletServices, pod: dict) -> None:
         self.kubelet = kubelet
         self.pod = pod
         meta = pod["metadata"]

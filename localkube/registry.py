@@ -9,10 +9,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from localkube.store import StorageKey
 from localkube.strategy import Strategy
 
 ALL_VERBS = ("create", "delete", "deletecollection", "get", "list", "patch", "update", "watch")
-StorageKey = tuple[str, str]  # (group, plural) of the storage
 
 
 @dataclass

@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import platform
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
@@ -26,31 +25,15 @@ from localkube.controllers import CRDS, PDBS, Controllers, pod_is_ready
 from localkube.custom import CRDStrategy, crd_resource_types
 from localkube.errors import ApiError
 from localkube.kubeconfig import write_kubeconfig
+from localkube.kubelet import Kubelet
 from localkube.meta import clone, rfc3339
+from localkube.options import Options
 from localkube.registry import Registry
 from localkube.selectors import selector_from_object
 from localkube.store import DELETED, Event, Store
 
 log = logging.getLogger("localkube")
-NODE_NAME = "localkube-node"
 _SYSTEM_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease")
-
-
-@dataclass
-class Options:
-    host: str = "127.0.0.1"
-    port: int = 0
-    state_file: Path | None = None
-    workdir: Path | None = None  # pod logs and per-pod files; a temporary folder when None
-    kubelet: bool = True
-    node_name: str = NODE_NAME
-    node_labels: dict[str, str] = field(default_factory=dict)
-    node_capacity: dict[str, str] = field(default_factory=dict)  # extra resources, e.g. {"nvidia.com/gpu": "1"}
-    restart_backoff: tuple[float, float] = (1.0, 60.0)
-    event_log_size: int = 20_000
-    event_ttl: float = 3600.0  # seconds an Event lives after its last activity
-    pod_subnet: str | None = None  # loopback /24 for pod IPs; a random one inside 127.0.0.0/8 when None
-    kubeconfig: Path | None = None  # written once the API server listens; also given to pods as KUBECONFIG
 
 
 class LocalKube:
@@ -97,8 +80,6 @@ class LocalKube:
             self._state_dirty = asyncio.Event()
             self._save_task = asyncio.get_running_loop().create_task(self._save_loop(), name="localkube-state")
         if self.options.kubelet:
-            from localkube.kubelet import Kubelet
-
             self.kubelet = Kubelet(self)
             await self.kubelet.start()
         log.info("localkube API server listening on %s", self.url)

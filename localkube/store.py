@@ -11,10 +11,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from localkube.registry import StorageKey
 from localkube.selectors import FieldSelector, LabelSelector
 
 ADDED, MODIFIED, DELETED = "ADDED", "MODIFIED", "DELETED"
+StorageKey = tuple[str, str]  # (group, plural) of the storage
 
 
 @dataclass(frozen=True)

@@ -8,15 +8,25 @@ deletion is made graceful, which field selectors are supported and how ``kubectl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from localkube.errors import Cause
 from localkube.meta import age, clone
-
-if TYPE_CHECKING:
-    from localkube.api import ApiCore
+from localkube.store import StorageKey
 
 BASE_FIELD_SELECTORS = frozenset({"metadata.name", "metadata.namespace"})
+
+
+class StoredObjects(Protocol):
+    def list(self, storage: StorageKey, namespace: str | None = None) -> list[dict]: ...
+
+
+class StrategyContext(Protocol):
+    """What a strategy may consult besides the object itself: the stored objects (a Service's strategy picks a
+    free cluster IP and node port). ``ApiCore`` passes itself; the strategy never sees the rest of the API core."""
+
+    @property
+    def store(self) -> StoredObjects: ...
 
 
 @dataclass(frozen=True)
@@ -46,21 +56,21 @@ class Strategy:
     strategic_merge: bool = True  # custom resources answer 415 to strategic merge patches
     virtual: bool = False  # create-only kinds that answer a question and store nothing (access reviews)
 
-    def prepare_create(self, obj: dict, core: ApiCore) -> None:
+    def prepare_create(self, obj: dict, core: StrategyContext) -> None:
         if self.status_subresource and "status" in obj:
             del obj["status"]
 
-    def validate(self, obj: dict, old: dict | None, core: ApiCore) -> list[Cause]:
+    def validate(self, obj: dict, old: dict | None, core: StrategyContext) -> list[Cause]:
         return []
 
-    def prepare_update(self, new: dict, old: dict, core: ApiCore) -> None:
+    def prepare_update(self, new: dict, old: dict, core: StrategyContext) -> None:
         if self.status_subresource:
             if "status" in old:
                 new["status"] = clone(old["status"])
             else:
                 new.pop("status", None)
 
-    def prepare_status_update(self, new: dict, old: dict, core: ApiCore) -> dict:
+    def prepare_status_update(self, new: dict, old: dict, core: StrategyContext) -> dict:
         """Only ``status`` comes from the request; everything else is the stored object's."""
         result = clone(old)
         if "status" in new:
