@@ -31,8 +31,9 @@ from pathlib import Path
 
 import httpx
 
-from gateway.testing import free_port, spawn, wait_http_ok
+from gateway.testing import spawn, wait_http_ok
 from gateway.transport import PooledTransport
+from llmfleet.processes import free_port
 
 KEY = "sk-bench-gateway-key"
 # The gateway's server stacks (`llmfleet gateway --loop/--http`): the default, uvloop + httptools, against plain

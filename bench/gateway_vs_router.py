@@ -29,7 +29,8 @@ from pathlib import Path
 
 from gateway_proxy import Run, cpu_seconds, gateway_config, load
 
-from gateway.testing import free_port, spawn, wait_http_ok
+from gateway.testing import spawn, wait_http_ok
+from llmfleet.processes import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 ROUTER_VENV = ROOT / ".venv-router"

@@ -29,7 +29,6 @@ from gateway.settings import GatewaySettings
 from gateway.sources import Source
 from gateway.state import GatewayState
 from gateway.stub import StubWorker
-from llmfleet.processes import free_port  # noqa: F401 - re-exported for tests and benchmarks
 
 
 @dataclass

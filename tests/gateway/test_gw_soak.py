@@ -12,8 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.testing import free_port, parse_metrics, spawn, wait_http_ok
+from gateway.testing import parse_metrics, spawn, wait_http_ok
 from gateway.transport import PooledTransport
+from llmfleet.processes import free_port
 
 STREAMS = 1000
 TOKENS = 20
