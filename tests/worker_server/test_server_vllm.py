@@ -110,7 +110,7 @@ def test_echo_scores_the_prompt_like_our_engine(live) -> None:
         assert len(top) == 1 and max(top.values()) == pytest.approx(entry.top[0][1], abs=2e-3)
 
 
-def test_drain_lets_a_vllm_stream_finish(live) -> None:
+def test_drain_lets_a_vllm_stream_finish(live, wait) -> None:
     http = live.http()
     body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "temperature": 0, "stream": True}
     with http.stream("POST", "/v1/completions", json=body) as s:
@@ -121,6 +121,12 @@ def test_drain_lets_a_vllm_stream_finish(live) -> None:
         rest = [json.loads(line.removeprefix("data: ")) for line in lines
                 if line.startswith("data: ") and line != "data: [DONE]"]
     assert rest[-1]["choices"][0]["finish_reason"] == "length"
-    live.thread.join(timeout=60)
-    assert not live.thread.is_alive() and live.worker.exit_code == 0
+    # drained, and still up until the pod is deleted (a restart would reload the model in a pod about to go)
+    status = wait(lambda: (s := http.get("/drain").json())["state"] == "drained" and s, "the drain to finish",
+         timeout_s=60)
+    assert status["inflight"] == 0 and http.get("/health").status_code == 200
+    assert http.get("/ready").status_code == 503
+    assert live.thread.is_alive() and not live.worker.server.should_exit
+    live.stop()  # what SIGTERM does: the server exits cleanly
+    assert live.worker.exit_code == 0
 
