@@ -207,7 +207,7 @@ def record_decision(
 
 
 def _same(a: Any, b: Any) -> bool:
-    return a.model_copy(update={"time": b.time}) == b
+    return bool(a.model_copy(update={"time": b.time}) == b)
 
 
 @dataclass(frozen=True)

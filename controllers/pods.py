@@ -326,7 +326,7 @@ def service_matches(observed: Mapping[str, Any], wanted: Mapping[str, Any]) -> b
     """Whether an existing Service already has the selector and ports we want (other fields are not ours)."""
     have, want = observed.get("spec") or {}, wanted["spec"]
     ports = [{k: p.get(k) for k in ("name", "port", "targetPort", "protocol")} for p in have.get("ports") or []]
-    return have.get("selector") == want["selector"] and ports == want["ports"]
+    return bool(have.get("selector") == want["selector"] and ports == want["ports"])
 
 
 def pdb_manifest(meta: Mapping[str, Any], variant: str) -> dict[str, Any]:

@@ -263,22 +263,22 @@ def _idle(
         )
         return RolloutDecision(status, tuple(events))
     if inp.canary is None or promote:
-        why = (
+        message = (
             f"{PROMOTE}: revision {target_id} promoted without analysis"
             if promote
             else f"no spec.rollout: revision {target_id} replaces {_stable_id(inp)} directly (pods drain)"
         )
-        return RolloutDecision(_promoted(inp, "ManualPromote" if promote else "RollingReplace", why), (
+        return RolloutDecision(_promoted(inp, "ManualPromote" if promote else "RollingReplace", message), (
             *events,
-            EmitEvent(EventType.NORMAL, "ManualPromote" if promote else "RollingReplace", why),
+            EmitEvent(EventType.NORMAL, "ManualPromote" if promote else "RollingReplace", message),
         ))
     if target_id == prev.rejected_revision:
         phase = _settled(prev.phase, _leftovers(inp), changed=True)
-        why = (f"revision {target_id} was rolled back before: change the spec to try another revision, or "
-               f"annotate {PROMOTE}=true to promote it anyway")
+        message = (f"revision {target_id} was rolled back before: change the spec to try another revision, or "
+                   f"annotate {PROMOTE}=true to promote it anyway")
         status = prev.model_copy(
             update={"phase": phase, "canary_revision": None, "canary_weight": 0,
-                    **_reason(prev, phase, "RevisionRejected", why)}
+                    **_reason(prev, phase, "RevisionRejected", message)}
         )
         return RolloutDecision(status, tuple(events))
     return _start(inp, target_id, "CanaryStarted", f"canary {target_id} started beside stable {_stable_id(inp)}",
@@ -516,7 +516,8 @@ def _settled(phase: RolloutPhase, leftovers: bool, *, changed: bool) -> RolloutP
 def _leftovers(inp: RolloutInput) -> bool:
     """Pods (serving, draining or terminating) of a variant in the spec whose revision is not the stable one."""
     return any(
-        p.variant in inp.revisions and p.revision != inp.revisions[p.variant].stable and not p.failed
+        p.variant is not None and p.variant in inp.revisions and p.revision != inp.revisions[p.variant].stable
+        and not p.failed
         for p in inp.pods
     )
 

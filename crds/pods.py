@@ -15,8 +15,6 @@ it) and, like the rest of `crds`, imports nothing of ours: only the standard lib
 port (`worker.server.settings`) is the same number, kept in the worker image, which imports nothing of the fleet.
 """
 
-from __future__ import annotations
-
 from collections.abc import Mapping
 from typing import Any
 

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import ssl
 from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 import httpcore
 import httpx
@@ -58,20 +59,21 @@ def _mapped() -> Iterator[None]:
 
 
 class _ResponseStream(httpx.AsyncByteStream):
-    def __init__(self, stream: httpcore.AsyncByteStream | object, release: Callable[[], None]) -> None:
+    def __init__(self, stream: Any, release: Callable[[], None]) -> None:
+        # httpcore's response stream: typed `Iterable[bytes] | AsyncIterable[bytes]`, async here (async pool)
         self._stream = stream
         self._release = release
         self._released = False
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         with _mapped():
-            async for part in self._stream:  # type: ignore[attr-defined]
+            async for part in self._stream:
                 yield part
 
     async def aclose(self) -> None:
         try:
             with _mapped():
-                await self._stream.aclose()  # type: ignore[attr-defined]
+                await self._stream.aclose()
         finally:
             if not self._released:
                 self._released = True
@@ -145,7 +147,7 @@ class PooledTransport(httpx.AsyncBaseTransport):
             method=request.method,
             url=httpcore.URL(scheme=url.raw_scheme, host=url.raw_host, port=url.port, target=url.raw_path),
             headers=request.headers.raw,
-            content=request.stream,  # type: ignore[arg-type]
+            content=request.stream,
             extensions=request.extensions,
         )
         try:

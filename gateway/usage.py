@@ -92,7 +92,7 @@ def take_usage(chunk: bytes, strip: bool) -> tuple[bytes, Usage | None]:
             usage = parse_usage(event.get("usage")) if isinstance(event, dict) else None
             if usage is not None:
                 found = usage
-                if strip and not event.get("choices"):  # type: ignore[union-attr]
+                if strip and not event.get("choices"):
                     skip_blank = True
                     continue
         out.append(line)

@@ -244,9 +244,11 @@ class Autoscaler:
             return
         for outcome in changed:
             log.info("%s/%s: %s", namespace, name, scale_event(outcome).message)
-            source = "alert" if outcome.trigger == DecisionTrigger.ALERT else "timer"
-            direction = "up" if outcome.decision.direction == "up" else "down"
-            self.metrics.count_scale_decision(namespace, name, outcome.variant, direction, source)
+            self.metrics.count_scale_decision(
+                namespace, name, outcome.variant,
+                "up" if outcome.decision.direction == "up" else "down",
+                "alert" if outcome.trigger == DecisionTrigger.ALERT else "timer",
+            )
         self.wake(namespace, name)
         await execute(self.api, Plan(actions=tuple(scale_event(o) for o in changed)), resource)
 
@@ -385,18 +387,18 @@ def register_autoscaling(registry: kopf.OperatorRegistry, settings: OperatorSett
             await autoscaler.aclose()
             await autoscaler.api.aclose()
 
-    @kopf.timer(*CR, id="autoscale", interval=settings.autoscale_interval_seconds, registry=registry)
+    @kopf.timer(*CR, id="autoscale", interval=settings.autoscale_interval_seconds, registry=registry)  # type: ignore[arg-type]  # kopf types handlers with every kwarg; ours take what they use
     async def autoscale(namespace: str, name: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         if wants_autoscaling(body):
             await memo.autoscaler.tick(namespace, name)
 
-    @kopf.timer(*CR, id="wake", interval=settings.wake_interval_seconds, registry=registry)
+    @kopf.timer(*CR, id="wake", interval=settings.wake_interval_seconds, registry=registry)  # type: ignore[arg-type]  # kopf types handlers with every kwarg; ours take what they use
     async def wake(namespace: str, name: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         at_zero = variants_at_zero(body)
         if at_zero:
             await memo.autoscaler.wake_check(namespace, name, at_zero)
 
-    @kopf.on.event(*CR, id="operator-metrics", registry=registry)
+    @kopf.on.event(*CR, id="operator-metrics", registry=registry)  # type: ignore[arg-type]  # kopf types handlers with every kwarg; ours take what they use
     async def deployment_metrics(
         namespace: str, name: str, body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any
     ) -> None:

@@ -91,7 +91,7 @@ def build_registry(
             password=credentials.password,
         )
 
-    @kopf.daemon(*CR, id="reconcile", registry=registry, cancellation_polling=1.0)
+    @kopf.daemon(*CR, id="reconcile", registry=registry, cancellation_polling=1.0)  # type: ignore[arg-type]  # kopf types handlers with every kwarg; ours take what they use
     async def reconcile_loop(
         namespace: str, name: str, stopped: kopf.DaemonStopped, memo: kopf.Memo, **_: Any
     ) -> None:
@@ -107,15 +107,15 @@ def build_registry(
         finally:
             relay_task.cancel()
 
-    @kopf.on.delete(*CR, id="finalize", registry=registry)
+    @kopf.on.delete(*CR, id="finalize", registry=registry)  # type: ignore[arg-type]  # kopf types handlers with every kwarg; ours take what they use
     async def finalize(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
         await memo.fleet.run_deletion(namespace, name)
 
-    @kopf.on.event(*CR, id="deployment-changed", registry=registry)
+    @kopf.on.event(*CR, id="deployment-changed", registry=registry)  # type: ignore[arg-type]  # kopf types handlers with every kwarg; ours take what they use
     async def deployment_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
         memo.fleet.wake(namespace, name)
 
-    @kopf.on.event("", "v1", "pods", id="pod-changed", labels={LABEL_DEPLOYMENT: kopf.PRESENT}, registry=registry)
+    @kopf.on.event("", "v1", "pods", id="pod-changed", labels={LABEL_DEPLOYMENT: kopf.PRESENT}, registry=registry)  # type: ignore[arg-type]  # kopf types handlers with every kwarg; ours take what they use
     async def pod_changed(namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
         memo.fleet.wake(namespace, labels[LABEL_DEPLOYMENT])
 

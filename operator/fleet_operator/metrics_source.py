@@ -212,7 +212,7 @@ def _port(pod: Mapping[str, Any]) -> int:
     if named is not None:
         return named
     annotated = ((pod.get("metadata") or {}).get("annotations") or {}).get("prometheus.io/port")
-    return int(annotated) if str(annotated or "").isdigit() else WORKER_PORT
+    return int(str(annotated)) if str(annotated or "").isdigit() else WORKER_PORT
 
 
 def scrape_targets(pods: Iterable[Mapping[str, Any]]) -> list[ScrapeTarget]:

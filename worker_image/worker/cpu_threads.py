@@ -30,11 +30,11 @@ def cgroup_cpu_limit(read: Callable[[Path], str | None] = _read, root: Path = CG
     """CPUs this container may use per the cgroup quota (e.g. 1.5); None when unlimited or unknown."""
     v2 = read(root / "cpu.max")
     if v2 is not None:
-        quota, _, period = v2.partition(" ")
-        if quota == "max":
+        quota_v2, _, period_v2 = v2.partition(" ")
+        if quota_v2 == "max":
             return None
         try:
-            return int(quota) / int(period or 100_000)
+            return int(quota_v2) / int(period_v2 or 100_000)
         except ValueError:
             return None
     quota_s, period_s = read(root / "cpu" / "cpu.cfs_quota_us"), read(root / "cpu" / "cpu.cfs_period_us")

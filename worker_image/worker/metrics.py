@@ -171,7 +171,7 @@ class WorkerMetrics:
         self._e2e.observe(e2e_s)
 
     def render(self) -> bytes:
-        ours = generate_latest(_WithoutCreated(self.registry))  # type: ignore[arg-type]
+        ours = generate_latest(_WithoutCreated(self.registry))
         if self._engine_registry is not None:  # the backend's own series, unchanged
-            return ours + generate_latest(self._engine_registry)  # type: ignore[arg-type]
-        return ours + generate_latest(_WithoutCreated(self.vllm_registry))  # type: ignore[arg-type]
+            return ours + generate_latest(self._engine_registry)
+        return ours + generate_latest(_WithoutCreated(self.vllm_registry))

@@ -28,9 +28,9 @@ class BlockHash:
     __slots__ = ("parent", "token_ids", "value")
 
     def __init__(self, parent: BlockHash | None, token_ids: Sequence[int]) -> None:
-        self.parent = None if parent is None else parent.value
+        self.parent: int | None = None if parent is None else parent.value
         self.token_ids = tuple(token_ids)
-        self.value = hash((self.parent, self.token_ids))
+        self.value: int = hash((self.parent, self.token_ids))
 
     def __hash__(self) -> int:
         return self.value

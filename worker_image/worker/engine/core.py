@@ -128,14 +128,14 @@ class EngineCore:
             self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_STOPPED, stop_reason=stop)
         failed = dict(processed.failed_requests)
         for req in advanced:
-            error = failed.get(req.request_id)
-            if error is None:
+            failure = failed.get(req.request_id)
+            if failure is None:
                 continue
-            log.warning("request %s failed in the output processor and was ended alone: %s", req.request_id, error)
+            log.warning("request %s failed in the output processor and was ended alone: %s", req.request_id, failure)
             if req.is_finished:  # the scheduler had just ended it (length, EOS): it ends with the error instead
-                req.status, req.error = RequestStatus.FINISHED_ERROR, error
+                req.status, req.error = RequestStatus.FINISHED_ERROR, failure
             else:
-                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR, error=error)
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR, error=failure)
         return processed.outputs
 
     def pause(self) -> None:

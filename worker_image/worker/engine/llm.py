@@ -99,10 +99,10 @@ class LLM:
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # a single prompt given as token ids
-    for p in prompts:
+    items: list[Any] = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]  # a single prompt given as token ids
+    for p in items:
         if not isinstance(p, str) and not (isinstance(p, list) and all(isinstance(t, int) for t in p)):
             raise TypeError(f"a prompt is a string or a list of token ids, got {type(p).__name__}")
-    return prompts
+    return items

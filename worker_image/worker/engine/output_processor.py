@@ -10,18 +10,11 @@ caller tells the scheduler (`stop_requests` in the result). A request whose proc
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from worker.core.request import FinishReason, Request, RequestStatus
 from worker.engine.protocol import RequestOutput
 from worker.engine.stop_strings import StopMatcher
-from worker.model.tokenizer import IncrementalDetokenizer
-
-
-class Decoder(Protocol):
-    """All the output processor needs of a tokenizer."""
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+from worker.model.tokenizer import Decoder, IncrementalDetokenizer
 
 
 @dataclass

@@ -19,7 +19,7 @@ import json
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -173,6 +173,12 @@ class Tokenizer:
         )
 
 
+class Decoder(Protocol):
+    """All that incremental detokenization needs of a tokenizer."""
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
 class IncrementalDetokenizer:
     """Text deltas for a growing token list (prefix/read offsets as in vLLM's `detokenize_incrementally`).
 
@@ -184,7 +190,7 @@ class IncrementalDetokenizer:
     CONTEXT_TOKENS = 5
 
     def __init__(
-        self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True
+        self, tokenizer: Decoder, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True
     ) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
