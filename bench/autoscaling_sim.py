@@ -435,7 +435,7 @@ class KedaHpaAutoscaler(Autoscaler):
                 proposals.append(current)
             else:
                 proposals.append(math.ceil(total / target))
-        desired = min(self.max_replicas, max(self.min_replicas, max(proposals)))
+        desired = min(self.max_replicas, max(self.min_replicas, *proposals))
         now = view.now
         up, down = desired, desired
         for time, recommendation in self.recommendations:

@@ -40,8 +40,7 @@ from pathlib import Path
 
 import httpx
 
-WORDS = ("the model serves tokens quickly while the scheduler batches requests and the cache keeps blocks of keys "
-         "values pages prefix hits streams clients servers metrics drain canary gateway routes weights").split()
+WORDS = ["the", "model", "serves", "tokens", "quickly", "while", "the", "scheduler", "batches", "requests", "and", "the", "cache", "keeps", "blocks", "of", "keys", "values", "pages", "prefix", "hits", "streams", "clients", "servers", "metrics", "drain", "canary", "gateway", "routes", "weights"]
 
 
 @dataclass

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from fleet_operator.drain_watch import DrainedPodRestarts
+
 from llmfleet.kube import INFD, Kube
 from llmfleet.localfleet import FleetSettings, LocalFleet
 from llmfleet.progress import pod_ready
@@ -179,7 +179,7 @@ class Scene:
         for name in self.names:
             try:
                 self.kube.delete(*INFD, name, self.ns)
-            except Exception:  # noqa: BLE001 - best effort; the fleet is torn down at the end anyway
+            except Exception:
                 pass
         for name in self.names:
             try:

@@ -22,8 +22,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
 from fleet_operator import metrics_source
+
 from llmfleet.scenario import missing_features
 from llmfleet.traffic import StreamLoad
 

@@ -117,8 +117,9 @@ def build_graph() -> dict[str, set[str]]:
                 for alias in node.names:
                     sub = f"{source}.{alias.name}"
                     targets.append(sub if sub in modules else source)
-            for target in targets:
+            for imported in targets:
                 # `import a.b.c` where only a.b is ours as a module (c an attribute) is an edge to the longest match.
+                target = imported
                 while target and target not in modules:
                     target = target.rpartition(".")[0]
                 if target and target != module:

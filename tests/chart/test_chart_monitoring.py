@@ -327,7 +327,8 @@ def test_dashboard_queries_are_valid_promql(dashboard, promtool, tmp_path):
             assert match, variable["query"]
             exprs.append(match.group(1))
     rules = []
-    for i, expr in enumerate(exprs):
+    for i, raw in enumerate(exprs):
+        expr = raw
         for variable, value in substitutions.items():
             expr = expr.replace(variable, value)
         assert "$" not in expr, f"unsubstituted variable in {expr}"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 from typing import Any
 
@@ -35,7 +35,7 @@ from controllers.reconcile import Policy
 from crds.models import AnalysisResult
 from localkube.patches import merge_patch  # as the API server applies it
 
-NOW = datetime(2025, 1, 1, 12, 0, tzinfo=timezone.utc)
+NOW = datetime(2025, 1, 1, 12, 0, tzinfo=UTC)
 UID = "uid-1"
 
 

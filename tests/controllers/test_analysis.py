@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from controllers.analysis import RevisionSample, analyse
 from crds.models import AnalysisResult, AnalysisSpec, Verdict
 
-NOW = datetime(2025, 1, 1, 12, 0, tzinfo=timezone.utc)
+NOW = datetime(2025, 1, 1, 12, 0, tzinfo=UTC)
 SPEC = AnalysisSpec(
     ttft_p95_max_ratio=1.5, itl_p95_max_ratio=1.5, error_rate_max=0.01, quality_min_agreement=0.9, min_requests=10
 )

@@ -263,7 +263,7 @@ def test_patch_keeps_undecided_entries_drops_unscaled_variants_and_is_none_when_
     (outcome,) = _evaluate(kept, {"default": VariantInputs(_ready(2), _metrics(8, 2))})
     decided = autoscaling_patch(spec, kept, [outcome])
     assert decided["autoscaling"]["variants"][0]["desiredReplicas"] == 6
-    assert "Autoscaled" == scale_event(outcome).reason
+    assert scale_event(outcome).reason == "Autoscaled"
     assert scale_event(outcome).message.startswith("variant default: 2 -> 6 replicas (timer): queue depth 8/replica")
 
 

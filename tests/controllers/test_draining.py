@@ -12,6 +12,7 @@ from controllers.draining import advance, mark_patch, remove
 from controllers.observed import PodPhase
 from crds.models import DrainReason
 
+
 def _marked(kit, *, since_s: float = 5, timeout_s: float = 30, ip: str | None = "10.0.0.7", **fields) -> PodInfo:
     start = kit.now - timedelta(seconds=since_s)
     return PodInfo(

@@ -265,11 +265,11 @@ class _DrainStub(BaseHTTPRequestHandler):
     posts: list[str | None]
     inflight: list[int]
 
-    def do_POST(self):  # noqa: N802 (http.server naming)
+    def do_POST(self):
         self.posts.append(self.headers.get("Authorization"))
         self._answer(202, {"draining": True, "inflight": self.inflight[0]})
 
-    def do_GET(self):  # noqa: N802
+    def do_GET(self):
         self.inflight[0] = max(0, self.inflight[0] - 1)
         self._answer(200, {"draining": True, "inflight": self.inflight[0]})
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -18,9 +18,9 @@ from controllers.rollout import (
     await_series,
     canary_ready_since,
     combine,
+    pod_snapshot,
     shares,
     stable_spec_of,
-    pod_snapshot,
     variant_revisions,
 )
 from crds.helpers import parse_spec
@@ -124,7 +124,7 @@ def test_stable_spec_keeps_pod_fields_and_takes_sizes_from_the_spec():
 
 
 def test_combine_takes_the_worst_variant():
-    now = datetime(2025, 1, 1, tzinfo=timezone.utc)
+    now = datetime(2025, 1, 1, tzinfo=UTC)
     ok = AnalysisResult(time=now, step=1, verdict=Verdict.PASS, message="Pass: fine", ttft_p95_ratio=1.0)
     bad = AnalysisResult(time=now, step=1, verdict=Verdict.FAIL, message="Fail: slow", ttft_p95_ratio=4.0)
     merged = combine({"a": ok, "b": bad}, step=1, now=now)
@@ -537,7 +537,7 @@ def test_without_series_a_failed_check_repeats_once_per_interval_until_the_failu
     ],
 )
 def test_canary_ready_since(pods, expected_s):
-    base = datetime(2025, 1, 1, tzinfo=timezone.utc)
+    base = datetime(2025, 1, 1, tzinfo=UTC)
 
     def pod(revision, ready, at):
         condition = {"type": "Ready", "status": "True" if ready else "False"}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -13,7 +13,7 @@ from controllers.sizing import SizeSource, desired_sizes, split_by_weight
 from crds.helpers import parse_spec, parse_status
 from crds.models import Condition, ConditionStatus, ConditionType
 
-T0 = datetime(2025, 1, 1, tzinfo=timezone.utc)
+T0 = datetime(2025, 1, 1, tzinfo=UTC)
 
 
 @pytest.mark.parametrize(

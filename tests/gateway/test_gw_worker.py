@@ -29,11 +29,11 @@ async def workers(n: int, **engine_kw: object) -> AsyncIterator[list]:
             server = serve.WorkerServer(engine, settings, configure_logging=False, log_level="warning")
             task = asyncio.create_task(server.serve())
             started.append((server, engine, task))
-            await eventually(lambda: server.server.started or task.done(), "the worker started")
-            await eventually(lambda: server.service.loaded, "the engine loaded")
+            await eventually(lambda s=server, t=task: s.server.started or t.done(), "the worker started")
+            await eventually(lambda s=server: s.service.loaded, "the engine loaded")
         yield [(s, e, f"http://127.0.0.1:{s.port}") for s, e, _ in started]
     finally:
-        for server, _, task in started:
+        for server, _, _task in started:
             server.server.should_exit = True
         await asyncio.gather(*(t for _, _, t in started), return_exceptions=True)
 

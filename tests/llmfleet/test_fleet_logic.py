@@ -33,7 +33,7 @@ def test_collection_path(api_version, kind, namespace, path):
 
 
 def test_collection_path_names_the_known_kinds_for_an_unknown_one():
-    with pytest.raises(ValueError, match="known kinds: .*InferenceDeployment"):
+    with pytest.raises(ValueError, match=r"known kinds: .*InferenceDeployment"):
         collection_path("apps/v1", "Deployment", "x")
 
 

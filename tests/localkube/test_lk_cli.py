@@ -40,7 +40,7 @@ def test_foreground_server_persists_state_and_stops_pods(tmp_path):
             {"name": "c", "image": "busybox", "command": ["sh", "-c", f"echo $$$$ > {tmp_path / 'pid'}; exec sleep 300"]}]}})
         pid = int(wait_for(lambda: (tmp_path / "pid").exists() and (tmp_path / "pid").read_text().strip(), what="pod pid"))
         first_ip = core.read_namespaced_pod("sleeper", "default").status.pod_ip
-        wait_for(lambda: (tmp_path / "state.json").exists(), what="state file")
+        wait_for((tmp_path / "state.json").exists, what="state file")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         assert not pid_alive(pid)  # stopping localkube stops every pod process

@@ -7,8 +7,6 @@ from typing import Any
 
 import httpx
 import pytest
-from pydantic import ValidationError
-
 from fleet_operator.alerts import (
     AlertPolicy,
     ParsedAlerts,
@@ -16,6 +14,7 @@ from fleet_operator.alerts import (
     create_alerts_app,
     parse_webhook,
 )
+from pydantic import ValidationError
 
 NOW = 1_700_000_000.0
 POLICY = AlertPolicy(step=1, max_step=3, ttl_seconds=120)

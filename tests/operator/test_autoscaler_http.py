@@ -9,14 +9,14 @@ import socket
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
-from controllers import EmitEvent, EventType, Plan
 from fleet_operator.alerts import AlertPolicy, ParsedAlerts
 from fleet_operator.http_server import OperatorHttpServer, create_metrics_app, create_operator_app, delivery_result
 from fleet_operator.main import peering_priority
 from fleet_operator.operator_metrics import OperatorMetrics
 from fleet_operator.settings import OperatorSettings, SettingsError
+from prometheus_client.parser import text_string_to_metric_families
+
+from controllers import EmitEvent, EventType, Plan
 
 TOKEN = "s3cret"
 ALERT = {"status": "firing", "labels": {"alertname": "QueueHigh", "llmfleet_scale": "up", "deployment": "demo"}}

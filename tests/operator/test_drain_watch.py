@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
 from fleet_operator.drain_watch import DrainedPodRestarts, restarts_of
 
 pytestmark = pytest.mark.slow

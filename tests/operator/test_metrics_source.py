@@ -11,7 +11,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -202,7 +202,7 @@ async def test_scrape_revision_sample_feeds_the_analysis(
     assert not s.stale and not c.stale
     assert s.ttft_p95_seconds == pytest.approx(histogram_quantile(0.95, _cumulative(TTFT_BUCKETS, 0.1, 60)))
     assert c.ttft_p95_seconds == pytest.approx(histogram_quantile(0.95, _cumulative(TTFT_BUCKETS, 0.7, 30)))
-    result = analyse(AnalysisSpec(min_requests=10), s, c, step=0, now=datetime(2025, 1, 1, tzinfo=timezone.utc))
+    result = analyse(AnalysisSpec(min_requests=10), s, c, step=0, now=datetime(2025, 1, 1, tzinfo=UTC))
     assert result.verdict == Verdict.FAIL
     assert "error rate" in result.message and "TTFT p95 ratio" in result.message
 
@@ -504,7 +504,7 @@ async def test_prometheus_source_against_a_real_prometheus(
     assert c.ttft_p95_seconds == pytest.approx(histogram_quantile(0.95, _cumulative(TTFT_BUCKETS, 0.7, 20)))
     assert s.ttft_p95_seconds == pytest.approx(histogram_quantile(0.95, _cumulative(TTFT_BUCKETS, 0.1, 40)))
     assert s.itl_p95_seconds == pytest.approx(c.itl_p95_seconds)
-    result = analyse(AnalysisSpec(min_requests=10), s, c, step=0, now=datetime(2025, 1, 1, tzinfo=timezone.utc))
+    result = analyse(AnalysisSpec(min_requests=10), s, c, step=0, now=datetime(2025, 1, 1, tzinfo=UTC))
     assert result.verdict == Verdict.FAIL and "TTFT p95 ratio" in result.message
 
 

@@ -9,7 +9,7 @@ import json
 import socket
 import threading
 from collections.abc import Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -41,7 +41,7 @@ from controllers.drain_token import drain_token
 from controllers.observed import PodInfo, PodPhase
 from crds.models import Verdict
 
-NOW = datetime(2025, 1, 1, 12, 0, tzinfo=timezone.utc)
+NOW = datetime(2025, 1, 1, 12, 0, tzinfo=UTC)
 
 
 class _Worker(BaseHTTPRequestHandler):
@@ -50,11 +50,11 @@ class _Worker(BaseHTTPRequestHandler):
     answers: list[tuple[int, bytes]]
     posts: list[str | None]
 
-    def do_GET(self):  # noqa: N802 (http.server naming)
+    def do_GET(self):
         code, body = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
         self._send(code, body)
 
-    def do_POST(self):  # noqa: N802
+    def do_POST(self):
         self.posts.append(self.headers.get("Authorization"))
         self._send(202, b'{"draining": true, "inflight": 1}')
 

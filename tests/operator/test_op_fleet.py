@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
-from controllers import Plan
 from fleet_operator.fleet import Fleet, PassResult
 from fleet_operator.settings import OperatorSettings
+
+from controllers import Plan
 
 
 class ScriptedFleet(Fleet):

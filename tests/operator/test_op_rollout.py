@@ -20,14 +20,14 @@ import sys
 import threading
 import time
 from collections import Counter
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-
 from fleet_operator.drain_watch import DrainedPodRestarts
+
 from llmfleet.traffic import classify_stream
 
 pytestmark = pytest.mark.slow
@@ -258,7 +258,7 @@ def test_operator_killed_mid_step_resumes_at_the_same_step_then_manual_promote(f
     uids = sorted(p["metadata"]["uid"] for p in kube.pods("resume"))
 
     fleet.operator.kill()
-    restarted = datetime.now(timezone.utc)
+    restarted = datetime.now(UTC)
     fleet.operator.start()
     # the restarted operator goes on analysing the same step (a check later than the restart)
     check = kit.wait_until(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 
 import pytest
-
 from fleet_operator.peering_state import PEERING_LOGGER, PeeringState, active_after
 
 

@@ -12,12 +12,12 @@ from typing import Any
 
 import httpx
 import pytest
-
-from controllers.quality import PROBE_MAX_TOKENS, PROBE_PROMPTS
 from fleet_operator.quality_probe import generate_request, run_probe, score_request
 from worker.server.fake_engine import FakeEngine
 from worker.server.serve import WorkerServer
 from worker.server.settings import WorkerSettings
+
+from controllers.quality import PROBE_MAX_TOKENS, PROBE_PROMPTS
 
 
 def _wait(predicate: Callable[[], Any], what: str, timeout_s: float = 20.0) -> None:
@@ -68,11 +68,12 @@ async def test_identical_workers_agree_fully(worker_url: Callable[[str], str]) -
 async def test_real_engines_agree_as_offline_teacher_forcing_says(worker_url, tmp_path) -> None:
     """fp32 stable vs fp8 canary of a tiny random Llama, over HTTP: the probe's number equals the one computed
     with the offline engine (stable's greedy continuation, then the canary's argmax at each of its positions)."""
-    from controllers.quality import token_agreement
     from worker import LLM, SamplingParams
     from worker.core.config import EngineConfig
     from worker.engine.async_engine import AsyncEngine
     from worker.model.testing import make_tiny_llama
+
+    from controllers.quality import token_agreement
 
     model = str(make_tiny_llama(tmp_path / "tiny"))
     prompts = PROBE_PROMPTS[:4]

@@ -11,12 +11,11 @@ from collections.abc import Sequence
 from types import SimpleNamespace
 
 import pytest
-
 from worker.core.config import EngineConfig
+from worker.core.request import FinishReason, SamplingParams
 from worker.core.scheduler import Scheduler
 from worker.engine.core import EngineCore
 from worker.engine.toy import EOS, ToyRunner, toy_next_token
-from worker.core.request import FinishReason, SamplingParams
 
 
 def reference(

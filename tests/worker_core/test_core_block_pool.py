@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from worker.core.block_pool import BlockHash, BlockPool
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from worker.core import kv_cache_manager as kvm
 from worker.core.kv_cache_manager import KVCacheManager, token_slice
 from worker.core.request import Request, SamplingParams
@@ -144,7 +143,7 @@ def test_preempted_request_refinds_its_prefix_and_hashes_are_not_recomputed(monk
     assert len(made) == 3
     mgr.free("a", finished=False)  # preempted
     a.num_computed_tokens = 0
-    hits, n = mgr.get_computed_blocks(a)
+    _hits, n = mgr.get_computed_blocks(a)
     assert n == 8  # 12 known tokens, the last must be recomputed: 2 whole blocks reused
     assert len(made) == 3  # no re-hashing
 

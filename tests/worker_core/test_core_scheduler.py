@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import pytest
-
 from worker.core.config import EngineConfig
 from worker.core.outputs import SchedulerOutput
+from worker.core.request import Request, RequestStatus, SamplingParams
 from worker.core.scheduler import QueueFullError, Scheduler
 from worker.engine.toy import EOS, ToyRunner, toy_next_token
-from worker.core.request import Request, RequestStatus, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
 

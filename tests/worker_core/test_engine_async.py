@@ -6,14 +6,13 @@ import asyncio
 import threading
 
 import pytest
-
 from worker import LLM
 from worker.core.config import EngineConfig
+from worker.core.request import FinishReason, SamplingParams
 from worker.core.scheduler import QueueFullError
 from worker.engine.async_engine import AsyncEngine, EngineDeadError, merge_outputs
 from worker.engine.protocol import EngineClient, RequestOutput
 from worker.engine.toy import ToyRunner
-from worker.core.request import FinishReason, SamplingParams
 
 LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
 

@@ -6,8 +6,8 @@ import pytest
 
 pytest.importorskip("worker.model.testing")
 
-from worker import LLM, SamplingParams  # noqa: E402
-from worker.model.testing import make_tiny_llama  # noqa: E402
+from worker import LLM, SamplingParams
+from worker.model.testing import make_tiny_llama
 
 
 @pytest.mark.parametrize("bad", [[5, 10_000_000], [-1, 3]])

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
-
 from worker import LLM, SamplingParams
 from worker.core.config import EngineConfig
+from worker.core.request import FinishReason
 from worker.core.scheduler import QueueFullError
 from worker.engine.core import EngineCore
 from worker.engine.toy import ByteTokenizer, ToyRunner
-from worker.core.request import FinishReason
 
 TOK = ByteTokenizer()
 
@@ -97,7 +96,7 @@ def test_a_failing_runner_leaves_no_request_holding_blocks(kit) -> None:
 
 
 def test_bad_engine_arguments_are_reported() -> None:
-    with pytest.raises(ValidationError, match="max_num_seq\n.*Extra inputs are not permitted"):
+    with pytest.raises(ValidationError, match=r"max_num_seq\n.*Extra inputs are not permitted"):
         _llm(max_num_seq=3)  # typo: unknown argument
     with pytest.raises(ValueError, match="no model given"):
         LLM()

@@ -6,12 +6,11 @@ a prefix-cache hit or a recompute that feeds the wrong context changes the value
 from __future__ import annotations
 
 import pytest
-
 from worker import LLM, SamplingParams
 from worker.core.config import EngineConfig
+from worker.core.request import Logprob
 from worker.engine.core import EngineCore
 from worker.engine.toy import ToyRunner, toy_logprob, toy_top
-from worker.core.request import Logprob
 
 
 def _llm(**engine_args) -> LLM:

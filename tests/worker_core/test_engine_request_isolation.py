@@ -8,13 +8,12 @@ import asyncio
 from collections.abc import Sequence
 
 import pytest
-
 from worker import LLM
 from worker.core.config import EngineConfig
+from worker.core.request import FinishReason, RequestStatus, SamplingParams
 from worker.engine.async_engine import AsyncEngine
 from worker.engine.core import EngineCore
 from worker.engine.toy import ByteTokenizer, ToyRunner, toy_next_token
-from worker.core.request import FinishReason, RequestStatus, SamplingParams
 
 POISON = 255  # a prompt ending in this byte makes the poisoned parts below fail for that request only
 LONG = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)

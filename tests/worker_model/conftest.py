@@ -7,10 +7,9 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-
 from worker.core.outputs import ScheduledSeq, SchedulerOutput
-from worker.model.testing import make_tiny_llama
 from worker.core.request import SamplingParams
+from worker.model.testing import make_tiny_llama
 
 GREEDY = SamplingParams(max_tokens=64, temperature=0.0)
 

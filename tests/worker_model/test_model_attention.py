@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from worker.model.attention import SeqSpan, build_metadata, decode_attention_sdpa
 from worker.model.kernels import load_paged_decode
 
@@ -73,7 +72,7 @@ def test_native_decode_matches_sdpa(kernel, dtype, tol, heads, kv_heads):
     v_cache = torch.randn(nb, bs, kv_heads, hd, generator=gen).to(dtype)
     lens = [1, 15, 16, 17, 100, 3]
     spans = []
-    for i, n in enumerate(lens):
+    for n in lens:
         blocks = torch.randperm(nb, generator=gen)[: -(-n // bs)].tolist()
         spans.append(SeqSpan(n - 1, 1, blocks))
     q = torch.randn(len(lens), heads, hd, generator=gen).to(dtype)
@@ -124,5 +123,5 @@ def test_loading_twice_reuses_the_build(kernel):
     from worker.model import kernels
 
     name = kernels.extension_name()
-    again, why = kernels.load_paged_decode()
+    _again, why = kernels.load_paged_decode()
     assert why is None and kernels.extension_name() == name  # torch's loader must not alter our flag lists

@@ -9,7 +9,6 @@ import threading
 import numpy as np
 import pytest
 from typer.testing import CliRunner
-
 from worker.model import bundled
 from worker.model.bundled import cache_dir, ensure_bundled, hf_tensor_name, unpermute_qk
 from worker.model.cli import model_app
@@ -139,7 +138,7 @@ def test_hf_source_fails_clearly_without_a_hub(tmp_path, monkeypatch):
 def test_local_folder_source(tiny_dir, tmp_path):
     assert resolve_model_source(str(tiny_dir)) == tiny_dir
     assert resolve_model_source(f"file://{tiny_dir}") == tiny_dir
-    with pytest.raises(ModelSourceError, match="config.json"):
+    with pytest.raises(ModelSourceError, match=r"config\.json"):
         resolve_model_source(str(tmp_path))
 
 
@@ -188,7 +187,7 @@ def test_config_rejects_unsupported(patch, match):
 
 
 def test_config_file_missing(tmp_path):
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
         ModelConfig.from_dir(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 1}))
     with pytest.raises(ValueError, match="lacks"):

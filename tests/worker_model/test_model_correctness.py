@@ -8,7 +8,6 @@ import random
 
 import pytest
 import torch
-
 from worker.model.runner import ModelRunner
 from worker.model.testing import make_tiny_llama
 
@@ -176,7 +175,7 @@ def test_missing_or_misshapen_weights_are_clear_errors(tiny_dir):
     cfg = ModelConfig.from_dir(tiny_dir)
     weights = load_weights(tiny_dir, torch.float32)
     del weights["model.layers.1.mlp.up_proj.weight"]
-    with pytest.raises(ValueError, match="missing weights: model.layers.1.mlp.up_proj.weight"):
+    with pytest.raises(ValueError, match=r"missing weights: model\.layers\.1\.mlp\.up_proj\.weight"):
         LlamaModel(cfg, weights)
     weights = load_weights(tiny_dir, torch.float32)
     weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"][:-1]

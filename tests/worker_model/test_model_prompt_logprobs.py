@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from worker import LLM, SamplingParams
 
 PROMPT = [3, 17, 42, 8, 99, 5, 23, 61, 7, 12, 88, 40, 2, 31, 77, 19, 54, 9, 66, 28, 45]

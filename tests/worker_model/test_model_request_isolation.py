@@ -6,10 +6,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
 from worker import LLM, SamplingParams
-from worker.model.testing import make_tiny_llama
 from worker.core.request import FinishReason
+from worker.model.testing import make_tiny_llama
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPT = [5, 6, 7, 8]

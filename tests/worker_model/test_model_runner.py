@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from worker.core.outputs import ScheduledSeq, SchedulerOutput
+from worker.core.request import SamplingParams
 from worker.model.config import ModelConfig
 from worker.model.runner import ModelRunner, kv_block_bytes, plan_num_blocks
-from worker.core.request import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 

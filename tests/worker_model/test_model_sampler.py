@@ -6,10 +6,9 @@ import math
 
 import pytest
 import torch
-
-from worker.model.runner import ModelRunner
-from worker.model.sampler import SampleRequest, Sampler, apply_top_k_top_p, min_tokens_banned
 from worker.core.request import SamplingParams
+from worker.model.runner import ModelRunner
+from worker.model.sampler import Sampler, SampleRequest, apply_top_k_top_p, min_tokens_banned
 
 ROW = torch.tensor([1.0, 4.0, 3.0, 2.0, 0.0])  # order by probability: 1, 2, 3, 0, 4
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from worker.model.bundled import bundled_gguf_path, ensure_bundled
 from worker.model.quality import compare, reference
 from worker.model.runner import ModelRunner

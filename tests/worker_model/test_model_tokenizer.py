@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from worker.model.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer
 
 TEXTS = ["Hello, world!", "café naïve 東京 😀", "def add(a, b):\n    return a + b", "  leading spaces", ""]
@@ -62,7 +61,7 @@ def test_missing_template_is_a_clear_error(tmp_path, tiny_dir):
 
 
 def test_missing_tokenizer_json(tmp_path):
-    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+    with pytest.raises(FileNotFoundError, match=r"tokenizer\.json"):
         Tokenizer(tmp_path)
 
 

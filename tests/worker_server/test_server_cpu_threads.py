@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from worker.cpu_threads import cgroup_cpu_limit, cpu_threads
 
 

@@ -26,8 +26,8 @@ def instructions(path: Path) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) with line continuations joined and comments dropped."""
     text = re.sub(r"\\\n", " ", path.read_text())
     out = []
-    for line in text.splitlines():
-        line = line.strip()
+    for raw in text.splitlines():
+        line = raw.strip()
         if line and not line.startswith("#"):
             keyword, _, rest = line.partition(" ")
             out.append((keyword.upper(), rest.strip()))

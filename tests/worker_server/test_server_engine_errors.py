@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
-
 from worker.engine.protocol import EngineDeadError, QueueFullError
 from worker.server.fake_engine import FakeEngine
 

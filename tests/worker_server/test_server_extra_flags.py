@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 from typer.testing import CliRunner
+from worker.server.cli import parse_extra_flags
 
 from llmfleet.cli import app
-from worker.server.cli import parse_extra_flags
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(str, enum.Enum):  # noqa: UP042 - StrEnum would change str() of a member, which logs rely on
     """Why a request ended. Values are what the OpenAI API reports as `finish_reason`."""
 
     STOP = "stop"  # EOS, a stop token id or a stop string
@@ -81,7 +81,7 @@ class Logprob:
 
 def _check_int(name: str, value: object, low: int, high: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {value!r}")  # noqa: TRY004 (ValueError = a 400)
+        raise ValueError(f"{name} must be an integer, got {value!r}")
     if not low <= value <= high:
         raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
 

@@ -21,10 +21,9 @@ from typing import Any
 
 from worker.core.config import EngineConfig
 from worker.core.errors import EngineDeadError, QueueFullError
+from worker.core.request import SamplingParams
 from worker.engine.core import EngineCore, Runner
 from worker.engine.protocol import EngineStats, RequestOutput
-from worker.core.request import SamplingParams
-
 
 
 def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
@@ -187,7 +186,7 @@ class AsyncEngine:
             elif core.scheduler.has_schedulable_requests():
                 try:
                     outputs += core.step()
-                except Exception as exc:  # the step itself failed (one request's failure ends only it, in step())
+                except Exception as exc:  # noqa: BLE001 - the step itself failed (one request's failure ends only it, in step())
                     self._error = exc
                     self._stats = core.stats()
                     self._post(outputs, errors, dead=exc)

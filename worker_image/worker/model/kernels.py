@@ -160,7 +160,7 @@ def _cpu_flags() -> tuple[str, frozenset[str]]:
 def arch_flags() -> tuple[list[str], str]:
     """(compiler flags for the target CPU, the part of the cache key that says which CPUs the build runs on)."""
     machine, flags = _cpu_flags()
-    if machine in ("x86_64", "AMD64") and X86_64_V3_FLAGS <= flags:
+    if machine in ("x86_64", "AMD64") and flags >= X86_64_V3_FLAGS:
         return ["-march=x86-64-v3"], "x86-64-v3"
     return ["-march=native"], f"{machine}:{' '.join(sorted(flags))}"
 
@@ -200,6 +200,6 @@ def load_paged_decode() -> tuple[PagedDecode | None, str | None]:
             extra_ldflags=list(LDFLAGS),
             verbose=False,
         )
-    except Exception as exc:  # compiler missing, headers missing, ninja missing, build error
+    except Exception as exc:  # noqa: BLE001 - compiler missing, headers missing, ninja missing, build error
         return None, f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else ''}"
     return module.paged_decode, None

@@ -44,7 +44,7 @@ def load_weights(model_dir: str | Path, dtype: torch.dtype) -> dict[str, torch.T
     out: dict[str, torch.Tensor] = {}
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 - safetensors' handle is not a dict: keys() is its API
                 t = f.get_tensor(name)
                 out[name] = t.to(dtype) if t.is_floating_point() else t
     return out

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from worker.core.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from worker.core.request import Logprob
 from worker.model.attention import SeqSpan, build_metadata
 from worker.model.config import ModelConfig
 from worker.model.kernels import load_paged_decode
@@ -29,9 +30,8 @@ from worker.model.linear import available_kernels, read_cpu_flags, resolve_auto_
 from worker.model.llama import LlamaModel
 from worker.model.loader import load_weights
 from worker.model.quant import QUANTIZATIONS
-from worker.model.sampler import SampleRequest, Sampler, top_tokens
+from worker.model.sampler import Sampler, SampleRequest, top_tokens
 from worker.model.tokenizer import Tokenizer
-from worker.core.request import Logprob
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_KV_CACHE_BYTES = 512 * 1024**2

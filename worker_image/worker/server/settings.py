@@ -97,7 +97,7 @@ class WorkerSettings(BaseModel):
     )
 
     @model_validator(mode="after")
-    def _extra_args_need_vllm(self) -> "WorkerSettings":
+    def _extra_args_need_vllm(self) -> WorkerSettings:
         if self.engine_extra_args and self.engine != "vllm":
             flags = ", ".join(f"--{k.replace('_', '-')}" for k in self.engine_extra_args)
             raise ValueError(f"unknown flags for the {self.engine} engine: {flags}. Extra engine flags are passed "
