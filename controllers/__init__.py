@@ -17,6 +17,7 @@ from controllers.actions import (
 )
 from controllers.observed import DrainProbe, Observed, PodInfo, ProbeState
 from controllers.pods import PodDefaults
+from controllers.reasons import Reason
 from controllers.reconcile import Policy, reconcile
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "PodInfo",
     "Policy",
     "ProbeState",
+    "Reason",
     "RemoveAnnotations",
     "StartDrain",
     "reconcile",

@@ -2,7 +2,7 @@
 
 Actions are data, not calls: the planner stays pure and tests compare plans, while the operator's executor maps
 each action to one idempotent API call (AlreadyExists/NotFound tolerated, conflicts retried). Every action says
-why it exists (`reason`, `message`) so the executor can record an Event for it.
+why it exists (`reason`, a `controllers.reasons.Reason`, and `message`) so the executor can record an Event for it.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 from typing import Any, TypeVar
+
+from controllers.reasons import Reason
 
 T = TypeVar("T")
 
@@ -30,7 +32,7 @@ class CreatePod:
     manifest: Mapping[str, Any]
     variant: str
     revision: str
-    reason: str  # CamelCase, e.g. ScaleUp, Replace, Rollout
+    reason: Reason  # ScaleUp, Replace, Rollout or Canary
     message: str
 
     @property
@@ -50,7 +52,7 @@ class DeletePod:
     uid: str
     variant: str | None
     revision: str | None
-    reason: str  # CamelCase, e.g. ScaleDown, Failed, Rollout, Orphaned, Deletion
+    reason: Reason  # ScaleDown, Rollout, Replace, Deletion (as drained) or Failed
     message: str
 
 
@@ -65,7 +67,7 @@ class StartDrain:
     address: str | None  # host:port of the worker; None when the pod has no IP (then only the mark is written)
     variant: str | None
     revision: str | None
-    reason: str  # a DrainReason value: ScaleDown, Rollout, Replace, Deletion
+    reason: Reason  # a DrainReason value: ScaleDown, Rollout, Replace, Deletion
     message: str
     started_at: datetime
     deadline: datetime
@@ -129,7 +131,7 @@ class EmitEvent:
     """Record a Kubernetes Event on the InferenceDeployment."""
 
     type: EventType
-    reason: str
+    reason: Reason
     message: str
 
 

@@ -36,6 +36,7 @@ from controllers.autoscaling import (
     variant_status,
 )
 from controllers.observed import parse_time
+from controllers.reasons import Reason
 from controllers.sizing import desired_sizes
 from crds.models import (
     AutoscalingStatus,
@@ -327,4 +328,4 @@ def scale_event(outcome: VariantOutcome) -> EmitEvent:
         f"variant {outcome.variant}: {d.current_replicas} -> {d.desired_replicas} replicas "
         f"({outcome.trigger.value.lower()}): {d.reason}"
     )
-    return EmitEvent(EventType.NORMAL, "Autoscaled", message)
+    return EmitEvent(EventType.NORMAL, Reason.AUTOSCALED, message)

@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from enum import StrEnum
 
+from controllers.reasons import Reason
 from crds.models import Condition, ConditionStatus, ConditionType
 
 
@@ -32,7 +32,7 @@ class WantedCondition:
 
     type: ConditionType
     status: ConditionStatus
-    reason: str
+    reason: Reason
     message: str = ""
 
 
@@ -71,77 +71,45 @@ def is_true(conditions: Iterable[Condition], kind: ConditionType) -> bool:
 # ------------------------------------------------------------------------------------------------------ kstatus
 
 
-class ReconcilingReason(StrEnum):
-    """Why `Reconciling` is true: the step under way."""
-
-    CANARY = "CanaryProgressing"
-    PROMOTING = "Promoting"
-    ROLLING_BACK = "RollingBack"  # the spec went back to the stable revision: the canary's pods drain
-    ROLLING_UPDATE = "RollingUpdate"
-    SCALING_UP = "ScalingUp"
-    SCALING_DOWN = "ScalingDown"
-    PODS_STARTING = "PodsStarting"
-    DRAINING = "Draining"
-    REMOVING_VARIANT = "RemovingVariant"
-    TERMINATING = "Terminating"
-
-
-class StalledReason(StrEnum):
-    """Why `Stalled` is true: what a human must fix."""
-
-    INVALID_SPEC = "InvalidSpec"
-    ROLLED_BACK = "CanaryRolledBack"
-    PODS_CANNOT_START = "PodsCannotStart"
-
-
-# Reasons of the conditions when they are in their normal state.
-READY_REASON = "Current"
-SCALED_TO_ZERO_REASON = "ScaledToZero"
-NOT_SERVING_REASON = "ReplicasUnavailable"
-RECONCILED_REASON = "Reconciled"
-STALLED_INSTEAD_REASON = "Stalled"
-NOT_STALLED_REASON = "NotStalled"
-
-
 @dataclass(frozen=True)
 class Health:
     """What the planner knows about a deployment, for the kstatus conditions."""
 
-    stalled: Sequence[tuple[StalledReason, str]] = ()  # every reason it cannot progress, with what to fix
-    moving: Sequence[tuple[ReconcilingReason, str]] = ()  # every step under way, in order of importance
+    stalled: Sequence[tuple[Reason, str]] = ()  # every reason it cannot progress, with what to fix
+    moving: Sequence[tuple[Reason, str]] = ()  # every step under way, in order of importance
     serving: bool = True  # the spec's revision serves all its wanted replicas (ready pods >= desired)
     scaled_to_zero: bool = False  # no pods wanted on purpose
-    trouble: tuple[str, str] | None = None  # (reason, message) of a transient trouble (API errors) hiding the truth
+    trouble: tuple[Reason, str] | None = None  # (reason, message) of transient trouble (API errors) hiding the truth
     summary: str = ""  # for Ready=True: who serves (e.g. "default 2/2 ready")
 
 
 def kstatus_conditions(health: Health) -> list[WantedCondition]:
     """`Ready`, `Reconciling` and `Stalled` (in that order) for `health` (rules in the module docstring)."""
     if health.stalled:
-        why = health.stalled[0][0].value
+        why = health.stalled[0][0]
         message = "; ".join(text for _, text in health.stalled)
         stalled = WantedCondition(ConditionType.STALLED, ConditionStatus.TRUE, why, message)
         reconciling = WantedCondition(
-            ConditionType.RECONCILING, ConditionStatus.FALSE, STALLED_INSTEAD_REASON, "stalled: " + message
+            ConditionType.RECONCILING, ConditionStatus.FALSE, Reason.STALLED, "stalled: " + message
         )
         ready = WantedCondition(ConditionType.READY, ConditionStatus.FALSE, why, message)
         return [ready, reconciling, stalled]
-    stalled = WantedCondition(ConditionType.STALLED, ConditionStatus.FALSE, NOT_STALLED_REASON, "")
+    stalled = WantedCondition(ConditionType.STALLED, ConditionStatus.FALSE, Reason.NOT_STALLED, "")
     if health.moving:
-        step = health.moving[0][0].value
+        step = health.moving[0][0]
         message = "; ".join(text for _, text in health.moving)
         reconciling = WantedCondition(ConditionType.RECONCILING, ConditionStatus.TRUE, step, message)
         ready = WantedCondition(ConditionType.READY, ConditionStatus.FALSE, step, message)
         return [ready, reconciling, stalled]
-    reconciling = WantedCondition(ConditionType.RECONCILING, ConditionStatus.FALSE, RECONCILED_REASON, "")
+    reconciling = WantedCondition(ConditionType.RECONCILING, ConditionStatus.FALSE, Reason.RECONCILED, "")
     if health.trouble is not None:
         ready = WantedCondition(ConditionType.READY, ConditionStatus.FALSE, *health.trouble)
     elif not health.serving:
-        ready = WantedCondition(ConditionType.READY, ConditionStatus.FALSE, NOT_SERVING_REASON, health.summary)
+        ready = WantedCondition(ConditionType.READY, ConditionStatus.FALSE, Reason.REPLICAS_UNAVAILABLE, health.summary)
     elif health.scaled_to_zero:
         ready = WantedCondition(
-            ConditionType.READY, ConditionStatus.TRUE, SCALED_TO_ZERO_REASON, "no pods wanted; requests wake it"
+            ConditionType.READY, ConditionStatus.TRUE, Reason.SCALED_TO_ZERO, "no pods wanted; requests wake it"
         )
     else:
-        ready = WantedCondition(ConditionType.READY, ConditionStatus.TRUE, READY_REASON, health.summary)
+        ready = WantedCondition(ConditionType.READY, ConditionStatus.TRUE, Reason.CURRENT, health.summary)
     return [ready, reconciling, stalled]

@@ -40,6 +40,7 @@ from typing import Any
 
 from controllers.actions import Action, DeletePod, StartDrain
 from controllers.observed import DrainProbe, PodInfo, PodPhase, ProbeState
+from controllers.reasons import Reason
 from crds.models import DrainReason, DrainStatus
 from crds.pods import DRAIN_DEADLINE, DRAIN_REASON, DRAINING
 
@@ -69,7 +70,7 @@ def begin(pod: PodInfo, reason: DrainReason, why: str, now: datetime, timeout_s:
         address=address(pod, port),
         variant=pod.variant,
         revision=pod.revision,
-        reason=reason.value,
+        reason=Reason(reason),
         message=why,
         started_at=now,
         deadline=now + timedelta(seconds=timeout_s),
@@ -81,7 +82,7 @@ def remove(pod: PodInfo, reason: DrainReason, why: str, now: datetime, timeout_s
     if serving(pod):
         return begin(pod, reason, why, now, timeout_s, port)
     state = "not running" if pod.phase != PodPhase.RUNNING else "unready"
-    return DeletePod(pod.name, pod.uid, pod.variant, pod.revision, reason.value, f"{why} ({state} pod)")
+    return DeletePod(pod.name, pod.uid, pod.variant, pod.revision, Reason(reason), f"{why} ({state} pod)")
 
 
 def mark_patch(action: StartDrain) -> dict[str, Any]:
@@ -93,7 +94,7 @@ def mark_patch(action: StartDrain) -> dict[str, Any]:
             "annotations": {
                 DRAINING: timestamp(action.started_at),
                 DRAIN_DEADLINE: timestamp(action.deadline),
-                DRAIN_REASON: action.reason,
+                DRAIN_REASON: str(action.reason),
             },
         }
     }
@@ -161,7 +162,7 @@ def advance(
         done = _finished(pod, probe, now)
         if done is not None:
             actions.append(
-                DeletePod(pod.name, pod.uid, pod.variant, pod.revision, reason.value, f"{done} after {elapsed:.1f} s")
+                DeletePod(pod.name, pod.uid, pod.variant, pod.revision, Reason(reason), f"{done} after {elapsed:.1f} s")
             )
             continue
         if probe is not None and probe.state == ProbeState.ANSWERED and not probe.draining:
@@ -172,7 +173,7 @@ def advance(
                     address=address(pod, port),
                     variant=pod.variant,
                     revision=pod.revision,
-                    reason=reason.value,
+                    reason=Reason(reason),
                     message="the worker is not draining yet: asking again",
                     started_at=pod.draining_since,
                     deadline=pod.drain_deadline,

@@ -54,8 +54,6 @@ from controllers.actions import (
 )
 from controllers.conditions import (
     Health,
-    ReconcilingReason,
-    StalledReason,
     WantedCondition,
     find,
     kstatus_conditions,
@@ -80,6 +78,7 @@ from controllers.pods import (
     service_manifest,
     service_matches,
 )
+from controllers.reasons import Reason
 from controllers.running_spec import DeploymentView, RunningSpec
 from controllers.sizing import (
     VariantSize,
@@ -147,7 +146,7 @@ class _VariantOutcome:
     progressing: str  # why it is still moving, "" when settled
     stuck: tuple[str, ...]  # names of pods that will not get ready by themselves
     failed: tuple[str, ...]  # names of ended pods being replaced
-    reconciling: ReconcilingReason | None = None  # the step under way (None when settled)
+    reconciling: Reason | None = None  # the step under way (None when settled)
 
 
 def reconcile(
@@ -227,7 +226,7 @@ def _converge(
             events.append(
                 EmitEvent(
                     EventType.NORMAL,
-                    "Scaled",
+                    Reason.SCALED,
                     f"variant {size.variant}: desired pods {before or 0} -> {size.replicas} ({size.describe()})",
                 )
             )
@@ -239,7 +238,7 @@ def _converge(
         events.append(
             EmitEvent(
                 EventType.WARNING,
-                "ReplicasIgnored",
+                Reason.REPLICAS_IGNORED,
                 f"spec.replicas={spec.replicas} sizes no variant: every variant sets its own replicas or "
                 "autoscaling (kubectl scale has no effect)",
             )
@@ -250,7 +249,7 @@ def _converge(
         if _invalid_news(previous, generation, _invalid_message(running.problems)):
             events.append(_invalid_event(generation, running.problems, "the last valid spec keeps running"))
     elif was_invalid:
-        events.append(EmitEvent(EventType.NORMAL, "SpecValid", "the spec is valid again; reconciling it"))
+        events.append(EmitEvent(EventType.NORMAL, Reason.SPEC_VALID, "the spec is valid again; reconciling it"))
     events += decision.events
 
     starts = [a for a in actions if isinstance(a, StartDrain) and a.mark]
@@ -405,7 +404,7 @@ def _replace_ended(variant: VariantSpec, ended: Sequence[PodInfo]) -> list[Delet
             p.uid,
             variant.name,
             p.revision,
-            "Failed",
+            Reason.FAILED,
             f"pod {p.name} ended ({p.phase.value}{': ' + p.message if p.message else ''}); replacing it",
         )
         for p in ended
@@ -479,9 +478,9 @@ def _create_missing(
         while made < count:
             if pod_name(meta["name"], variant.name, want.revision, slot) not in taken:
                 if want.canary:
-                    reason = "Canary"
+                    reason = Reason.CANARY
                 else:
-                    reason = "Rollout" if pods.old else ("Replace" if pods.ended else "ScaleUp")
+                    reason = Reason.ROLLOUT if pods.old else (Reason.REPLACE if pods.ended else Reason.SCALE_UP)
                 creates.append(
                     CreatePod(
                         pod_manifest(meta, want.template, variant.name, want.revision, slot,
@@ -504,18 +503,18 @@ def _progress_reason(
     going: list[PodInfo],
     creates: list[CreatePod],
     removals: list[Action],
-) -> tuple[ReconcilingReason | None, str]:
+) -> tuple[Reason | None, str]:
     if old:
-        return ReconcilingReason.ROLLING_UPDATE, f"replacing {len(old)} pod(s) of an old revision"
+        return Reason.ROLLING_UPDATE, f"replacing {len(old)} pod(s) of an old revision"
     if len(current) + len(creates) < desired or creates:
-        return ReconcilingReason.SCALING_UP, f"scaling up to {desired}"
-    if len(current) > desired or any(getattr(r, "reason", "") == DrainReason.SCALE_DOWN.value for r in removals):
-        return ReconcilingReason.SCALING_DOWN, f"scaling down to {desired}"
+        return Reason.SCALING_UP, f"scaling up to {desired}"
+    if len(current) > desired or any(getattr(r, "reason", "") == Reason.SCALE_DOWN for r in removals):
+        return Reason.SCALING_DOWN, f"scaling down to {desired}"
     starting = sum(not p.ready for p in current)
     if starting:
-        return ReconcilingReason.PODS_STARTING, f"{starting} pod(s) starting"
+        return Reason.PODS_STARTING, f"{starting} pod(s) starting"
     if going:
-        return ReconcilingReason.DRAINING, f"{len(going)} pod(s) draining or terminating"
+        return Reason.DRAINING, f"{len(going)} pod(s) draining or terminating"
     return None, ""
 
 
@@ -585,20 +584,20 @@ def _status(
     short = [v for v in variants if v.desired_replicas > 0 and v.ready_replicas == 0]
     if desired == 0:
         available = WantedCondition(
-            ConditionType.AVAILABLE, ConditionStatus.TRUE, "ScaledToZero", "no pods wanted; requests wake it"
+            ConditionType.AVAILABLE, ConditionStatus.TRUE, Reason.SCALED_TO_ZERO, "no pods wanted; requests wake it"
         )
     elif short:
         available = WantedCondition(
             ConditionType.AVAILABLE,
             ConditionStatus.FALSE,
-            "MinimumReplicasUnavailable",
+            Reason.MINIMUM_REPLICAS_UNAVAILABLE,
             "; ".join(f"variant {v.name} has no ready pod (0/{v.desired_replicas})" for v in short),
         )
     else:
         available = WantedCondition(
             ConditionType.AVAILABLE,
             ConditionStatus.TRUE,
-            "MinimumReplicasAvailable",
+            Reason.MINIMUM_REPLICAS_AVAILABLE,
             ", ".join(f"{v.name} {v.ready_replicas}/{v.desired_replicas} ready" for v in variants),
         )
     moving = [f"{o.status.name}: {o.progressing}" for o in outcomes if o.progressing]
@@ -609,23 +608,23 @@ def _status(
     failed = [pod for o in outcomes for pod in o.failed]
     troubles = []
     if observed.errors:
-        troubles.append(("ApiError", "API errors: " + "; ".join(observed.errors)))
+        troubles.append((Reason.API_ERROR, "API errors: " + "; ".join(observed.errors)))
     if stuck:
-        troubles.append(("PodsStuck", "pods that do not start: " + ", ".join(stuck)))
+        troubles.append((Reason.PODS_STUCK, "pods that do not start: " + ", ".join(stuck)))
     if failed:
-        troubles.append(("PodsFailed", "pods ended and are being replaced: " + ", ".join(failed)))
+        troubles.append((Reason.PODS_FAILED, "pods ended and are being replaced: " + ", ".join(failed)))
     degraded = (
         WantedCondition(
             ConditionType.DEGRADED, ConditionStatus.TRUE, troubles[0][0], "; ".join(msg for _, msg in troubles)
         )
         if troubles
-        else WantedCondition(ConditionType.DEGRADED, ConditionStatus.FALSE, "Healthy", "")
+        else WantedCondition(ConditionType.DEGRADED, ConditionStatus.FALSE, Reason.HEALTHY, "")
     )
     if running.fallback:
-        valid = WantedCondition(ConditionType.INVALID_SPEC, ConditionStatus.TRUE, "ValidationFailed",
+        valid = WantedCondition(ConditionType.INVALID_SPEC, ConditionStatus.TRUE, Reason.VALIDATION_FAILED,
                                 _invalid_message(running.problems) + "; the last valid spec keeps running")
     else:
-        valid = WantedCondition(ConditionType.INVALID_SPEC, ConditionStatus.FALSE, "SpecValid", "")
+        valid = WantedCondition(ConditionType.INVALID_SPEC, ConditionStatus.FALSE, Reason.SPEC_VALID, "")
     if running.fallback:
         phase = Phase.INVALID_SPEC
     elif desired == 0 and not any(v.replicas for v in variants):
@@ -665,9 +664,9 @@ def _status(
 
 # Reconciling=True reasons while the rollout machine is moving (the spec's revision is not rejected).
 _ROLLOUT_STEPS = {
-    RolloutPhase.PROGRESSING: ReconcilingReason.CANARY,
-    RolloutPhase.PROMOTING: ReconcilingReason.PROMOTING,
-    RolloutPhase.ROLLING_BACK: ReconcilingReason.ROLLING_BACK,
+    RolloutPhase.PROGRESSING: Reason.CANARY_PROGRESSING,
+    RolloutPhase.PROMOTING: Reason.PROMOTING,
+    RolloutPhase.ROLLING_BACK: Reason.ROLLING_BACK,
 }
 
 
@@ -680,40 +679,40 @@ def _health(
     observed: Observed,
 ) -> Health:
     """What the kstatus conditions (Ready/Reconciling/Stalled) are made of (`controllers.conditions`)."""
-    stalled: list[tuple[StalledReason, str]] = []
+    stalled: list[tuple[Reason, str]] = []
     if running.fallback:
-        stalled.append((StalledReason.INVALID_SPEC, _invalid_message(running.problems)
+        stalled.append((Reason.INVALID_SPEC, _invalid_message(running.problems)
                         + "; the last valid spec keeps running: fix the spec"))
     if rejected:
         fix = (f"to go on, change the spec (or revert it to the stable revision {rollout_status.stable_revision}), "
                f"or annotate {rollout.PROMOTE}=true to promote the rejected revision")
-        stalled.append((StalledReason.ROLLED_BACK, f"{rollout_status.message}; {fix}"))
+        stalled.append((Reason.CANARY_ROLLED_BACK, f"{rollout_status.message}; {fix}"))
     stuck = [pod for o in outcomes for pod in o.stuck]
     if stuck:
-        stalled.append((StalledReason.PODS_CANNOT_START, "pods that cannot start (crash loop, image or config "
+        stalled.append((Reason.PODS_CANNOT_START, "pods that cannot start (crash loop, image or config "
                         "error): " + ", ".join(stuck) + "; fix the image, the engine flags or the resources"))
-    moving: list[tuple[ReconcilingReason, str]] = []
+    moving: list[tuple[Reason, str]] = []
     if rollout_status.phase in _ROLLOUT_STEPS and not rejected:
         moving.append((_ROLLOUT_STEPS[rollout_status.phase], rollout_status.message))
     moving += [(o.reconciling, f"{o.status.name}: {o.progressing}") for o in outcomes if o.reconciling is not None]
     if orphans:
-        moving.append((ReconcilingReason.REMOVING_VARIANT, f"removing {len(orphans)} pod(s) of removed variants"))
+        moving.append((Reason.REMOVING_VARIANT, f"removing {len(orphans)} pod(s) of removed variants"))
     variants = [o.status for o in outcomes]
     return Health(
         stalled=stalled,
         moving=moving,
         serving=all(v.ready_replicas >= v.desired_replicas for v in variants),
         scaled_to_zero=not any(v.desired_replicas for v in variants),
-        trouble=("ApiError", "API errors: " + "; ".join(observed.errors)) if observed.errors else None,
+        trouble=(Reason.API_ERROR, "API errors: " + "; ".join(observed.errors)) if observed.errors else None,
         summary=", ".join(f"{v.name} {v.ready_replicas}/{v.desired_replicas} ready" for v in variants),
     )
 
 
 # Progressing=True reasons while the rollout machine is moving.
 _ROLLOUT_REASONS = {
-    RolloutPhase.PROGRESSING: "CanaryProgressing",
-    RolloutPhase.PROMOTING: "Promoting",
-    RolloutPhase.ROLLING_BACK: "CanaryRollingBack",
+    RolloutPhase.PROGRESSING: Reason.CANARY_PROGRESSING,
+    RolloutPhase.PROMOTING: Reason.PROMOTING,
+    RolloutPhase.ROLLING_BACK: Reason.CANARY_ROLLING_BACK,
 }
 
 
@@ -725,13 +724,15 @@ def _progressing_condition(rollout_status: RolloutStatus, moving: list[str]) -> 
         message = "; ".join([rollout_status.message, *moving]) if rollout_status.message else "; ".join(moving)
         return WantedCondition(ConditionType.PROGRESSING, ConditionStatus.TRUE, _ROLLOUT_REASONS[phase], message)
     if moving:
-        return WantedCondition(ConditionType.PROGRESSING, ConditionStatus.TRUE, "ReplicasUpdating", "; ".join(moving))
+        return WantedCondition(
+            ConditionType.PROGRESSING, ConditionStatus.TRUE, Reason.REPLICAS_UPDATING, "; ".join(moving)
+        )
     if phase == RolloutPhase.ROLLED_BACK:
         return WantedCondition(
-            ConditionType.PROGRESSING, ConditionStatus.FALSE, "CanaryRolledBack", rollout_status.message
+            ConditionType.PROGRESSING, ConditionStatus.FALSE, Reason.CANARY_ROLLED_BACK, rollout_status.message
         )
     return WantedCondition(
-        ConditionType.PROGRESSING, ConditionStatus.FALSE, "ReplicasUpToDate", "all variants at desired size"
+        ConditionType.PROGRESSING, ConditionStatus.FALSE, Reason.REPLICAS_UP_TO_DATE, "all variants at desired size"
     )
 
 
@@ -777,8 +778,8 @@ def _invalid(
 ) -> Plan:
     generation = meta.get("generation")
     message = _invalid_message(problems)
-    condition = WantedCondition(ConditionType.INVALID_SPEC, ConditionStatus.TRUE, "ValidationFailed", message)
-    health = Health(stalled=[(StalledReason.INVALID_SPEC, message + "; nothing runs until the spec is fixed")])
+    condition = WantedCondition(ConditionType.INVALID_SPEC, ConditionStatus.TRUE, Reason.VALIDATION_FAILED, message)
+    health = Health(stalled=[(Reason.INVALID_SPEC, message + "; nothing runs until the spec is fixed")])
     wanted = [condition, *kstatus_conditions(health)]
     # Drains already under way finish (their workers refuse new requests); nothing else changes.
     progress = draining.advance(
@@ -821,7 +822,7 @@ def _invalid_news(previous: InferenceDeploymentStatus, generation: int | None, m
 def _invalid_event(generation: int | None, problems: Sequence[str], consequence: str) -> EmitEvent:
     return EmitEvent(
         EventType.WARNING,
-        "InvalidSpec",
+        Reason.INVALID_SPEC,
         f"spec generation {generation} is invalid; {consequence}: {_invalid_message(problems)}",
     )
 
@@ -842,7 +843,7 @@ def _deleting(
         draining.remove(p, DrainReason.DELETION, why, now, timeout, port) for p in pods if p.live
     ]
     removals += [
-        DeletePod(p.name, p.uid, p.variant, p.revision, DrainReason.DELETION.value, f"{why} (ended pod)")
+        DeletePod(p.name, p.uid, p.variant, p.revision, Reason.DELETION, f"{why} (ended pod)")
         for p in pods
         if p.failed and not p.deleting and not p.draining
     ]
@@ -850,10 +851,10 @@ def _deleting(
     condition = WantedCondition(
         ConditionType.PROGRESSING,
         ConditionStatus.TRUE,
-        "Terminating",
+        Reason.TERMINATING,
         f"removing {left} pod(s) before the InferenceDeployment goes",
     )
-    terminating = [condition, *kstatus_conditions(Health(moving=[(ReconcilingReason.TERMINATING, condition.message)]))]
+    terminating = [condition, *kstatus_conditions(Health(moving=[(Reason.TERMINATING, condition.message)]))]
     starts = [a for a in (*progress.actions, *removals) if isinstance(a, StartDrain) and a.mark]
     status = previous.model_copy(
         update={
@@ -868,7 +869,7 @@ def _deleting(
         if patch is not None:
             actions.append(PatchStatus(patch))
     if previous.phase != Phase.TERMINATING and left:
-        actions.append(EmitEvent(EventType.NORMAL, "Terminating", f"removing {left} pod(s) before deletion"))
+        actions.append(EmitEvent(EventType.NORMAL, Reason.TERMINATING, f"removing {left} pod(s) before deletion"))
     return Plan(
         actions=tuple(actions),
         requeue_after=progress.requeue_after,

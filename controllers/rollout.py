@@ -52,6 +52,7 @@ from pydantic import ValidationError
 from controllers.actions import EmitEvent, EventType
 from controllers.observed import PodInfo, parse_time
 from controllers.pods import PodDefaults, pod_template
+from controllers.reasons import Reason
 from controllers.revision import (
     NON_POD_FIELDS,
     NON_POD_VARIANT_FIELDS,
@@ -85,6 +86,12 @@ _PERCENT = 100
 _NON_POD_FIELDS = NON_POD_FIELDS
 _NON_POD_VARIANT_FIELDS = NON_POD_VARIANT_FIELDS
 _VERDICT_RANK = {Verdict.PASS: 0, Verdict.INCONCLUSIVE: 1, Verdict.FAIL: 2}
+# The Event of each analysis check (a Warning when it failed).
+ANALYSIS_EVENTS = {
+    Verdict.PASS: Reason.ANALYSIS_PASS,
+    Verdict.FAIL: Reason.ANALYSIS_FAIL,
+    Verdict.INCONCLUSIVE: Reason.ANALYSIS_INCONCLUSIVE,
+}
 
 
 # ------------------------------------------------------------------------------------------- revisions and specs
@@ -241,16 +248,16 @@ def _idle(
     prev = inp.previous
     events: list[EmitEvent] = []
     if abort:
-        events.append(EmitEvent(EventType.NORMAL, "AbortIgnored", f"{ABORT}: no canary is running"))
+        events.append(EmitEvent(EventType.NORMAL, Reason.ABORT_IGNORED, f"{ABORT}: no canary is running"))
     if not changed:
         if promote:
-            events.append(EmitEvent(EventType.NORMAL, "PromoteIgnored", f"{PROMOTE}: nothing to promote"))
+            events.append(EmitEvent(EventType.NORMAL, Reason.PROMOTE_IGNORED, f"{PROMOTE}: nothing to promote"))
         phase = _settled(prev.phase, _leftovers(inp), changed=False)
         stable_id = revision_id({n: r.stable for n, r in inp.revisions.items()})
         if prev.phase == RolloutPhase.ROLLED_BACK:
-            why = ("SpecReverted", f"the spec is back at stable revision {stable_id}")
+            why = (Reason.SPEC_REVERTED, f"the spec is back at stable revision {stable_id}")
         else:
-            why = ("Stable", f"revision {stable_id} is stable")
+            why = (Reason.STABLE, f"revision {stable_id} is stable")
         status = prev.model_copy(
             update={
                 "phase": phase,
@@ -268,20 +275,18 @@ def _idle(
             if promote
             else f"no spec.rollout: revision {target_id} replaces {_stable_id(inp)} directly (pods drain)"
         )
-        return RolloutDecision(_promoted(inp, "ManualPromote" if promote else "RollingReplace", message), (
-            *events,
-            EmitEvent(EventType.NORMAL, "ManualPromote" if promote else "RollingReplace", message),
-        ))
+        reason = Reason.MANUAL_PROMOTE if promote else Reason.ROLLING_REPLACE
+        return RolloutDecision(_promoted(inp, reason, message), (*events, EmitEvent(EventType.NORMAL, reason, message)))
     if target_id == prev.rejected_revision:
         phase = _settled(prev.phase, _leftovers(inp), changed=True)
         message = (f"revision {target_id} was rolled back before: change the spec to try another revision, or "
                    f"annotate {PROMOTE}=true to promote it anyway")
         status = prev.model_copy(
             update={"phase": phase, "canary_revision": None, "canary_weight": 0,
-                    **_reason(prev, phase, "RevisionRejected", message)}
+                    **_reason(prev, phase, Reason.REVISION_REJECTED, message)}
         )
         return RolloutDecision(status, tuple(events))
-    return _start(inp, target_id, "CanaryStarted", f"canary {target_id} started beside stable {_stable_id(inp)}",
+    return _start(inp, target_id, Reason.CANARY_STARTED, f"canary {target_id} started beside stable {_stable_id(inp)}",
                   events)
 
 
@@ -319,33 +324,34 @@ def _interrupted(
                 "step_started_at": None,
                 "canary_metrics_since": None,
                 "consecutive_failures": 0,
-                "reason": "SpecReverted",
+                "reason": Reason.SPEC_REVERTED,
                 "message": why,
             }
         )
-        return RolloutDecision(status, (EmitEvent(EventType.NORMAL, "CanaryAborted", why),))
+        return RolloutDecision(status, (EmitEvent(EventType.NORMAL, Reason.CANARY_ABORTED, why),))
     if inp.canary is None:
         why = f"spec.rollout was removed: canary {canary_id} promoted without further steps"
-        return RolloutDecision(_promoted(inp, "RolloutSpecRemoved", why),
-                               (EmitEvent(EventType.NORMAL, "CanaryPromoted", why),))
+        return RolloutDecision(_promoted(inp, Reason.ROLLOUT_SPEC_REMOVED, why),
+                               (EmitEvent(EventType.NORMAL, Reason.CANARY_PROMOTED, why),))
     if target_id != canary_id:
         if target_id == prev.rejected_revision:
             why = f"the spec now asks for rejected revision {target_id}: canary {canary_id} stops, its pods drain"
             status = prev.model_copy(
                 update={"phase": RolloutPhase.ROLLING_BACK, "canary_revision": None, "canary_weight": 0,
-                        "step_started_at": None, "canary_metrics_since": None, "reason": "RevisionRejected",
+                        "step_started_at": None, "canary_metrics_since": None, "reason": Reason.REVISION_REJECTED,
                         "message": why}
             )
-            return RolloutDecision(status, (EmitEvent(EventType.NORMAL, "CanaryAborted", why),))
-        events = [EmitEvent(EventType.NORMAL, "CanarySuperseded",
+            return RolloutDecision(status, (EmitEvent(EventType.NORMAL, Reason.CANARY_ABORTED, why),))
+        events = [EmitEvent(EventType.NORMAL, Reason.CANARY_SUPERSEDED,
                             f"canary {canary_id} superseded by {target_id} (the spec changed); its pods drain")]
-        return _start(inp, target_id, "CanarySuperseded", f"canary {target_id} replaced canary {canary_id}", events)
+        why = f"canary {target_id} replaced canary {canary_id}"
+        return _start(inp, target_id, Reason.CANARY_SUPERSEDED, why, events)
     if abort:
-        return _rolled_back(inp, "ManualAbort", f"{ABORT}: canary {canary_id} rolled back by request")
+        return _rolled_back(inp, Reason.MANUAL_ABORT, f"{ABORT}: canary {canary_id} rolled back by request")
     if promote:
         why = f"{PROMOTE}: canary {canary_id} promoted at step {prev.step + 1} without further analysis"
-        promoted = _promoted(inp, "ManualPromote", why)
-        return RolloutDecision(promoted, (EmitEvent(EventType.NORMAL, "CanaryPromoted", why),))
+        promoted = _promoted(inp, Reason.MANUAL_PROMOTE, why)
+        return RolloutDecision(promoted, (EmitEvent(EventType.NORMAL, Reason.CANARY_PROMOTED, why),))
     return None
 
 
@@ -371,21 +377,21 @@ def _step(inp: RolloutInput, changed: Mapping[str, VariantRevisions]) -> Rollout
                 f"canary {canary_id} failed {status.consecutive_failures} analysis check(s) in a row "
                 f"(failureLimit {canary.analysis.failure_limit}) at step {index + 1}/{len(steps)}: {result.message}"
             )
-            decision = _rolled_back(inp, "AnalysisFailed", why, base=status)
+            decision = _rolled_back(inp, Reason.ANALYSIS_FAILED, why, base=status)
             return RolloutDecision(decision.status, (*events, *decision.events))
     waiting = _step_waits(status, canary, changed, inp)
     if waiting is None:
         if index + 1 >= len(steps):
             why = f"canary {canary_id} passed all {len(steps)} step(s): promoted"
-            promoted = _promoted(inp, "AllStepsPassed", why, base=status)
-            return RolloutDecision(promoted, (*events, EmitEvent(EventType.NORMAL, "CanaryPromoted", why)))
+            promoted = _promoted(inp, Reason.ALL_STEPS_PASSED, why, base=status)
+            return RolloutDecision(promoted, (*events, EmitEvent(EventType.NORMAL, Reason.CANARY_PROMOTED, why)))
         nxt = steps[index + 1]
         why = f"canary {canary_id} step {index + 2}/{len(steps)}: weight {nxt.weight}%"
         status = status.model_copy(
             update={"step": index + 1, "canary_weight": nxt.weight, "step_started_at": inp.now,
-                    "reason": "StepAdvanced", "message": why}
+                    "reason": Reason.STEP_ADVANCED, "message": why}
         )
-        events.append(EmitEvent(EventType.NORMAL, "CanaryStep", why))
+        events.append(EmitEvent(EventType.NORMAL, Reason.CANARY_STEP, why))
         waiting = f"step {index + 2} just began"
     else:
         status = status.model_copy(
@@ -396,7 +402,7 @@ def _step(inp: RolloutInput, changed: Mapping[str, VariantRevisions]) -> Rollout
 
 
 def _start(
-    inp: RolloutInput, target_id: str | None, reason: str, why: str, events: Iterable[EmitEvent]
+    inp: RolloutInput, target_id: str | None, reason: Reason, why: str, events: Iterable[EmitEvent]
 ) -> RolloutDecision:
     assert inp.canary is not None
     first = inp.canary.steps[0]
@@ -416,11 +422,11 @@ def _start(
             "message": message,
         }
     )
-    started = EmitEvent(EventType.NORMAL, "CanaryStarted", message)
+    started = EmitEvent(EventType.NORMAL, Reason.CANARY_STARTED, message)
     return RolloutDecision(status, (*events, started), requeue_after=_next_wake(status, inp.canary, inp.now))
 
 
-def _promoted(inp: RolloutInput, reason: str, why: str, base: RolloutStatus | None = None) -> RolloutStatus:
+def _promoted(inp: RolloutInput, reason: Reason, why: str, base: RolloutStatus | None = None) -> RolloutStatus:
     """The spec's revision becomes stable now; pods of the old one drain (phase Promoting until they are gone)."""
     prev = base or inp.previous
     target = revision_id({n: r.target for n, r in inp.revisions.items()})
@@ -443,7 +449,7 @@ def _promoted(inp: RolloutInput, reason: str, why: str, base: RolloutStatus | No
     )
 
 
-def _rolled_back(inp: RolloutInput, reason: str, why: str, base: RolloutStatus | None = None) -> RolloutDecision:
+def _rolled_back(inp: RolloutInput, reason: Reason, why: str, base: RolloutStatus | None = None) -> RolloutDecision:
     """Give up the running canary: no traffic, its pods drain, and its revision is not tried again."""
     prev = base or inp.previous
     status = prev.model_copy(
@@ -458,7 +464,7 @@ def _rolled_back(inp: RolloutInput, reason: str, why: str, base: RolloutStatus |
             "message": why,
         }
     )
-    return RolloutDecision(status, (EmitEvent(EventType.WARNING, "CanaryRolledBack", why),))
+    return RolloutDecision(status, (EmitEvent(EventType.WARNING, Reason.CANARY_ROLLED_BACK, why),))
 
 
 def _record(status: RolloutStatus, result: AnalysisResult, steps: int) -> tuple[RolloutStatus, EmitEvent]:
@@ -472,7 +478,7 @@ def _record(status: RolloutStatus, result: AnalysisResult, steps: int) -> tuple[
         update={"analysis": [*status.analysis, result][-MAX_ANALYSIS:], "consecutive_failures": failures}
     )
     kind = EventType.WARNING if result.verdict == Verdict.FAIL else EventType.NORMAL
-    event = EmitEvent(kind, f"Analysis{result.verdict.value}",
+    event = EmitEvent(kind, ANALYSIS_EVENTS[result.verdict],
                       f"canary {status.canary_revision} step {status.step + 1}/{steps}: {result.message}")
     return recorded, event
 
@@ -522,7 +528,7 @@ def _leftovers(inp: RolloutInput) -> bool:
     )
 
 
-def _reason(prev: RolloutStatus, phase: RolloutPhase, reason: str, message: str) -> dict[str, Any]:
+def _reason(prev: RolloutStatus, phase: RolloutPhase, reason: Reason, message: str) -> dict[str, Any]:
     """Reason and message for a settled phase: a phase reached by settling (Promoting -> Stable, RollingBack ->
     RolledBack or Stable) keeps why it got there; a fresh status or a jump from another phase takes these."""
     settling = {RolloutPhase.PROMOTING, RolloutPhase.ROLLING_BACK}

@@ -21,7 +21,7 @@ import logging
 import os
 import socket
 from collections.abc import Mapping
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from controllers import (
@@ -40,6 +40,7 @@ from controllers import (
 )
 from controllers.draining import mark_patch
 from controllers.pods import MANAGED_BY
+from controllers.reasons import Reason
 from fleet_operator.drain_client import WorkerDrains
 from fleet_operator.kube import ApiError, KubeApi, namespaced, with_retries
 from fleet_operator.observe import deployment_path, network_policies_path, pdbs_path
@@ -98,17 +99,17 @@ async def execute(
             *(_post_drain(drains, s, token, namespace) for s, ok in zip(starts, marked, strict=True) if ok)
         )
     events: list[EmitEvent] = [
-        EmitEvent(EventType.NORMAL, "DeletedPod", f"deleted pod {d.name} ({d.reason}): {d.message}")
+        EmitEvent(EventType.NORMAL, Reason.DELETED_POD, f"deleted pod {d.name} ({d.reason}): {d.message}")
         for d, ok in zip(deletes, done, strict=True)
         if ok
     ]
     events += [
-        EmitEvent(EventType.NORMAL, "DrainingPod", f"draining pod {s.name} ({s.reason}): {s.message}")
+        EmitEvent(EventType.NORMAL, Reason.DRAINING_POD, f"draining pod {s.name} ({s.reason}): {s.message}")
         for s, ok in zip(starts, marked, strict=True)
         if ok and s.mark
     ]
     events += [
-        EmitEvent(EventType.NORMAL, "CreatedPod", f"created pod {c.name} ({c.reason}): {c.message}")
+        EmitEvent(EventType.NORMAL, Reason.CREATED_POD, f"created pod {c.name} ({c.reason}): {c.message}")
         for c, ok in zip(creates, made, strict=True)
         if ok
     ]
@@ -121,7 +122,7 @@ async def execute(
         *(_post_event(api, resource, event) for event in events),
     )
     if errors:
-        await _post_event(api, resource, EmitEvent(EventType.WARNING, "ApiError", "; ".join(errors)))
+        await _post_event(api, resource, EmitEvent(EventType.WARNING, Reason.API_ERROR, "; ".join(errors)))
     return errors
 
 
@@ -179,7 +180,7 @@ async def _delete_pdb(api: KubeApi, namespace: str, action: DeletePdb) -> None:
 
 
 async def _remove_annotations(api: KubeApi, namespace: str, name: str, action: RemoveAnnotations) -> None:
-    body = {"metadata": {"annotations": {key: None for key in action.keys}}}
+    body = {"metadata": {"annotations": dict.fromkeys(action.keys)}}
     try:
         await api.merge_patch(deployment_path(namespace, name), body)
     except ApiError as error:
@@ -223,7 +224,7 @@ async def _post_event(api: KubeApi, resource: Mapping[str, Any], event: EmitEven
     """Best effort: an Event that cannot be posted is logged, never retried or escalated."""
     meta = resource["metadata"]
     namespace = meta.get("namespace", "default")
-    now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     body = {
         "apiVersion": "v1",
         "kind": "Event",
@@ -237,7 +238,7 @@ async def _post_event(api: KubeApi, resource: Mapping[str, Any], event: EmitEven
             "resourceVersion": meta.get("resourceVersion"),
         },
         "type": event.type.value,
-        "reason": event.reason,
+        "reason": str(event.reason),  # a Reason member; plain str on the wire
         "message": event.message[:MAX_EVENT_MESSAGE],
         "source": {"component": COMPONENT},
         "reportingComponent": COMPONENT,

@@ -22,17 +22,18 @@ from typing import Any, Literal
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from controllers import EmitEvent, Plan
+from controllers.reasons import Reason
 
 AlertResult = Literal["accepted", "ignored", "unauthorized", "standby"]
 # Plan Event reasons -> the `result` label of llmfleet_operator_rollouts_total (controllers/rollout.py emits them).
 ROLLOUT_RESULTS = {
-    "CanaryPromoted": "promoted",
-    "CanaryRolledBack": "rolled_back",
-    "CanarySuperseded": "superseded",
-    "CanaryAborted": "aborted",
+    Reason.CANARY_PROMOTED: "promoted",
+    Reason.CANARY_ROLLED_BACK: "rolled_back",
+    Reason.CANARY_SUPERSEDED: "superseded",
+    Reason.CANARY_ABORTED: "aborted",
 }
 # Plan Event reasons -> the `verdict` label of llmfleet_operator_analysis_verdicts_total.
-VERDICTS = {"AnalysisPass": "pass", "AnalysisFail": "fail", "AnalysisInconclusive": "inconclusive"}
+VERDICTS = {Reason.ANALYSIS_PASS: "pass", Reason.ANALYSIS_FAIL: "fail", Reason.ANALYSIS_INCONCLUSIVE: "inconclusive"}
 
 
 class OperatorMetrics:

@@ -7,13 +7,8 @@ from datetime import timedelta
 
 import pytest
 
-from controllers.conditions import (
-    Health,
-    ReconcilingReason,
-    StalledReason,
-    kstatus_conditions,
-    merge_conditions,
-)
+from controllers.conditions import Health, kstatus_conditions, merge_conditions
+from controllers.reasons import Reason
 from crds.models import AnalysisResult, Verdict
 
 STEPS = [{"weight": 25, "pauseSeconds": 10}, {"weight": 50, "pauseSeconds": 10}]
@@ -31,19 +26,19 @@ def _triple(health):
                                          ("Stalled", "False", "NotStalled")]),
         (Health(scaled_to_zero=True), [("Ready", "True", "ScaledToZero"), ("Reconciling", "False", "Reconciled"),
                                        ("Stalled", "False", "NotStalled")]),
-        (Health(moving=[(ReconcilingReason.CANARY, "step 1/2"), (ReconcilingReason.SCALING_UP, "a: up")]),
+        (Health(moving=[(Reason.CANARY_PROGRESSING, "step 1/2"), (Reason.SCALING_UP, "a: up")]),
          [("Ready", "False", "CanaryProgressing"), ("Reconciling", "True", "CanaryProgressing"),
           ("Stalled", "False", "NotStalled")]),
         (Health(serving=False), [("Ready", "False", "ReplicasUnavailable"), ("Reconciling", "False", "Reconciled"),
                                  ("Stalled", "False", "NotStalled")]),
-        (Health(trouble=("ApiError", "boom")), [("Ready", "False", "ApiError"),
+        (Health(trouble=(Reason.API_ERROR, "boom")), [("Ready", "False", "ApiError"),
                                                 ("Reconciling", "False", "Reconciled"),
                                                 ("Stalled", "False", "NotStalled")]),
         # Stalled wins over moving: kstatus reads Reconciling first, so both true would hide the failure.
-        (Health(stalled=[(StalledReason.ROLLED_BACK, "fix it")], moving=[(ReconcilingReason.DRAINING, "d")]),
+        (Health(stalled=[(Reason.CANARY_ROLLED_BACK, "fix it")], moving=[(Reason.DRAINING, "d")]),
          [("Ready", "False", "CanaryRolledBack"), ("Reconciling", "False", "Stalled"),
           ("Stalled", "True", "CanaryRolledBack")]),
-        (Health(stalled=[(StalledReason.INVALID_SPEC, "x"), (StalledReason.PODS_CANNOT_START, "y")]),
+        (Health(stalled=[(Reason.INVALID_SPEC, "x"), (Reason.PODS_CANNOT_START, "y")]),
          [("Ready", "False", "InvalidSpec"), ("Reconciling", "False", "Stalled"), ("Stalled", "True", "InvalidSpec")]),
     ],
 )
@@ -52,8 +47,7 @@ def test_kstatus_rules(health, expected):
 
 
 def test_stalled_message_lists_every_problem():
-    conditions = kstatus_conditions(Health(stalled=[(StalledReason.INVALID_SPEC, "a"), (StalledReason.ROLLED_BACK,
-                                                                                         "b")]))
+    conditions = kstatus_conditions(Health(stalled=[(Reason.INVALID_SPEC, "a"), (Reason.CANARY_ROLLED_BACK, "b")]))
     assert conditions[2].message == "a; b"
 
 
