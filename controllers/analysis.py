@@ -327,7 +327,7 @@ def bucket_deltas(previous: Mapping[float, float] | None, current: Mapping[float
     """Per-`le` increase of a cumulative histogram between two scrapes (buckets missing before count from 0).
     Without a previous scrape every delta is 0 (no interval to measure)."""
     if previous is None:
-        return {upper: 0.0 for upper in current}
+        return dict.fromkeys(current, 0.0)
     reset = any(count < previous.get(upper, 0.0) for upper, count in current.items())
     if reset:
         return dict(current)

@@ -96,11 +96,11 @@ def queued_by_variant(answer: Any, namespace: str, deployment: str) -> dict[str,
     """The gateway's `GET /internal/queued` answer -> queued requests per variant of one deployment (a variant
     the gateway does not list has nothing queued). Raises ValueError on an answer of another shape."""
     if not isinstance(answer, Mapping) or not isinstance(answer.get("queued"), list):
-        raise ValueError("expected {'queued': [{namespace, deployment, variant, queued}, ...]}")  # noqa: TRY004 - callers expect ValueError
+        raise ValueError("expected {'queued': [{namespace, deployment, variant, queued}, ...]}")
     out: dict[str, float] = {}
     for row in answer["queued"]:
         if not isinstance(row, Mapping):
-            raise ValueError(f"a queued row is not an object: {row!r}")  # noqa: TRY004 - callers expect ValueError
+            raise ValueError(f"a queued row is not an object: {row!r}")
         if row.get("namespace") == namespace and row.get("deployment") == deployment:
             count = float(row.get("queued") or 0)
             if not math.isfinite(count) or count < 0:

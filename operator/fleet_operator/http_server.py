@@ -198,7 +198,7 @@ class OperatorHttpServer:
         self._server.should_exit = True
         try:
             await asyncio.wait_for(self._task, timeout_s)  # cancels the server task when it takes longer
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("the HTTP server did not stop within %.0f s; cancelled it", timeout_s)
         finally:
             self._server = self._task = None

@@ -213,7 +213,7 @@ async def with_retries(call: Callable[[], Awaitable[T]], *, attempts: int = 4, b
         except ApiError as error:
             if not error.retryable:
                 raise
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             pass
         await asyncio.sleep(backoff * 2**attempt)
     return await call()
