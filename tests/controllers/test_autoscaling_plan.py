@@ -27,44 +27,17 @@ from controllers.autoscaling_plan import (
     variants_at_zero,
     wants_autoscaling,
 )
+from controllers.testing import iso, worker_pod
 from crds.helpers import parse_spec
 from crds.models import AutoscalingStatus, DecisionTrigger, Recommendation
-from crds.pods import DRAINING, LABEL_DEPLOYMENT, LABEL_REVISION, LABEL_VARIANT
 
 T0 = datetime(2025, 1, 1, 12, 0, tzinfo=UTC).timestamp()
 NS, NAME, UID = "ns", "demo", "uid-demo"
 
 
-def _iso(seconds: float) -> str:
-    return datetime.fromtimestamp(seconds, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def pod(
-    name: str,
-    *,
-    variant: str = "default",
-    ready_at: float | None = None,
-    created: float = T0 - 100,
-    phase: str = "Running",
-    draining: bool = False,
-    deleting: bool = False,
-    owner: str = UID,
-) -> dict[str, Any]:
-    conditions = [{"type": "Ready", "status": "True", "lastTransitionTime": _iso(ready_at)}] if ready_at else [
-        {"type": "Ready", "status": "False"}
-    ]
-    meta: dict[str, Any] = {
-        "name": name,
-        "namespace": NS,
-        "creationTimestamp": _iso(created),
-        "labels": {LABEL_DEPLOYMENT: NAME, LABEL_VARIANT: variant, LABEL_REVISION: "r1"},
-        "ownerReferences": [{"uid": owner, "controller": True}],
-    }
-    if draining:
-        meta["labels"][DRAINING] = "true"
-    if deleting:
-        meta["deletionTimestamp"] = _iso(T0)
-    return {"metadata": meta, "status": {"phase": phase, "conditions": conditions, "podIP": f"127.0.9.{len(name)}"}}
+def pod(name: str, **kwargs: Any) -> dict[str, Any]:
+    """A worker pod of NAME in NS owned by UID, 100 s old at T0 (see controllers.testing.worker_pod)."""
+    return worker_pod(name, **{"namespace": NS, "deployment": NAME, "now": T0, "owner": UID, **kwargs})
 
 
 # ---------------------------------------------------------------------------------------------------- pods
@@ -240,7 +213,7 @@ def test_repeated_decisions_and_recommendations_are_recorded_once():
 def test_a_long_window_is_compacted_before_it_outgrows_the_status():
     spec = copy.deepcopy(SPEC)
     spec["variants"][0]["autoscaling"]["scaleDownStabilizationSeconds"] = 3600
-    window = [{"time": _iso(T0 - 1000 + i), "replicas": 1 + i % 3} for i in range(1000)]
+    window = [{"time": iso(T0 - 1000 + i), "replicas": 1 + i % 3} for i in range(1000)]
     status = AutoscalingStatus.model_validate(
         {"variants": [{"name": "default", "desiredReplicas": 3, "recommendations": window}]}
     )

@@ -19,42 +19,16 @@ from fleet_operator.operator_metrics import OperatorMetrics
 from fleet_operator.settings import OperatorSettings
 
 from controllers.autoscaling_plan import ScaleIntent
+from controllers.testing import iso, worker_pod
 
 T0 = datetime(2025, 1, 1, 12, 0, tzinfo=UTC).timestamp()
 NS, NAME, UID = "ns", "demo", "uid-demo"
 CR_PATH = f"/apis/llmfleet.io/v1alpha1/namespaces/{NS}/inferencedeployments/{NAME}"
 
 
-def _iso(seconds: float) -> str:
-    return datetime.fromtimestamp(seconds, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def pod(
-    name: str,
-    *,
-    variant: str = "default",
-    ready_at: float | None = None,
-    created: float = T0 - 100,
-    phase: str = "Running",
-    draining: bool = False,
-    deleting: bool = False,
-    owner: str = UID,
-) -> dict[str, Any]:
-    conditions = [{"type": "Ready", "status": "True", "lastTransitionTime": _iso(ready_at)}] if ready_at else [
-        {"type": "Ready", "status": "False"}
-    ]
-    meta: dict[str, Any] = {
-        "name": name,
-        "namespace": NS,
-        "creationTimestamp": _iso(created),
-        "labels": {"llmfleet.io/deployment": NAME, "llmfleet.io/variant": variant, "llmfleet.io/revision": "r1"},
-        "ownerReferences": [{"uid": owner, "controller": True}],
-    }
-    if draining:
-        meta["labels"]["llmfleet.io/draining"] = "true"
-    if deleting:
-        meta["deletionTimestamp"] = _iso(T0)
-    return {"metadata": meta, "status": {"phase": phase, "conditions": conditions, "podIP": f"127.0.9.{len(name)}"}}
+def pod(name: str, **kwargs: Any) -> dict[str, Any]:
+    """A worker pod of NAME in NS owned by UID, 100 s old at T0 (see controllers.testing.worker_pod)."""
+    return worker_pod(name, **{"namespace": NS, "deployment": NAME, "now": T0, "owner": UID, **kwargs})
 
 
 # ------------------------------------------------------------------------------------------------- gateway
@@ -233,7 +207,7 @@ def test_no_change_means_no_event_and_no_wake_and_unavailable_metrics_hold():
 
 @pytest.mark.parametrize(
     "resource",
-    [None, {**_resource(), "metadata": {**_resource()["metadata"], "deletionTimestamp": _iso(T0)}},
+    [None, {**_resource(), "metadata": {**_resource()["metadata"], "deletionTimestamp": iso(T0)}},
      _resource(spec={**SPEC, "variants": [{"name": "a", "autoscaling": {"minReplicas": 5, "maxReplicas": 2}}]}),
      _resource(spec={**SPEC, "variants": [{"name": "a", "replicas": 1}]})],
     ids=["gone", "deleting", "invalid", "not-autoscaled"],
