@@ -7,12 +7,12 @@ command functions), so `llmfleet --help` stays fast and the parts stay independe
 from __future__ import annotations
 
 import typer
+from fleet_operator.cli import operator_command
+from worker.cli import model_app, worker_command
 
 from crds.cli import app as crd_app
-from fleet_operator.cli import operator_command
 from gateway.cli import gateway_command
 from llmfleet.up import up_command
-from worker.cli import model_app, worker_command
 
 app = typer.Typer(
     name="llmfleet",

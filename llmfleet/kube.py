@@ -9,6 +9,7 @@ kept), so neither needs the kubectl binary.
 
 from __future__ import annotations
 
+import builtins
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -89,10 +90,10 @@ class Kube:
 
         cfg = Configuration()
         kconfig.load_kube_config(config_file=str(kubeconfig), client_configuration=cfg)
-        headers = {}
+        headers: dict[str, str] = {}
         auth = cfg.auth_settings().get("BearerToken")
         if auth and auth.get("value"):
-            headers["authorization"] = auth["value"]
+            headers["authorization"] = str(auth["value"])
         verify: Any = bool(cfg.verify_ssl)
         if cfg.verify_ssl and cfg.ssl_ca_cert:
             verify = cfg.ssl_ca_cert
@@ -170,7 +171,7 @@ class Kube:
                 time.sleep(0.1)
         raise last or KubeError(409, "conflicts", f"apply {doc['kind']} {name}")
 
-    def apply_all(self, docs: Iterable[Mapping[str, Any]], namespace: str | None = None) -> list[dict[str, Any]]:
+    def apply_all(self, docs: Iterable[Mapping[str, Any]], namespace: str | None = None) -> builtins.list[dict[str, Any]]:
         return [self.apply(doc, namespace) for doc in docs]
 
     def merge_patch(self, api_version: str, kind: str, name: str, patch: Mapping[str, Any],
@@ -193,7 +194,7 @@ class Kube:
     def infd(self, name: str, namespace: str = "default") -> dict[str, Any] | None:
         return self.get(*INFD, name, namespace)
 
-    def pods(self, deployment: str | None = None, namespace: str | None = "default") -> list[dict[str, Any]]:
+    def pods(self, deployment: str | None = None, namespace: str | None = "default") -> builtins.list[dict[str, Any]]:
         """Worker pods of one deployment (or of all, with `deployment=None`); all namespaces with `namespace=None`."""
         selector = f"{LABEL_DEPLOYMENT}={deployment}" if deployment else LABEL_DEPLOYMENT
         return self.list("v1", "Pod", namespace, selector=selector, all_namespaces=namespace is None)
@@ -203,7 +204,7 @@ class Kube:
                                   params={"tailLines": str(tail_lines)})
         return response.text if response.status_code == 200 else f"(no log: HTTP {response.status_code})"
 
-    def events(self, deployment: str, namespace: str = "default") -> list[dict[str, Any]]:
+    def events(self, deployment: str, namespace: str = "default") -> builtins.list[dict[str, Any]]:
         """Events about one InferenceDeployment, oldest first."""
         events = [
             e for e in self.list("v1", "Event", namespace)

@@ -101,9 +101,9 @@ class LocalFleet:
     def __init__(self, settings: FleetSettings | None = None, report: Callable[[str], None] | None = None) -> None:
         self.settings = settings or FleetSettings()
         self._report = report or (lambda _line: None)
-        self._own_work_dir = self.settings.work_dir is None
-        self.work_dir = (Path(tempfile.mkdtemp(prefix="llmfleet-local-")) if self._own_work_dir
-                         else Path(self.settings.work_dir).resolve())
+        given = self.settings.work_dir
+        self._own_work_dir = given is None
+        self.work_dir = Path(tempfile.mkdtemp(prefix="llmfleet-local-")) if given is None else given.resolve()
         self.kubeconfig = self.work_dir / "kubeconfig"
         self.logs = self.work_dir / "logs"
         self.api_key = generate_api_key()
@@ -224,8 +224,10 @@ class LocalFleet:
         assert self.kube is not None and self.localkube is not None
         self.kube.apply_all(load_manifests(crd_manifest_path()))
 
+        kube = self.kube
+
         def established() -> bool:
-            crd = self.kube.get("apiextensions.k8s.io/v1", "CustomResourceDefinition",
+            crd = kube.get("apiextensions.k8s.io/v1", "CustomResourceDefinition",
                                 "inferencedeployments.llmfleet.io")
             conditions = ((crd or {}).get("status") or {}).get("conditions") or []
             return any(c.get("type") == "Established" and c.get("status") == "True" for c in conditions)

@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 
 from fleet_operator.metrics_source import scrape_targets, write_file_sd
+
 from llmfleet.kube import Kube
 
 log = logging.getLogger(__name__)

@@ -110,17 +110,19 @@ def _up(console, deployment: dict, manifest: Path, work_dir: Path, prompt: str, 
     try:
         with console.status("starting localkube, Prometheus, the operator and the gateway"):
             fleet.start()
+        kube = fleet.kube
+        assert kube is not None  # start() connected it
         namespace = deployment["metadata"].get("namespace") or fleet.settings.namespace
         fleet.ensure_namespace(namespace)
         fleet.apply_file(manifest, namespace)
         console.print(f"[green]✓[/] applied {manifest} (InferenceDeployment {namespace}/{name})", soft_wrap=True)
-        ok, took = watch_until(console, fleet.kube, name, namespace, lambda r, _p: deployment_ready(r),
+        ok, took = watch_until(console, kube, name, namespace, lambda r, _p: deployment_ready(r),
                                ready_timeout, check=fleet.check_running)
         if not ok:
             console.print(f"[red]no Ready pod within {ready_timeout:.0f} s[/]")
-            for pod in fleet.kube.pods(name, namespace):
+            for pod in kube.pods(name, namespace):
                 console.print(f"--- log of {pod['metadata']['name']}:\n"
-                              f"{fleet.kube.pod_log(pod['metadata']['name'], namespace)}")
+                              f"{kube.pod_log(pod['metadata']['name'], namespace)}")
             console.print(f"--- operator log:\n{fleet.operator.log_tail() if fleet.operator else ''}")
             return 1
         console.print(f"\n[green]✓[/] {name} is Ready after {took:.1f} s")
@@ -144,7 +146,7 @@ def _up(console, deployment: dict, manifest: Path, work_dir: Path, prompt: str, 
                       f" -H 'Content-Type: application/json' -d '{{\"model\": \"{model}\", \"stream\": true, "
                       f"\"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'", soft_wrap=True)
         if scenario:
-            results = run_tour(TourContext(console, fleet.kube, fleet.gateway_url, fleet.api_key, namespace, name,
+            results = run_tour(TourContext(console, kube, fleet.gateway_url, fleet.api_key, namespace, name,
                                            model, manifest.resolve().parent))
             console.rule("scenario summary")
             for title, outcome in results:

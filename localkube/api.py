@@ -10,16 +10,25 @@ event loop thread, so each operation is atomic.
 from __future__ import annotations
 
 import base64
+import builtins
 import datetime as dt
 import json
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from localkube import errors
 from localkube.errors import ApiError, Cause, invalid_value, required_value
 from localkube.jsonpath import JSONPathError, simple_path
 from localkube.meta import (
-    clone, generate_suffix, rfc3339, utcnow, validate_annotations, validate_dns_subdomain, validate_labels,
+    clone,
+    generate_suffix,
+    rfc3339,
+    utcnow,
+    validate_annotations,
+    validate_dns_subdomain,
+    validate_labels,
 )
 from localkube.patches import json_patch, merge_patch, strategic_merge_patch
 from localkube.registry import Registry, ResourceType
@@ -50,7 +59,7 @@ class DeleteOptions:
     dry_run: bool = False
 
     @classmethod
-    def from_body(cls, body: dict | None, query: dict) -> DeleteOptions:
+    def from_body(cls, body: dict | None, query: Mapping[str, str]) -> DeleteOptions:
         body = body or {}
         opts = cls()
         grace = body.get("gracePeriodSeconds", query.get("gracePeriodSeconds"))
@@ -204,7 +213,7 @@ class ApiCore:
         name = current["metadata"]["name"]
         pruned = rt.strategy.prune_and_default(new, rt.api_version)  # status writes are pruned too
         if subresource == "status":
-            pruned = [p for p in pruned if p == "status" or p.startswith("status.") or p.startswith("status[")]
+            pruned = [p for p in pruned if p == "status" or p.startswith(("status.", "status["))]
         self._field_validation(rt, pruned, opts)
         new = rt.strategy.to_internal(new, rt.storage_version)
         old_meta = current["metadata"]
@@ -317,7 +326,7 @@ class ApiCore:
         meta = obj["metadata"]
         spec = _read_path(obj, paths["spec"])
         status = _read_path(obj, paths["status"])
-        scale = {
+        scale: dict[str, Any] = {
             "kind": "Scale", "apiVersion": "autoscaling/v1",
             "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp") if k in meta},
             "spec": {"replicas": int(spec) if isinstance(spec, (int, float)) and not isinstance(spec, bool) else 0},
@@ -408,7 +417,7 @@ class ApiCore:
         return rt.strategy.to_external(stored, rt.api_version), False
 
     def delete_collection(self, rt: ResourceType, namespace: str | None, labels: LabelSelector,
-                          fields: FieldSelector, opts: DeleteOptions) -> list[dict]:
+                          fields: FieldSelector, opts: DeleteOptions) -> builtins.list[dict]:
         result = self.list(rt, namespace, labels, fields)
         deleted = []
         for item in result.items:
@@ -481,7 +490,7 @@ class ApiCore:
             raise errors.bad_request("metadata must be an object")
         return obj
 
-    def _validate_meta(self, rt: ResourceType, obj: dict, old: dict | None) -> list[Cause]:
+    def _validate_meta(self, rt: ResourceType, obj: dict, old: dict | None) -> builtins.list[Cause]:
         meta = obj["metadata"]
         causes: list[Cause] = []
         if old is None:
@@ -519,7 +528,7 @@ class ApiCore:
             )
 
     @staticmethod
-    def _field_validation(rt: ResourceType, pruned: list[str], opts: WriteOptions) -> None:
+    def _field_validation(rt: ResourceType, pruned: builtins.list[str], opts: WriteOptions) -> None:
         if not pruned or opts.field_validation == "Ignore":
             return
         if opts.field_validation == "Strict":
@@ -555,12 +564,12 @@ def _order_meta(obj: dict) -> None:
     obj.update(top)
 
 
-def _read_path(obj: dict, path: str):
+def _read_path(obj: dict, path: str) -> Any:
     try:
         keys = simple_path(path)
     except JSONPathError:
         return None
-    node = obj
+    node: Any = obj
     for key in keys:
         if not isinstance(node, dict):
             return None

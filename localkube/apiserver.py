@@ -13,6 +13,7 @@ import json
 import logging
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import yaml
 from aiohttp import web
@@ -267,9 +268,9 @@ class ApiServer:
                 raise errors.method_not_allowed()
             self._verb(rt, "delete")
             body = await self._body(request, optional=True)
-            opts = DeleteOptions.from_body(body, query)
-            obj, removed = core.delete(rt, ns, name, opts)
-            code = 202 if not removed and opts.propagation == "Foreground" else 200
+            delete_opts = DeleteOptions.from_body(body, query)
+            obj, removed = core.delete(rt, ns, name, delete_opts)
+            code = 202 if not removed and delete_opts.propagation == "Foreground" else 200
             return self._json(obj, code)
         raise errors.method_not_allowed()
 
@@ -327,7 +328,7 @@ class ApiServer:
         if query.get("resourceVersionMatch") == "Exact" and rv and rv != str(self.kube.store.rv):
             raise errors.gone(f"too old resource version: {rv} ({self.kube.store.rv})")
         result = self.kube.core.list(rt, namespace, labels, fields, limit, query.get("continue") or "")
-        meta = {"resourceVersion": result.resource_version}
+        meta: dict[str, Any] = {"resourceVersion": result.resource_version}
         if result.continue_token:
             meta["continue"] = result.continue_token
             meta["remainingItemCount"] = result.remaining
@@ -345,13 +346,14 @@ class ApiServer:
         now = utcnow()
         rows = []
         for obj in items:
-            row = {"cells": rt.strategy.cells(obj, now)}
+            row: dict[str, Any] = {"cells": rt.strategy.cells(obj, now)}
             if include == "Object":
                 row["object"] = obj
             elif include == "Metadata":
                 row["object"] = _partial(obj)
             rows.append(row)
-        table = {"kind": "Table", "apiVersion": "meta.k8s.io/v1", "metadata": {"resourceVersion": rv}, "rows": rows}
+        table: dict[str, Any] = {"kind": "Table", "apiVersion": "meta.k8s.io/v1", "metadata": {"resourceVersion": rv},
+                                 "rows": rows}
         if headers:
             table["columnDefinitions"] = [c.to_dict() for c in rt.strategy.columns()]
         else:

@@ -86,7 +86,7 @@ class NodeStrategy(Strategy):
 
     def cells(self, obj, now):
         status = obj.get("status") or {}
-        ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
+        ready: dict = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
         state = "Ready" if ready.get("status") == "True" else "NotReady"
         if (obj.get("spec") or {}).get("unschedulable"):
             state += ",SchedulingDisabled"
@@ -456,7 +456,7 @@ def _allocate_cluster_ip(core: StrategyContext) -> str:
 
 
 def _used_node_ports(core: StrategyContext) -> set[int]:
-    return {p.get("nodePort") for s in core.store.list(("", "services"))
+    return {int(p["nodePort"]) for s in core.store.list(("", "services"))
             for p in (s.get("spec") or {}).get("ports") or [] if isinstance(p, dict) and p.get("nodePort")}
 
 
@@ -464,7 +464,7 @@ def _used_node_ports(core: StrategyContext) -> set[int]:
 
 
 def _validate_keys(path: str, data) -> list[Cause]:
-    causes = []
+    causes: list[Cause] = []
     if data is None:
         return causes
     if not isinstance(data, dict):
@@ -631,7 +631,7 @@ class EventsV1Strategy(EventStrategy):
         "regarding.resourceVersion", "regarding.fieldPath", "reason", "reportingController", "type"})
 
     def to_external(self, obj, api_version):
-        out = {k: v for k, v in obj.items()}
+        out = dict(obj.items())
         out["apiVersion"] = api_version
         for v1_name, core_name in _EVENT_RENAMES:
             if core_name in out:

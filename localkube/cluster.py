@@ -13,9 +13,10 @@ import ipaddress
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from localkube.options import Options
 from localkube.server import LocalKube
@@ -100,7 +101,7 @@ class Cluster:
         kube = LocalKube(self.options)
         try:
             await kube.start()
-        except BaseException as exc:  # reported to start() in the calling thread
+        except BaseException as exc:  # noqa: BLE001 - reported to start() in the calling thread
             self._error = exc
             self._ready.set()
             await kube.stop()
@@ -128,14 +129,15 @@ class Cluster:
 
     def call(self, fn: Callable[[LocalKube], Any], timeout: float = 30.0) -> Any:
         """Run ``fn(kube)`` on the cluster's event loop thread (where the store may be touched) and return its result."""
-        if self._loop is None or self.kube is None:
+        kube = self.kube
+        if self._loop is None or kube is None:
             raise ClusterError("the cluster is not running")
         future: Future = Future()
 
         def run() -> None:
             try:
-                future.set_result(fn(self.kube))
-            except BaseException as exc:
+                future.set_result(fn(kube))
+            except BaseException as exc:  # noqa: BLE001 - handed to the calling thread, which re-raises it
                 future.set_exception(exc)
 
         self._loop.call_soon_threadsafe(run)

@@ -289,11 +289,13 @@ class ContainerRunner:
         return await self._act(probe, float(probe.get("timeoutSeconds") or 1))
 
     async def _act(self, action: dict, timeout: float) -> Result:
+        session = self.worker.kubelet.session
+        assert session is not None  # the kubelet opens it before it starts any pod
         try:
-            return await run_action(action, self.spec, self.worker.ip or "", self.env, timeout, self.worker.kubelet.session)
+            return await run_action(action, self.spec, self.worker.ip or "", self.env, timeout, session)
         except (asyncio.CancelledError, KeyboardInterrupt):
             raise
-        except Exception as exc:  # a malformed probe or hook fails like a failing one; it must not stop the loop
+        except Exception as exc:  # noqa: BLE001 - a malformed probe or hook fails like a failing one; it must not stop the loop
             return Result(False, f"error: {exc}")
 
     async def _probe_until(self, probe: dict, kind: str) -> bool:

@@ -19,6 +19,7 @@ import asyncio
 import datetime as dt
 import logging
 import math
+from typing import Any
 
 from localkube.api import DeleteOptions
 from localkube.custom import CLEANUP_FINALIZER
@@ -185,9 +186,9 @@ class Controllers:
             self._collect(storage, obj)
         for storage, obj in everything:
             meta = obj["metadata"]
-            if meta.get("deletionTimestamp") and "foregroundDeletion" in (meta.get("finalizers") or []):
-                if not self._blocked(meta["uid"], dependents.get(meta["uid"], [])):
-                    self.kube.core.remove_finalizer(self._rt(storage), obj, "foregroundDeletion")
+            foreground = meta.get("deletionTimestamp") and "foregroundDeletion" in (meta.get("finalizers") or [])
+            if foreground and not self._blocked(meta["uid"], dependents.get(meta["uid"], [])):
+                self.kube.core.remove_finalizer(self._rt(storage), obj, "foregroundDeletion")
 
     def _blocked(self, owner_uid: str, deps: list[tuple]) -> bool:
         """Whether a dependent that blocks its owner's deletion still exists (deleting ones included)."""
@@ -363,7 +364,7 @@ class Controllers:
         labels["endpoints.kubernetes.io/managed-by"] = ENDPOINTS_MANAGER
         if current is not None and current.get("subsets", []) == subsets and current["metadata"].get("labels") == labels:
             return
-        new = clone(current) if current is not None else {"apiVersion": "v1", "kind": "Endpoints",
+        new: dict[str, Any] = clone(current) if current is not None else {"apiVersion": "v1", "kind": "Endpoints",
                                                           "metadata": {"name": meta["name"], "namespace": meta["namespace"]}}
         new["metadata"]["labels"] = labels
         new["metadata"].setdefault("annotations", {})["endpoints.kubernetes.io/last-change-trigger-time"] = rfc3339()

@@ -204,7 +204,7 @@ def _validate_subresources(path: str, subresources) -> list[Cause]:
         elif not value.startswith(prefix):
             causes.append(invalid_value(f"{path}.subresources.scale.{key}", value, f"should be a json path under {prefix.rstrip('.')}"))
     selector = scale.get("labelSelectorPath") if isinstance(scale, dict) else None
-    if selector and not (selector.startswith(".spec.") or selector.startswith(".status.")):
+    if selector and not (selector.startswith((".spec.", ".status."))):
         causes.append(invalid_value(f"{path}.subresources.scale.labelSelectorPath", selector, "should be a json path under either .spec or .status"))
     return causes
 

@@ -27,7 +27,7 @@ class EventRecorder:
         meta = obj["metadata"]
         namespace = meta.get("namespace") or "default"
         key = (meta.get("uid"), event_type, reason, message, field_path)
-        rt = self.kube.registry.storage_type(_EVENTS)
+        rt = self.kube.registry.builtin_storage(_EVENTS)
         now = rfc3339()
         name = self._seen.get(key)
         existing = self.kube.store.get(_EVENTS, namespace, name) if name else None

@@ -63,7 +63,7 @@ def compile_path(text: str) -> list[Step]:
             i = end + 1
             if inner == "*":
                 steps.append(Step("all"))
-            elif inner.startswith("'") or inner.startswith('"'):
+            elif inner.startswith(("'", '"')):
                 steps.append(Step("key", key=inner[1:-1]))
             elif re.fullmatch(r"-?\d+", inner):
                 steps.append(Step("index", index=int(inner)))

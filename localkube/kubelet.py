@@ -60,7 +60,8 @@ class IPAllocator:
         if subnet is None:
             subnet = f"127.{random.randint(1, 254)}.{random.randint(0, 255)}.0/24"
         self.subnet = ipaddress.ip_network(subnet)
-        if not self.subnet.subnet_of(ipaddress.ip_network("127.0.0.0/8")):
+        if not isinstance(self.subnet, ipaddress.IPv4Network) or not self.subnet.subnet_of(
+                ipaddress.IPv4Network("127.0.0.0/8")):
             raise ValueError(f"pod subnet {subnet} must lie in 127.0.0.0/8")
         hosts = [str(h) for h in self.subnet.hosts()]
         self._hosts = [h for h in hosts[1:] if h != "127.0.0.1"] or hosts  # .1 stays free, as a gateway's would
@@ -92,7 +93,7 @@ class Kubelet:
         self.ips = IPAllocator(kube.options.pod_subnet)
         root = kube.options.workdir or Path(os.environ.get("TMPDIR", "/tmp")) / f"localkube-{os.getpid()}"
         self.log_root = Path(root) / "pods"
-        self.pod_rt = kube.registry.lookup("", "v1", "pods")
+        self.pod_rt = kube.registry.builtin("", "v1", "pods")
         self.recorder = EventRecorder(kube, "kubelet", self.node_name)
         self.scheduler_events = EventRecorder(kube, "default-scheduler")
         self.workers: dict[tuple[str, str], PodWorker] = {}
@@ -196,7 +197,9 @@ class Kubelet:
         grace = min(float((worker.pod.get("spec") or {}).get("terminationGracePeriodSeconds", 30)), 2.0)
         worker.request_termination(grace, delete_object=False)
         self._retired.add(worker)
-        worker._terminate_task.add_done_callback(lambda _t: self._retired.discard(worker))
+        task = worker._terminate_task
+        assert task is not None  # request_termination started it
+        task.add_done_callback(lambda _t: self._retired.discard(worker))
 
     def _finish_terminal(self, pod: dict) -> None:
         try:
@@ -300,7 +303,7 @@ class Kubelet:
         if worker is not None:
             runner = next((r for r in worker.init_runners + worker.runners if r.name == name), None)
         previous = query.get("previous", "").lower() in ("1", "true")
-        status = next((s for s in ((pod.get("status") or {}).get("containerStatuses") or [])
+        status: dict = next((s for s in ((pod.get("status") or {}).get("containerStatuses") or [])
                        + ((pod.get("status") or {}).get("initContainerStatuses") or []) if s.get("name") == name), {})
         instance = runner.instance if runner is not None else int(status.get("restartCount") or 0)
         if previous:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import Any
 
 from localkube.meta import clone
 from localkube.registry import Registry, ResourceType
@@ -79,7 +80,7 @@ def _paths(rt: ResourceType, ref: str) -> dict:
     gvk = {"group": rt.group, "version": rt.version, "kind": rt.kind}
 
     def op(action: str, with_validation: bool) -> dict:
-        body = {"operationId": f"{action}{rt.kind}", "responses": response, "x-kubernetes-action": action,
+        body: dict[str, Any] = {"operationId": f"{action}{rt.kind}", "responses": response, "x-kubernetes-action": action,
                 "x-kubernetes-group-version-kind": gvk}
         if with_validation:
             body["parameters"] = [_FIELD_VALIDATION]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 import math
 import re
-from typing import Callable
+from collections.abc import Callable
 
 from localkube.scheduler import parse_quantity
 

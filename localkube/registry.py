@@ -28,13 +28,13 @@ class ResourceType:
     categories: tuple[str, ...] = ()
     verbs: tuple[str, ...] = ALL_VERBS
     subresources: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    storage: StorageKey | None = None
+    storage: StorageKey = ("", "")  # ("", "") until __post_init__: (group, plural), unless versions share one
     storage_version: str = ""
     list_kind: str = ""
     preferred: bool = True  # the group's preferred version
 
     def __post_init__(self):
-        if self.storage is None:
+        if self.storage == ("", ""):
             self.storage = (self.group, self.plural)
         if not self.storage_version:
             self.storage_version = self.api_version
@@ -91,6 +91,20 @@ class Registry:
     def lookup(self, group: str, version: str, plural: str) -> ResourceType | None:
         return self._types.get((group, version, plural))
 
+    def builtin(self, group: str, version: str, plural: str) -> ResourceType:
+        """A type localkube always serves (namespaces, nodes, pods, ...): a KeyError here is a bug of ours."""
+        rt = self.lookup(group, version, plural)
+        if rt is None:
+            raise KeyError(f"built-in resource {group}/{version}/{plural} is not registered")
+        return rt
+
+    def builtin_storage(self, storage: StorageKey) -> ResourceType:
+        """The canonical type of a storage localkube always has (events, poddisruptionbudgets, ...)."""
+        rt = self.storage_type(storage)
+        if rt is None:
+            raise KeyError(f"built-in storage {storage} is not registered")
+        return rt
+
     def for_storage(self, storage: StorageKey) -> list[ResourceType]:
         return [rt for rt in self._types.values() if rt.storage == storage]
 
@@ -141,7 +155,7 @@ class Registry:
         return {"kind": "APIGroup", "apiVersion": "v1", "name": group, "versions": entries, "preferredVersion": entries[0]}
 
     def api_group_list(self) -> dict:
-        groups = [self.api_group(g) for g in self.group_versions() if g]
+        groups = [group for g in self.group_versions() if g and (group := self.api_group(g)) is not None]
         for g in groups:
             del g["kind"], g["apiVersion"]
         return {"kind": "APIGroupList", "apiVersion": "v1", "groups": groups}

@@ -38,7 +38,7 @@ class Requirement:
             if not present:
                 return False
             try:
-                have, want = int(value), int(self.values[0])
+                have, want = int(str(value)), int(self.values[0])
             except (TypeError, ValueError):
                 return False
             return have > want if self.op == "gt" else have < want
@@ -55,7 +55,9 @@ class LabelSelector:
 
 
 def _split_top_level(text: str) -> list[str]:
-    parts, depth, current = [], 0, []
+    parts: list[str] = []
+    depth = 0
+    current: list[str] = []
     for ch in text:
         if ch == "(":
             depth += 1

@@ -47,7 +47,7 @@ class LocalKube:
         self.store.add_listener(self._on_event)
         self.http = ApiServer(self)
         self.controllers: Controllers | None = None
-        self.kubelet = None
+        self.kubelet: Kubelet | None = None
         self._runner: web.AppRunner | None = None
         self._state_dirty: asyncio.Event | None = None
         self._save_task: asyncio.Task | None = None
@@ -103,11 +103,11 @@ class LocalKube:
     # ------------------------------------------------------------------------------------------- bootstrap
 
     def _bootstrap(self) -> None:
-        ns_rt = self.registry.lookup("", "v1", "namespaces")
+        ns_rt = self.registry.builtin("", "v1", "namespaces")
         for name in _SYSTEM_NAMESPACES:
             if self.store.get(ns_rt.storage, "", name) is None:
                 self.core.create(ns_rt, "", {"metadata": {"name": name}})
-        node_rt = self.registry.lookup("", "v1", "nodes")
+        node_rt = self.registry.builtin("", "v1", "nodes")
         if self.store.get(node_rt.storage, "", self.options.node_name) is None:
             self.core.create(node_rt, "", self._node_object())
 
@@ -148,8 +148,8 @@ class LocalKube:
         }
 
     def _bootstrap_kubernetes_service(self) -> None:
-        svc_rt = self.registry.lookup("", "v1", "services")
-        ep_rt = self.registry.lookup("", "v1", "endpoints")
+        svc_rt = self.registry.builtin("", "v1", "services")
+        ep_rt = self.registry.builtin("", "v1", "endpoints")
         self.core.put_system(svc_rt, {
             "apiVersion": "v1", "kind": "Service",
             "metadata": {"name": "kubernetes", "namespace": "default",
@@ -189,7 +189,7 @@ class LocalKube:
     def bind_pod(self, namespace: str, name: str, binding: object) -> dict:
         if not isinstance(binding, dict) or not isinstance(binding.get("target"), dict) or not binding["target"].get("name"):
             raise errors.invalid("Binding", "", name, [errors.required_value("target.name")])
-        pod_rt = self.registry.lookup("", "v1", "pods")
+        pod_rt = self.registry.builtin("", "v1", "pods")
         pod = self.store.get(pod_rt.storage, namespace, name)
         if pod is None:
             raise errors.not_found("pods", "", name)
@@ -200,7 +200,7 @@ class LocalKube:
         return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}
 
     def assign_node(self, pod: dict, node: str) -> dict:
-        pod_rt = self.registry.lookup("", "v1", "pods")
+        pod_rt = self.registry.builtin("", "v1", "pods")
         new = clone(pod)
         new["spec"]["nodeName"] = node
         status = new.setdefault("status", {})
@@ -210,8 +210,8 @@ class LocalKube:
         return self.core.put_system(pod_rt, new)
 
     def evict_pod(self, namespace: str, name: str, eviction: object, query) -> dict:
-        pod_rt = self.registry.lookup("", "v1", "pods")
-        pdb_rt = self.registry.storage_type(PDBS)
+        pod_rt = self.registry.builtin("", "v1", "pods")
+        pdb_rt = self.registry.builtin_storage(PDBS)
         pod = self.store.get(pod_rt.storage, namespace, name)
         if pod is None:
             raise errors.not_found("pods", "", name)
@@ -275,10 +275,12 @@ class LocalKube:
         os.replace(tmp, path)
 
     async def _save_loop(self) -> None:
+        dirty = self._state_dirty
+        assert dirty is not None  # start() creates it before this task
         while True:
-            await self._state_dirty.wait()
+            await dirty.wait()
             await asyncio.sleep(0.5)
-            self._state_dirty.clear()
+            dirty.clear()
             try:
                 self._save_state()
             except OSError:

@@ -7,9 +7,10 @@ share them without copying. All access happens on the API server's event loop th
 from __future__ import annotations
 
 import asyncio
+import builtins
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from localkube.selectors import FieldSelector, LabelSelector
 
@@ -106,7 +107,7 @@ class Store:
         obj = self.get(*where)
         return (where[0], obj) if obj is not None else None
 
-    def storages(self) -> list[StorageKey]:
+    def storages(self) -> builtins.list[StorageKey]:
         return list(self._data)
 
     def count(self, storage: StorageKey) -> int:
@@ -170,7 +171,7 @@ class Store:
     def too_old(self, rv: int) -> bool:
         return rv < self.compacted_rv
 
-    def events_since(self, storage: StorageKey, rv: int) -> list[Event]:
+    def events_since(self, storage: StorageKey, rv: int) -> builtins.list[Event]:
         return [e for e in self._log if e.rv > rv and e.storage == storage]
 
     def subscribe(self, watch: Watch) -> None:

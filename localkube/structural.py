@@ -63,7 +63,7 @@ def prune(obj: object, schema: dict | None, path: str = "", root: bool = False) 
                 pruned += prune(obj[key], props[key], child_path)
             elif isinstance(additional, dict):
                 pruned += prune(obj[key], additional, child_path)
-            elif additional is True or preserve or props is None and additional is None and not _has_structure(schema):
+            elif additional is True or preserve or (props is None and additional is None and not _has_structure(schema)):
                 continue
             else:
                 del obj[key]
@@ -143,9 +143,8 @@ def validate(obj: object, schema: dict | None, path: str = "", root: bool = Fals
 
     for sub in schema.get("allOf") or []:
         causes += validate(obj, sub, path)
-    if schema.get("anyOf"):
-        if all(validate(obj, sub, path) for sub in schema["anyOf"]):
-            causes.append(invalid_value(path, obj, f"{path} in body must match at least one schema in anyOf"))
+    if schema.get("anyOf") and all(validate(obj, sub, path) for sub in schema["anyOf"]):
+        causes.append(invalid_value(path, obj, f"{path} in body must match at least one schema in anyOf"))
     if schema.get("oneOf"):
         matching = sum(1 for sub in schema["oneOf"] if not validate(obj, sub, path))
         if matching != 1:
@@ -265,9 +264,9 @@ def _check_node(node: dict, path: str, in_logic: bool) -> list[Cause]:
     if "$ref" in node:
         causes.append(Cause(f"{path}.$ref", "FieldValueForbidden", "Forbidden: $ref is not supported"))
     has_children = "properties" in node or "items" in node or "additionalProperties" in node
-    if not in_logic and not node.get("type"):
-        if not (node.get("x-kubernetes-int-or-string") or node.get("x-kubernetes-preserve-unknown-fields")):
-            causes.append(required_value(f"{path}.type", "must not be empty for specified object fields" if has_children else "must not be empty"))
+    untyped_ok = node.get("x-kubernetes-int-or-string") or node.get("x-kubernetes-preserve-unknown-fields")
+    if not in_logic and not node.get("type") and not untyped_ok:
+        causes.append(required_value(f"{path}.type", "must not be empty for specified object fields" if has_children else "must not be empty"))
     if node.get("type") == "array" and not in_logic and not isinstance(node.get("items"), dict):
         causes.append(required_value(f"{path}.items", "must be specified"))
     if "properties" in node and isinstance(node.get("additionalProperties"), (dict, bool)) and node["additionalProperties"] is not True:

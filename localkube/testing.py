@@ -38,7 +38,7 @@ class Kubectl:
 
     def run(self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
         result = subprocess.run([str(self.binary), *args], input=input, env=self.env, capture_output=True, text=True,
-                                timeout=timeout)
+                                timeout=timeout, check=False)  # the return code is checked below, with the output
         if check and result.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
         return result
