@@ -9,7 +9,7 @@ STAMP := $(VENV)/.llmfleet-installed
 VLLM_VENV := .venv-vllm
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-fast test-vllm demo scenario bench crd clean system-deps
+.PHONY: venv lint test test-fast test-vllm demo scenario bench crd clean system-deps
 
 $(STAMP): pyproject.toml Makefile scripts/setup-system.sh scripts/fetch-helm.sh
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,9 +25,15 @@ $(STAMP): pyproject.toml Makefile scripts/setup-system.sh scripts/fetch-helm.sh
 
 venv: $(STAMP)
 
-# The whole suite: everything in the main venv, then the vLLM backend's tests (marker `vllm`: the worker on
-# vLLM, and the fleet e2e that switches a deployment to vLLM) in their own venv.
-test: venv $(VLLM_VENV)/.llmfleet-installed
+# Lint and types first (seconds; configuration and reasons in pyproject.toml), so CI enforces them.
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PY) -m mypy
+
+# The whole suite: lint, everything in the main venv, then the vLLM backend's tests (marker `vllm`: the worker
+# on vLLM, and the fleet e2e that switches a deployment to vLLM) in their own venv.
+test: venv lint $(VLLM_VENV)/.llmfleet-installed
 	$(PY) -m pytest $(PYTEST_ARGS)
 	$(VLLM_VENV)/bin/python -m pytest -m vllm $(PYTEST_ARGS)
 

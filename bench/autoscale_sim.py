@@ -72,8 +72,15 @@ def calibrate(profile: EngineProfile, workload: Workload, utilization: float, se
     observer = _Observer()
     flat = Trace(name="calibration", duration_s=1800.0, rate=lambda t: rate, peak_rate=rate)
     simulate(
-        flat, observer, profile=profile, workload=workload, startup_s=0.0, slo_ttft_s=1e9,
-        initial_replicas=replicas, needed_utilization=utilization, seed=seed + 1,
+        flat,
+        observer,
+        profile=profile,
+        workload=workload,
+        startup_s=0.0,
+        slo_ttft_s=1e9,
+        initial_replicas=replicas,
+        needed_utilization=utilization,
+        seed=seed + 1,
     )
     inflight, running, kv = (statistics.fmean(column) for column in zip(*observer.samples, strict=True))
     return {"inflight": inflight, "running": running, "kv": kv}
@@ -132,9 +139,15 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, SimResult]]:
         for name, autoscaler in make_autoscalers(targets, args).items():
             started = time.perf_counter()
             result = simulate(
-                trace, autoscaler, profile=profile, workload=workload, startup_s=args.startup_s,
-                slo_ttft_s=args.slo_ttft_s, initial_replicas=args.base_replicas,
-                needed_utilization=args.utilization, seed=args.seed,
+                trace,
+                autoscaler,
+                profile=profile,
+                workload=workload,
+                startup_s=args.startup_s,
+                slo_ttft_s=args.slo_ttft_s,
+                initial_replicas=args.base_replicas,
+                needed_utilization=args.utilization,
+                seed=args.seed,
             )
             results[trace.name][name] = result
             print(
@@ -199,7 +212,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-replicas", type=int, default=20)
     parser.add_argument("--scale", type=float, default=1.0, help="stretch (or shrink) every trace's durations")
     parser.add_argument(
-        "--ttft-signal", action=argparse.BooleanOptionalAction, default=False,
+        "--ttft-signal",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="give llmfleet the SLO as its ttftP95Seconds target",
     )
     parser.add_argument("--verbose", action="store_true", help="print every llmfleet scaling reason")

@@ -344,7 +344,6 @@ class LlmfleetAutoscaler(Autoscaler):
             self.reasons.append(f"t={view.now:.0f}s {decision.reason}")
         return decision.desired_replicas
 
-
     def _kv(self, view: FleetView) -> float:
         """Mean KV-cache utilisation of the ready pods: instantaneous (avg(vllm:kv_cache_usage_perc)), or over the
         last minute (sum(avg_over_time(...[1m])) / ready pods, so a changing pod count does not skew it)."""

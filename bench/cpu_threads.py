@@ -52,9 +52,20 @@ def main() -> None:
     rows = []
     for threads in counts:
         child = subprocess.run(
-            [sys.executable, __file__, "--child", str(threads), "--requests", str(args.requests),
-             "--max-tokens", str(args.max_tokens)],
-            capture_output=True, text=True, check=True, timeout=1800,
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                str(threads),
+                "--requests",
+                str(args.requests),
+                "--max-tokens",
+                str(args.max_tokens),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=1800,
         )
         rows.append(json.loads(child.stdout.strip().splitlines()[-1]))
     base = rows[0]["tok_s"]

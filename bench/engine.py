@@ -45,8 +45,12 @@ from typing import Any
 SYSTEMS = ("ours", "ours_seq1", "hf_static", "vllm")
 HF_BATCH = 8
 # variant -> (dtype, quantization); quantized variants compute in fp32 like `quantization:` in a CR does.
-VARIANTS = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int4": ("float32", "int4"),
-            "fp8": ("float32", "fp8")}
+VARIANTS = {
+    "fp32": ("float32", None),
+    "bf16": ("bfloat16", None),
+    "int4": ("float32", "int4"),
+    "fp8": ("float32", "fp8"),
+}
 CEILING_ROWS = 256
 
 
@@ -141,7 +145,11 @@ def run_ours(
     at_peak = [o for r, o in overhead if r == peak]
     model = runner.model
     return summarize(
-        name, wall, produced, list(first.values()), itl,
+        name,
+        wall,
+        produced,
+        list(first.values()),
+        itl,
         linear_kernel=model.linear_kernel,
         steps=len(overhead),
         overhead_ms_p50=round(pct([o for _, o in overhead], 50) * 1e3, 3),
@@ -183,8 +191,13 @@ def run_hf_static(path: str, work, *, dtype: str) -> dict:
             steps = max(n for _, n in batch)
             clock = StepClock()
             model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
-                logits_processor=LogitsProcessorList([clock]), pad_token_id=pad,
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=steps,
+                min_new_tokens=steps,
+                do_sample=False,
+                logits_processor=LogitsProcessorList([clock]),
+                pad_token_id=pad,
             )
             for _, n in batch:
                 useful += n
@@ -201,14 +214,22 @@ def run_vllm_inprocess(path: str, work, *, dtype: str) -> dict:
     from vllm.inputs import TokensPrompt
 
     total = sum(len(p) + n for p, n in work)
-    llm = VLLM(model=path, dtype=dtype, enforce_eager=True, max_num_seqs=64, enable_prefix_caching=False,
-               max_model_len=max(len(p) + n for p, n in work) + 16, max_num_batched_tokens=max(2048, 64))
+    llm = VLLM(
+        model=path,
+        dtype=dtype,
+        enforce_eager=True,
+        max_num_seqs=64,
+        enable_prefix_caching=False,
+        max_model_len=max(len(p) + n for p, n in work) + 16,
+        max_num_batched_tokens=max(2048, 64),
+    )
     engine = llm.llm_engine
     llm.generate([TokensPrompt(prompt_token_ids=work[0][0][:32])], VSP(max_tokens=4, temperature=0.0))
     t0 = time.perf_counter()
     for i, (prompt, n) in enumerate(work):
-        engine.add_request(f"v{i}", TokensPrompt(prompt_token_ids=prompt),
-                           VSP(max_tokens=n, temperature=0.0, ignore_eos=True))
+        engine.add_request(
+            f"v{i}", TokensPrompt(prompt_token_ids=prompt), VSP(max_tokens=n, temperature=0.0, ignore_eos=True)
+        )
     counts: dict[str, int] = {}
     first: dict[str, float] = {}
     last: dict[str, float] = {}
@@ -241,9 +262,23 @@ def run_vllm(python: str, path: str, work, *, dtype: str, timeout_s: int) -> dic
         env.setdefault("VLLM_CACHE_ROOT", str(Path(tmp) / "vllm-cache"))
         env["TMPDIR"] = tmp
         proc = subprocess.run(
-            [python, __file__, "--backend", "vllm", "--model-path", path, "--workload-file", str(wfile),
-             "--dtype", dtype],
-            capture_output=True, text=True, timeout=timeout_s, env=env, check=False,
+            [
+                python,
+                __file__,
+                "--backend",
+                "vllm",
+                "--model-path",
+                path,
+                "--workload-file",
+                str(wfile),
+                "--dtype",
+                dtype,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=env,
+            check=False,
         )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -304,22 +339,30 @@ def gemm_ceiling(path: str, work, dtype: str, quantization: str | None = None) -
 def print_table(result: dict) -> None:
     print(f"\nworkload: {result['workload']}")
     for variant, c in result["ceilings"].items():
-        print(f"{variant} GEMM here ({c['linear_kernel']}, {CEILING_ROWS} rows): {c['gemm_gflops']} GFLOP/s -> "
-              f"ceiling {c['ceiling_tok_s']} useful tok/s ({c['prompt_tokens']} prompt + {c['output_tokens']} output)")
-    print(f"{'variant':7} {'system':10} {'tok/s':>8} {'wall s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8}"
-          f" {'ITL p99':>8} {'x hf':>6} {'x vllm':>7} {'x fp32':>7} {'x ceil':>7}")
+        print(
+            f"{variant} GEMM here ({c['linear_kernel']}, {CEILING_ROWS} rows): {c['gemm_gflops']} GFLOP/s -> "
+            f"ceiling {c['ceiling_tok_s']} useful tok/s ({c['prompt_tokens']} prompt + {c['output_tokens']} output)"
+        )
+    print(
+        f"{'variant':7} {'system':10} {'tok/s':>8} {'wall s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8}"
+        f" {'ITL p99':>8} {'x hf':>6} {'x vllm':>7} {'x fp32':>7} {'x ceil':>7}"
+    )
     nan = float("nan")
     for r in result["systems"]:
         if "tok_s" not in r:
             print(f"{r['variant']:7} {r['system']}: not run ({r['error'][:300]})")
             continue
-        print(f"{r['variant']:7} {r['system']:10} {r['tok_s']:8.1f} {r['wall_s']:8.1f} {r['ttft_p50_s']:8.2f}s"
-              f" {r['ttft_p99_s']:8.2f}s {r['itl_p50_ms']:6.0f}ms {r['itl_p99_ms']:6.0f}ms"
-              f" {r.get('x_hf_static', nan):6.2f} {r.get('x_vllm', nan):7.2f} {r.get('x_fp32', nan):7.2f}"
-              f" {r.get('x_ceiling', nan):7.2f}")
+        print(
+            f"{r['variant']:7} {r['system']:10} {r['tok_s']:8.1f} {r['wall_s']:8.1f} {r['ttft_p50_s']:8.2f}s"
+            f" {r['ttft_p99_s']:8.2f}s {r['itl_p50_ms']:6.0f}ms {r['itl_p99_ms']:6.0f}ms"
+            f" {r.get('x_hf_static', nan):6.2f} {r.get('x_vllm', nan):7.2f} {r.get('x_fp32', nan):7.2f}"
+            f" {r.get('x_ceiling', nan):7.2f}"
+        )
         if r["system"] == "ours":
-            print(f"        engine overhead per step outside the model at {r['peak_running']} running: "
-                  f"p50 {r['overhead_ms_at_peak_p50']} ms, p99 {r['overhead_ms_at_peak_p99']} ms")
+            print(
+                f"        engine overhead per step outside the model at {r['peak_running']} running: "
+                f"p50 {r['overhead_ms_at_peak_p50']} ms, p99 {r['overhead_ms_at_peak_p99']} ms"
+            )
 
 
 def main() -> None:
@@ -373,12 +416,29 @@ def main() -> None:
         found: list[dict] = []
         if "ours" not in skip:
             progress("ours", variant)
-            found.append(run_ours(path, work, dtype=dtype, max_num_seqs=64, quantization=quant,
-                                  batched_tokens=args.max_num_batched_tokens, name="ours"))
+            found.append(
+                run_ours(
+                    path,
+                    work,
+                    dtype=dtype,
+                    max_num_seqs=64,
+                    quantization=quant,
+                    batched_tokens=args.max_num_batched_tokens,
+                    name="ours",
+                )
+            )
         if quant is None and "ours_seq1" not in skip:
             progress("ours_seq1", variant)
-            found.append(run_ours(path, work, dtype=dtype, max_num_seqs=1,
-                                  batched_tokens=args.max_num_batched_tokens, name="ours_seq1"))
+            found.append(
+                run_ours(
+                    path,
+                    work,
+                    dtype=dtype,
+                    max_num_seqs=1,
+                    batched_tokens=args.max_num_batched_tokens,
+                    name="ours_seq1",
+                )
+            )
         if quant is None and "hf_static" not in skip:
             progress("hf_static", variant)
             found.append(run_hf_static(path, work, dtype=dtype))
@@ -407,8 +467,14 @@ def main() -> None:
         "model": args.model,
         "dtype": VARIANTS[names[0]][0],
         "variants": names,
-        "workload": {"requests": n, "prompt_len": prange, "output_len": orange, "seed": args.seed,
-                     "greedy": True, "ignore_eos": True},
+        "workload": {
+            "requests": n,
+            "prompt_len": prange,
+            "output_len": orange,
+            "seed": args.seed,
+            "greedy": True,
+            "ignore_eos": True,
+        },
         "ceiling": ceilings[names[0]],
         "ceilings": ceilings,
         "systems": systems,

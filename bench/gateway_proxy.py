@@ -65,8 +65,12 @@ class Run:
 def gateway_config(path: Path, streams: int) -> None:
     """Limits on, sized so that the load itself is never refused: the cost of checking them is what we measure."""
     tier = {
-        "name": "premium", "priority": 20, "bypass_queue": True, "requests_per_minute": 10_000_000,
-        "tokens_per_minute": 10_000_000_000, "max_concurrent_requests": 2 * streams,
+        "name": "premium",
+        "priority": 20,
+        "bypass_queue": True,
+        "requests_per_minute": 10_000_000,
+        "tokens_per_minute": 10_000_000_000,
+        "max_concurrent_requests": 2 * streams,
     }
     path.write_text(json.dumps({"tiers": [tier], "default_tier": "premium"}))
 
@@ -88,7 +92,12 @@ def _p95(xs: list[float]) -> float:
 
 
 async def one_stream(c: httpx.AsyncClient, url: str, tokens: int, i: int, run: Run) -> None:
-    body = {"model": "bench", "stream": True, "max_tokens": tokens, "messages": [{"role": "user", "content": f"request {i}"}]}
+    body = {
+        "model": "bench",
+        "stream": True,
+        "max_tokens": tokens,
+        "messages": [{"role": "user", "content": f"request {i}"}],
+    }
     start = time.perf_counter()
     first = last = None
     n = 0
@@ -135,7 +144,16 @@ async def load(urls: list[str], streams: int, per_stream: int, tokens: int, head
 
 
 async def bench(args: argparse.Namespace) -> list[dict[str, object]]:
-    stub_args = ["-m", "gateway.stub", "--count", str(args.workers), "--delay", str(args.delay), "--tokens", str(args.tokens)]
+    stub_args = [
+        "-m",
+        "gateway.stub",
+        "--count",
+        str(args.workers),
+        "--delay",
+        str(args.delay),
+        "--tokens",
+        str(args.tokens),
+    ]
     rows: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory() as tmp:
         keys, config = Path(tmp) / "keys.txt", Path(tmp) / "gateway.json"
@@ -154,10 +172,24 @@ async def bench_gateway(
     """The load levels against one gateway process running on `stack` (see STACKS), each also run direct."""
     rows: list[dict[str, object]] = []
     port = free_port()
-    gw_args = ["-m", "llmfleet.cli", "gateway", "--port", str(port), "--backend", "bench=" + ",".join(urls),
-               "--api-keys-file", str(keys), "--config", str(config), "--log-level", "warning",
-               "--metrics-port", str(free_port()),
-               *STACKS[stack]]
+    gw_args = [
+        "-m",
+        "llmfleet.cli",
+        "gateway",
+        "--port",
+        str(port),
+        "--backend",
+        "bench=" + ",".join(urls),
+        "--api-keys-file",
+        str(keys),
+        "--config",
+        str(config),
+        "--log-level",
+        "warning",
+        "--metrics-port",
+        str(free_port()),
+        *STACKS[stack],
+    ]
     async with spawn(sys.executable, *gw_args) as gw_proc:
         gateway = f"http://127.0.0.1:{port}"
         await wait_http_ok(gateway + "/ready")
@@ -171,20 +203,22 @@ async def bench_gateway(
             through_run = await load([gateway], streams, per_stream, args.tokens, auth)
             cpu = cpu_seconds(gw_proc.proc.pid) - cpu0
             through = through_run.summary()
-            rows.append({
-                "stack": stack,
-                "streams": streams,
-                "requests": streams * per_stream,
-                "direct": direct,
-                "gateway": through,
-                "ttft_added_ms": through["ttft_p50_ms"] - direct["ttft_p50_ms"],
-                "ttft_ratio": through["ttft_p50_ms"] / direct["ttft_p50_ms"],
-                "itl_added_ms": through["itl_p50_ms"] - direct["itl_p50_ms"],
-                "itl_ratio": through["itl_p50_ms"] / direct["itl_p50_ms"],
-                "throughput_ratio": through["tokens_per_s"] / direct["tokens_per_s"],
-                "gateway_cpu_ms_per_request": 1000 * cpu / (streams * per_stream),
-                "gateway_cpu_us_per_token": 1e6 * cpu / max(1, through_run.tokens),
-            })
+            rows.append(
+                {
+                    "stack": stack,
+                    "streams": streams,
+                    "requests": streams * per_stream,
+                    "direct": direct,
+                    "gateway": through,
+                    "ttft_added_ms": through["ttft_p50_ms"] - direct["ttft_p50_ms"],
+                    "ttft_ratio": through["ttft_p50_ms"] / direct["ttft_p50_ms"],
+                    "itl_added_ms": through["itl_p50_ms"] - direct["itl_p50_ms"],
+                    "itl_ratio": through["itl_p50_ms"] / direct["itl_p50_ms"],
+                    "throughput_ratio": through["tokens_per_s"] / direct["tokens_per_s"],
+                    "gateway_cpu_ms_per_request": 1000 * cpu / (streams * per_stream),
+                    "gateway_cpu_us_per_token": 1e6 * cpu / max(1, through_run.tokens),
+                }
+            )
     return rows
 
 
@@ -197,8 +231,11 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=1024, help="requests per run (at least one per stream)")
     ap.add_argument("--max-per-stream", type=int, default=16, help="most requests one stream sends in a run")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    ap.add_argument("--stacks", default="uvloop", help=f"comma-separated gateway stacks of {sorted(STACKS)}; with "
-                    "two, their gateway CPU per token is compared")
+    ap.add_argument(
+        "--stacks",
+        default="uvloop",
+        help=f"comma-separated gateway stacks of {sorted(STACKS)}; with two, their gateway CPU per token is compared",
+    )
     args = ap.parse_args()
     args.streams = [int(s) for s in args.streams.split(",") if s.strip()]
     args.stacks = [s.strip() for s in args.stacks.split(",") if s.strip()]
@@ -207,12 +244,18 @@ def main() -> None:
         ap.error(f"unknown stack(s) {unknown}; known: {sorted(STACKS)}")
     rows = asyncio.run(bench(args))
     if args.json:
-        print(json.dumps({"cpus": os.cpu_count(), "tokens": args.tokens, "delay_s": args.delay, "rows": rows}, indent=2))
+        print(
+            json.dumps({"cpus": os.cpu_count(), "tokens": args.tokens, "delay_s": args.delay, "rows": rows}, indent=2)
+        )
         return
-    print(f"gateway vs direct: {args.workers} stub workers, {args.tokens} tokens/answer {1000 * args.delay:.0f} ms apart, "
-          f"{os.cpu_count()} CPUs shared by load generator, workers and gateway")
-    head = (f"{'stack':>8} {'streams':>7} {'TTFT p50 direct/gw ms':>22} {'+ms':>7} {'ratio':>6} {'ITL p50 direct/gw ms':>21} {'+ms':>6} "
-            f"{'ratio':>6} {'tok/s direct/gw':>16} {'ratio':>6} {'errors':>6} {'gw CPU ms/req':>13} {'us/token':>8}")
+    print(
+        f"gateway vs direct: {args.workers} stub workers, {args.tokens} tokens/answer {1000 * args.delay:.0f} ms apart, "
+        f"{os.cpu_count()} CPUs shared by load generator, workers and gateway"
+    )
+    head = (
+        f"{'stack':>8} {'streams':>7} {'TTFT p50 direct/gw ms':>22} {'+ms':>7} {'ratio':>6} {'ITL p50 direct/gw ms':>21} {'+ms':>6} "
+        f"{'ratio':>6} {'tok/s direct/gw':>16} {'ratio':>6} {'errors':>6} {'gw CPU ms/req':>13} {'us/token':>8}"
+    )
     print(head)
     for r in rows:
         d, g = r["direct"], r["gateway"]

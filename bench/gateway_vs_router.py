@@ -54,8 +54,16 @@ def row(name: str, run: Run, cpu: float, direct: dict[str, float]) -> dict[str, 
     }
 
 
-async def measure(name: str, pid: int, url: str, streams: int, per_stream: int, tokens: int,
-                  headers: dict[str, str], direct: dict[str, float]) -> dict[str, float]:
+async def measure(
+    name: str,
+    pid: int,
+    url: str,
+    streams: int,
+    per_stream: int,
+    tokens: int,
+    headers: dict[str, str],
+    direct: dict[str, float],
+) -> dict[str, float]:
     cpu0 = cpu_seconds(pid)
     run = await load([url], streams, per_stream, tokens, headers)
     return row(name, run, cpu_seconds(pid) - cpu0, direct)
@@ -63,7 +71,16 @@ async def measure(name: str, pid: int, url: str, streams: int, per_stream: int, 
 
 async def bench(args: argparse.Namespace) -> list[dict[str, float]]:
     router = ensure_router()
-    stub_args = ["-m", "gateway.stub", "--count", str(args.workers), "--delay", str(args.delay), "--tokens", str(args.tokens)]
+    stub_args = [
+        "-m",
+        "gateway.stub",
+        "--count",
+        str(args.workers),
+        "--delay",
+        str(args.delay),
+        "--tokens",
+        str(args.tokens),
+    ]
     rows: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
         keys, config = Path(tmp) / "keys.txt", Path(tmp) / "gateway.json"
@@ -72,12 +89,43 @@ async def bench(args: argparse.Namespace) -> list[dict[str, float]]:
         async with spawn(sys.executable, *stub_args, ready_prefix="listening on") as stub:
             urls = stub.first_line.removeprefix("listening on ").split()
             gw_port, rt_port = free_port(), free_port()
-            gw_args = ["-m", "llmfleet.cli", "gateway", "--port", str(gw_port), "--backend", "bench=" + ",".join(urls),
-                       "--api-keys-file", str(keys), "--config", str(config), "--log-level", "warning",
-                       "--metrics-port", str(free_port())]
-            rt_args = ["--host", "127.0.0.1", "--port", str(rt_port), "--worker-urls", *urls, "--policy", "round_robin",
-                       "--max-concurrent-requests", str(4 * max(args.streams)), "--queue-size", str(4 * max(args.streams)),
-                       "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warning"]
+            gw_args = [
+                "-m",
+                "llmfleet.cli",
+                "gateway",
+                "--port",
+                str(gw_port),
+                "--backend",
+                "bench=" + ",".join(urls),
+                "--api-keys-file",
+                str(keys),
+                "--config",
+                str(config),
+                "--log-level",
+                "warning",
+                "--metrics-port",
+                str(free_port()),
+            ]
+            rt_args = [
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(rt_port),
+                "--worker-urls",
+                *urls,
+                "--policy",
+                "round_robin",
+                "--max-concurrent-requests",
+                str(4 * max(args.streams)),
+                "--queue-size",
+                str(4 * max(args.streams)),
+                "--prometheus-host",
+                "127.0.0.1",
+                "--prometheus-port",
+                str(free_port()),
+                "--log-level",
+                "warning",
+            ]
             env = {**os.environ, "RUST_LOG": "warn"}
             async with spawn(sys.executable, *gw_args) as gw, spawn(str(router), *rt_args, env=env) as rt:
                 gateway, routed = f"http://127.0.0.1:{gw_port}", f"http://127.0.0.1:{rt_port}"
@@ -89,8 +137,11 @@ async def bench(args: argparse.Namespace) -> list[dict[str, float]]:
                 for streams in args.streams:
                     per_stream = min(args.max_per_stream, max(1, args.requests // streams))
                     direct = (await load(urls, streams, per_stream, args.tokens, {})).summary()
-                    r: dict[str, float] = {"streams": streams, "requests": streams * per_stream,
-                                           "direct_ttft_p50_ms": direct["ttft_p50_ms"]}
+                    r: dict[str, float] = {
+                        "streams": streams,
+                        "requests": streams * per_stream,
+                        "direct_ttft_p50_ms": direct["ttft_p50_ms"],
+                    }
                     r |= await measure("router", rt.proc.pid, routed, streams, per_stream, args.tokens, {}, direct)
                     r |= await measure("gateway", gw.proc.pid, gateway, streams, per_stream, args.tokens, auth, direct)
                     r["cpu_per_token_ratio"] = r["gateway_cpu_us_per_token"] / r["router_cpu_us_per_token"]
@@ -117,9 +168,11 @@ def main() -> None:
     ap.add_argument("--max-per-stream", type=int, default=16, help="most requests one stream sends in a run")
     args = ap.parse_args()
     args.streams = [int(s) for s in args.streams.split(",") if s.strip()]
-    print(f"our gateway vs vllm-router: {args.workers} stub workers, {args.tokens} tokens/answer "
-          f"{1000 * args.delay:.0f} ms apart, {os.cpu_count()} CPUs shared by load generator, workers and proxies",
-          flush=True)
+    print(
+        f"our gateway vs vllm-router: {args.workers} stub workers, {args.tokens} tokens/answer "
+        f"{1000 * args.delay:.0f} ms apart, {os.cpu_count()} CPUs shared by load generator, workers and proxies",
+        flush=True,
+    )
     rows = asyncio.run(bench(args))
     print(json.dumps({"cpus": os.cpu_count(), "tokens": args.tokens, "delay_s": args.delay, "rows": rows}))
 

@@ -149,8 +149,10 @@ def main() -> None:
     unknown = [p for p in paths if p not in PATHS]
     if unknown:
         ap.error(f"unknown paths {unknown}; choose from {list(PATHS)}")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu capability "
-          f"{torch.backends.cpu.get_cpu_capability()}, mkldnn bf16 {torch.ops.mkldnn._is_mkldnn_bf16_supported()}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu capability "
+        f"{torch.backends.cpu.get_cpu_capability()}, mkldnn bf16 {torch.ops.mkldnn._is_mkldnn_bf16_supported()}"
+    )
     res = measure(paths, rows)
     for group, by_path in res.items():
         base = by_path.get("fp32_mkl", {})
@@ -159,8 +161,11 @@ def main() -> None:
         for path, by_m in by_path.items():
             cells = [f"{by_m[m]:7.1f} ({by_m[m] / base[m]:4.2f}x)" if m in base else f"{by_m[m]:7.1f}" for m in rows]
             print(f"{path:16s}" + "".join(f"{c:>16s}" for c in cells))
-    print(json.dumps({g: {p: {str(m): round(v, 1) for m, v in bm.items()} for p, bm in bp.items()}
-                      for g, bp in res.items()}))
+    print(
+        json.dumps(
+            {g: {p: {str(m): round(v, 1) for m, v in bm.items()} for p, bm in bp.items()} for g, bp in res.items()}
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -23,14 +23,31 @@ import httpx
 from localkube import Cluster
 
 CRD = {
-    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
     "metadata": {"name": "benches.example.com"},
-    "spec": {"group": "example.com", "scope": "Namespaced",
-             "names": {"plural": "benches", "singular": "bench", "kind": "Bench"},
-             "versions": [{"name": "v1", "served": True, "storage": True, "subresources": {"status": {}},
-                           "schema": {"openAPIV3Schema": {"type": "object", "properties": {
-                               "spec": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}},
-                               "status": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}}}}]},
+    "spec": {
+        "group": "example.com",
+        "scope": "Namespaced",
+        "names": {"plural": "benches", "singular": "bench", "kind": "Bench"},
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "subresources": {"status": {}},
+                "schema": {
+                    "openAPIV3Schema": {
+                        "type": "object",
+                        "properties": {
+                            "spec": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}},
+                            "status": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+                        },
+                    }
+                },
+            }
+        ],
+    },
 }
 TIME_LIMIT = 120.0
 
@@ -48,8 +65,12 @@ def watch_latency(http: httpx.Client, url: str, count: int, watchers: int) -> di
     opened = threading.Barrier(watchers + 1, timeout=TIME_LIMIT)
 
     def follow(index: int) -> None:
-        with httpx.Client(timeout=None) as watcher, watcher.stream(
-                "GET", base, params={"watch": "1", "resourceVersion": rv, "timeoutSeconds": str(int(TIME_LIMIT))}) as stream:
+        with (
+            httpx.Client(timeout=None) as watcher,
+            watcher.stream(
+                "GET", base, params={"watch": "1", "resourceVersion": rv, "timeoutSeconds": str(int(TIME_LIMIT))}
+            ) as stream,
+        ):
             opened.wait()
             for line in stream.iter_lines():
                 event = json.loads(line)
@@ -67,31 +88,49 @@ def watch_latency(http: httpx.Client, url: str, count: int, watchers: int) -> di
     for n in range(count):
         name = f"b{n}"
         sent[name] = time.perf_counter()
-        http.post(base, json={"apiVersion": "example.com/v1", "kind": "Bench", "metadata": {"name": name}, "spec": {"n": n}}).raise_for_status()
+        http.post(
+            base, json={"apiVersion": "example.com/v1", "kind": "Bench", "metadata": {"name": name}, "spec": {"n": n}}
+        ).raise_for_status()
         if time.perf_counter() - start > TIME_LIMIT:
             break
     elapsed = time.perf_counter() - start
     for thread in threads:
         thread.join(TIME_LIMIT)
     latencies = [(got[k] - sent[k]) * 1000 for got in received for k in sent if k in got]
-    return {"created": len(sent), "create_per_s": len(sent) / elapsed, "delivered": len(latencies),
-            "expected": len(sent) * watchers, "p50_ms": statistics.median(latencies),
-            "p99_ms": percentile(latencies, 0.99), "max_ms": max(latencies)}
+    return {
+        "created": len(sent),
+        "create_per_s": len(sent) / elapsed,
+        "delivered": len(latencies),
+        "expected": len(sent) * watchers,
+        "p50_ms": statistics.median(latencies),
+        "p99_ms": percentile(latencies, 0.99),
+        "max_ms": max(latencies),
+    }
 
 
 def pods(http: httpx.Client, url: str, count: int) -> dict:
     base = f"{url}/api/v1/namespaces/default/pods"
     start = time.perf_counter()
     for n in range(count):
-        http.post(base, json={"metadata": {"name": f"sleep-{n}", "labels": {"bench": "yes"}}, "spec": {
-            "terminationGracePeriodSeconds": 5,
-            "containers": [{"name": "c", "image": "busybox", "command": ["sleep", "3600"]}]}}).raise_for_status()
+        http.post(
+            base,
+            json={
+                "metadata": {"name": f"sleep-{n}", "labels": {"bench": "yes"}},
+                "spec": {
+                    "terminationGracePeriodSeconds": 5,
+                    "containers": [{"name": "c", "image": "busybox", "command": ["sleep", "3600"]}],
+                },
+            },
+        ).raise_for_status()
     created = time.perf_counter() - start
 
     def ready_count() -> int:
         items = http.get(base, params={"labelSelector": "bench=yes"}).json()["items"]
-        return sum(1 for p in items if any(c["type"] == "Ready" and c["status"] == "True"
-                                          for c in p.get("status", {}).get("conditions", [])))
+        return sum(
+            1
+            for p in items
+            if any(c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions", []))
+        )
 
     deadline = time.perf_counter() + TIME_LIMIT
     while ready_count() < count and time.perf_counter() < deadline:
@@ -99,10 +138,17 @@ def pods(http: httpx.Client, url: str, count: int) -> dict:
     all_ready = time.perf_counter() - start
     delete_start = time.perf_counter()
     http.request("DELETE", base, params={"labelSelector": "bench=yes"}).raise_for_status()
-    while http.get(base, params={"labelSelector": "bench=yes"}).json()["items"] and time.perf_counter() < deadline + TIME_LIMIT:
+    while (
+        http.get(base, params={"labelSelector": "bench=yes"}).json()["items"]
+        and time.perf_counter() < deadline + TIME_LIMIT
+    ):
         time.sleep(0.05)
-    return {"pods": count, "create_per_s": count / created, "all_ready_s": all_ready,
-            "all_deleted_s": time.perf_counter() - delete_start}
+    return {
+        "pods": count,
+        "create_per_s": count / created,
+        "all_ready_s": all_ready,
+        "all_deleted_s": time.perf_counter() - delete_start,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,18 +157,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pods", type=int, default=50)
     parser.add_argument("--watchers", type=int, default=20, help="concurrent watches on the custom objects")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp, Cluster(kubeconfig=Path(tmp) / "kc", workdir=Path(tmp)) as cluster, \
-            httpx.Client(timeout=30) as http:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        Cluster(kubeconfig=Path(tmp) / "kc", workdir=Path(tmp)) as cluster,
+        httpx.Client(timeout=30) as http,
+    ):
         http.post(f"{cluster.url}/apis/apiextensions.k8s.io/v1/customresourcedefinitions", json=CRD).raise_for_status()
         for watchers in sorted({1, args.watchers}):
             w = watch_latency(http, cluster.url, args.objects, watchers)
-            print(f"custom objects: {w['created']} created at {w['create_per_s']:.0f}/s (sequential HTTP) with "
-                  f"{watchers} watch(es) open; delivery p50 {w['p50_ms']:.2f} ms, p99 {w['p99_ms']:.2f} ms, "
-                  f"max {w['max_ms']:.2f} ms ({w['delivered']}/{w['expected']} events)")
+            print(
+                f"custom objects: {w['created']} created at {w['create_per_s']:.0f}/s (sequential HTTP) with "
+                f"{watchers} watch(es) open; delivery p50 {w['p50_ms']:.2f} ms, p99 {w['p99_ms']:.2f} ms, "
+                f"max {w['max_ms']:.2f} ms ({w['delivered']}/{w['expected']} events)"
+            )
             http.request("DELETE", f"{cluster.url}/apis/example.com/v1/namespaces/default/benches").raise_for_status()
         p = pods(http, cluster.url, args.pods)
-        print(f"pods: {p['pods']} created at {p['create_per_s']:.0f}/s; all Ready after {p['all_ready_s']:.2f} s; "
-              f"all deleted (SIGTERM, grace) after {p['all_deleted_s']:.2f} s")
+        print(
+            f"pods: {p['pods']} created at {p['create_per_s']:.0f}/s; all Ready after {p['all_ready_s']:.2f} s; "
+            f"all deleted (SIGTERM, grace) after {p['all_deleted_s']:.2f} s"
+        )
     return 0
 
 

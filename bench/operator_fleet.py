@@ -87,8 +87,10 @@ async def poll_round(api: KubeApi, count: int, pods_wanted: int, started: float,
                 created_at = time.monotonic() - started
         items = await api.list(namespaced(NAMESPACE, PLURAL, group=GROUP, version=VERSION))
         ready = sum(
-            any(c.get("type") == "Available" and c.get("status") == "True"
-                for c in (item.get("status") or {}).get("conditions") or [])
+            any(
+                c.get("type") == "Available" and c.get("status") == "True"
+                for c in (item.get("status") or {}).get("conditions") or []
+            )
             for item in items
         )
         if created_at is not None and ready >= count:
@@ -124,12 +126,24 @@ def main() -> None:
         env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
 
         def kubectl(*argv: str, stdin: str | None = None) -> None:
-            subprocess.run([str(BIN / "kubectl"), *argv], env=env, input=stdin, text=True, check=True,
-                           capture_output=True, timeout=600)
+            subprocess.run(
+                [str(BIN / "kubectl"), *argv],
+                env=env,
+                input=stdin,
+                text=True,
+                check=True,
+                capture_output=True,
+                timeout=600,
+            )
 
         kubectl("apply", "--validate=false", "-f", str(REPO / "crds" / "inferencedeployment.yaml"))
-        kubectl("apply", "--validate=false", "-f", "-",
-                stdin=yaml.safe_dump({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}))
+        kubectl(
+            "apply",
+            "--validate=false",
+            "-f",
+            "-",
+            stdin=yaml.safe_dump({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}),
+        )
         health_port = free_port()
         operator_env = {
             **env,
@@ -141,8 +155,12 @@ def main() -> None:
             "LLMFLEET_OPERATOR_METRICS_PORT": str(free_port()),
         }
         with open(workdir / "operator.log", "wb") as log:
-            operator = subprocess.Popen([str(BIN / "llmfleet"), "operator", "--namespace", NAMESPACE],
-                                        env=operator_env, stdout=log, stderr=subprocess.STDOUT)
+            operator = subprocess.Popen(
+                [str(BIN / "llmfleet"), "operator", "--namespace", NAMESPACE],
+                env=operator_env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         try:
             _wait_healthy(health_port, operator)
             rounds = asyncio.run(_rounds(cluster.kubeconfig, args, kubectl))
@@ -150,8 +168,6 @@ def main() -> None:
             operator.terminate()
             operator.wait(60)
     print(json.dumps({"rounds": rounds}))
-
-
 
 
 def _wait_healthy(port: int, operator: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
@@ -175,15 +191,18 @@ async def _rounds(kubeconfig: Path, args: argparse.Namespace, kubectl: Any) -> l
     try:
         for count in args.counts:
             started = time.monotonic()
-            await asyncio.to_thread(kubectl, "apply", "--validate=false", "-f", "-",
-                                    stdin=manifests(count, args.replicas))
+            await asyncio.to_thread(
+                kubectl, "apply", "--validate=false", "-f", "-", stdin=manifests(count, args.replicas)
+            )
             applied = time.monotonic() - started
             result = {"deployments": count, "pods": count * args.replicas, "apply_s": round(applied, 3)}
             result |= await poll_round(api, count, count * args.replicas, started, args.timeout)
             rounds.append(result)
-            print(f"{count:3d} deployment(s), {result['pods']:3d} pod(s): kubectl apply {result['apply_s']:.2f} s, "
-                  f"all pods created {result['pods_created_s']:.2f} s, all Available {result['available_s']:.2f} s",
-                  flush=True)
+            print(
+                f"{count:3d} deployment(s), {result['pods']:3d} pod(s): kubectl apply {result['apply_s']:.2f} s, "
+                f"all pods created {result['pods_created_s']:.2f} s, all Available {result['available_s']:.2f} s",
+                flush=True,
+            )
             await asyncio.to_thread(kubectl, "delete", PLURAL, "--all", "-n", NAMESPACE, "--wait=false")
             await wait_empty(api, args.timeout)
     finally:

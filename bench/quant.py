@@ -24,7 +24,10 @@ PROMPTS = [
     "What does a CPU do?",
 ]
 VARIANTS = [
-    ("fp32", "float32", None), ("bf16", "bfloat16", None), ("fp8", "float32", "fp8"), ("int4", "float32", "int4")
+    ("fp32", "float32", None),
+    ("bf16", "bfloat16", None),
+    ("fp8", "float32", "fp8"),
+    ("int4", "float32", "int4"),
 ]
 
 

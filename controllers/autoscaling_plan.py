@@ -93,6 +93,7 @@ class VariantOutcome:
 
 def owned(pods: Iterable[Mapping[str, Any]], uid: str | None) -> list[Mapping[str, Any]]:
     """The pods this InferenceDeployment controls (a pod merely carrying its labels is not its capacity)."""
+
     def controlled(pod: Mapping[str, Any]) -> bool:
         refs = (pod.get("metadata") or {}).get("ownerReferences") or []
         return any(ref.get("controller") and ref.get("uid") == uid for ref in refs)
@@ -147,9 +148,7 @@ def variants_at_zero(body: Mapping[str, Any]) -> list[str]:
     return [str(v.get("name")) for v in decided if isinstance(v, Mapping) and v.get("desiredReplicas") == 0]
 
 
-def intents_for(
-    intents: Iterable[ScaleIntent], namespace: str, deployment: str, variant: str
-) -> list[ScaleIntent]:
+def intents_for(intents: Iterable[ScaleIntent], namespace: str, deployment: str, variant: str) -> list[ScaleIntent]:
     """The alert intents that name this variant (no namespace: any; no variant: every autoscaled one)."""
     return [
         intent

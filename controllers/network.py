@@ -25,7 +25,9 @@ API_VERSION = "networking.k8s.io/v1"
 KIND = "NetworkPolicy"
 # The chart's labels of its gateway and operator pods, and the usual label of Prometheus pods.
 GATEWAY_POD_LABELS = MappingProxyType({"app.kubernetes.io/name": "llmfleet", "app.kubernetes.io/component": "gateway"})
-OPERATOR_POD_LABELS = MappingProxyType({"app.kubernetes.io/name": "llmfleet", "app.kubernetes.io/component": "operator"})
+OPERATOR_POD_LABELS = MappingProxyType(
+    {"app.kubernetes.io/name": "llmfleet", "app.kubernetes.io/component": "operator"}
+)
 SCRAPER_POD_LABELS = MappingProxyType({"app.kubernetes.io/name": "prometheus"})
 
 

@@ -96,9 +96,7 @@ class Agreement:
         )
 
 
-def token_agreement(
-    stable: Sequence[Sequence[Hashable]], canary: Sequence[Sequence[Hashable]]
-) -> Agreement:
+def token_agreement(stable: Sequence[Sequence[Hashable]], canary: Sequence[Sequence[Hashable]]) -> Agreement:
     """Per-position token agreement of `canary` against `stable`, one token sequence per prompt each.
 
     Raises ValueError when the two lists do not hold the same number of sequences (they must answer the same

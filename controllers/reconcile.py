@@ -204,8 +204,9 @@ def _converge(
     ]
     names = {variant.name for variant in spec.variants}
     orphans = tuple(
-        draining.remove(p, DrainReason.SCALE_DOWN, f"variant {p.variant!r} is no longer in the spec", now, timeout,
-                        port)
+        draining.remove(
+            p, DrainReason.SCALE_DOWN, f"variant {p.variant!r} is no longer in the spec", now, timeout, port
+        )
         for p in pods
         if p.variant not in names and not p.deleting and not p.draining
     )
@@ -230,11 +231,7 @@ def _converge(
                     f"variant {size.variant}: desired pods {before or 0} -> {size.replicas} ({size.describe()})",
                 )
             )
-    if (
-        previous.observed_generation != generation
-        and spec.replicas is not None
-        and not shares_spec_replicas(spec)
-    ):
+    if previous.observed_generation != generation and spec.replicas is not None and not shares_spec_replicas(spec):
         events.append(
             EmitEvent(
                 EventType.WARNING,
@@ -255,8 +252,9 @@ def _converge(
     starts = [a for a in actions if isinstance(a, StartDrain) and a.mark]
     drains = _drains(progress.drains, starts)
     rejected = any(plan.muted for plan in plans.values())  # the spec asks for a rolled-back revision
-    status = _status(name, generation, previous, outcomes, orphans, observed, now, decision.status, drains,
-                     running, rejected)
+    status = _status(
+        name, generation, previous, outcomes, orphans, observed, now, decision.status, drains, running, rejected
+    )
     patch = _status_patch(previous, status)
     if patch is not None:
         actions.append(PatchStatus(patch))
@@ -268,9 +266,7 @@ def _converge(
     if decision.status.phase != RolloutPhase.STABLE:
         notes += (f"rollout {decision.status.phase.value}: {decision.status.message}",)
     waits = [w for w in (progress.requeue_after, decision.requeue_after) if w is not None]
-    return Plan(
-        actions=tuple(actions) + tuple(events), requeue_after=min(waits) if waits else None, notes=notes
-    )
+    return Plan(actions=tuple(actions) + tuple(events), requeue_after=min(waits) if waits else None, notes=notes)
 
 
 def _rollout(
@@ -483,8 +479,14 @@ def _create_missing(
                     reason = Reason.ROLLOUT if pods.old else (Reason.REPLACE if pods.ended else Reason.SCALE_UP)
                 creates.append(
                     CreatePod(
-                        pod_manifest(meta, want.template, variant.name, want.revision, slot,
-                                     drain_token=deployment_drain_token(policy.drain_key, meta)),
+                        pod_manifest(
+                            meta,
+                            want.template,
+                            variant.name,
+                            want.revision,
+                            slot,
+                            drain_token=deployment_drain_token(policy.drain_key, meta),
+                        ),
                         variant.name,
                         want.revision,
                         reason,
@@ -621,8 +623,12 @@ def _status(
         else WantedCondition(ConditionType.DEGRADED, ConditionStatus.FALSE, Reason.HEALTHY, "")
     )
     if running.fallback:
-        valid = WantedCondition(ConditionType.INVALID_SPEC, ConditionStatus.TRUE, Reason.VALIDATION_FAILED,
-                                _invalid_message(running.problems) + "; the last valid spec keeps running")
+        valid = WantedCondition(
+            ConditionType.INVALID_SPEC,
+            ConditionStatus.TRUE,
+            Reason.VALIDATION_FAILED,
+            _invalid_message(running.problems) + "; the last valid spec keeps running",
+        )
     else:
         valid = WantedCondition(ConditionType.INVALID_SPEC, ConditionStatus.FALSE, Reason.SPEC_VALID, "")
     if running.fallback:
@@ -648,8 +654,13 @@ def _status(
             "label_selector": label_selector(name),
             "conditions": merge_conditions(
                 previous.conditions,
-                [available, progressing, degraded, valid,
-                 *kstatus_conditions(_health(running, rollout_status, rejected, outcomes, orphans, observed))],
+                [
+                    available,
+                    progressing,
+                    degraded,
+                    valid,
+                    *kstatus_conditions(_health(running, rollout_status, rejected, outcomes, orphans, observed)),
+                ],
                 now,
                 generation,
             ),
@@ -681,16 +692,27 @@ def _health(
     """What the kstatus conditions (Ready/Reconciling/Stalled) are made of (`controllers.conditions`)."""
     stalled: list[tuple[Reason, str]] = []
     if running.fallback:
-        stalled.append((Reason.INVALID_SPEC, _invalid_message(running.problems)
-                        + "; the last valid spec keeps running: fix the spec"))
+        stalled.append(
+            (
+                Reason.INVALID_SPEC,
+                _invalid_message(running.problems) + "; the last valid spec keeps running: fix the spec",
+            )
+        )
     if rejected:
-        fix = (f"to go on, change the spec (or revert it to the stable revision {rollout_status.stable_revision}), "
-               f"or annotate {rollout.PROMOTE}=true to promote the rejected revision")
+        fix = (
+            f"to go on, change the spec (or revert it to the stable revision {rollout_status.stable_revision}), "
+            f"or annotate {rollout.PROMOTE}=true to promote the rejected revision"
+        )
         stalled.append((Reason.CANARY_ROLLED_BACK, f"{rollout_status.message}; {fix}"))
     stuck = [pod for o in outcomes for pod in o.stuck]
     if stuck:
-        stalled.append((Reason.PODS_CANNOT_START, "pods that cannot start (crash loop, image or config "
-                        "error): " + ", ".join(stuck) + "; fix the image, the engine flags or the resources"))
+        stalled.append(
+            (
+                Reason.PODS_CANNOT_START,
+                "pods that cannot start (crash loop, image or config "
+                "error): " + ", ".join(stuck) + "; fix the image, the engine flags or the resources",
+            )
+        )
     moving: list[tuple[Reason, str]] = []
     if rollout_status.phase in _ROLLOUT_STEPS and not rejected:
         moving.append((_ROLLOUT_STEPS[rollout_status.phase], rollout_status.message))
@@ -839,9 +861,7 @@ def _deleting(
     timeout, port = _drain_timeout(raw_spec), policy.defaults.port
     progress = draining.advance(pods, observed.drain_probes, now, timeout_s=timeout, port=port)
     why = "the InferenceDeployment is being deleted"
-    removals: list[Action] = [
-        draining.remove(p, DrainReason.DELETION, why, now, timeout, port) for p in pods if p.live
-    ]
+    removals: list[Action] = [draining.remove(p, DrainReason.DELETION, why, now, timeout, port) for p in pods if p.live]
     removals += [
         DeletePod(p.name, p.uid, p.variant, p.revision, Reason.DELETION, f"{why} (ended pod)")
         for p in pods

@@ -279,15 +279,22 @@ def _idle(
         return RolloutDecision(_promoted(inp, reason, message), (*events, EmitEvent(EventType.NORMAL, reason, message)))
     if target_id == prev.rejected_revision:
         phase = _settled(prev.phase, _leftovers(inp), changed=True)
-        message = (f"revision {target_id} was rolled back before: change the spec to try another revision, or "
-                   f"annotate {PROMOTE}=true to promote it anyway")
+        message = (
+            f"revision {target_id} was rolled back before: change the spec to try another revision, or "
+            f"annotate {PROMOTE}=true to promote it anyway"
+        )
         status = prev.model_copy(
-            update={"phase": phase, "canary_revision": None, "canary_weight": 0,
-                    **_reason(prev, phase, Reason.REVISION_REJECTED, message)}
+            update={
+                "phase": phase,
+                "canary_revision": None,
+                "canary_weight": 0,
+                **_reason(prev, phase, Reason.REVISION_REJECTED, message),
+            }
         )
         return RolloutDecision(status, tuple(events))
-    return _start(inp, target_id, Reason.CANARY_STARTED, f"canary {target_id} started beside stable {_stable_id(inp)}",
-                  events)
+    return _start(
+        inp, target_id, Reason.CANARY_STARTED, f"canary {target_id} started beside stable {_stable_id(inp)}", events
+    )
 
 
 def _running(
@@ -331,19 +338,32 @@ def _interrupted(
         return RolloutDecision(status, (EmitEvent(EventType.NORMAL, Reason.CANARY_ABORTED, why),))
     if inp.canary is None:
         why = f"spec.rollout was removed: canary {canary_id} promoted without further steps"
-        return RolloutDecision(_promoted(inp, Reason.ROLLOUT_SPEC_REMOVED, why),
-                               (EmitEvent(EventType.NORMAL, Reason.CANARY_PROMOTED, why),))
+        return RolloutDecision(
+            _promoted(inp, Reason.ROLLOUT_SPEC_REMOVED, why),
+            (EmitEvent(EventType.NORMAL, Reason.CANARY_PROMOTED, why),),
+        )
     if target_id != canary_id:
         if target_id == prev.rejected_revision:
             why = f"the spec now asks for rejected revision {target_id}: canary {canary_id} stops, its pods drain"
             status = prev.model_copy(
-                update={"phase": RolloutPhase.ROLLING_BACK, "canary_revision": None, "canary_weight": 0,
-                        "step_started_at": None, "canary_metrics_since": None, "reason": Reason.REVISION_REJECTED,
-                        "message": why}
+                update={
+                    "phase": RolloutPhase.ROLLING_BACK,
+                    "canary_revision": None,
+                    "canary_weight": 0,
+                    "step_started_at": None,
+                    "canary_metrics_since": None,
+                    "reason": Reason.REVISION_REJECTED,
+                    "message": why,
+                }
             )
             return RolloutDecision(status, (EmitEvent(EventType.NORMAL, Reason.CANARY_ABORTED, why),))
-        events = [EmitEvent(EventType.NORMAL, Reason.CANARY_SUPERSEDED,
-                            f"canary {canary_id} superseded by {target_id} (the spec changed); its pods drain")]
+        events = [
+            EmitEvent(
+                EventType.NORMAL,
+                Reason.CANARY_SUPERSEDED,
+                f"canary {canary_id} superseded by {target_id} (the spec changed); its pods drain",
+            )
+        ]
         why = f"canary {target_id} replaced canary {canary_id}"
         return _start(inp, target_id, Reason.CANARY_SUPERSEDED, why, events)
     if abort:
@@ -388,15 +408,22 @@ def _step(inp: RolloutInput, changed: Mapping[str, VariantRevisions]) -> Rollout
         nxt = steps[index + 1]
         why = f"canary {canary_id} step {index + 2}/{len(steps)}: weight {nxt.weight}%"
         status = status.model_copy(
-            update={"step": index + 1, "canary_weight": nxt.weight, "step_started_at": inp.now,
-                    "reason": Reason.STEP_ADVANCED, "message": why}
+            update={
+                "step": index + 1,
+                "canary_weight": nxt.weight,
+                "step_started_at": inp.now,
+                "reason": Reason.STEP_ADVANCED,
+                "message": why,
+            }
         )
         events.append(EmitEvent(EventType.NORMAL, Reason.CANARY_STEP, why))
         waiting = f"step {index + 2} just began"
     else:
         status = status.model_copy(
-            update={"message": f"canary {canary_id} at step {index + 1}/{len(steps)} "
-                               f"(weight {status.canary_weight}%): {waiting}"}
+            update={
+                "message": f"canary {canary_id} at step {index + 1}/{len(steps)} "
+                f"(weight {status.canary_weight}%): {waiting}"
+            }
         )
     return RolloutDecision(status, tuple(events), requeue_after=_next_wake(status, canary, inp.now))
 
@@ -478,8 +505,11 @@ def _record(status: RolloutStatus, result: AnalysisResult, steps: int) -> tuple[
         update={"analysis": [*status.analysis, result][-MAX_ANALYSIS:], "consecutive_failures": failures}
     )
     kind = EventType.WARNING if result.verdict == Verdict.FAIL else EventType.NORMAL
-    event = EmitEvent(kind, ANALYSIS_EVENTS[result.verdict],
-                      f"canary {status.canary_revision} step {status.step + 1}/{steps}: {result.message}")
+    event = EmitEvent(
+        kind,
+        ANALYSIS_EVENTS[result.verdict],
+        f"canary {status.canary_revision} step {status.step + 1}/{steps}: {result.message}",
+    )
     return recorded, event
 
 
@@ -494,9 +524,7 @@ def _step_waits(
         return f"pausing until {until.isoformat(timespec='seconds')}"
     for name, revisions in changed.items():
         _, want = shares(status.canary_weight, inp.desired.get(name, 0))
-        ready = sum(
-            p.live and p.ready and p.variant == name and p.revision == revisions.target for p in inp.pods
-        )
+        ready = sum(p.live and p.ready and p.variant == name and p.revision == revisions.target for p in inp.pods)
         if ready < want:
             return f"variant {name}: {ready}/{want} canary pod(s) ready"
     checks = [a for a in status.analysis if a.step == status.step and a.time >= started]
@@ -522,7 +550,9 @@ def _settled(phase: RolloutPhase, leftovers: bool, *, changed: bool) -> RolloutP
 def _leftovers(inp: RolloutInput) -> bool:
     """Pods (serving, draining or terminating) of a variant in the spec whose revision is not the stable one."""
     return any(
-        p.variant is not None and p.variant in inp.revisions and p.revision != inp.revisions[p.variant].stable
+        p.variant is not None
+        and p.variant in inp.revisions
+        and p.revision != inp.revisions[p.variant].stable
         and not p.failed
         for p in inp.pods
     )
@@ -619,10 +649,12 @@ def variant_rollouts(
             stable_n, canary_n = shares(status.canary_weight, count)
             plans[name] = VariantRollout(
                 (
-                    WantedRevision(r.stable, r.stable_template, stable_n, _PERCENT - status.canary_weight,
-                                   r.stable_quantization),
-                    WantedRevision(r.target, r.target_template, canary_n, status.canary_weight,
-                                   r.target_quantization, canary=True),
+                    WantedRevision(
+                        r.stable, r.stable_template, stable_n, _PERCENT - status.canary_weight, r.stable_quantization
+                    ),
+                    WantedRevision(
+                        r.target, r.target_template, canary_n, status.canary_weight, r.target_quantization, canary=True
+                    ),
                 )
             )
         elif running:
@@ -700,9 +732,7 @@ class SeriesWait:
     result: AnalysisResult | None = None
 
 
-def await_series(
-    request: AnalysisRequest, *, present: bool, ready_since: datetime | None, now: datetime
-) -> SeriesWait:
+def await_series(request: AnalysisRequest, *, present: bool, ready_since: datetime | None, now: datetime) -> SeriesWait:
     """Judge one look for the canary's metrics series. `present`: the metrics source has series of every compared
     canary revision; `ready_since`: when the canary's first (still) ready pod became ready (None: unknown, then
     the step's start counts). Missing series fail a check `SERIES_TIMEOUT_INTERVALS` intervals after that, and
@@ -717,9 +747,11 @@ def await_series(
     if now < deadline:
         return SeriesWait()
     waited = (now - since).total_seconds()
-    message = (f"{Verdict.FAIL.value}: no canary metrics after {waited:.0f} s (the metrics source has no series of "
-               f"the canary's pods; timeout {SERIES_TIMEOUT_INTERVALS} x intervalSeconds after its first pod was "
-               "ready)")
+    message = (
+        f"{Verdict.FAIL.value}: no canary metrics after {waited:.0f} s (the metrics source has no series of "
+        f"the canary's pods; timeout {SERIES_TIMEOUT_INTERVALS} x intervalSeconds after its first pod was "
+        "ready)"
+    )
     return SeriesWait(result=AnalysisResult(time=now, step=request.step, verdict=Verdict.FAIL, message=message))
 
 

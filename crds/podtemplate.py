@@ -36,9 +36,7 @@ from crds.base import (
 class KeySelector(SpecModel):
     """A key of a Secret or ConfigMap in the deployment's own namespace (Kubernetes never looks elsewhere)."""
 
-    name: str = Field(
-        max_length=253, pattern=DNS_SUBDOMAIN_PATTERN, description="Name of the Secret or ConfigMap."
-    )
+    name: str = Field(max_length=253, pattern=DNS_SUBDOMAIN_PATTERN, description="Name of the Secret or ConfigMap.")
     key: str = Field(min_length=1, max_length=253, pattern=CONFIG_KEY_PATTERN, description="The key to select.")
     optional: bool | None = Field(None, description="Whether a missing object or key is allowed.")
 
@@ -65,9 +63,7 @@ class EnvVarSource(SpecModel):
     """Where a variable's value comes from: exactly one of a Secret key, a ConfigMap key, a pod field or a
     resource of the worker container. Secrets and ConfigMaps are those of the deployment's namespace."""
 
-    model_config = ConfigDict(
-        json_schema_extra={"x-kubernetes-validations": one_of(ENV_SOURCE_FIELDS, "value source")}
-    )
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": one_of(ENV_SOURCE_FIELDS, "value source")})
 
     secret_key_ref: KeySelector | None = Field(None, description="A key of a Secret of the namespace.")
     config_map_key_ref: KeySelector | None = Field(None, description="A key of a ConfigMap of the namespace.")
@@ -172,7 +168,7 @@ class StorageMedium(StrEnum):
 class EmptyDirSource(SpecModel):
     """A scratch directory that lives as long as the pod."""
 
-    medium: StorageMedium | None = Field(None, strict=False, description="`\"\"` (node disk) or `Memory`.")
+    medium: StorageMedium | None = Field(None, strict=False, description='`""` (node disk) or `Memory`.')
     size_limit: Quantity | None = Field(None, description="Most space used, e.g. `10Gi`.")
 
 
@@ -337,8 +333,11 @@ class VolumeMount(SpecModel):
         json_schema_extra={
             "x-kubernetes-validations": [
                 cel(
-                    "!(" + " || ".join(f"self.mountPath == '{p}' || self.mountPath.startsWith('{p}/')"
-                                       for p in OPERATOR_MOUNT_PATHS) + ")",
+                    "!("
+                    + " || ".join(
+                        f"self.mountPath == '{p}' || self.mountPath.startsWith('{p}/')" for p in OPERATOR_MOUNT_PATHS
+                    )
+                    + ")",
                     f"mount paths {', '.join(OPERATOR_MOUNT_PATHS)} and below are the operator's: choose another",
                 ),
                 cel(

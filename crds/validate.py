@@ -95,8 +95,7 @@ _FORBIDDEN_POD_FIELDS: Mapping[str, str] = {
     "hostPID": "remove it: worker pods never share the node's network, PID or IPC namespaces",
     "hostIPC": "remove it: worker pods never share the node's network, PID or IPC namespaces",
     "hostUsers": "remove it: worker pods never share the node's user namespace",
-    "nodeName": "remove it (it bypasses the scheduler); pick nodes with spec.template.nodeSelector or "
-    "podSpec.affinity",
+    "nodeName": "remove it (it bypasses the scheduler); pick nodes with spec.template.nodeSelector or podSpec.affinity",
     "securityContext": "remove it: the operator sets a restricted security context (non-root, no privilege "
     "escalation, all capabilities dropped, RuntimeDefault seccomp)",
     "shareProcessNamespace": "remove it: the worker container runs alone",

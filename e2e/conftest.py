@@ -82,8 +82,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config)
         gateway_settings={"seed": 1},
     )
     with LocalFleet(settings) as local:
-        pytestconfig.stash[FIGURES].append(("fleet", f"localkube + Prometheus + operator + gateway up in "
-                                  f"{time.monotonic() - started:.1f} s"))
+        pytestconfig.stash[FIGURES].append(
+            ("fleet", f"localkube + Prometheus + operator + gateway up in {time.monotonic() - started:.1f} s")
+        )
         yield local
         local.check_running()  # no part died during the session
 
@@ -122,8 +123,12 @@ class Scene:
         }
         if replicas is not None:
             body["replicas"] = replicas
-        return {"apiVersion": "llmfleet.io/v1alpha1", "kind": "InferenceDeployment",
-                "metadata": {"name": name, "namespace": self.ns}, "spec": body}
+        return {
+            "apiVersion": "llmfleet.io/v1alpha1",
+            "kind": "InferenceDeployment",
+            "metadata": {"name": name, "namespace": self.ns},
+            "spec": body,
+        }
 
     def apply(self, doc: dict) -> dict:
         if doc.get("kind") == "InferenceDeployment":
@@ -156,8 +161,13 @@ class Scene:
         revisions = {p["metadata"]["labels"].get("llmfleet.io/revision") for p in pods}
         status = resource.get("status") or {}
         available = any(c["type"] == "Available" and c["status"] == "True" for c in status.get("conditions") or [])
-        ok = (available and len(pods) == replicas == sum(pod_ready(p) for p in pods) and len(revisions) == 1
-              and not status.get("drains") and (status.get("rollout") or {}).get("phase", "Stable") == "Stable")
+        ok = (
+            available
+            and len(pods) == replicas == sum(pod_ready(p) for p in pods)
+            and len(revisions) == 1
+            and not status.get("drains")
+            and (status.get("rollout") or {}).get("phase", "Stable") == "Stable"
+        )
         return next(iter(revisions)) if ok else None
 
     def watch_drains(self, name: str) -> DrainedPodRestarts:

@@ -20,8 +20,13 @@ from llmfleet.traffic import StreamLoad
 _missing = missing_features(["autoscaling"])
 pytestmark = pytest.mark.skipif(bool(_missing), reason="; ".join(f.missing_hint for f in _missing))
 
-AUTOSCALING = {"minReplicas": 1, "maxReplicas": 3, "targets": {"queueDepthPerReplica": 2}, "scaleUpMaxStep": 2,
-               "scaleDownStabilizationSeconds": 5}
+AUTOSCALING = {
+    "minReplicas": 1,
+    "maxReplicas": 3,
+    "targets": {"queueDepthPerReplica": 2},
+    "scaleUpMaxStep": 2,
+    "scaleDownStabilizationSeconds": 5,
+}
 ENGINE = {"maxNumSeqs": 2, "extraArgs": {"engine": "fake", "fake-ttft-ms": 50, "fake-itl-ms": 30}}
 
 
@@ -37,8 +42,9 @@ def test_autoscales_up_under_load_and_back_down_when_idle(scene, fleet, figures)
     scene.wait_until(lambda: scene.settled("elastic", 1), "1 ready pod", timeout_s=90)
     with StreamLoad(fleet.gateway_url, fleet.api_key, "elastic", workers=10, deadline_s=120) as load:
         started = time.monotonic()
-        peak = scene.wait_until(lambda: (n := len(scene.ready_pods("elastic"))) >= 2 and n,
-                                "a scale-up under load", timeout_s=90)
+        peak = scene.wait_until(
+            lambda: (n := len(scene.ready_pods("elastic"))) >= 2 and n, "a scale-up under load", timeout_s=90
+        )
         up_s = time.monotonic() - started
     assert load.failures == [], load.failures[:3]
     idle = time.monotonic()
@@ -49,7 +55,10 @@ def test_autoscales_up_under_load_and_back_down_when_idle(scene, fleet, figures)
     decisions = _decisions(scene.infd("elastic"))
     assert decisions, "the autoscaler recorded no decision in status.autoscaling"
     assert len(scene.pods("elastic")) == 1
-    figures(f"scaled 1 -> {peak} ready pods {up_s:.1f} s after the load began, back to 1 {down_s:.1f} s after "
-            f"it stopped; {load.summary()}; last decisions: "
-            + "; ".join(f"{d['currentReplicas']}->{d['desiredReplicas']} ({d.get('reason', '')[:60]})"
-                        for d in decisions[-3:]))
+    figures(
+        f"scaled 1 -> {peak} ready pods {up_s:.1f} s after the load began, back to 1 {down_s:.1f} s after "
+        f"it stopped; {load.summary()}; last decisions: "
+        + "; ".join(
+            f"{d['currentReplicas']}->{d['desiredReplicas']} ({d.get('reason', '')[:60]})" for d in decisions[-3:]
+        )
+    )

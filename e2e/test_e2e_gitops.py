@@ -25,18 +25,33 @@ _missing = missing_features(["canary"])
 pytestmark = pytest.mark.skipif(bool(_missing), reason="; ".join(f.missing_hint for f in _missing))
 
 KUBECTL = str(Path(sys.executable).parent / "kubectl")
-ANALYSIS = {"intervalSeconds": 5, "failureLimit": 2, "minRequests": 3, "ttftP95MaxRatio": 3, "itlP95MaxRatio": 3,
-            "errorRateMax": 0.05}
+ANALYSIS = {
+    "intervalSeconds": 5,
+    "failureLimit": 2,
+    "minRequests": 3,
+    "ttftP95MaxRatio": 3,
+    "itlP95MaxRatio": 3,
+    "errorRateMax": 0.05,
+}
 
 
 def _kubectl(fleet, ns: str, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([KUBECTL, "--kubeconfig", str(fleet.kubeconfig), "-n", ns, *args],
-                          capture_output=True, text=True, timeout=timeout, check=False)
+    return subprocess.run(
+        [KUBECTL, "--kubeconfig", str(fleet.kubeconfig), "-n", ns, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def _wait(fleet, ns: str, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([KUBECTL, "--kubeconfig", str(fleet.kubeconfig), "-n", ns, "wait", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [KUBECTL, "--kubeconfig", str(fleet.kubeconfig), "-n", ns, "wait", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _condition(resource: dict, kind: str) -> dict:
@@ -70,8 +85,10 @@ def test_kubectl_wait_ready_returns_only_after_the_canary_is_promoted(scene, fle
     assert _condition(resource, "Ready")["status"] == "True"
     assert {p["metadata"]["labels"]["llmfleet.io/revision"] for p in scene.pods("waited")} == {canary}
     assert load.failures == [], load.failures[:3]
-    figures(f"kubectl wait --for=condition=Ready returned {waited_s:.1f} s after the spec change, once canary "
-            f"{canary} was promoted ({rollout.get('reason')}) and stable {stable} drained")
+    figures(
+        f"kubectl wait --for=condition=Ready returned {waited_s:.1f} s after the spec change, once canary "
+        f"{canary} was promoted ({rollout.get('reason')}) and stable {stable} drained"
+    )
 
 
 def test_a_rollback_is_stalled_and_never_ready(scene, fleet, figures) -> None:
@@ -82,8 +99,7 @@ def test_a_rollback_is_stalled_and_never_ready(scene, fleet, figures) -> None:
     scene.wait_until(lambda: scene.rollout("aborted").get("phase") == "Progressing", "the canary")
     started = time.monotonic()
     assert _kubectl(fleet, scene.ns, "annotate", "infd/aborted", "llmfleet.io/abort=true").returncode == 0
-    stalled = _kubectl(fleet, scene.ns, "wait", "--for=condition=Stalled", "infd/aborted", "--timeout=60s",
-                       timeout=70)
+    stalled = _kubectl(fleet, scene.ns, "wait", "--for=condition=Stalled", "infd/aborted", "--timeout=60s", timeout=70)
     assert stalled.returncode == 0, stalled.stderr
     stalled_s = time.monotonic() - started
     condition = _condition(scene.infd("aborted") or {}, "Stalled")

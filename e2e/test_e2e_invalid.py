@@ -43,7 +43,8 @@ def test_invalid_cr_is_reported_and_harmless(scene, fleet, figures) -> None:
     name = invalid["metadata"]["name"]
     resource = scene.wait_until(
         lambda: (r := scene.infd(name)) and _condition(r, "InvalidSpec").get("status") == "True" and r,
-        "InvalidSpec=True", timeout_s=60,
+        "InvalidSpec=True",
+        timeout_s=60,
     )
     reported_s = time.monotonic() - started
     message = _condition(resource, "InvalidSpec")["message"]
@@ -51,7 +52,8 @@ def test_invalid_cr_is_reported_and_harmless(scene, fleet, figures) -> None:
         assert problem in message, message
     warnings = scene.wait_until(
         lambda: [e for e in scene.events(name) if e["type"] == "Warning" and e["reason"] == "InvalidSpec"],
-        "a Warning Event", timeout_s=30,
+        "a Warning Event",
+        timeout_s=30,
     )
     assert scene.pods(name) == []
 
@@ -61,6 +63,8 @@ def test_invalid_cr_is_reported_and_harmless(scene, fleet, figures) -> None:
     (same,) = scene.ready_pods("healthy")
     assert same["metadata"]["uid"] == healthy_pod["metadata"]["uid"]
     assert scene.pods(name) == []
-    figures(f"schema-invalid CR refused with 422; semantically invalid CR reported as InvalidSpec after "
-            f"{reported_s:.1f} s with {len(warnings)} Warning event(s) and 0 pods; the healthy deployment kept its "
-            f"pod and served")
+    figures(
+        f"schema-invalid CR refused with 422; semantically invalid CR reported as InvalidSpec after "
+        f"{reported_s:.1f} s with {len(warnings)} Warning event(s) and 0 pods; the healthy deployment kept its "
+        f"pod and served"
+    )

@@ -21,16 +21,29 @@ from llmfleet.traffic import StreamLoad
 _missing = missing_features(["canary"])
 pytestmark = pytest.mark.skipif(bool(_missing), reason="; ".join(f.missing_hint for f in _missing))
 
-REAL_ENGINE = {"type": "builtin", "dtype": "float32", "maxNumSeqs": 4, "maxNumBatchedTokens": 256,
-               "kvCacheBytes": "24Mi"}
+REAL_ENGINE = {
+    "type": "builtin",
+    "dtype": "float32",
+    "maxNumSeqs": 4,
+    "maxNumBatchedTokens": 256,
+    "kvCacheBytes": "24Mi",
+}
 
 
 def _deployment(scene, name: str, min_agreement: float) -> dict:
-    analysis = {"intervalSeconds": 5, "failureLimit": 1, "minRequests": 1, "ttftP95MaxRatio": 50,
-                "itlP95MaxRatio": 50, "errorRateMax": 0.2, "qualityMinAgreement": min_agreement}
+    analysis = {
+        "intervalSeconds": 5,
+        "failureLimit": 1,
+        "minRequests": 1,
+        "ttftP95MaxRatio": 50,
+        "itlP95MaxRatio": 50,
+        "errorRateMax": 0.2,
+        "qualityMinAgreement": min_agreement,
+    }
     steps = [{"weight": 50, "pauseSeconds": 5}]
-    return scene.deployment(name, replicas=1, engine=REAL_ENGINE,
-                            rollout={"canary": {"steps": steps, "analysis": analysis}})
+    return scene.deployment(
+        name, replicas=1, engine=REAL_ENGINE, rollout={"canary": {"steps": steps, "analysis": analysis}}
+    )
 
 
 def _quality(rollout: dict) -> list[float]:
@@ -40,19 +53,29 @@ def _quality(rollout: dict) -> list[float]:
 def test_int4_canary_is_promoted_or_rolled_back_by_measured_quality(scene, fleet, figures) -> None:
     scene.apply(_deployment(scene, "q-ok", 0.9))
     scene.apply(_deployment(scene, "q-strict", 0.999))
-    stable = {n: scene.wait_until(lambda n=n: scene.settled(n, 1), f"{n}: one ready fp32 pod", timeout_s=120)
-              for n in ("q-ok", "q-strict")}
-    loads = {n: StreamLoad(fleet.gateway_url, fleet.api_key, n, workers=1, deadline_s=240, max_tokens=8).start()
-             for n in stable}
+    stable = {
+        n: scene.wait_until(lambda n=n: scene.settled(n, 1), f"{n}: one ready fp32 pod", timeout_s=120)
+        for n in ("q-ok", "q-strict")
+    }
+    loads = {
+        n: StreamLoad(fleet.gateway_url, fleet.api_key, n, workers=1, deadline_s=240, max_tokens=8).start()
+        for n in stable
+    }
     try:
         started = time.monotonic()
         for name in stable:
             scene.patch(name, {"spec": {"variants": [{"name": "default", "quantization": "int4"}]}})
-        promoted = scene.wait_until(lambda: scene.settled("q-ok", 1) not in (None, stable["q-ok"]) and
-                                    scene.rollout("q-ok"), "q-ok: the int4 canary promoted", timeout_s=200)
+        promoted = scene.wait_until(
+            lambda: scene.settled("q-ok", 1) not in (None, stable["q-ok"]) and scene.rollout("q-ok"),
+            "q-ok: the int4 canary promoted",
+            timeout_s=200,
+        )
         promoted_s = time.monotonic() - started
-        rolled = scene.wait_until(lambda: (r := scene.rollout("q-strict")).get("phase") == "RolledBack" and r,
-                                  "q-strict: the int4 canary rolled back", timeout_s=200)
+        rolled = scene.wait_until(
+            lambda: (r := scene.rollout("q-strict")).get("phase") == "RolledBack" and r,
+            "q-strict: the int4 canary rolled back",
+            timeout_s=200,
+        )
     finally:
         for load in loads.values():
             load.stop()
@@ -66,5 +89,7 @@ def test_int4_canary_is_promoted_or_rolled_back_by_measured_quality(scene, fleet
     assert warnings and "quality agreement" in warnings[0]["message"]
     for name, load in loads.items():
         assert load.failures == [], f"{name}: {len(load.failures)} streams failed: {load.failures[:3]}"
-    figures(f"int4 vs fp32 teacher-forced agreement {ok_quality[0]:.3f} / {strict_quality[0]:.3f}; promoted at "
-            f"0.9 after {promoted_s:.0f} s, rolled back at 0.999: {rolled['message'][:120]}")
+    figures(
+        f"int4 vs fp32 teacher-forced agreement {ok_quality[0]:.3f} / {strict_quality[0]:.3f}; promoted at "
+        f"0.9 after {promoted_s:.0f} s, rolled back at 0.999: {rolled['message'][:120]}"
+    )

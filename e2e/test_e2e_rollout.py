@@ -26,8 +26,14 @@ from llmfleet.traffic import StreamLoad
 _missing = missing_features(["canary"])
 pytestmark = pytest.mark.skipif(bool(_missing), reason="; ".join(f.missing_hint for f in _missing))
 
-ANALYSIS = {"intervalSeconds": 5, "failureLimit": 2, "minRequests": 3, "ttftP95MaxRatio": 3, "itlP95MaxRatio": 3,
-            "errorRateMax": 0.05}
+ANALYSIS = {
+    "intervalSeconds": 5,
+    "failureLimit": 2,
+    "minRequests": 3,
+    "ttftP95MaxRatio": 3,
+    "itlP95MaxRatio": 3,
+    "errorRateMax": 0.05,
+}
 
 
 def _canary(scene, name: str, replicas: int, steps: list[dict]) -> dict:
@@ -46,8 +52,10 @@ def test_canary_promotes_and_no_stream_fails_through_rollout_and_scale_down(scen
     steps = [{"weight": 34, "pauseSeconds": 2}, {"weight": 67, "pauseSeconds": 2}]
     scene.apply(_canary(scene, "promo", 3, steps))
     stable = scene.wait_until(lambda: scene.settled("promo", 3), "3 ready pods of one revision", timeout_s=90)
-    with scene.watch_drains("promo") as watch, \
-            StreamLoad(fleet.gateway_url, fleet.api_key, "promo", workers=3, deadline_s=200) as load:
+    with (
+        scene.watch_drains("promo") as watch,
+        StreamLoad(fleet.gateway_url, fleet.api_key, "promo", workers=3, deadline_s=200) as load,
+    ):
         scene.wait_until(lambda: load.completed >= 6, "streams through the gateway", timeout_s=30)
         started = time.monotonic()
         scene.patch("promo", _env_patch(CANARY="1"))
@@ -58,8 +66,12 @@ def test_canary_promotes_and_no_stream_fails_through_rollout_and_scale_down(scen
         scene.wait_until(lambda: load.revisions()[canary] >= 6, "streams served by the promoted revision")
 
         scale_started = time.monotonic()
-        scene.kube.request("PATCH", f"/apis/llmfleet.io/v1alpha1/namespaces/{scene.ns}/inferencedeployments/promo/"
-                           "scale", {"spec": {"replicas": 1}}, content_type="application/merge-patch+json")
+        scene.kube.request(
+            "PATCH",
+            f"/apis/llmfleet.io/v1alpha1/namespaces/{scene.ns}/inferencedeployments/promo/scale",
+            {"spec": {"replicas": 1}},
+            content_type="application/merge-patch+json",
+        )
         scene.wait_until(lambda: scene.settled("promo", 1) == canary, "one pod left", timeout_s=60)
         scaled_s = time.monotonic() - scale_started
         done = load.completed
@@ -73,25 +85,31 @@ def test_canary_promotes_and_no_stream_fails_through_rollout_and_scale_down(scen
     reasons = Counter(e["reason"] for e in scene.events("promo"))
     assert reasons["CanaryPromoted"] == 1 and reasons["DrainingPod"] >= 5
     scene.assert_drained_without_restarts("promo", watch, at_least=5)  # promotion and scale-down
-    figures(f"canary promoted {promoted_s:.1f} s after the spec change (analysis {dict(verdicts)}); scale-down "
-            f"3 -> 1 settled in {scaled_s:.1f} s; {reasons['DrainingPod']} pods drained; {load.summary()}")
+    figures(
+        f"canary promoted {promoted_s:.1f} s after the spec change (analysis {dict(verdicts)}); scale-down "
+        f"3 -> 1 settled in {scaled_s:.1f} s; {reasons['DrainingPod']} pods drained; {load.summary()}"
+    )
 
 
 def test_faulty_canary_is_rolled_back_automatically(scene, fleet, figures) -> None:
     scene.apply(_canary(scene, "faulty", 2, [{"weight": 50, "pauseSeconds": 2}]))
     stable = scene.wait_until(lambda: scene.settled("faulty", 2), "2 ready pods", timeout_s=90)
-    with scene.watch_drains("faulty") as watch, \
-            StreamLoad(fleet.gateway_url, fleet.api_key, "faulty", workers=3, deadline_s=150) as load:
+    with (
+        scene.watch_drains("faulty") as watch,
+        StreamLoad(fleet.gateway_url, fleet.api_key, "faulty", workers=3, deadline_s=150) as load,
+    ):
         started = time.monotonic()
         scene.patch("faulty", _env_patch(LLMFLEET_FAULT_ERROR_RATE="0.6", LLMFLEET_FAULT_SEED="7"))
         canary = scene.wait_until(lambda: scene.rollout("faulty").get("canaryRevision"), "the canary to start")
-        rolled = scene.wait_until(lambda: (r := scene.rollout("faulty")).get("phase") == "RolledBack" and r,
-                                  "the rollback", timeout_s=120)
+        rolled = scene.wait_until(
+            lambda: (r := scene.rollout("faulty")).get("phase") == "RolledBack" and r, "the rollback", timeout_s=120
+        )
         rolled_back_s = time.monotonic() - started
         scene.wait_until(lambda: set(_revisions(scene.pods("faulty"))) == {stable}, "canary pods gone")
         after = time.monotonic()
-        scene.wait_until(lambda: sum(o.ok and o.started > after for o in load.snapshot()) >= 10,
-                         "streams after the rollback")
+        scene.wait_until(
+            lambda: sum(o.ok and o.started > after for o in load.snapshot()) >= 10, "streams after the rollback"
+        )
     assert rolled["rejectedRevision"] == canary and rolled["stableRevision"] == stable
     assert rolled["reason"] == "AnalysisFailed" and "error rate" in rolled["message"]
     assert [a["verdict"] for a in rolled["analysis"]][-2:] == ["Fail", "Fail"]
@@ -101,8 +119,10 @@ def test_faulty_canary_is_rolled_back_automatically(scene, fleet, figures) -> No
     warnings = [e for e in scene.events("faulty") if e["reason"] == "CanaryRolledBack"]
     assert warnings and warnings[0]["type"] == "Warning"
     scene.assert_drained_without_restarts("faulty", watch, at_least=1)  # the rolled-back canary pod
-    figures(f"faulty canary rolled back {rolled_back_s:.1f} s after the change: {rolled['message'][:160]}; "
-            f"{len(injected)} injected errors seen by clients; {load.summary()}")
+    figures(
+        f"faulty canary rolled back {rolled_back_s:.1f} s after the change: {rolled['message'][:160]}; "
+        f"{len(injected)} injected errors seen by clients; {load.summary()}"
+    )
 
 
 def test_operator_restarted_mid_rollout_resumes(scene, fleet, figures) -> None:
@@ -113,7 +133,8 @@ def test_operator_restarted_mid_rollout_resumes(scene, fleet, figures) -> None:
         scene.patch("resume", _env_patch(RESUME="1"))
         before = scene.wait_until(
             lambda: (r := scene.rollout("resume")).get("phase") == "Progressing" and r.get("stepStartedAt") and r,
-            "the canary step to start")
+            "the canary step to start",
+        )
         canary = before["canaryRevision"]
         scene.wait_until(lambda: _revisions(scene.ready_pods("resume"))[canary] >= 1, "a ready canary pod")
         at_kill = scene.rollout("resume")
@@ -123,12 +144,18 @@ def test_operator_restarted_mid_rollout_resumes(scene, fleet, figures) -> None:
         restart_s = time.monotonic() - restart_started
         after = scene.rollout("resume")
         assert (after.get("canaryRevision"), after.get("stepStartedAt"), after.get("startedAt")) == (
-            canary, before["stepStartedAt"], before["startedAt"])
-        scene.wait_until(lambda: scene.settled("resume", 2) == canary, "the rollout finished after the restart",
-                         timeout_s=120)
+            canary,
+            before["stepStartedAt"],
+            before["startedAt"],
+        )
+        scene.wait_until(
+            lambda: scene.settled("resume", 2) == canary, "the rollout finished after the restart", timeout_s=120
+        )
     assert load.failures == [], f"{len(load.failures)} streams failed: {load.failures[:3]}"
     reasons = Counter(e["reason"] for e in scene.events("resume"))
     assert reasons["CanaryStarted"] == 1 and reasons["CanaryPromoted"] == 1  # one rollout, resumed, not restarted
     assert stable != canary
-    figures(f"operator SIGKILLed at step 1 and back in {restart_s:.1f} s; the same rollout resumed and promoted "
-            f"({json.dumps(dict(reasons))}); {load.summary()}")
+    figures(
+        f"operator SIGKILLed at step 1 and back in {restart_s:.1f} s; the same rollout resumed and promoted "
+        f"({json.dumps(dict(reasons))}); {load.summary()}"
+    )

@@ -83,8 +83,13 @@ def test_llmfleet_up_serves_the_bundled_model_and_stops_cleanly(tmp_path: Path, 
     err_path = tmp_path / "up.stderr"
     started = time.monotonic()
     with open(err_path, "w") as err:
-        proc = subprocess.Popen([str(BIN / "llmfleet"), "up", "--work-dir", str(tmp_path / "work")],
-                                stdout=subprocess.PIPE, stderr=err, text=True, env={**os.environ, "COLUMNS": "160"})
+        proc = subprocess.Popen(
+            [str(BIN / "llmfleet"), "up", "--work-dir", str(tmp_path / "work")],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env={**os.environ, "COLUMNS": "160"},
+        )
     try:
         lines = _read_lines(proc, {"GATEWAY_URL", "API_KEY", "KUBECONFIG"}, timeout_s=240)
         assert len(lines) == 3, f"llmfleet up printed {lines}; stderr:\n{err_path.read_text()[-4000:]}"
@@ -93,17 +98,26 @@ def test_llmfleet_up_serves_the_bundled_model_and_stops_cleanly(tmp_path: Path, 
         assert "Paris" in output, output[-3000:]
 
         # the printed lines are enough for a client ...
-        answer = "".join(stream_chat(lines["GATEWAY_URL"], lines["API_KEY"], "smollm2",
-                                     "What is the capital of France?", max_tokens=24))
+        answer = "".join(
+            stream_chat(
+                lines["GATEWAY_URL"], lines["API_KEY"], "smollm2", "What is the capital of France?", max_tokens=24
+            )
+        )
         assert "Paris" in answer
-        refused = httpx.post(f"{lines['GATEWAY_URL']}/v1/chat/completions", timeout=30,
-                             json={"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}]})
+        refused = httpx.post(
+            f"{lines['GATEWAY_URL']}/v1/chat/completions",
+            timeout=30,
+            json={"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}]},
+        )
         assert refused.status_code == 401
         # ... and for kubectl
-        kubectl = subprocess.run([str(BIN / "kubectl"), "get", "infd", "smollm2", "-o",
-                                  "jsonpath={.status.readyReplicas}"], capture_output=True, text=True, timeout=60,
-                                 env={**os.environ, "KUBECONFIG": lines["KUBECONFIG"],
-                                      "KUBECACHEDIR": str(tmp_path / "kubecache")})
+        kubectl = subprocess.run(
+            [str(BIN / "kubectl"), "get", "infd", "smollm2", "-o", "jsonpath={.status.readyReplicas}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "KUBECONFIG": lines["KUBECONFIG"], "KUBECACHEDIR": str(tmp_path / "kubecache")},
+        )
         assert kubectl.returncode == 0 and int(kubectl.stdout) >= 1, kubectl.stderr
 
         # SIGTERM stops everything it started: no process below it survives
@@ -120,8 +134,10 @@ def test_llmfleet_up_serves_the_bundled_model_and_stops_cleanly(tmp_path: Path, 
                 break
             time.sleep(0.2)
         assert not survivors, f"left running: {survivors}"
-        figures(f"llmfleet up: answer streamed and lines printed after {ready_s:.1f} s; {len(below)} processes "
-                f"started; SIGTERM stopped all in {stop_s:.1f} s")
+        figures(
+            f"llmfleet up: answer streamed and lines printed after {ready_s:.1f} s; {len(below)} processes "
+            f"started; SIGTERM stopped all in {stop_s:.1f} s"
+        )
     finally:
         if proc.poll() is None:  # a failed assertion: still stop the fleet cleanly
             proc.send_signal(signal.SIGTERM)

@@ -29,22 +29,35 @@ from llmfleet.traffic import StreamLoad
 
 pytest.importorskip("vllm")
 _missing = missing_features(["canary"])
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600),
-              pytest.mark.skipif(bool(_missing), reason="; ".join(f.missing_hint for f in _missing))]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(bool(_missing), reason="; ".join(f.missing_hint for f in _missing)),
+]
 
 BUILTIN = {"type": "builtin", "dtype": "float32", "maxNumSeqs": 4, "maxNumBatchedTokens": 256, "kvCacheBytes": "24Mi"}
 VLLM = {"type": "vllm", "dtype": "float32", "maxNumSeqs": 4, "maxNumBatchedTokens": 512, "kvCacheBytes": "96Mi"}
 # Loose latency ratios: two engines share two cores here; what this test is about is that the analysis runs on
 # vLLM's series at all (a missing series is Inconclusive, never a Pass, so a promotion proves they were read).
-ANALYSIS = {"intervalSeconds": 5, "failureLimit": 2, "minRequests": 1, "ttftP95MaxRatio": 50, "itlP95MaxRatio": 50,
-            "errorRateMax": 0.2}
+ANALYSIS = {
+    "intervalSeconds": 5,
+    "failureLimit": 2,
+    "minRequests": 1,
+    "ttftP95MaxRatio": 50,
+    "itlP95MaxRatio": 50,
+    "errorRateMax": 0.2,
+}
 NAME = re.compile(r"\b((?:vllm|llmfleet):[a-z_]+)")
 
 
 def queried_metric_names(repo) -> set[str]:
     """Every `vllm:`/`llmfleet:` series the operator queries and the chart's dashboard and rules use."""
-    sources = [metrics_source.__file__, repo / "charts/llmfleet/files/dashboard.json",
-               repo / "charts/llmfleet/templates/prometheusrule.yaml"]
+    sources = [
+        metrics_source.__file__,
+        repo / "charts/llmfleet/files/dashboard.json",
+        repo / "charts/llmfleet/templates/prometheusrule.yaml",
+    ]
     names = set()
     for path in sources:
         names |= set(NAME.findall(open(path, encoding="utf-8").read()))
@@ -68,15 +81,29 @@ def exposed_names(pod: dict) -> set[str]:
 
 def _pods_state(scene, name: str) -> list[tuple]:
     """What a failed wait shows: each pod's name, phase, readiness, restarts and last container state."""
-    return [(p["metadata"]["name"], p["status"].get("phase"), [c.get("ready") for c in
-             p["status"].get("containerStatuses") or []], [(c.get("restartCount"), c.get("state"), c.get("lastState"))
-             for c in p["status"].get("containerStatuses") or []]) for p in scene.pods(name)]
+    return [
+        (
+            p["metadata"]["name"],
+            p["status"].get("phase"),
+            [c.get("ready") for c in p["status"].get("containerStatuses") or []],
+            [
+                (c.get("restartCount"), c.get("state"), c.get("lastState"))
+                for c in p["status"].get("containerStatuses") or []
+            ],
+        )
+        for p in scene.pods(name)
+    ]
 
 
 def _logs(fleet, namespace: str, pod: str) -> str:
     kubectl = Path(sys.executable).parent / "kubectl"
-    done = subprocess.run([str(kubectl), "--kubeconfig", str(fleet.kubeconfig), "-n", namespace, "logs", pod,
-                           "--tail", "30"], capture_output=True, text=True, timeout=30, check=False)
+    done = subprocess.run(
+        [str(kubectl), "--kubeconfig", str(fleet.kubeconfig), "-n", namespace, "logs", pod, "--tail", "30"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     return done.stdout + done.stderr
 
 
@@ -85,8 +112,11 @@ def _wait_settled(scene, fleet, replicas: int, revision: str, what: str, timeout
     try:
         scene.wait_until(lambda: scene.settled("vl", replicas) == revision, what, timeout_s=timeout_s, poll_s=2)
     except AssertionError as e:
-        logs = {p["metadata"]["name"]: _logs(fleet, scene.ns, p["metadata"]["name"])[-1500:]
-                for p in scene.pods("vl") if not all(c.get("ready") for c in p["status"].get("containerStatuses") or [])}
+        logs = {
+            p["metadata"]["name"]: _logs(fleet, scene.ns, p["metadata"]["name"])[-1500:]
+            for p in scene.pods("vl")
+            if not all(c.get("ready") for c in p["status"].get("containerStatuses") or [])
+        }
         raise AssertionError(f"{e}; pods: {_pods_state(scene, 'vl')}; logs of unready pods: {logs}"[:8000]) from None
 
 
@@ -98,8 +128,12 @@ def _engine(pod: dict) -> str:
 def test_engine_switch_to_vllm_is_a_canary_on_the_same_metrics_and_vllm_pods_drain(scene, fleet, figures) -> None:
     wanted = queried_metric_names(scene.repo)
     assert {metrics_source.WAITING, metrics_source.KV_USAGE, metrics_source.TTFT + "_bucket"} <= wanted
-    spec = scene.deployment("vl", replicas=1, engine=BUILTIN, rollout={
-        "canary": {"steps": [{"weight": 50, "pauseSeconds": 5}], "analysis": ANALYSIS}})
+    spec = scene.deployment(
+        "vl",
+        replicas=1,
+        engine=BUILTIN,
+        rollout={"canary": {"steps": [{"weight": 50, "pauseSeconds": 5}], "analysis": ANALYSIS}},
+    )
     spec["spec"]["model"]["maxModelLen"] = 1024  # vLLM refuses a context its KV cache cannot hold once
     scene.apply(spec)
     stable = scene.wait_until(lambda: scene.settled("vl", 1), "one ready pod on our engine", timeout_s=180)
@@ -124,8 +158,10 @@ def test_engine_switch_to_vllm_is_a_canary_on_the_same_metrics_and_vllm_pods_dra
     # A second vLLM engine starts on an idle machine: under load the first one's OpenMP threads hold both cores.
     scene.patch("vl", {"spec": {"replicas": 2}})
     _wait_settled(scene, fleet, 2, canary, "two vLLM pods", timeout_s=300)
-    with scene.watch_drains("vl") as watch, \
-            StreamLoad(fleet.gateway_url, fleet.api_key, "vl", workers=2, deadline_s=300, max_tokens=8) as load:
+    with (
+        scene.watch_drains("vl") as watch,
+        StreamLoad(fleet.gateway_url, fleet.api_key, "vl", workers=2, deadline_s=300, max_tokens=8) as load,
+    ):
         scene.wait_until(lambda: load.completed >= 4, "streams on two vLLM pods", timeout_s=120)
         scale_started = time.monotonic()
         scene.patch("vl", {"spec": {"replicas": 1}})
@@ -146,6 +182,8 @@ def test_engine_switch_to_vllm_is_a_canary_on_the_same_metrics_and_vllm_pods_dra
     scene.assert_drained_without_restarts("vl", watch, at_least=1)  # the vLLM pod of the scale-down
     for phase in (first, load):
         assert phase.failures == [], f"{len(phase.failures)} streams failed: {phase.failures[:3]}"
-    figures(f"builtin -> vLLM canary promoted {promoted_s:.0f} s after the spec change (analysis {dict(verdicts)}); "
-            f"{len(wanted)} queried metric names exposed by both engines; vLLM scale-down 2 -> 1 settled in "
-            f"{scaled_s:.1f} s; {first.summary()}; {load.summary()}")
+    figures(
+        f"builtin -> vLLM canary promoted {promoted_s:.0f} s after the spec change (analysis {dict(verdicts)}); "
+        f"{len(wanted)} queried metric names exposed by both engines; vLLM scale-down 2 -> 1 settled in "
+        f"{scaled_s:.1f} s; {first.summary()}; {load.summary()}"
+    )

@@ -31,7 +31,7 @@ def _restarts(pod: dict) -> int:
 
 def _gateway_retries(metrics_url: str) -> float:
     text = httpx.get(metrics_url, timeout=10).text
-    return sum(float(v) for v in re.findall(r'^llmfleet_gateway_retries_total\{[^}]*\} ([0-9.e+]+)$', text, re.M))
+    return sum(float(v) for v in re.findall(r"^llmfleet_gateway_retries_total\{[^}]*\} ([0-9.e+]+)$", text, re.M))
 
 
 def test_killed_worker_is_replaced_and_unstarted_requests_are_retried(scene, fleet, figures) -> None:
@@ -46,15 +46,21 @@ def test_killed_worker_is_replaced_and_unstarted_requests_are_retried(scene, fle
         os.kill(_pid(target), signal.SIGKILL)
         sent_before = len(load.snapshot())
         back = scene.wait_until(
-            lambda: next((p for p in scene.ready_pods("victim")
-                          if p["metadata"]["name"] == name and _restarts(p) > restarts), None),
-            "the killed pod restarted and Ready", timeout_s=60,
+            lambda: next(
+                (p for p in scene.ready_pods("victim") if p["metadata"]["name"] == name and _restarts(p) > restarts),
+                None,
+            ),
+            "the killed pod restarted and Ready",
+            timeout_s=60,
         )
         replaced_s = time.monotonic() - killed_at
         scene.wait_until(lambda: len(scene.ready_pods("victim")) == 2, "both pods ready", timeout_s=30)
         recovered_at = time.monotonic()
-        scene.wait_until(lambda: sum(o.ok and o.started > recovered_at for o in load.snapshot()) >= 20,
-                         "20 streams after the restart", timeout_s=60)
+        scene.wait_until(
+            lambda: sum(o.ok and o.started > recovered_at for o in load.snapshot()) >= 20,
+            "20 streams after the restart",
+            timeout_s=60,
+        )
     outcomes = load.snapshot()
     before_first_byte = [o for o in outcomes if o.kind == "before_first_byte"]
     mid_stream = [o for o in outcomes if o.kind == "mid_stream"]
@@ -62,6 +68,8 @@ def test_killed_worker_is_replaced_and_unstarted_requests_are_retried(scene, fle
     assert len(mid_stream) <= WORKERS, f"more broken streams than were in flight: {mid_stream[:3]}"
     assert all(o.started <= killed_at for o in mid_stream), "a stream sent after the kill broke"
     assert _restarts(back) == restarts + 1
-    figures(f"pod {name} restarted and Ready {replaced_s:.1f} s after SIGKILL; {load.summary()}; "
-            f"{len(mid_stream)} stream(s) in flight on it broke ({sent_before} done before the kill); gateway "
-            f"retries +{_gateway_retries(fleet.gateway_metrics_url) - retries_before:.0f}")
+    figures(
+        f"pod {name} restarted and Ready {replaced_s:.1f} s after SIGKILL; {load.summary()}; "
+        f"{len(mid_stream)} stream(s) in flight on it broke ({sent_before} done before the kill); gateway "
+        f"retries +{_gateway_retries(fleet.gateway_metrics_url) - retries_before:.0f}"
+    )

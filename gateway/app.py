@@ -37,13 +37,9 @@ OPEN_MODE_WARNING = (
 )
 
 
-def create_app(
-    settings: GatewaySettings, source: Source, keys: KeyStore, rng: random.Random | None = None
-) -> FastAPI:
+def create_app(settings: GatewaySettings, source: Source, keys: KeyStore, rng: random.Random | None = None) -> FastAPI:
     """A gateway app routing with `source`'s tables and authenticating with `keys`."""
-    state = GatewayState(
-        settings=settings, keys=keys, rng=rng if rng is not None else random.Random(settings.seed)
-    )
+    state = GatewayState(settings=settings, keys=keys, rng=rng if rng is not None else random.Random(settings.seed))
 
     metrics_server = (
         MetricsServer(state.metrics.registry, settings.metrics_host, settings.metrics_port)

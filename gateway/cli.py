@@ -23,7 +23,9 @@ import typer
 def gateway_command(
     host: str = typer.Option("127.0.0.1", help="Listen address."),
     port: int = typer.Option(8080, help="Listen port."),
-    metrics_host: str | None = typer.Option(None, help="Listen address of the internal /metrics server [default: 127.0.0.1]."),
+    metrics_host: str | None = typer.Option(
+        None, help="Listen address of the internal /metrics server [default: 127.0.0.1]."
+    ),
     metrics_port: int | None = typer.Option(
         None, help="Internal port of /metrics (not the public port) [default: 9090; 0 picks a free one]."
     ),
@@ -37,7 +39,9 @@ def gateway_command(
     api_keys_secret: str | None = typer.Option(
         None, help="Kubernetes mode: Secret [NAMESPACE/]NAME whose item `api-keys` holds `KEY [TIER]` lines."
     ),
-    kubeconfig: str | None = typer.Option(None, help="Kubernetes mode: kubeconfig file (default: $KUBECONFIG, ~/.kube/config, in-cluster)."),
+    kubeconfig: str | None = typer.Option(
+        None, help="Kubernetes mode: kubeconfig file (default: $KUBECONFIG, ~/.kube/config, in-cluster)."
+    ),
     namespace: str | None = typer.Option(None, help="Kubernetes mode: watch only this namespace (default: all)."),
     config: Path | None = typer.Option(None, help="YAML/JSON file of gateway settings (timeouts, tiers, limits, ...)."),
     log_level: str = typer.Option("info", help="Log level: debug, info, warning, error."),
@@ -65,8 +69,13 @@ def gateway_command(
         raise fail(f"--loop must be auto, asyncio or uvloop, got {loop!r}")
     if http not in ("auto", "h11", "httptools"):
         raise fail(f"--http must be auto, h11 or httptools, got {http!r}")
-    overrides = {"host": host, "port": port, "metrics_host": metrics_host, "metrics_port": metrics_port,
-                 "allow_open_mode": insecure_open_mode or None}
+    overrides = {
+        "host": host,
+        "port": port,
+        "metrics_host": metrics_host,
+        "metrics_port": metrics_port,
+        "allow_open_mode": insecure_open_mode or None,
+    }
     try:
         if config is not None:
             settings = GatewaySettings.from_file(config, **overrides)

@@ -69,7 +69,9 @@ def parse_backend(arg: str) -> StaticBackend:
     name, sep, urls = arg.partition("=")
     name = name.strip()
     if not sep or not name or not urls.strip():
-        raise ValueError(f"--backend {arg!r}: expected MODEL[:VARIANT]=URL[,URL...], e.g. smollm2=http://127.0.0.1:8000")
+        raise ValueError(
+            f"--backend {arg!r}: expected MODEL[:VARIANT]=URL[,URL...], e.g. smollm2=http://127.0.0.1:8000"
+        )
     model, _, variant = name.partition(":")
     if not model or (":" in variant):
         raise ValueError(f"--backend {arg!r}: expected MODEL or MODEL:VARIANT before '='")
@@ -217,7 +219,10 @@ def deployment_route(cr: Mapping[str, Any], pods: Iterable[Mapping[str, Any]]) -
     )
     max_len = ((cr.get("spec") or {}).get("model") or {}).get("maxModelLen")
     return DeploymentRoute(
-        model=model, name=str(meta.get("name", "")), namespace=str(meta.get("namespace", "")), variants=variants,
+        model=model,
+        name=str(meta.get("name", "")),
+        namespace=str(meta.get("namespace", "")),
+        variants=variants,
         max_model_len=max_len if isinstance(max_len, int) and not isinstance(max_len, bool) and max_len > 0 else None,
     )
 

@@ -53,9 +53,21 @@ class _LiveCollector(Collector):
         yield held
         for name, doc, fn in (
             ("llmfleet_gateway_in_flight_requests", "Requests admitted and not yet finished.", self._live.in_flight),
-            ("llmfleet_gateway_admission_queued", "Requests waiting for admission (saturation).", self._live.admission_queued),
-            ("llmfleet_gateway_asyncio_tasks", "asyncio tasks alive in the gateway's event loop.", self._live.asyncio_tasks),
-            ("llmfleet_gateway_upstream_connections", "Open connections in the upstream pool.", self._live.upstream_connections),
+            (
+                "llmfleet_gateway_admission_queued",
+                "Requests waiting for admission (saturation).",
+                self._live.admission_queued,
+            ),
+            (
+                "llmfleet_gateway_asyncio_tasks",
+                "asyncio tasks alive in the gateway's event loop.",
+                self._live.asyncio_tasks,
+            ),
+            (
+                "llmfleet_gateway_upstream_connections",
+                "Open connections in the upstream pool.",
+                self._live.upstream_connections,
+            ),
             ("llmfleet_gateway_ready_backends", "Backend pods the gateway can route to.", self._live.ready_backends),
         ):
             yield GaugeMetricFamily(name, doc, value=fn())
@@ -68,7 +80,9 @@ class GatewayMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         self.requests = Counter(
-            "llmfleet_gateway_requests", "Requests answered, by served model and HTTP status.", ["model", "status"],
+            "llmfleet_gateway_requests",
+            "Requests answered, by served model and HTTP status.",
+            ["model", "status"],
             registry=r,
         )
         self.errors = Counter(
@@ -79,30 +93,42 @@ class GatewayMetrics:
             registry=r,
         )
         self.retries = Counter(
-            "llmfleet_gateway_retries", "Upstream attempts retried on another pod (before the first byte).",
-            ["model", "reason"], registry=r,
+            "llmfleet_gateway_retries",
+            "Upstream attempts retried on another pod (before the first byte).",
+            ["model", "reason"],
+            registry=r,
         )
         self.ttft = Histogram(
             "llmfleet_gateway_time_to_first_token_seconds",
             "Time from the request's arrival to the first streamed chunk sent to the client.",
-            ["model"], buckets=_LATENCY_BUCKETS, registry=r,
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.itl = Histogram(
             "llmfleet_gateway_inter_token_latency_seconds",
             "Mean time per output token after the first of each stream as the client received it (one observation "
             "per stream: its first to last chunk over the worker's completion tokens - 1).",
-            ["model"], buckets=_LATENCY_BUCKETS, registry=r,
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.rate_limited = Counter(
-            "llmfleet_gateway_rate_limit_rejections", "Requests rejected with 429 by per-key limits.",
-            ["tier", "limit"], registry=r,
+            "llmfleet_gateway_rate_limit_rejections",
+            "Requests rejected with 429 by per-key limits.",
+            ["tier", "limit"],
+            registry=r,
         )
         self.shed = Counter(
-            "llmfleet_gateway_shed", "Requests refused with 503 by admission or the scale-to-zero hold.",
-            ["tier", "reason"], registry=r,
+            "llmfleet_gateway_shed",
+            "Requests refused with 503 by admission or the scale-to-zero hold.",
+            ["tier", "reason"],
+            registry=r,
         )
         self.output_tokens = Counter(
-            "llmfleet_gateway_output_tokens", "Output tokens the workers reported (usage) for answers passed to clients.", ["model"],
+            "llmfleet_gateway_output_tokens",
+            "Output tokens the workers reported (usage) for answers passed to clients.",
+            ["model"],
             registry=r,
         )
         r.register(_LiveCollector(live))

@@ -91,7 +91,9 @@ class GatewayMiddleware:
         reason = self.state.keys.unavailable
         if reason is not None and scope["path"] not in PROBE_PATHS:
             retry = str(self.state.settings.retry_after_seconds).encode()
-            await _send_error(send_with_id, 503, error_body(503, reason, "api_keys_not_loaded"), [(b"retry-after", retry)])
+            await _send_error(
+                send_with_id, 503, error_body(503, reason, "api_keys_not_loaded"), [(b"retry-after", retry)]
+            )
             return
         try:
             await self.app(scope, receive, send_with_id)

@@ -112,7 +112,9 @@ async def send_bytes(send: Send, status: int, body: bytes, headers: list[tuple[b
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-async def send_error(send: Send, status: int, message: str, code: str | None, headers: dict[str, str] | None = None) -> None:
+async def send_error(
+    send: Send, status: int, message: str, code: str | None, headers: dict[str, str] | None = None
+) -> None:
     hdrs = [(b"content-type", b"application/json")]
     hdrs += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
     await send_bytes(send, status, error_body(status, message, code), hdrs)
@@ -312,7 +314,9 @@ class _Request:
         try:
             body = json.loads(self.raw)
         except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested too deeply to parse
-            raise _Failure(400, "the request body is not valid JSON (or is nested too deeply)", "invalid_json") from None
+            raise _Failure(
+                400, "the request body is not valid JSON (or is nested too deeply)", "invalid_json"
+            ) from None
         if not isinstance(body, dict):
             raise _Failure(400, "the request body must be a JSON object", "invalid_request")
         model = body.get("model")
@@ -327,7 +331,9 @@ class _Request:
         header_tier = self.headers.get(b"x-llmfleet-tier")
         try:
             tier = resolve_tier(
-                s.tiers, key_tier.name, header_tier.decode("latin-1") if header_tier else None,
+                s.tiers,
+                key_tier.name,
+                header_tier.decode("latin-1") if header_tier else None,
                 may_raise=self.principal.open_mode,
             )
             dep, suffix = resolve_model(state.table, model)
@@ -346,13 +352,19 @@ class _Request:
             retry = self.response_headers.pop("retry-after")
             if verdict.limit == CONCURRENCY:
                 raise _Failure(
-                    429, f"this API key may have {key_tier.max_concurrent_requests} requests at a time in progress; "
-                    "wait for one to finish", "too_many_concurrent_requests", {"retry-after": retry},
+                    429,
+                    f"this API key may have {key_tier.max_concurrent_requests} requests at a time in progress; "
+                    "wait for one to finish",
+                    "too_many_concurrent_requests",
+                    {"retry-after": retry},
                 )
             raise _Failure(
-                429, f"rate limit reached for {verdict.limit} per minute on this API key (this request reserves "
+                429,
+                f"rate limit reached for {verdict.limit} per minute on this API key (this request reserves "
                 f"{cost.total} tokens: its prompt estimate plus max_tokens, or the rest of the context when max_tokens "
-                f"is absent); retry after {retry}s", "rate_limit_exceeded", {"retry-after": retry},
+                f"is absent); retry after {retry}s",
+                "rate_limit_exceeded",
+                {"retry-after": retry},
             )
         try:
             upstream_body, self.client_wants_usage = ask_for_usage(body)
@@ -408,7 +420,9 @@ class _Request:
             except Rejected as r:
                 state.metrics.shed.labels(tier.name, r.reason).inc()
                 state.metrics.errors.labels(self.model_label, "no_backend").inc()
-                raise _Failure(503, r.message, "no_ready_backend", {"retry-after": str(s.retry_after_seconds)}) from None
+                raise _Failure(
+                    503, r.message, "no_ready_backend", {"retry-after": str(s.retry_after_seconds)}
+                ) from None
         key = affinity_key(prompt, s.affinity_prefix_chars)
         async with self._open(dep.model, variant.name, key, stream) as upstream:
             self.response_headers["x-llmfleet-variant"] = upstream.variant
@@ -494,16 +508,22 @@ class _Request:
         except httpx.PoolTimeout:
             state.metrics.errors.labels(self.model_label, "pool_timeout").inc()
             raise _Failure(
-                503, "the gateway has no free upstream connection (pool.max_connections reached), retry later",
-                "overloaded", {"retry-after": str(s.retry_after_seconds)},
+                503,
+                "the gateway has no free upstream connection (pool.max_connections reached), retry later",
+                "overloaded",
+                {"retry-after": str(s.retry_after_seconds)},
             ) from None
         except _RETRYABLE_ERRORS as e:
             state.metrics.errors.labels(self.model_label, "connect").inc()
-            failure = _Failure(502, f"could not reach a backend for {model!r}: {type(e).__name__}", "upstream_unreachable")
+            failure = _Failure(
+                502, f"could not reach a backend for {model!r}: {type(e).__name__}", "upstream_unreachable"
+            )
             return _Retry(failure, "connect", maybe_delivered=isinstance(e, _MAYBE_DELIVERED_ERRORS))
         except httpx.TimeoutException as e:
             state.metrics.errors.labels(self.model_label, "timeout").inc()
-            raise _Failure(504, f"the backend did not answer in time ({type(e).__name__})", "upstream_timeout") from None
+            raise _Failure(
+                504, f"the backend did not answer in time ({type(e).__name__})", "upstream_timeout"
+            ) from None
         committed = False
         try:
             outcome = await self._first_answer(response, ep, stream)
@@ -547,7 +567,9 @@ class _Request:
             return _Retry(failure, "reset", maybe_delivered=True)
         except httpx.TimeoutException as e:
             state.metrics.errors.labels(self.model_label, "timeout").inc()
-            raise _Failure(504, f"the backend did not answer in time ({type(e).__name__})", "upstream_timeout") from None
+            raise _Failure(
+                504, f"the backend did not answer in time ({type(e).__name__})", "upstream_timeout"
+            ) from None
 
     def _no_answer(self, last: _Failure | None, model: str, variant_name: str) -> _Failure:
         """The failure of a request no attempt got an answer for: the last attempt's, or "no ready backend"."""
@@ -555,7 +577,9 @@ class _Request:
         if last is None:
             metrics.errors.labels(self.model_label, "no_backend").inc()
             return _Failure(
-                503, f"no ready backend for model {model!r} (variant {variant_name!r})", "no_ready_backend",
+                503,
+                f"no ready backend for model {model!r} (variant {variant_name!r})",
+                "no_ready_backend",
                 {"retry-after": str(s.retry_after_seconds)},
             )
         if last.status in (429, 503):

@@ -165,9 +165,7 @@ def choose_variant(dep: DeploymentRoute, suffix: str | None, tier: str, rng: ran
         return variant
     candidates = eligible_variants(dep, tier)
     if not candidates:
-        raise RoutingError(
-            404, "model_not_found", f"no variant of model {dep.model!r} serves tier {tier!r}"
-        )
+        raise RoutingError(404, "model_not_found", f"no variant of model {dep.model!r} serves tier {tier!r}")
     weighted = [v for v in candidates if v.weight > 0] or candidates  # all weights zero: uniform
     pool = [v for v in weighted if v.ready] or weighted
     return weighted_choice(pool, [v.weight for v in pool], rng)

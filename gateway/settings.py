@@ -46,16 +46,27 @@ class TierSettings(_Strict):
 def _default_tiers() -> tuple[TierSettings, ...]:
     return (
         TierSettings(
-            name="premium", priority=20, bypass_queue=True, requests_per_minute=10_000, tokens_per_minute=5_000_000,
+            name="premium",
+            priority=20,
+            bypass_queue=True,
+            requests_per_minute=10_000,
+            tokens_per_minute=5_000_000,
             max_concurrent_requests=256,
         ),
         TierSettings(
-            name="standard", priority=10, requests_per_minute=3_000, tokens_per_minute=1_000_000,
+            name="standard",
+            priority=10,
+            requests_per_minute=3_000,
+            tokens_per_minute=1_000_000,
             max_concurrent_requests=64,
         ),
         TierSettings(
-            name="batch", priority=0, shed_above_in_flight=3072, requests_per_minute=3_000,
-            tokens_per_minute=2_000_000, max_concurrent_requests=128,
+            name="batch",
+            priority=0,
+            shed_above_in_flight=3072,
+            requests_per_minute=3_000,
+            tokens_per_minute=2_000_000,
+            max_concurrent_requests=128,
         ),
     )
 
@@ -76,7 +87,9 @@ class PoolSettings(_Strict):
     """The shared upstream httpx connection pool."""
 
     max_connections: int = Field(
-        default=4096, ge=1, description="Upstream connections in use at once (all pods); more requests wait (pool timeout)."
+        default=4096,
+        ge=1,
+        description="Upstream connections in use at once (all pods); more requests wait (pool timeout).",
     )
     max_keepalive_connections: int = Field(default=512, ge=0, description="Idle connections kept for reuse.")
     keepalive_expiry: float = Field(default=30.0, gt=0, description="Seconds an idle upstream connection is kept.")

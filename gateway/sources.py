@@ -241,9 +241,7 @@ class KubeSource:
             publish_keys()
             collections.append((secret, publish_keys))
         for coll, on_change in collections:
-            self._tasks.append(
-                asyncio.create_task(self._run(coll, on_change), name=f"gateway-watch:{coll.path}")
-            )
+            self._tasks.append(asyncio.create_task(self._run(coll, on_change), name=f"gateway-watch:{coll.path}"))
 
     def _apply_keys(self, state: GatewayState, secret: Mapping[str, Any] | None) -> None:
         """Replace the key store with the Secret's keys. Fails closed: a missing Secret, one without keys or a

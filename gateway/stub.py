@@ -27,7 +27,11 @@ MODES = ("ok", "400", "503", "engine_dead", "429", "429_tokenizer", "429_other",
 # (worker_image/worker/server: admission.py, generation.py, tokenizing.py, app.py)
 _ERRORS: dict[str, tuple[int, bytes, dict[str, str]]] = {
     "503": (503, b'{"error": {"message": "draining", "code": "draining"}}', {"retry-after": "2"}),
-    "engine_dead": (503, b'{"error": {"message": "the engine has failed", "code": "engine_dead"}}', {"retry-after": "1"}),
+    "engine_dead": (
+        503,
+        b'{"error": {"message": "the engine has failed", "code": "engine_dead"}}',
+        {"retry-after": "1"},
+    ),
     "400": (400, b'{"error": {"message": "max_tokens too large", "code": "bad_request"}}', {}),
     "429": (429, b'{"error": {"message": "queue full", "code": "queue_full"}}', {"retry-after": "1"}),
     "429_tokenizer": (429, b'{"error": {"message": "tokenizer busy", "code": "tokenizer_busy"}}', {"retry-after": "1"}),
@@ -127,9 +131,13 @@ class StubWorker:
         elif path == "/health":
             await _respond(writer, 200, b'{"status": "ok"}')
         elif path == "/stats":
-            await _respond(writer, 200, json.dumps({k: v for k, v in asdict(self.stats).items() if k != "bodies"}).encode())
+            await _respond(
+                writer, 200, json.dumps({k: v for k, v in asdict(self.stats).items() if k != "bodies"}).encode()
+            )
         elif path == "/v1/models":
-            await _respond(writer, 200, json.dumps({"object": "list", "data": [{"id": self.model, "object": "model"}]}).encode())
+            await _respond(
+                writer, 200, json.dumps({"object": "list", "data": [{"id": self.model, "object": "model"}]}).encode()
+            )
         else:
             await _respond(writer, 404, b'{"error": {"message": "not found"}}')
         return True
@@ -161,9 +169,13 @@ class StubWorker:
                 return done
             await asyncio.sleep(self.delay * n)
             text = "".join(f"tok{i} " for i in range(n))
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}} if chat else {"index": 0, "text": text}
+            choice = (
+                {"index": 0, "message": {"role": "assistant", "content": text}} if chat else {"index": 0, "text": text}
+            )
             answer = {
-                "id": "cmpl-stub", "object": "chat.completion" if chat else "text_completion", "model": self.model,
+                "id": "cmpl-stub",
+                "object": "chat.completion" if chat else "text_completion",
+                "model": self.model,
                 "choices": [{**choice, "finish_reason": "length"}],
                 "usage": {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1},
             }
@@ -213,17 +225,32 @@ class StubWorker:
                 choice = {"index": 0, "delta": delta, "finish_reason": None if i < events - 1 else "length"}
             else:
                 choice = {"index": 0, "text": f"tok{i} ", "finish_reason": None if i < events - 1 else "length"}
-            event = b"data: " + json.dumps(
-                {"id": "cmpl-stub", "object": obj, "created": created, "model": self.model, "choices": [choice]}
-            ).encode() + b"\n\n"
+            event = (
+                b"data: "
+                + json.dumps(
+                    {"id": "cmpl-stub", "object": obj, "created": created, "model": self.model, "choices": [choice]}
+                ).encode()
+                + b"\n\n"
+            )
             writer.write(b"%x\r\n%s\r\n" % (len(event), event))
             await writer.drain()
         if usage:  # the worker's last event before [DONE]: no choices, the request's usage
             counts = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
-            event = b"data: " + json.dumps(
-                {"id": "cmpl-stub", "object": obj, "created": created, "model": self.model, "choices": [], "usage": counts},
-                separators=(",", ":"),
-            ).encode() + b"\n\n"
+            event = (
+                b"data: "
+                + json.dumps(
+                    {
+                        "id": "cmpl-stub",
+                        "object": obj,
+                        "created": created,
+                        "model": self.model,
+                        "choices": [],
+                        "usage": counts,
+                    },
+                    separators=(",", ":"),
+                ).encode()
+                + b"\n\n"
+            )
             writer.write(b"%x\r\n%s\r\n" % (len(event), event))
         done = b"data: [DONE]\n\n"
         writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
@@ -231,8 +258,16 @@ class StubWorker:
         return True
 
 
-async def _respond(writer: asyncio.StreamWriter, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
-    reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 429: "Too Many Requests", 503: "Service Unavailable"}.get(status, "X")
+async def _respond(
+    writer: asyncio.StreamWriter, status: int, body: bytes, headers: dict[str, str] | None = None
+) -> None:
+    reason = {
+        200: "OK",
+        400: "Bad Request",
+        404: "Not Found",
+        429: "Too Many Requests",
+        503: "Service Unavailable",
+    }.get(status, "X")
     extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
     writer.write(
         f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n{extra}\r\n".encode()

@@ -121,7 +121,9 @@ class FixedSource:
         self.state.set_table(table)
 
 
-def one_variant_table(model: str, workers: Sequence[StubWorker], variant: str = "default", tiers: tuple[str, ...] = ()) -> RoutingTable:
+def one_variant_table(
+    model: str, workers: Sequence[StubWorker], variant: str = "default", tiers: tuple[str, ...] = ()
+) -> RoutingTable:
     return RoutingTable(
         {
             model: DeploymentRoute(
@@ -134,7 +136,9 @@ def one_variant_table(model: str, workers: Sequence[StubWorker], variant: str = 
     )
 
 
-def variant_route(name: str, weight: float, workers: Sequence[StubWorker], tiers: tuple[str, ...] = (), revision: str = "r1") -> VariantRoute:
+def variant_route(
+    name: str, weight: float, workers: Sequence[StubWorker], tiers: tuple[str, ...] = (), revision: str = "r1"
+) -> VariantRoute:
     eps = tuple(Endpoint(url=w.url, name=w.url, variant=name, revision=revision) for w in workers)
     return VariantRoute(name=name, weight=weight, tiers=frozenset(tiers), revisions=(RevisionRoute(revision, 1, eps),))
 

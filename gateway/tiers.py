@@ -50,9 +50,7 @@ class Admit(enum.Enum):
     QUEUE_FULL = "queue_full"
 
 
-def admission_decision(
-    tier: TierSettings, in_flight: int, max_in_flight: int, queued: int, queue_size: int
-) -> Admit:
+def admission_decision(tier: TierSettings, in_flight: int, max_in_flight: int, queued: int, queue_size: int) -> Admit:
     """Admit, queue or shed one request given the gateway's current load."""
     if tier.shed_above_in_flight is not None and in_flight >= tier.shed_above_in_flight:
         return Admit.SHED

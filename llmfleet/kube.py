@@ -28,7 +28,10 @@ KINDS: dict[tuple[str, str], tuple[str, str, bool]] = {
     ("v1", "Pod"): ("/api/v1", "pods", True),
     ("v1", "Event"): ("/api/v1", "events", True),
     ("apiextensions.k8s.io/v1", "CustomResourceDefinition"): (
-        "/apis/apiextensions.k8s.io/v1", "customresourcedefinitions", False),
+        "/apis/apiextensions.k8s.io/v1",
+        "customresourcedefinitions",
+        False,
+    ),
     ("llmfleet.io/v1alpha1", "InferenceDeployment"): ("/apis/llmfleet.io/v1alpha1", "inferencedeployments", True),
 }
 INFD = ("llmfleet.io/v1alpha1", "InferenceDeployment")
@@ -98,8 +101,7 @@ class Kube:
         if cfg.verify_ssl and cfg.ssl_ca_cert:
             verify = cfg.ssl_ca_cert
         self.url = cfg.host.rstrip("/")
-        self._http = httpx.Client(base_url=self.url, headers=headers, verify=verify, timeout=timeout_s,
-                                  trust_env=False)
+        self._http = httpx.Client(base_url=self.url, headers=headers, verify=verify, timeout=timeout_s, trust_env=False)
 
     def close(self) -> None:
         self._http.close()
@@ -110,8 +112,14 @@ class Kube:
     def __exit__(self, *_: object) -> None:
         self.close()
 
-    def request(self, method: str, path: str, body: Any = None, params: Mapping[str, str] | None = None,
-                content_type: str = "application/json") -> Any:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        params: Mapping[str, str] | None = None,
+        content_type: str = "application/json",
+    ) -> Any:
         response = self._http.request(method, path, json=body, params=params, headers={"content-type": content_type})
         if response.status_code >= 400:
             try:
@@ -131,8 +139,14 @@ class Kube:
                 return None
             raise
 
-    def list(self, api_version: str, kind: str, namespace: str | None = None, selector: str | None = None,
-             all_namespaces: bool = False) -> list[dict[str, Any]]:
+    def list(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str | None = None,
+        selector: str | None = None,
+        all_namespaces: bool = False,
+    ) -> list[dict[str, Any]]:
         path = collection_path(api_version, kind, namespace)
         if all_namespaces:
             prefix, plural, _ = KINDS[(api_version, kind)]
@@ -171,13 +185,20 @@ class Kube:
                 time.sleep(0.1)
         raise last or KubeError(409, "conflicts", f"apply {doc['kind']} {name}")
 
-    def apply_all(self, docs: Iterable[Mapping[str, Any]], namespace: str | None = None) -> builtins.list[dict[str, Any]]:
+    def apply_all(
+        self, docs: Iterable[Mapping[str, Any]], namespace: str | None = None
+    ) -> builtins.list[dict[str, Any]]:
         return [self.apply(doc, namespace) for doc in docs]
 
-    def merge_patch(self, api_version: str, kind: str, name: str, patch: Mapping[str, Any],
-                    namespace: str | None = None) -> dict[str, Any]:
-        return self.request("PATCH", f"{collection_path(api_version, kind, namespace)}/{name}", patch,
-                            content_type="application/merge-patch+json")
+    def merge_patch(
+        self, api_version: str, kind: str, name: str, patch: Mapping[str, Any], namespace: str | None = None
+    ) -> dict[str, Any]:
+        return self.request(
+            "PATCH",
+            f"{collection_path(api_version, kind, namespace)}/{name}",
+            patch,
+            content_type="application/merge-patch+json",
+        )
 
     def delete(self, api_version: str, kind: str, name: str, namespace: str | None = None) -> bool:
         """Delete; False when it was already gone."""
@@ -200,14 +221,16 @@ class Kube:
         return self.list("v1", "Pod", namespace, selector=selector, all_namespaces=namespace is None)
 
     def pod_log(self, name: str, namespace: str = "default", tail_lines: int = 40) -> str:
-        response = self._http.get(f"/api/v1/namespaces/{namespace}/pods/{name}/log",
-                                  params={"tailLines": str(tail_lines)})
+        response = self._http.get(
+            f"/api/v1/namespaces/{namespace}/pods/{name}/log", params={"tailLines": str(tail_lines)}
+        )
         return response.text if response.status_code == 200 else f"(no log: HTTP {response.status_code})"
 
     def events(self, deployment: str, namespace: str = "default") -> builtins.list[dict[str, Any]]:
         """Events about one InferenceDeployment, oldest first."""
         events = [
-            e for e in self.list("v1", "Event", namespace)
+            e
+            for e in self.list("v1", "Event", namespace)
             if (e.get("involvedObject") or {}).get("kind") == "InferenceDeployment"
             and e["involvedObject"].get("name") == deployment
         ]

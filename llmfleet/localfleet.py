@@ -41,8 +41,16 @@ from llmfleet.scrape_sync import ScrapeTargetSync
 
 KEYS_SECRET = "llmfleet-api-keys"
 # What a fresh start removes from a reused work dir (never anything else: the user may point it anywhere).
-_STATE_ENTRIES = ("kubeconfig", "localkube", "prometheus-data", "prometheus.yml", "file_sd.json", "api-key",
-                  "gateway.yaml", "kubecache")
+_STATE_ENTRIES = (
+    "kubeconfig",
+    "localkube",
+    "prometheus-data",
+    "prometheus.yml",
+    "file_sd.json",
+    "api-key",
+    "gateway.yaml",
+    "kubecache",
+)
 
 
 class FleetSettings(BaseModel):
@@ -53,8 +61,11 @@ class FleetSettings(BaseModel):
     work_dir: Path | None = Field(
         None, description="Folder for logs, kubeconfig and state; unset = a temporary folder removed at stop."
     )
-    namespace: str = Field("default", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
-                           description="Namespace of the API-key Secret and of deployments applied without one.")
+    namespace: str = Field(
+        "default",
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+        description="Namespace of the API-key Secret and of deployments applied without one.",
+    )
     prometheus: bool = Field(True, description="Run Prometheus when the `prometheus` binary is on PATH.")
     scrape_interval_s: float = Field(2.0, gt=0, le=60, description="Prometheus scrape and file_sd refresh period.")
     operator_resync_s: float = Field(10.0, gt=0, le=600, description="The operator's resync period.")
@@ -66,8 +77,11 @@ class FleetSettings(BaseModel):
     )
     restart_backoff: tuple[float, float] = Field((1.0, 10.0), description="Pods' crash-loop back-off: base, cap (s).")
     start_timeout_s: float = Field(120.0, gt=0, description="Longest wait for each process to come up.")
-    log_level: str = Field("info", pattern="^(debug|info|warning|error)$",
-                           description="Log level of the operator and gateway (their logs are files).")
+    log_level: str = Field(
+        "info",
+        pattern="^(debug|info|warning|error)$",
+        description="Log level of the operator and gateway (their logs are files).",
+    )
 
     @field_validator("operator_env")
     @classmethod
@@ -189,8 +203,9 @@ class LocalFleet:
         except BlockingIOError:
             self._lock_file.close()
             self._lock_file = None
-            raise ProcessError(f"another local fleet is running in {self.work_dir}: stop it, or use another "
-                               "work dir (--work-dir)") from None
+            raise ProcessError(
+                f"another local fleet is running in {self.work_dir}: stop it, or use another work dir (--work-dir)"
+            ) from None
         for entry in _STATE_ENTRIES:
             path = self.work_dir / entry
             if path.is_dir():
@@ -210,9 +225,20 @@ class LocalFleet:
         base, cap = self.settings.restart_backoff
         self.localkube = ManagedProcess(
             "localkube",
-            _python_module("localkube", "--port", "0", "--kubeconfig", str(self.kubeconfig), "--workdir",
-                           str(self.work_dir / "localkube"), "--restart-backoff", f"{base:g},{cap:g}"),
-            self.logs / "localkube.log", self._env(), stop_timeout_s=60,
+            _python_module(
+                "localkube",
+                "--port",
+                "0",
+                "--kubeconfig",
+                str(self.kubeconfig),
+                "--workdir",
+                str(self.work_dir / "localkube"),
+                "--restart-backoff",
+                f"{base:g},{cap:g}",
+            ),
+            self.logs / "localkube.log",
+            self._env(),
+            stop_timeout_s=60,
         ).start()
         self.localkube.wait_until(self.kubeconfig.is_file, "kubeconfig", self.settings.start_timeout_s)
         self.kube = Kube(self.kubeconfig)
@@ -227,17 +253,25 @@ class LocalFleet:
         kube = self.kube
 
         def established() -> bool:
-            crd = kube.get("apiextensions.k8s.io/v1", "CustomResourceDefinition",
-                                "inferencedeployments.llmfleet.io")
+            crd = kube.get("apiextensions.k8s.io/v1", "CustomResourceDefinition", "inferencedeployments.llmfleet.io")
             conditions = ((crd or {}).get("status") or {}).get("conditions") or []
             return any(c.get("type") == "Established" and c.get("status") == "True" for c in conditions)
 
         self.localkube.wait_until(established, "the CRD established", 30)
         self.ensure_namespace(self.settings.namespace)
-        self.kube.apply({"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-                         "metadata": {"name": KEYS_SECRET, "namespace": self.settings.namespace,
-                                      "labels": {"app.kubernetes.io/part-of": "llmfleet"}},
-                         "stringData": {"api-keys": f"{self.api_key}\n"}})
+        self.kube.apply(
+            {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "type": "Opaque",
+                "metadata": {
+                    "name": KEYS_SECRET,
+                    "namespace": self.settings.namespace,
+                    "labels": {"app.kubernetes.io/part-of": "llmfleet"},
+                },
+                "stringData": {"api-keys": f"{self.api_key}\n"},
+            }
+        )
         key_file = self.work_dir / "api-key"
         key_file.write_text(self.api_key + "\n")
         key_file.chmod(0o600)
@@ -260,17 +294,29 @@ class LocalFleet:
         self.scrape_sync = ScrapeTargetSync(self.kubeconfig, file_sd, self.settings.scrape_interval_s).start()
         config = local_prometheus_config(file_sd, scrape_interval_s=self.settings.scrape_interval_s)
         interval = f"{self.settings.scrape_interval_s:g}s"
-        config["scrape_configs"].append({"job_name": "llmfleet-gateway", "scrape_interval": interval,
-                                         "scrape_timeout": interval,
-                                         "static_configs": [{"targets": [f"127.0.0.1:{self._gateway_metrics_port}"]}]})
+        config["scrape_configs"].append(
+            {
+                "job_name": "llmfleet-gateway",
+                "scrape_interval": interval,
+                "scrape_timeout": interval,
+                "static_configs": [{"targets": [f"127.0.0.1:{self._gateway_metrics_port}"]}],
+            }
+        )
         config_path = self.work_dir / "prometheus.yml"
         config_path.write_text(yaml.safe_dump(config, sort_keys=False))
         port = free_port()
         self.prometheus = ManagedProcess(
             "prometheus",
-            [binary, f"--config.file={config_path}", f"--storage.tsdb.path={self.work_dir / 'prometheus-data'}",
-             f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=1d", "--log.level=warn"],
-            self.logs / "prometheus.log", self._env(),
+            [
+                binary,
+                f"--config.file={config_path}",
+                f"--storage.tsdb.path={self.work_dir / 'prometheus-data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--storage.tsdb.retention.time=1d",
+                "--log.level=warn",
+            ],
+            self.logs / "prometheus.log",
+            self._env(),
         ).start()
         self.prometheus_url = f"http://127.0.0.1:{port}"
         self.prometheus.wait_http(f"{self.prometheus_url}/-/ready", self.settings.start_timeout_s, "readiness")
@@ -298,8 +344,9 @@ class LocalFleet:
             env["LLMFLEET_OPERATOR_PROMETHEUS_URL"] = self.prometheus_url
         env.update(self.settings.operator_env)
         self._operator_env = env
-        self.operator = ManagedProcess("operator", llmfleet_argv("operator"), self.logs / "operator.log",
-                                       self._env(env))
+        self.operator = ManagedProcess(
+            "operator", llmfleet_argv("operator"), self.logs / "operator.log", self._env(env)
+        )
         self._launch_operator()
         self._report(f"operator running (pid {self.operator.pid}, its metrics at {self.operator_metrics_url})")
 
@@ -333,11 +380,23 @@ class LocalFleet:
         config_path.write_text(yaml.safe_dump(dict(self.settings.gateway_settings)))
         self.gateway = ManagedProcess(
             "gateway",
-            llmfleet_argv("gateway", "--port", str(port), "--kubeconfig", str(self.kubeconfig),
-                          "--api-keys-secret", f"{self.settings.namespace}/{KEYS_SECRET}",
-                          "--metrics-port", str(self._gateway_metrics_port),
-                          "--config", str(config_path), "--log-level", self.settings.log_level),
-            self.logs / "gateway.log", self._env(),
+            llmfleet_argv(
+                "gateway",
+                "--port",
+                str(port),
+                "--kubeconfig",
+                str(self.kubeconfig),
+                "--api-keys-secret",
+                f"{self.settings.namespace}/{KEYS_SECRET}",
+                "--metrics-port",
+                str(self._gateway_metrics_port),
+                "--config",
+                str(config_path),
+                "--log-level",
+                self.settings.log_level,
+            ),
+            self.logs / "gateway.log",
+            self._env(),
         ).start()
         self.gateway_url = f"http://127.0.0.1:{port}"
         self.gateway.wait_http(f"{self.gateway_url}/ready", self.settings.start_timeout_s, "readiness")

@@ -44,8 +44,14 @@ def _kill_group(pid: int, sig: signal.Signals) -> None:
 class ManagedProcess:
     """One child program in its own process group, logging to a file."""
 
-    def __init__(self, name: str, argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None,
-                 stop_timeout_s: float = 20.0) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: Path,
+        env: Mapping[str, str] | None = None,
+        stop_timeout_s: float = 20.0,
+    ) -> None:
         self.name = name
         self.argv = list(argv)
         self.log_path = log_path
@@ -63,8 +69,15 @@ class ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         argv = [_SETPRIV, "--pdeathsig", "TERM", "--", *self.argv] if _SETPRIV else self.argv
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(argv, env=self.env, stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+            self.proc = subprocess.Popen(
+                argv,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                close_fds=True,
+            )
         return self
 
     def running(self) -> bool:
@@ -107,8 +120,10 @@ class ManagedProcess:
         deadline = time.monotonic() + timeout_s
         for _ in range(int(timeout_s / poll_s) + 2):
             if self.proc is not None and self.proc.poll() is not None:
-                raise ProcessError(f"{self.name} exited with code {self.proc.returncode} before {what}; "
-                                   f"log {self.log_path}:\n{self.log_tail()}")
+                raise ProcessError(
+                    f"{self.name} exited with code {self.proc.returncode} before {what}; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
             if check():
                 return
             if time.monotonic() > deadline:

@@ -98,8 +98,10 @@ def deployment_summary(resource: Mapping[str, Any] | None) -> str:
         return "not created yet"
     status = resource.get("status") or {}
     rollout = status.get("rollout") or {}
-    parts = [f"phase {status.get('phase') or 'Pending'}",
-             f"{status.get('readyReplicas', 0)}/{status.get('replicas', 0)} ready"]
+    parts = [
+        f"phase {status.get('phase') or 'Pending'}",
+        f"{status.get('readyReplicas', 0)}/{status.get('replicas', 0)} ready",
+    ]
     if rollout.get("canaryRevision"):
         parts.append(f"canary {rollout['canaryRevision']} at {rollout.get('canaryWeight', 0)}%")
     invalid = _condition(resource, "InvalidSpec")
@@ -128,21 +130,31 @@ def rollout_changes(before: Mapping[str, Any] | None, after: Mapping[str, Any] |
         why = f" ({n_roll.get('reason')}: {n_roll.get('message', '')[:200]})" if n_roll.get("reason") else ""
         lines.append(f"rollout {o_roll.get('phase') or 'Stable'} -> {n_roll['phase']}{why}")
     if n_roll.get("canaryRevision") and (o_roll.get("step"), o_roll.get("canaryWeight")) != (
-            n_roll.get("step"), n_roll.get("canaryWeight")):
-        lines.append(f"canary {n_roll['canaryRevision']}: step {n_roll.get('step', 0) + 1}, "
-                     f"{n_roll.get('canaryWeight', 0)}% of traffic")
+        n_roll.get("step"),
+        n_roll.get("canaryWeight"),
+    ):
+        lines.append(
+            f"canary {n_roll['canaryRevision']}: step {n_roll.get('step', 0) + 1}, "
+            f"{n_roll.get('canaryWeight', 0)}% of traffic"
+        )
     seen = {a.get("time") for a in o_roll.get("analysis") or []}
     for check in n_roll.get("analysis") or []:
         if check.get("time") not in seen:
-            lines.append(f"analysis (step {check.get('step', 0) + 1}): {check.get('verdict')} - "
-                         f"{check.get('message', '')[:200]}")
-    old_d = {(v.get("name"), d.get("time")) for v in (old.get("autoscaling") or {}).get("variants") or []
-             for d in v.get("lastDecisions") or []}
+            lines.append(
+                f"analysis (step {check.get('step', 0) + 1}): {check.get('verdict')} - {check.get('message', '')[:200]}"
+            )
+    old_d = {
+        (v.get("name"), d.get("time"))
+        for v in (old.get("autoscaling") or {}).get("variants") or []
+        for d in v.get("lastDecisions") or []
+    }
     for variant in (new.get("autoscaling") or {}).get("variants") or []:
         for decision in variant.get("lastDecisions") or []:
             if (variant.get("name"), decision.get("time")) not in old_d:
-                lines.append(f"autoscaler ({variant.get('name')}): {decision.get('currentReplicas')} -> "
-                             f"{decision.get('desiredReplicas')} pods: {decision.get('reason', '')[:200]}")
+                lines.append(
+                    f"autoscaler ({variant.get('name')}): {decision.get('currentReplicas')} -> "
+                    f"{decision.get('desiredReplicas')} pods: {decision.get('reason', '')[:200]}"
+                )
     return lines
 
 
@@ -151,16 +163,29 @@ def pods_table(title: str, rows: Sequence[PodRow], elapsed_s: float) -> Table:
     for column in ("pod", "revision", "phase", "ready", "restarts", "status"):
         table.add_column(column)
     for row in rows:
-        table.add_row(row.name, row.revision, row.phase, "[green]yes[/]" if row.ready else "[yellow]no[/]",
-                      str(row.restarts), row.detail)
+        table.add_row(
+            row.name,
+            row.revision,
+            row.phase,
+            "[green]yes[/]" if row.ready else "[yellow]no[/]",
+            str(row.restarts),
+            row.detail,
+        )
     if not rows:
         table.add_row("(no pods yet)", "", "", "", "", "")
     return table
 
 
-def watch_until(console: Console, kube: Kube, name: str, namespace: str,
-                done: Callable[[Mapping[str, Any] | None, list[dict[str, Any]]], bool], timeout_s: float,
-                poll_s: float = 1.0, check: Callable[[], None] | None = None) -> tuple[bool, float]:
+def watch_until(
+    console: Console,
+    kube: Kube,
+    name: str,
+    namespace: str,
+    done: Callable[[Mapping[str, Any] | None, list[dict[str, Any]]], bool],
+    timeout_s: float,
+    poll_s: float = 1.0,
+    check: Callable[[], None] | None = None,
+) -> tuple[bool, float]:
     """Redraw the pods of deployment `name` until `done(resource, pods)` or `timeout_s`; (done, seconds)."""
     started = time.monotonic()
     with Live(console=console, refresh_per_second=4, transient=False) as live:

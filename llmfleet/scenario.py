@@ -32,12 +32,21 @@ class Feature:
 
 
 FEATURES: dict[str, Feature] = {
-    "autoscaling": Feature("autoscaling", ("fleet_operator.autoscaler", "controllers.autoscaling"),
-                           "the operator's autoscaling timer (operator/fleet_operator/autoscaler.py) is not there yet"),
-    "canary": Feature("canary rollout", ("controllers.rollout", "fleet_operator.analysis_runner"),
-                      "canary rollouts (controllers/rollout.py, operator analysis runner) are not there yet"),
-    "faults": Feature("fault injection", ("worker.server.faults",),
-                      "worker fault injection (worker/server/faults.py) is not there yet"),
+    "autoscaling": Feature(
+        "autoscaling",
+        ("fleet_operator.autoscaler", "controllers.autoscaling"),
+        "the operator's autoscaling timer (operator/fleet_operator/autoscaler.py) is not there yet",
+    ),
+    "canary": Feature(
+        "canary rollout",
+        ("controllers.rollout", "fleet_operator.analysis_runner"),
+        "canary rollouts (controllers/rollout.py, operator analysis runner) are not there yet",
+    ),
+    "faults": Feature(
+        "fault injection",
+        ("worker.server.faults",),
+        "worker fault injection (worker/server/faults.py) is not there yet",
+    ),
 }
 
 
@@ -75,8 +84,7 @@ class Step:
     explain: str
 
 
-def plan_steps(steps: Sequence[Step], present: Callable[[str], bool] = module_present
-               ) -> list[tuple[Step, str | None]]:
+def plan_steps(steps: Sequence[Step], present: Callable[[str], bool] = module_present) -> list[tuple[Step, str | None]]:
     """Each step with None (runs) or the reason it is skipped."""
     planned = []
     for step in steps:
@@ -104,8 +112,13 @@ class Narrator:
         return current
 
 
-def _follow(ctx: TourContext, narrator: Narrator, done: Callable[[Mapping[str, Any] | None], bool],
-            timeout_s: float, load: StreamLoad | None = None) -> bool:
+def _follow(
+    ctx: TourContext,
+    narrator: Narrator,
+    done: Callable[[Mapping[str, Any] | None], bool],
+    timeout_s: float,
+    load: StreamLoad | None = None,
+) -> bool:
     deadline = time.monotonic() + timeout_s
     for _ in range(int(timeout_s) + 2):
         resource = narrator.look()
@@ -114,8 +127,10 @@ def _follow(ctx: TourContext, narrator: Narrator, done: Callable[[Mapping[str, A
         if time.monotonic() > deadline:
             break
         time.sleep(1.0)
-    ctx.console.print(f"  [yellow]not reached within {timeout_s:.0f} s[/]" +
-                      (f"; traffic: {load.summary()}" if load is not None else ""))
+    ctx.console.print(
+        f"  [yellow]not reached within {timeout_s:.0f} s[/]"
+        + (f"; traffic: {load.summary()}" if load is not None else "")
+    )
     return False
 
 
@@ -157,8 +172,7 @@ def int4_canary(ctx: TourContext) -> str:
     with StreamLoad(ctx.gateway_url, ctx.api_key, ctx.model, workers=3, deadline_s=ctx.timeout_s) as load:
         (applied,) = ctx.kube.apply_all(load_manifests(manifest), ctx.namespace)
         generation = applied["metadata"]["generation"]
-        _follow(ctx, narrator, lambda r: rollout_settled(r, generation, ("Stable", "RolledBack")), ctx.timeout_s,
-                load)
+        _follow(ctx, narrator, lambda r: rollout_settled(r, generation, ("Stable", "RolledBack")), ctx.timeout_s, load)
     rollout = _rollout(narrator.look())
     ctx.console.print(f"  rollout: {rollout.get('phase')} ({rollout.get('reason')}); traffic: {load.summary()}")
     return _outcome(rollout)
@@ -166,14 +180,14 @@ def int4_canary(ctx: TourContext) -> str:
 
 def faulty_canary(ctx: TourContext) -> str:
     env = [{"name": "LLMFLEET_FAULT_ERROR_RATE", "value": "0.5"}, {"name": "LLMFLEET_FAULT_SEED", "value": "1"}]
-    ctx.console.print("  patching the pod template with LLMFLEET_FAULT_ERROR_RATE=0.5: a canary that fails half "
-                      "of its requests")
+    ctx.console.print(
+        "  patching the pod template with LLMFLEET_FAULT_ERROR_RATE=0.5: a canary that fails half of its requests"
+    )
     narrator = Narrator(ctx)
     with StreamLoad(ctx.gateway_url, ctx.api_key, ctx.model, workers=3, deadline_s=ctx.timeout_s) as load:
         patched = ctx.kube.merge_patch(*INFD, ctx.name, {"spec": {"template": {"env": env}}}, ctx.namespace)
         generation = patched["metadata"]["generation"]
-        _follow(ctx, narrator, lambda r: rollout_settled(r, generation, ("RolledBack", "Stable")), ctx.timeout_s,
-                load)
+        _follow(ctx, narrator, lambda r: rollout_settled(r, generation, ("RolledBack", "Stable")), ctx.timeout_s, load)
     rollout = _rollout(narrator.look())
     ctx.console.print(f"  rollout: {rollout.get('phase')} - {rollout.get('message', '')[:300]}")
     ctx.console.print(f"  traffic: {load.summary()}")
@@ -185,17 +199,30 @@ def _outcome(rollout: Mapping[str, Any]) -> str:
 
 
 TOUR: tuple[Step, ...] = (
-    Step("A load burst that autoscales", ("autoscaling",), load_burst,
-         "24 concurrent streams (more than maxNumSeqs) raise the queue depth; the autoscaler adds pods, then removes them once idle."),
-    Step("A canary to the int4 variant, analysed and promoted", ("canary",), int4_canary,
-         "examples/smollm2-int4-canary.yaml: 20% -> 50% -> 100% with TTFT/ITL/error/quality analysis."),
-    Step("A faulty canary, rolled back", ("canary", "faults"), faulty_canary,
-         "Fault injection makes the canary fail half its requests; analysis fails and the operator rolls back."),
+    Step(
+        "A load burst that autoscales",
+        ("autoscaling",),
+        load_burst,
+        "24 concurrent streams (more than maxNumSeqs) raise the queue depth; the autoscaler adds pods, then removes them once idle.",
+    ),
+    Step(
+        "A canary to the int4 variant, analysed and promoted",
+        ("canary",),
+        int4_canary,
+        "examples/smollm2-int4-canary.yaml: 20% -> 50% -> 100% with TTFT/ITL/error/quality analysis.",
+    ),
+    Step(
+        "A faulty canary, rolled back",
+        ("canary", "faults"),
+        faulty_canary,
+        "Fault injection makes the canary fail half its requests; analysis fails and the operator rolls back.",
+    ),
 )
 
 
-def run_tour(ctx: TourContext, steps: Sequence[Step] = TOUR,
-             present: Callable[[str], bool] = module_present) -> list[tuple[str, str]]:
+def run_tour(
+    ctx: TourContext, steps: Sequence[Step] = TOUR, present: Callable[[str], bool] = module_present
+) -> list[tuple[str, str]]:
     """Run the steps that can run; returns (title, outcome) for each ("ran: what came of it", "skipped: why" or
     "failed: why")."""
     results = []

@@ -28,8 +28,13 @@ class ChatError(RuntimeError):
 
 
 def chat_body(model: str, prompt: str, max_tokens: int, temperature: float = 0.0) -> dict[str, Any]:
-    return {"model": model, "stream": True, "max_tokens": max_tokens, "temperature": temperature,
-            "messages": [{"role": "user", "content": prompt}]}
+    return {
+        "model": model,
+        "stream": True,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "messages": [{"role": "user", "content": prompt}],
+    }
 
 
 def sse_payloads(lines: Iterator[str]) -> Iterator[dict[str, Any] | None]:
@@ -44,13 +49,17 @@ def sse_payloads(lines: Iterator[str]) -> Iterator[dict[str, Any] | None]:
         yield json.loads(data)
 
 
-def stream_chat(base_url: str, api_key: str | None, model: str, prompt: str, max_tokens: int = 64,
-                timeout_s: float = 120.0) -> Iterator[str]:
+def stream_chat(
+    base_url: str, api_key: str | None, model: str, prompt: str, max_tokens: int = 64, timeout_s: float = 120.0
+) -> Iterator[str]:
     """Stream one greedy chat answer through the gateway, yielding text pieces as they arrive."""
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-    with httpx.Client(timeout=timeout_s, trust_env=False) as client, client.stream(
-        "POST", f"{base_url}/v1/chat/completions", json=chat_body(model, prompt, max_tokens), headers=headers
-    ) as response:
+    with (
+        httpx.Client(timeout=timeout_s, trust_env=False) as client,
+        client.stream(
+            "POST", f"{base_url}/v1/chat/completions", json=chat_body(model, prompt, max_tokens), headers=headers
+        ) as response,
+    ):
         if response.status_code != 200:
             raise ChatError(f"HTTP {response.status_code}: {response.read().decode(errors='replace')[:500]}")
         for payload in sse_payloads(response.iter_lines()):
@@ -119,8 +128,7 @@ class StreamLoad:
 
     def start(self) -> StreamLoad:
         self._deadline = time.monotonic() + self.deadline_s
-        self._threads = [threading.Thread(target=self._run, name=f"load-{i}", daemon=True)
-                         for i in range(self.workers)]
+        self._threads = [threading.Thread(target=self._run, name=f"load-{i}", daemon=True) for i in range(self.workers)]
         for thread in self._threads:
             thread.start()
         return self
@@ -158,8 +166,10 @@ class StreamLoad:
         kinds = Counter(o.kind for o in outcomes)
         ttfts = sorted(o.ttft_s for o in outcomes if o.ttft_s is not None)
         p50 = f"{ttfts[len(ttfts) // 2] * 1000:.0f} ms" if ttfts else "n/a"
-        return (f"{len(outcomes)} streams: {kinds['ok']} ok, {kinds['before_first_byte']} failed before the first "
-                f"byte, {kinds['mid_stream']} broke mid-stream; TTFT p50 {p50}")
+        return (
+            f"{len(outcomes)} streams: {kinds['ok']} ok, {kinds['before_first_byte']} failed before the first "
+            f"byte, {kinds['mid_stream']} broke mid-stream; TTFT p50 {p50}"
+        )
 
     # ------------------------------------------------------------------------------------------------- work
 
@@ -190,10 +200,24 @@ class StreamLoad:
                 variant = response.headers.get("x-llmfleet-variant", "?")
                 if response.status_code != 200:
                     detail = response.read().decode(errors="replace")[:300]
-                    return Outcome(started, time.monotonic(), False, "before_first_byte",
-                                   f"HTTP {response.status_code}: {detail}", revision, variant)
+                    return Outcome(
+                        started,
+                        time.monotonic(),
+                        False,
+                        "before_first_byte",
+                        f"HTTP {response.status_code}: {detail}",
+                        revision,
+                        variant,
+                    )
                 kind, detail, ttft = classify_stream(response.iter_lines())
         except httpx.HTTPError as error:
-            return Outcome(started, time.monotonic(), False, "before_first_byte", f"{type(error).__name__}: {error}",
-                           revision, variant)
+            return Outcome(
+                started,
+                time.monotonic(),
+                False,
+                "before_first_byte",
+                f"{type(error).__name__}: {error}",
+                revision,
+                variant,
+            )
         return Outcome(started, time.monotonic(), kind == "ok", kind, detail, revision, variant, ttft)

@@ -57,8 +57,9 @@ def up_command(
         raise typer.Exit(2)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        code = _up(console, deployment, manifest, work_dir, prompt, prometheus, ready_timeout, scenario,
-                   exit_when_ready)
+        code = _up(
+            console, deployment, manifest, work_dir, prompt, prometheus, ready_timeout, scenario, exit_when_ready
+        )
     except (KeyboardInterrupt, _Stop):
         code = 0
     finally:
@@ -75,8 +76,13 @@ def _pull(console, source: str) -> bool:
         return True
     name = source.removeprefix("bundled://")
     started = time.monotonic()
-    proc = subprocess.Popen(llmfleet_argv("model", "pull", name), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        llmfleet_argv("model", "pull", name),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         with console.status(f"llmfleet model pull {name} (converting the bundled GGUF once; later runs are instant)"):
             output, _ = proc.communicate()
@@ -87,13 +93,24 @@ def _pull(console, source: str) -> bool:
     if proc.returncode != 0:
         console.print(f"[red]llmfleet model pull {name} failed[/]:\n{output[-3000:]}")
         return False
-    console.print(f"[green]✓[/] model {name} ready at {output.strip().splitlines()[-1]} "
-                  f"({time.monotonic() - started:.1f} s)", soft_wrap=True)
+    console.print(
+        f"[green]✓[/] model {name} ready at {output.strip().splitlines()[-1]} ({time.monotonic() - started:.1f} s)",
+        soft_wrap=True,
+    )
     return True
 
 
-def _up(console, deployment: dict, manifest: Path, work_dir: Path, prompt: str, prometheus: bool,
-        ready_timeout: float, scenario: bool, exit_when_ready: bool) -> int:
+def _up(
+    console,
+    deployment: dict,
+    manifest: Path,
+    work_dir: Path,
+    prompt: str,
+    prometheus: bool,
+    ready_timeout: float,
+    scenario: bool,
+    exit_when_ready: bool,
+) -> int:
     from llmfleet.localfleet import FleetSettings, LocalFleet
     from llmfleet.processes import ProcessError
     from llmfleet.progress import deployment_ready, watch_until
@@ -105,8 +122,10 @@ def _up(console, deployment: dict, manifest: Path, work_dir: Path, prompt: str, 
     model = (spec.get("model") or {}).get("name", name)
     if not _pull(console, (spec.get("model") or {}).get("source", "")):
         return 1
-    fleet = LocalFleet(FleetSettings(work_dir=work_dir, prometheus=prometheus),
-                       report=lambda line: console.print(f"[green]✓[/] {line}"))
+    fleet = LocalFleet(
+        FleetSettings(work_dir=work_dir, prometheus=prometheus),
+        report=lambda line: console.print(f"[green]✓[/] {line}"),
+    )
     try:
         with console.status("starting localkube, Prometheus, the operator and the gateway"):
             fleet.start()
@@ -116,13 +135,15 @@ def _up(console, deployment: dict, manifest: Path, work_dir: Path, prompt: str, 
         fleet.ensure_namespace(namespace)
         fleet.apply_file(manifest, namespace)
         console.print(f"[green]✓[/] applied {manifest} (InferenceDeployment {namespace}/{name})", soft_wrap=True)
-        ok, took = watch_until(console, kube, name, namespace, lambda r, _p: deployment_ready(r),
-                               ready_timeout, check=fleet.check_running)
+        ok, took = watch_until(
+            console, kube, name, namespace, lambda r, _p: deployment_ready(r), ready_timeout, check=fleet.check_running
+        )
         if not ok:
             console.print(f"[red]no Ready pod within {ready_timeout:.0f} s[/]")
             for pod in kube.pods(name, namespace):
-                console.print(f"--- log of {pod['metadata']['name']}:\n"
-                              f"{kube.pod_log(pod['metadata']['name'], namespace)}")
+                console.print(
+                    f"--- log of {pod['metadata']['name']}:\n{kube.pod_log(pod['metadata']['name'], namespace)}"
+                )
             console.print(f"--- operator log:\n{fleet.operator.log_tail() if fleet.operator else ''}")
             return 1
         console.print(f"\n[green]✓[/] {name} is Ready after {took:.1f} s")
@@ -135,19 +156,24 @@ def _up(console, deployment: dict, manifest: Path, work_dir: Path, prompt: str, 
             console.print(f"\n[red]the chat through the gateway failed[/]: {error}")
             return 1
         console.print(f"\n[dim](streamed through the gateway in {time.monotonic() - started:.1f} s)[/]\n")
-        for line in (f"GATEWAY_URL={fleet.gateway_url}", f"API_KEY={fleet.api_key}",
-                     f"KUBECONFIG={fleet.kubeconfig}"):
+        for line in (f"GATEWAY_URL={fleet.gateway_url}", f"API_KEY={fleet.api_key}", f"KUBECONFIG={fleet.kubeconfig}"):
             print(line, flush=True)
         for what, url in fleet.urls().items():
             console.print(f"  {what:<11} {url}")
         console.print(f"  logs        {fleet.logs}")
-        console.print(f"\n  export KUBECONFIG={fleet.kubeconfig}; kubectl get infd,pods\n"
-                      f"  curl -N {fleet.gateway_url}/v1/chat/completions -H 'Authorization: Bearer {fleet.api_key}'"
-                      f" -H 'Content-Type: application/json' -d '{{\"model\": \"{model}\", \"stream\": true, "
-                      f"\"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'", soft_wrap=True)
+        console.print(
+            f"\n  export KUBECONFIG={fleet.kubeconfig}; kubectl get infd,pods\n"
+            f"  curl -N {fleet.gateway_url}/v1/chat/completions -H 'Authorization: Bearer {fleet.api_key}'"
+            f' -H \'Content-Type: application/json\' -d \'{{"model": "{model}", "stream": true, '
+            f'"messages": [{{"role": "user", "content": "Hi"}}]}}\'',
+            soft_wrap=True,
+        )
         if scenario:
-            results = run_tour(TourContext(console, kube, fleet.gateway_url, fleet.api_key, namespace, name,
-                                           model, manifest.resolve().parent))
+            results = run_tour(
+                TourContext(
+                    console, kube, fleet.gateway_url, fleet.api_key, namespace, name, model, manifest.resolve().parent
+                )
+            )
             console.rule("scenario summary")
             for title, outcome in results:
                 console.print(f"  {title}: {outcome}")

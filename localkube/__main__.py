@@ -27,20 +27,34 @@ def _pairs(values: list[str], flag: str) -> dict[str, str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m localkube", description=__doc__)
-    parser.add_argument("--port", type=int, default=8001, help="API server port on the loopback address (0: any free port)")
+    parser.add_argument(
+        "--port", type=int, default=8001, help="API server port on the loopback address (0: any free port)"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="loopback address to listen on (127.0.0.0/8 only)")
     parser.add_argument("--kubeconfig", type=Path, required=True, help="where to write the kubeconfig for clients")
     parser.add_argument("--state", type=Path, help="JSON file to persist objects in (loaded at start if it exists)")
     parser.add_argument("--workdir", type=Path, help="folder for pod logs (default: a temporary folder)")
     parser.add_argument("--no-kubelet", action="store_true", help="serve the API only; pods stay Pending")
     parser.add_argument("--node-label", action="append", default=[], metavar="KEY=VALUE", help="extra node label")
-    parser.add_argument("--node-capacity", action="append", default=[], metavar="RESOURCE=QUANTITY",
-                        help="extra node capacity, e.g. nvidia.com/gpu=1")
-    parser.add_argument("--restart-backoff", default="1,60", metavar="BASE,MAX",
-                        help="crash-loop back-off in seconds: first delay and cap (default 1,60)")
-    parser.add_argument("--pod-subnet", metavar="CIDR",
-                        help="loopback subnet for pod IPs, e.g. 127.0.0.0/24 (default: a random /24 in 127.0.0.0/8, "
-                             "so that two localkubes on one machine never hand out the same address)")
+    parser.add_argument(
+        "--node-capacity",
+        action="append",
+        default=[],
+        metavar="RESOURCE=QUANTITY",
+        help="extra node capacity, e.g. nvidia.com/gpu=1",
+    )
+    parser.add_argument(
+        "--restart-backoff",
+        default="1,60",
+        metavar="BASE,MAX",
+        help="crash-loop back-off in seconds: first delay and cap (default 1,60)",
+    )
+    parser.add_argument(
+        "--pod-subnet",
+        metavar="CIDR",
+        help="loopback subnet for pod IPs, e.g. 127.0.0.0/24 (default: a random /24 in 127.0.0.0/8, "
+        "so that two localkubes on one machine never hand out the same address)",
+    )
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
 
@@ -48,8 +62,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def _run(options: Options) -> None:
     kube = LocalKube(options)
     await kube.start()
-    print(f"localkube: API server at {kube.url}; kubeconfig written to {options.kubeconfig}; "
-          f"pod logs under {options.workdir}", flush=True)
+    print(
+        f"localkube: API server at {kube.url}; kubeconfig written to {options.kubeconfig}; "
+        f"pod logs under {options.workdir}",
+        flush=True,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -72,10 +89,18 @@ def main(argv: list[str] | None = None) -> int:
         print(exc, file=sys.stderr)
         return 2
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="localkube-"))
-    options = Options(host=host, port=args.port, state_file=args.state, workdir=workdir, kubelet=not args.no_kubelet,
-                      node_labels=_pairs(args.node_label, "--node-label"),
-                      node_capacity=_pairs(args.node_capacity, "--node-capacity"), restart_backoff=(base, cap),
-                      pod_subnet=args.pod_subnet, kubeconfig=args.kubeconfig)
+    options = Options(
+        host=host,
+        port=args.port,
+        state_file=args.state,
+        workdir=workdir,
+        kubelet=not args.no_kubelet,
+        node_labels=_pairs(args.node_label, "--node-label"),
+        node_capacity=_pairs(args.node_capacity, "--node-capacity"),
+        restart_backoff=(base, cap),
+        pod_subnet=args.pod_subnet,
+        kubeconfig=args.kubeconfig,
+    )
     asyncio.run(_run(options))
     return 0
 

@@ -40,7 +40,14 @@ JSON_PATCH = "application/json-patch+json"
 STRATEGIC_PATCH = "application/strategic-merge-patch+json"
 APPLY_PATCH = "application/apply-patch+yaml"
 PATCH_TYPES = (JSON_PATCH, MERGE_PATCH, STRATEGIC_PATCH, APPLY_PATCH)
-_SYSTEM_META = ("uid", "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "generation", "resourceVersion")
+_SYSTEM_META = (
+    "uid",
+    "creationTimestamp",
+    "deletionTimestamp",
+    "deletionGracePeriodSeconds",
+    "generation",
+    "resourceVersion",
+)
 
 
 @dataclass
@@ -73,7 +80,11 @@ class DeleteOptions:
         if opts.propagation is None and orphan is not None:
             opts.propagation = "Orphan" if str(orphan).lower() == "true" else "Background"
         if opts.propagation not in (None, "Foreground", "Background", "Orphan"):
-            raise ApiError(422, "Invalid", f'propagationPolicy: Unsupported value: "{opts.propagation}": supported values: "Foreground", "Background", "Orphan"')
+            raise ApiError(
+                422,
+                "Invalid",
+                f'propagationPolicy: Unsupported value: "{opts.propagation}": supported values: "Foreground", "Background", "Orphan"',
+            )
         pre = body.get("preconditions") or {}
         opts.precondition_uid = pre.get("uid")
         opts.precondition_rv = pre.get("resourceVersion")
@@ -109,8 +120,15 @@ class ApiCore:
         obj = self.store.get(rt.storage, self._ns(rt, namespace), name)
         return None if obj is None else rt.strategy.to_external(obj, rt.api_version)
 
-    def list(self, rt: ResourceType, namespace: str | None, labels: LabelSelector, fields: FieldSelector,
-             limit: int = 0, continue_token: str = "") -> ListResult:
+    def list(
+        self,
+        rt: ResourceType,
+        namespace: str | None,
+        labels: LabelSelector,
+        fields: FieldSelector,
+        limit: int = 0,
+        continue_token: str = "",
+    ) -> ListResult:
         ns = self._ns(rt, namespace) if namespace else None
         pinned_ns = fields.value_of("metadata.namespace")
         if ns is None and pinned_ns is not None and rt.namespaced:
@@ -130,15 +148,18 @@ class ApiCore:
                 after = (token["ns"], token["name"])
             except (ValueError, KeyError, TypeError) as exc:
                 raise errors.bad_request(f"invalid continue token: {exc}") from exc
-            start = next((n for n, o in enumerate(items)
-                          if (o["metadata"].get("namespace", ""), o["metadata"]["name"]) > after), len(items))
+            start = next(
+                (n for n, o in enumerate(items) if (o["metadata"].get("namespace", ""), o["metadata"]["name"]) > after),
+                len(items),
+            )
             rv = str(token.get("rv", rv))
         items = items[start:]
         token_out, remaining = "", None
         if limit and len(items) > limit:
             last = items[limit - 1]["metadata"]
-            token_out = base64.urlsafe_b64encode(json.dumps(
-                {"ns": last.get("namespace", ""), "name": last["name"], "rv": rv}).encode()).decode()
+            token_out = base64.urlsafe_b64encode(
+                json.dumps({"ns": last.get("namespace", ""), "name": last["name"], "rv": rv}).encode()
+            ).decode()
             remaining = len(items) - limit
             items = items[:limit]
         return ListResult([rt.strategy.to_external(o, rt.api_version) for o in items], rv, token_out, remaining)
@@ -152,7 +173,9 @@ class ApiCore:
         if rt.namespaced:
             ns = namespace or meta.get("namespace") or "default"
             if meta.get("namespace") and meta["namespace"] != ns:
-                raise errors.bad_request("the namespace of the provided object does not match the namespace sent on the request")
+                raise errors.bad_request(
+                    "the namespace of the provided object does not match the namespace sent on the request"
+                )
             meta["namespace"] = ns
         else:
             meta.pop("namespace", None)
@@ -160,7 +183,9 @@ class ApiCore:
             meta.pop(key, None)
         if not meta.get("name"):
             if not meta.get("generateName"):
-                raise errors.invalid(rt.kind, rt.group, "", [required_value("metadata.name", "name or generateName is required")])
+                raise errors.invalid(
+                    rt.kind, rt.group, "", [required_value("metadata.name", "name or generateName is required")]
+                )
             meta["name"] = meta["generateName"] + generate_suffix()
         pruned = rt.strategy.prune_and_default(obj, rt.api_version)
         self._field_validation(rt, pruned, opts)
@@ -191,8 +216,15 @@ class ApiCore:
 
     # ------------------------------------------------------------------------------------------------ update
 
-    def update(self, rt: ResourceType, namespace: str, name: str, body: object, subresource: str = "",
-               opts: WriteOptions | None = None) -> dict:
+    def update(
+        self,
+        rt: ResourceType,
+        namespace: str,
+        name: str,
+        body: object,
+        subresource: str = "",
+        opts: WriteOptions | None = None,
+    ) -> dict:
         opts = opts or WriteOptions()
         ns = self._ns(rt, namespace)
         current = self.store.get(rt.storage, ns, name)
@@ -201,9 +233,13 @@ class ApiCore:
         new = self._check_body(rt, body)
         meta = new["metadata"]
         if meta.get("name") and meta["name"] != name:
-            raise errors.bad_request(f"the name of the object ({meta['name']}) does not match the name on the URL ({name})")
+            raise errors.bad_request(
+                f"the name of the object ({meta['name']}) does not match the name on the URL ({name})"
+            )
         if rt.namespaced and meta.get("namespace") and meta["namespace"] != ns:
-            raise errors.bad_request("the namespace of the provided object does not match the namespace sent on the request")
+            raise errors.bad_request(
+                "the namespace of the provided object does not match the namespace sent on the request"
+            )
         requested_rv = meta.get("resourceVersion")
         if requested_rv and requested_rv != current["metadata"]["resourceVersion"]:
             raise errors.stale(rt.plural, rt.group, name)
@@ -242,9 +278,18 @@ class ApiCore:
         if old_meta.get("deletionTimestamp"):
             added = set(meta.get("finalizers") or []) - set(old_meta.get("finalizers") or [])
             if added:
-                raise errors.invalid(rt.kind, rt.group, name, [Cause(
-                    "metadata.finalizers", "FieldValueForbidden",
-                    f"Forbidden: no new finalizers can be added if the object is being deleted, found new finalizers {json.dumps(sorted(added))}")])
+                raise errors.invalid(
+                    rt.kind,
+                    rt.group,
+                    name,
+                    [
+                        Cause(
+                            "metadata.finalizers",
+                            "FieldValueForbidden",
+                            f"Forbidden: no new finalizers can be added if the object is being deleted, found new finalizers {json.dumps(sorted(added))}",
+                        )
+                    ],
+                )
         causes = self._validate_meta(rt, new, current) + rt.strategy.validate_schema(new, rt.api_version)
         causes += rt.strategy.validate(new, current, self)
         if causes:
@@ -261,8 +306,16 @@ class ApiCore:
 
     # ------------------------------------------------------------------------------------------------- patch
 
-    def patch(self, rt: ResourceType, namespace: str, name: str, patch_type: str, patch: object,
-              subresource: str = "", opts: WriteOptions | None = None) -> dict:
+    def patch(
+        self,
+        rt: ResourceType,
+        namespace: str,
+        name: str,
+        patch_type: str,
+        patch: object,
+        subresource: str = "",
+        opts: WriteOptions | None = None,
+    ) -> dict:
         opts = opts or WriteOptions()
         ns = self._ns(rt, namespace)
         current = self.store.get(rt.storage, ns, name)
@@ -285,11 +338,20 @@ class ApiCore:
         if not isinstance(patched_meta, dict):
             raise errors.bad_request("metadata must be an object")
         if patched_meta.get("name", name) != name:
-            raise errors.bad_request(f"the name of the object ({patched_meta.get('name')}) does not match the name on the URL ({name})")
+            raise errors.bad_request(
+                f"the name of the object ({patched_meta.get('name')}) does not match the name on the URL ({name})"
+            )
         if patched_meta.get("uid", current["metadata"]["uid"]) != current["metadata"]["uid"]:
-            raise errors.conflict(rt.plural, rt.group, name,
-                                  f"Precondition failed: UID in precondition: {patched_meta.get('uid')}, UID in object meta: {current['metadata']['uid']}")
-        if patched_meta.get("resourceVersion") and patched_meta["resourceVersion"] != current["metadata"]["resourceVersion"]:
+            raise errors.conflict(
+                rt.plural,
+                rt.group,
+                name,
+                f"Precondition failed: UID in precondition: {patched_meta.get('uid')}, UID in object meta: {current['metadata']['uid']}",
+            )
+        if (
+            patched_meta.get("resourceVersion")
+            and patched_meta["resourceVersion"] != current["metadata"]["resourceVersion"]
+        ):
             raise errors.stale(rt.plural, rt.group, name)
         patched.setdefault("apiVersion", rt.api_version)
         patched.setdefault("kind", rt.kind)
@@ -327,10 +389,15 @@ class ApiCore:
         spec = _read_path(obj, paths["spec"])
         status = _read_path(obj, paths["status"])
         scale: dict[str, Any] = {
-            "kind": "Scale", "apiVersion": "autoscaling/v1",
-            "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp") if k in meta},
+            "kind": "Scale",
+            "apiVersion": "autoscaling/v1",
+            "metadata": {
+                k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp") if k in meta
+            },
             "spec": {"replicas": int(spec) if isinstance(spec, (int, float)) and not isinstance(spec, bool) else 0},
-            "status": {"replicas": int(status) if isinstance(status, (int, float)) and not isinstance(status, bool) else 0},
+            "status": {
+                "replicas": int(status) if isinstance(status, (int, float)) and not isinstance(status, bool) else 0
+            },
         }
         if paths.get("selector"):
             selector = _read_path(obj, paths["selector"])
@@ -338,8 +405,9 @@ class ApiCore:
                 scale["status"]["selector"] = selector
         return scale
 
-    def update_scale(self, rt: ResourceType, namespace: str, name: str, body: object,
-                     opts: WriteOptions | None = None) -> dict:
+    def update_scale(
+        self, rt: ResourceType, namespace: str, name: str, body: object, opts: WriteOptions | None = None
+    ) -> dict:
         current = self.store.get(rt.storage, self._ns(rt, namespace), name)
         if current is None:
             raise errors.not_found(rt.plural, rt.group, name)
@@ -357,8 +425,12 @@ class ApiCore:
             raise errors.stale(rt.plural, rt.group, current["metadata"]["name"])
         replicas = (scale.get("spec") or {}).get("replicas", 0)
         if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
-            raise errors.invalid("Scale", "autoscaling", current["metadata"]["name"], [
-                invalid_value("spec.replicas", replicas, "must be greater than or equal to 0")])
+            raise errors.invalid(
+                "Scale",
+                "autoscaling",
+                current["metadata"]["name"],
+                [invalid_value("spec.replicas", replicas, "must be greater than or equal to 0")],
+            )
         new = clone(rt.strategy.to_external(current, rt.api_version))
         _write_path(new, self._scale_paths(rt)["spec"], replicas)
         stored = self._write_update(rt, current, new, "", opts)
@@ -366,7 +438,9 @@ class ApiCore:
 
     # ------------------------------------------------------------------------------------------------ delete
 
-    def delete(self, rt: ResourceType, namespace: str, name: str, opts: DeleteOptions | None = None) -> tuple[dict, bool]:
+    def delete(
+        self, rt: ResourceType, namespace: str, name: str, opts: DeleteOptions | None = None
+    ) -> tuple[dict, bool]:
         """Delete (or start deleting) one object; returns (object, removed_now)."""
         opts = opts or DeleteOptions()
         ns = self._ns(rt, namespace)
@@ -375,11 +449,19 @@ class ApiCore:
             raise errors.not_found(rt.plural, rt.group, name)
         meta = current["metadata"]
         if opts.precondition_uid and opts.precondition_uid != meta["uid"]:
-            raise errors.conflict(rt.plural, rt.group, name,
-                                  f"Precondition failed: UID in precondition: {opts.precondition_uid}, UID in object meta: {meta['uid']}")
+            raise errors.conflict(
+                rt.plural,
+                rt.group,
+                name,
+                f"Precondition failed: UID in precondition: {opts.precondition_uid}, UID in object meta: {meta['uid']}",
+            )
         if opts.precondition_rv and opts.precondition_rv != meta["resourceVersion"]:
-            raise errors.conflict(rt.plural, rt.group, name,
-                                  f"Precondition failed: ResourceVersion in precondition: {opts.precondition_rv}, ResourceVersion in object meta: {meta['resourceVersion']}")
+            raise errors.conflict(
+                rt.plural,
+                rt.group,
+                name,
+                f"Precondition failed: ResourceVersion in precondition: {opts.precondition_rv}, ResourceVersion in object meta: {meta['resourceVersion']}",
+            )
         grace = rt.strategy.grace_period(current, opts.grace_period)
         finalizers = list(meta.get("finalizers") or [])
         if opts.propagation == "Orphan" and "orphan" not in finalizers:
@@ -416,8 +498,9 @@ class ApiCore:
         stored = self.store.put(rt.storage, new, MODIFIED)
         return rt.strategy.to_external(stored, rt.api_version), False
 
-    def delete_collection(self, rt: ResourceType, namespace: str | None, labels: LabelSelector,
-                          fields: FieldSelector, opts: DeleteOptions) -> builtins.list[dict]:
+    def delete_collection(
+        self, rt: ResourceType, namespace: str | None, labels: LabelSelector, fields: FieldSelector, opts: DeleteOptions
+    ) -> builtins.list[dict]:
         result = self.list(rt, namespace, labels, fields)
         deleted = []
         for item in result.items:
@@ -466,8 +549,12 @@ class ApiCore:
     @staticmethod
     def _finished_deleting(rt: ResourceType, obj: dict) -> bool:
         meta = obj["metadata"]
-        return bool(meta.get("deletionTimestamp")) and not meta.get("finalizers") \
-            and not meta.get("deletionGracePeriodSeconds") and not rt.strategy.holds_deletion(obj)
+        return (
+            bool(meta.get("deletionTimestamp"))
+            and not meta.get("finalizers")
+            and not meta.get("deletionGracePeriodSeconds")
+            and not rt.strategy.holds_deletion(obj)
+        )
 
     def _ns(self, rt: ResourceType, namespace: str | None) -> str:
         return (namespace or "") if rt.namespaced else ""
@@ -478,9 +565,13 @@ class ApiCore:
         obj = clone(body)
         api_version = obj.get("apiVersion")
         if api_version and api_version != rt.api_version:
-            raise errors.bad_request(f"the API version in the data ({api_version}) does not match the expected API version ({rt.api_version})")
+            raise errors.bad_request(
+                f"the API version in the data ({api_version}) does not match the expected API version ({rt.api_version})"
+            )
         if obj.get("kind") and obj["kind"] != rt.kind:
-            raise errors.bad_request(f"the kind in the data ({obj['kind']}) does not match the expected kind ({rt.kind})")
+            raise errors.bad_request(
+                f"the kind in the data ({obj['kind']}) does not match the expected kind ({rt.kind})"
+            )
         obj["apiVersion"] = rt.api_version
         obj["kind"] = rt.kind
         meta = obj.get("metadata")
@@ -504,16 +595,26 @@ class ApiCore:
                 continue
             for key in ("apiVersion", "kind", "name", "uid"):
                 if not ref.get(key):
-                    causes.append(invalid_value(f"metadata.ownerReferences[{n}].{key}", ref.get(key, ""), f"{key} must not be empty"))
+                    causes.append(
+                        invalid_value(
+                            f"metadata.ownerReferences[{n}].{key}", ref.get(key, ""), f"{key} must not be empty"
+                        )
+                    )
         controllers = [r for r in meta.get("ownerReferences") or [] if isinstance(r, dict) and r.get("controller")]
         if len(controllers) > 1:
-            causes.append(invalid_value("metadata.ownerReferences", meta["ownerReferences"], "Only one reference can have Controller set to true"))
+            causes.append(
+                invalid_value(
+                    "metadata.ownerReferences",
+                    meta["ownerReferences"],
+                    "Only one reference can have Controller set to true",
+                )
+            )
         finalizers = meta.get("finalizers")
         if finalizers is not None:
             if not isinstance(finalizers, list) or not all(isinstance(f, str) for f in finalizers):
                 causes.append(invalid_value("metadata.finalizers", finalizers, "must be a list of strings"))
             elif len(set(finalizers)) != len(finalizers):
-                    meta["finalizers"] = list(dict.fromkeys(finalizers))
+                meta["finalizers"] = list(dict.fromkeys(finalizers))
         return causes
 
     def _check_namespace(self, rt: ResourceType, namespace: str, name: str) -> None:
@@ -522,7 +623,9 @@ class ApiCore:
             raise errors.not_found("namespaces", "", namespace)
         if ns_obj["metadata"].get("deletionTimestamp"):
             raise errors.forbidden_error(
-                rt.plural, rt.group, name,
+                rt.plural,
+                rt.group,
+                name,
                 f'{errors.qualified(rt.plural, rt.group)} "{name}" is forbidden: unable to create new content in '
                 f"namespace {namespace} because it is being terminated",
             )
@@ -533,7 +636,9 @@ class ApiCore:
             return
         if opts.field_validation == "Strict":
             detail = ", ".join(f'unknown field "{p}"' for p in pruned)
-            raise errors.bad_request(f'{rt.kind} in version "{rt.version}" cannot be handled as a {rt.kind}: strict decoding error: {detail}')
+            raise errors.bad_request(
+                f'{rt.kind} in version "{rt.version}" cannot be handled as a {rt.kind}: strict decoding error: {detail}'
+            )
         opts.warnings.extend(f'unknown field "{p}"' for p in pruned)
 
 
@@ -548,8 +653,21 @@ def _same(a: dict, b: dict) -> bool:
     return rest_a == rest_b
 
 
-_META_ORDER = ("name", "generateName", "namespace", "uid", "resourceVersion", "generation", "creationTimestamp",
-               "deletionTimestamp", "deletionGracePeriodSeconds", "labels", "annotations", "ownerReferences", "finalizers")
+_META_ORDER = (
+    "name",
+    "generateName",
+    "namespace",
+    "uid",
+    "resourceVersion",
+    "generation",
+    "creationTimestamp",
+    "deletionTimestamp",
+    "deletionGracePeriodSeconds",
+    "labels",
+    "annotations",
+    "ownerReferences",
+    "finalizers",
+)
 
 
 def _order_meta(obj: dict) -> None:

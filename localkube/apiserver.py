@@ -30,9 +30,18 @@ from localkube.store import Watch
 log = logging.getLogger("localkube.apiserver")
 
 SERVER_VERSION = {
-    "major": "1", "minor": "37", "emulationMajor": "1", "emulationMinor": "37", "minCompatibilityMajor": "1",
-    "minCompatibilityMinor": "36", "gitVersion": "v1.37.0+localkube", "gitCommit": "localkube",
-    "gitTreeState": "clean", "buildDate": "2026-01-01T00:00:00Z", "goVersion": "go1.25.0", "compiler": "gc",
+    "major": "1",
+    "minor": "37",
+    "emulationMajor": "1",
+    "emulationMinor": "37",
+    "minCompatibilityMajor": "1",
+    "minCompatibilityMinor": "36",
+    "gitVersion": "v1.37.0+localkube",
+    "gitCommit": "localkube",
+    "gitTreeState": "clean",
+    "buildDate": "2026-01-01T00:00:00Z",
+    "goVersion": "go1.25.0",
+    "compiler": "gc",
     "platform": "linux/amd64",
 }
 _JSON = "application/json"
@@ -78,7 +87,11 @@ def parse_route(parts: list[str]) -> Route | None:
         watch_path, rest = True, rest[1:]
     if not rest:
         return None
-    if rest[0] == "namespaces" and len(rest) >= 3 and not (group == "" and len(rest) == 3 and rest[2] in ("status", "finalize")):
+    if (
+        rest[0] == "namespaces"
+        and len(rest) >= 3
+        and not (group == "" and len(rest) == 3 and rest[2] in ("status", "finalize"))
+    ):
         namespace, rest = rest[1], rest[2:]
         route = Route(group, version, rest[0], namespace=namespace)
     else:
@@ -142,7 +155,7 @@ class ApiServer:
     def _json(self, obj, status: int = 200, warnings: list[str] | None = None) -> web.Response:
         response = web.Response(status=status, body=_dumps(obj), content_type=_JSON)
         for warning in warnings or []:
-            response.headers.add("Warning", '299 - ' + json.dumps(warning))
+            response.headers.add("Warning", "299 - " + json.dumps(warning))
         return response
 
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
@@ -185,7 +198,11 @@ class ApiServer:
         return await self._resource(request, rt, route)
 
     def _openapi(self, request: web.Request, parts: list[str]) -> web.Response:
-        if parts[1:] == ["v2"] and "protobuf" in request.headers.get("Accept", "") and "json" not in request.headers.get("Accept", ""):
+        if (
+            parts[1:] == ["v2"]
+            and "protobuf" in request.headers.get("Accept", "")
+            and "json" not in request.headers.get("Accept", "")
+        ):
             return web.Response(body=openapi.V2_PROTOBUF, content_type=openapi.V2_PROTOBUF_TYPE)
         doc = openapi.document(self.kube.registry, parts[1:])
         if doc is None:
@@ -223,9 +240,17 @@ class ApiServer:
                 body = await self._body(request, optional=True)
                 labels = parse_label_selector(query.get("labelSelector"))
                 fields = parse_field_selector(query.get("fieldSelector"), rt.strategy.field_selectors)
-                deleted = core.delete_collection(rt, route.namespace, labels, fields, DeleteOptions.from_body(body, query))
-                return self._json({"kind": rt.list_kind, "apiVersion": rt.api_version,
-                                   "metadata": {"resourceVersion": str(self.kube.store.rv)}, "items": deleted})
+                deleted = core.delete_collection(
+                    rt, route.namespace, labels, fields, DeleteOptions.from_body(body, query)
+                )
+                return self._json(
+                    {
+                        "kind": rt.list_kind,
+                        "apiVersion": rt.api_version,
+                        "metadata": {"resourceVersion": str(self.kube.store.rv)},
+                        "items": deleted,
+                    }
+                )
             raise errors.method_not_allowed()
         name = route.name
         sub = route.subresource
@@ -282,7 +307,9 @@ class ApiServer:
         dry = query.getall("dryRun", [])
         validation = query.get("fieldValidation") or "Warn"
         if validation not in ("Ignore", "Warn", "Strict"):
-            raise errors.bad_request(f'fieldValidation: Unsupported value: "{validation}": supported values: "Ignore", "Strict", "Warn"')
+            raise errors.bad_request(
+                f'fieldValidation: Unsupported value: "{validation}": supported values: "Ignore", "Strict", "Warn"'
+            )
         return WriteOptions(dry_run="All" in dry, field_validation=validation)
 
     async def _body(self, request: web.Request, optional: bool = False):
@@ -337,8 +364,14 @@ class ApiServer:
             table["metadata"] = meta
             return self._json(table)
         if _wants(request, "PartialObjectMetadataList"):
-            return self._json({"kind": "PartialObjectMetadataList", "apiVersion": "meta.k8s.io/v1", "metadata": meta,
-                               "items": [_partial(o) for o in result.items]})
+            return self._json(
+                {
+                    "kind": "PartialObjectMetadataList",
+                    "apiVersion": "meta.k8s.io/v1",
+                    "metadata": meta,
+                    "items": [_partial(o) for o in result.items],
+                }
+            )
         return self._json({"kind": rt.list_kind, "apiVersion": rt.api_version, "metadata": meta, "items": result.items})
 
     def _table(self, request: web.Request, rt: ResourceType, items: list[dict], rv: str, headers: bool = True) -> dict:
@@ -352,8 +385,12 @@ class ApiServer:
             elif include == "Metadata":
                 row["object"] = _partial(obj)
             rows.append(row)
-        table: dict[str, Any] = {"kind": "Table", "apiVersion": "meta.k8s.io/v1", "metadata": {"resourceVersion": rv},
-                                 "rows": rows}
+        table: dict[str, Any] = {
+            "kind": "Table",
+            "apiVersion": "meta.k8s.io/v1",
+            "metadata": {"resourceVersion": rv},
+            "rows": rows,
+        }
         if headers:
             table["columnDefinitions"] = [c.to_dict() for c in rt.strategy.columns()]
         else:
@@ -378,8 +415,16 @@ class ApiServer:
         gone: ApiError | None = None
         if initial_events or rv_text in ("", "0"):
             if initial_events and not bookmarks:
-                raise errors.invalid("ListOptions", "meta.k8s.io", "", [errors.forbidden(
-                    "allowWatchBookmarks", "allowWatchBookmarks required when sendInitialEvents is set")])
+                raise errors.invalid(
+                    "ListOptions",
+                    "meta.k8s.io",
+                    "",
+                    [
+                        errors.forbidden(
+                            "allowWatchBookmarks", "allowWatchBookmarks required when sendInitialEvents is set"
+                        )
+                    ],
+                )
             for obj in self.kube.core.store.list(rt.storage, watch.namespace):
                 if watch.matches(obj):
                     pending.append(("ADDED", obj, int(obj["metadata"]["resourceVersion"])))
@@ -417,7 +462,9 @@ class ApiServer:
             for kind, obj, _rv in pending:
                 await send(kind, obj)
             if initial_events:
-                await response.write(_dumps({"type": "BOOKMARK", "object": self._bookmark(rt, start_rv, initial_end=True)}) + b"\n")
+                await response.write(
+                    _dumps({"type": "BOOKMARK", "object": self._bookmark(rt, start_rv, initial_end=True)}) + b"\n"
+                )
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout
             while True:
@@ -429,7 +476,9 @@ class ApiServer:
                 except TimeoutError:
                     if bookmarks and loop.time() < deadline:
                         # the queue is empty, so every change up to the store's version has been delivered
-                        await response.write(_dumps({"type": "BOOKMARK", "object": self._bookmark(rt, store.rv)}) + b"\n")
+                        await response.write(
+                            _dumps({"type": "BOOKMARK", "object": self._bookmark(rt, store.rv)}) + b"\n"
+                        )
                     continue
                 if item is None:
                     break
@@ -474,4 +523,3 @@ class ApiServer:
 
 def _partial(obj: dict) -> dict:
     return {"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1", "metadata": obj["metadata"]}
-

@@ -65,7 +65,11 @@ class NamespaceStrategy(Strategy):
         return [NAME_COLUMN, Column("Status", description="The status of the namespace"), AGE_COLUMN]
 
     def cells(self, obj, now):
-        return [obj["metadata"]["name"], (obj.get("status") or {}).get("phase", ""), age(obj["metadata"].get("creationTimestamp"), now)]
+        return [
+            obj["metadata"]["name"],
+            (obj.get("status") or {}).get("phase", ""),
+            age(obj["metadata"].get("creationTimestamp"), now),
+        ]
 
 
 # --------------------------------------------------------------------------------------------------------- node
@@ -80,9 +84,18 @@ class NodeStrategy(Strategy):
         pass  # nodes may set status on create
 
     def columns(self):
-        return [NAME_COLUMN, Column("Status"), Column("Roles"), AGE_COLUMN, Column("Version"),
-                Column("Internal-IP", priority=1), Column("External-IP", priority=1), Column("OS-Image", priority=1),
-                Column("Kernel-Version", priority=1), Column("Container-Runtime", priority=1)]
+        return [
+            NAME_COLUMN,
+            Column("Status"),
+            Column("Roles"),
+            AGE_COLUMN,
+            Column("Version"),
+            Column("Internal-IP", priority=1),
+            Column("External-IP", priority=1),
+            Column("OS-Image", priority=1),
+            Column("Kernel-Version", priority=1),
+            Column("Container-Runtime", priority=1),
+        ]
 
     def cells(self, obj, now):
         status = obj.get("status") or {}
@@ -90,12 +103,27 @@ class NodeStrategy(Strategy):
         state = "Ready" if ready.get("status") == "True" else "NotReady"
         if (obj.get("spec") or {}).get("unschedulable"):
             state += ",SchedulingDisabled"
-        roles = sorted(k.split("/", 1)[1] for k in (obj["metadata"].get("labels") or {}) if k.startswith("node-role.kubernetes.io/"))
+        roles = sorted(
+            k.split("/", 1)[1]
+            for k in (obj["metadata"].get("labels") or {})
+            if k.startswith("node-role.kubernetes.io/")
+        )
         info = status.get("nodeInfo") or {}
-        internal = next((a["address"] for a in status.get("addresses") or [] if a.get("type") == "InternalIP"), "<none>")
-        return [obj["metadata"]["name"], state, ",".join(roles) or "<none>", age(obj["metadata"].get("creationTimestamp"), now),
-                info.get("kubeletVersion", ""), internal, "<none>", info.get("osImage", ""), info.get("kernelVersion", ""),
-                info.get("containerRuntimeVersion", "")]
+        internal = next(
+            (a["address"] for a in status.get("addresses") or [] if a.get("type") == "InternalIP"), "<none>"
+        )
+        return [
+            obj["metadata"]["name"],
+            state,
+            ",".join(roles) or "<none>",
+            age(obj["metadata"].get("creationTimestamp"), now),
+            info.get("kubeletVersion", ""),
+            internal,
+            "<none>",
+            info.get("osImage", ""),
+            info.get("kernelVersion", ""),
+            info.get("containerRuntimeVersion", ""),
+        ]
 
 
 # ---------------------------------------------------------------------------------------------------------- pod
@@ -120,7 +148,11 @@ def _default_container(c: dict) -> None:
     c.setdefault("terminationMessagePolicy", "File")
     image = c.get("image", "")
     if "imagePullPolicy" not in c:
-        c["imagePullPolicy"] = "Always" if image and (":" not in image.rsplit("/", 1)[-1] or image.endswith(":latest")) and "@" not in image else "IfNotPresent"
+        c["imagePullPolicy"] = (
+            "Always"
+            if image and (":" not in image.rsplit("/", 1)[-1] or image.endswith(":latest")) and "@" not in image
+            else "IfNotPresent"
+        )
     c.setdefault("resources", {})
     for port in c.get("ports") or []:
         if isinstance(port, dict):
@@ -135,8 +167,13 @@ def _qos(spec: dict) -> str:
     limits = [c.get("resources", {}).get("limits") or {} for c in containers]
     if not any(requests) and not any(limits):
         return "BestEffort"
-    guaranteed = all(lim.get("cpu") and lim.get("memory") and req.get("cpu", lim.get("cpu")) == lim.get("cpu")
-                     and req.get("memory", lim.get("memory")) == lim.get("memory") for req, lim in zip(requests, limits))
+    guaranteed = all(
+        lim.get("cpu")
+        and lim.get("memory")
+        and req.get("cpu", lim.get("cpu")) == lim.get("cpu")
+        and req.get("memory", lim.get("memory")) == lim.get("memory")
+        for req, lim in zip(requests, limits)
+    )
     return "Guaranteed" if guaranteed else "Burstable"
 
 
@@ -148,8 +185,11 @@ def _validate_probe(path: str, probe, ports: set) -> list[Cause]:
     handlers = [k for k in ("httpGet", "tcpSocket", "exec", "grpc") if k in probe]
     causes = []
     if len(handlers) != 1:
-        causes.append(required_value(path, "must specify a handler type") if not handlers
-                      else forbidden(path, "may not specify more than 1 handler type"))
+        causes.append(
+            required_value(path, "must specify a handler type")
+            if not handlers
+            else forbidden(path, "may not specify more than 1 handler type")
+        )
     for key in ("initialDelaySeconds", "timeoutSeconds", "periodSeconds", "successThreshold", "failureThreshold"):
         value = probe.get(key)
         if value is not None and (not isinstance(value, int) or value < 0):
@@ -168,17 +208,41 @@ def _validate_probe(path: str, probe, ports: set) -> list[Cause]:
 class PodStrategy(Strategy):
     has_generation: bool = True
     status_subresource: bool = True
-    field_selectors: frozenset[str] = field(default=BASE_FIELD_SELECTORS | {
-        "spec.nodeName", "spec.restartPolicy", "spec.schedulerName", "spec.serviceAccountName", "spec.hostNetwork",
-        "status.phase", "status.podIP", "status.podIPs", "status.nominatedNodeName"})
+    field_selectors: frozenset[str] = field(
+        default=BASE_FIELD_SELECTORS
+        | {
+            "spec.nodeName",
+            "spec.restartPolicy",
+            "spec.schedulerName",
+            "spec.serviceAccountName",
+            "spec.hostNetwork",
+            "status.phase",
+            "status.podIP",
+            "status.podIPs",
+            "status.nominatedNodeName",
+        }
+    )
 
     def prepare_create(self, obj, core):
         spec = obj.setdefault("spec", {})
         self._default_spec(spec)
-        spec.setdefault("tolerations", [
-            {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300},
-            {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300},
-        ])
+        spec.setdefault(
+            "tolerations",
+            [
+                {
+                    "key": "node.kubernetes.io/not-ready",
+                    "operator": "Exists",
+                    "effect": "NoExecute",
+                    "tolerationSeconds": 300,
+                },
+                {
+                    "key": "node.kubernetes.io/unreachable",
+                    "operator": "Exists",
+                    "effect": "NoExecute",
+                    "tolerationSeconds": 300,
+                },
+            ],
+        )
         obj["status"] = {"phase": "Pending", "qosClass": _qos(spec)}
 
     def prepare_update(self, new, old, core):
@@ -236,7 +300,11 @@ class PodStrategy(Strategy):
                 for m, port in enumerate(c.get("ports") or []):
                     cp = port.get("containerPort") if isinstance(port, dict) else None
                     if not isinstance(cp, int) or not 0 < cp < 65536:
-                        causes.append(invalid_value(f"{path}.ports[{m}].containerPort", cp, "must be between 1 and 65535, inclusive"))
+                        causes.append(
+                            invalid_value(
+                                f"{path}.ports[{m}].containerPort", cp, "must be between 1 and 65535, inclusive"
+                            )
+                        )
                 for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
                     causes += _validate_probe(f"{path}.{probe}", c.get(probe), port_names)
                 for m, env in enumerate(c.get("env") or []):
@@ -247,7 +315,9 @@ class PodStrategy(Strategy):
             causes.append(not_supported("spec.restartPolicy", policy, ["Always", "OnFailure", "Never"]))
         grace = spec.get("terminationGracePeriodSeconds")
         if not isinstance(grace, int) or grace < 0:
-            causes.append(invalid_value("spec.terminationGracePeriodSeconds", grace, "must be greater than or equal to 0"))
+            causes.append(
+                invalid_value("spec.terminationGracePeriodSeconds", grace, "must be greater than or equal to 0")
+            )
         return causes
 
     def _validate_update(self, obj, old) -> list[Cause]:
@@ -261,10 +331,15 @@ class PodStrategy(Strategy):
                 if isinstance(c, dict):
                     c.pop("image", None)
         if new_spec != old_spec:
-            return [forbidden("spec", "pod updates may not change fields other than `spec.containers[*].image`,"
-                              "`spec.initContainers[*].image`,`spec.activeDeadlineSeconds`,`spec.tolerations` "
-                              "(only additions to existing tolerations),`spec.terminationGracePeriodSeconds` "
-                              "(allow it to be set to 1 if it was previously negative)")]
+            return [
+                forbidden(
+                    "spec",
+                    "pod updates may not change fields other than `spec.containers[*].image`,"
+                    "`spec.initContainers[*].image`,`spec.activeDeadlineSeconds`,`spec.tolerations` "
+                    "(only additions to existing tolerations),`spec.terminationGracePeriodSeconds` "
+                    "(allow it to be set to 1 if it was previously negative)",
+                )
+            ]
         return []
 
     def grace_period(self, obj, requested):
@@ -277,15 +352,20 @@ class PodStrategy(Strategy):
         return int(spec.get("terminationGracePeriodSeconds", 30))
 
     def columns(self):
-        return [NAME_COLUMN,
-                Column("Ready", description="The aggregate readiness state of this pod for accepting traffic."),
-                Column("Status", description="The aggregate status of the containers in this pod."),
-                Column("Restarts", description="The number of times the containers in this pod have been restarted and when the last container in this pod has restarted."),
-                AGE_COLUMN,
-                Column("IP", priority=1, description="IP address assigned to the pod"),
-                Column("Node", priority=1, description="Name of the Node this pod is assigned to"),
-                Column("Nominated Node", priority=1, description="Name of the Node where this pod is nominated to run"),
-                Column("Readiness Gates", priority=1, description="Readiness gates of this pod")]
+        return [
+            NAME_COLUMN,
+            Column("Ready", description="The aggregate readiness state of this pod for accepting traffic."),
+            Column("Status", description="The aggregate status of the containers in this pod."),
+            Column(
+                "Restarts",
+                description="The number of times the containers in this pod have been restarted and when the last container in this pod has restarted.",
+            ),
+            AGE_COLUMN,
+            Column("IP", priority=1, description="IP address assigned to the pod"),
+            Column("Node", priority=1, description="Name of the Node this pod is assigned to"),
+            Column("Nominated Node", priority=1, description="Name of the Node where this pod is nominated to run"),
+            Column("Readiness Gates", priority=1, description="Readiness gates of this pod"),
+        ]
 
     def cells(self, obj, now):
         status = obj.get("status") or {}
@@ -303,11 +383,20 @@ class PodStrategy(Strategy):
         if restarts and last_restart is not None:
             restarts_text = f"{restarts} ({age(rfc3339(last_restart), now)} ago)"
         gates = [g.get("conditionType") for g in spec.get("readinessGates") or []]
-        open_gates = sum(1 for c in status.get("conditions") or [] if c.get("type") in gates and c.get("status") == "True")
-        return [obj["metadata"]["name"], f"{ready}/{total}", pod_status_reason(obj), restarts_text,
-                age(obj["metadata"].get("creationTimestamp"), now), _none(status.get("podIP")),
-                _none(spec.get("nodeName")), _none(status.get("nominatedNodeName")),
-                "<none>" if not gates else f"{open_gates}/{len(gates)}"]
+        open_gates = sum(
+            1 for c in status.get("conditions") or [] if c.get("type") in gates and c.get("status") == "True"
+        )
+        return [
+            obj["metadata"]["name"],
+            f"{ready}/{total}",
+            pod_status_reason(obj),
+            restarts_text,
+            age(obj["metadata"].get("creationTimestamp"), now),
+            _none(status.get("podIP")),
+            _none(spec.get("nodeName")),
+            _none(status.get("nominatedNodeName")),
+            "<none>" if not gates else f"{open_gates}/{len(gates)}",
+        ]
 
 
 def pod_status_reason(pod: dict) -> str:
@@ -389,7 +478,15 @@ class ServiceStrategy(Strategy):
     def prepare_update(self, new, old, core):
         super().prepare_update(new, old, core)
         spec, old_spec = new.setdefault("spec", {}), old.get("spec") or {}
-        for key in ("clusterIP", "clusterIPs", "ipFamilies", "ipFamilyPolicy", "type", "sessionAffinity", "internalTrafficPolicy"):
+        for key in (
+            "clusterIP",
+            "clusterIPs",
+            "ipFamilies",
+            "ipFamilyPolicy",
+            "type",
+            "sessionAffinity",
+            "internalTrafficPolicy",
+        ):
             if key not in spec and key in old_spec:
                 spec[key] = clone(old_spec[key])
         old_ports = {p.get("port"): p for p in old_spec.get("ports") or [] if isinstance(p, dict)}
@@ -405,7 +502,9 @@ class ServiceStrategy(Strategy):
         spec = obj.get("spec") or {}
         causes = []
         if spec.get("type") not in ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName"):
-            causes.append(not_supported("spec.type", spec.get("type"), ["ClusterIP", "ExternalName", "LoadBalancer", "NodePort"]))
+            causes.append(
+                not_supported("spec.type", spec.get("type"), ["ClusterIP", "ExternalName", "LoadBalancer", "NodePort"])
+            )
         ports = spec.get("ports") or []
         if not ports and spec.get("clusterIP") != "None" and spec.get("type") != "ExternalName":
             causes.append(required_value("spec.ports"))
@@ -414,7 +513,9 @@ class ServiceStrategy(Strategy):
                 causes.append(invalid_value(f"spec.ports[{n}]", port, "must be an object"))
                 continue
             if not isinstance(port.get("port"), int) or not 0 < port["port"] < 65536:
-                causes.append(invalid_value(f"spec.ports[{n}].port", port.get("port"), "must be between 1 and 65535, inclusive"))
+                causes.append(
+                    invalid_value(f"spec.ports[{n}].port", port.get("port"), "must be between 1 and 65535, inclusive")
+                )
             if len(ports) > 1 and not port.get("name"):
                 causes.append(required_value(f"spec.ports[{n}].name"))
         if old is not None:
@@ -424,8 +525,15 @@ class ServiceStrategy(Strategy):
         return causes
 
     def columns(self):
-        return [NAME_COLUMN, Column("Type"), Column("Cluster-IP"), Column("External-IP"), Column("Port(s)"), AGE_COLUMN,
-                Column("Selector", priority=1)]
+        return [
+            NAME_COLUMN,
+            Column("Type"),
+            Column("Cluster-IP"),
+            Column("External-IP"),
+            Column("Port(s)"),
+            AGE_COLUMN,
+            Column("Selector", priority=1),
+        ]
 
     def cells(self, obj, now):
         spec = obj.get("spec") or {}
@@ -442,8 +550,15 @@ class ServiceStrategy(Strategy):
         elif spec.get("externalIPs"):
             external = ",".join(spec["externalIPs"])
         selector = ",".join(f"{k}={v}" for k, v in sorted((spec.get("selector") or {}).items()))
-        return [obj["metadata"]["name"], spec.get("type", ""), spec.get("clusterIP") or "<none>", external,
-                ",".join(ports) or "<none>", age(obj["metadata"].get("creationTimestamp"), now), selector or "<none>"]
+        return [
+            obj["metadata"]["name"],
+            spec.get("type", ""),
+            spec.get("clusterIP") or "<none>",
+            external,
+            ",".join(ports) or "<none>",
+            age(obj["metadata"].get("creationTimestamp"), now),
+            selector or "<none>",
+        ]
 
 
 def _allocate_cluster_ip(core: StrategyContext) -> str:
@@ -456,8 +571,12 @@ def _allocate_cluster_ip(core: StrategyContext) -> str:
 
 
 def _used_node_ports(core: StrategyContext) -> set[int]:
-    return {int(p["nodePort"]) for s in core.store.list(("", "services"))
-            for p in (s.get("spec") or {}).get("ports") or [] if isinstance(p, dict) and p.get("nodePort")}
+    return {
+        int(p["nodePort"])
+        for s in core.store.list(("", "services"))
+        for p in (s.get("spec") or {}).get("ports") or []
+        if isinstance(p, dict) and p.get("nodePort")
+    }
 
 
 # ----------------------------------------------------------------------------------------- configmap and secret
@@ -471,8 +590,14 @@ def _validate_keys(path: str, data) -> list[Cause]:
         return [invalid_value(path, data, "must be a map")]
     for key in data:
         if not _KEY_RE.match(key) or len(key) > 253:
-            causes.append(invalid_value(path, key, "a valid config key must consist of alphanumeric characters, '-', '_' or '.' "
-                                                   "(e.g. 'key.name',  or 'KEY_NAME',  or 'key-name', regex used for validation is '[-._a-zA-Z0-9]+')"))
+            causes.append(
+                invalid_value(
+                    path,
+                    key,
+                    "a valid config key must consist of alphanumeric characters, '-', '_' or '.' "
+                    "(e.g. 'key.name',  or 'KEY_NAME',  or 'key-name', regex used for validation is '[-._a-zA-Z0-9]+')",
+                )
+            )
     return causes
 
 
@@ -500,8 +625,11 @@ class ConfigMapStrategy(Strategy):
         return [NAME_COLUMN, Column("Data", type="integer"), AGE_COLUMN]
 
     def cells(self, obj, now):
-        return [obj["metadata"]["name"], len(obj.get("data") or {}) + len(obj.get("binaryData") or {}),
-                age(obj["metadata"].get("creationTimestamp"), now)]
+        return [
+            obj["metadata"]["name"],
+            len(obj.get("data") or {}) + len(obj.get("binaryData") or {}),
+            age(obj["metadata"].get("creationTimestamp"), now),
+        ]
 
 
 @dataclass
@@ -538,8 +666,12 @@ class SecretStrategy(Strategy):
         return [NAME_COLUMN, Column("Type"), Column("Data", type="integer"), AGE_COLUMN]
 
     def cells(self, obj, now):
-        return [obj["metadata"]["name"], obj.get("type", ""), len(obj.get("data") or {}),
-                age(obj["metadata"].get("creationTimestamp"), now)]
+        return [
+            obj["metadata"]["name"],
+            obj.get("type", ""),
+            len(obj.get("data") or {}),
+            age(obj["metadata"].get("creationTimestamp"), now),
+        ]
 
 
 # ----------------------------------------------------------------------------------------- endpoints and slices
@@ -551,8 +683,12 @@ class EndpointsStrategy(Strategy):
         return [NAME_COLUMN, Column("Endpoints"), AGE_COLUMN]
 
     def cells(self, obj, now):
-        addresses = [f"{a.get('ip')}:{p.get('port')}" for s in obj.get("subsets") or []
-                     for p in (s.get("ports") or [{}]) for a in s.get("addresses") or []]
+        addresses = [
+            f"{a.get('ip')}:{p.get('port')}"
+            for s in obj.get("subsets") or []
+            for p in (s.get("ports") or [{}])
+            for a in s.get("addresses") or []
+        ]
         text = ",".join(addresses[:3]) + (f" + {len(addresses) - 3} more..." if len(addresses) > 3 else "")
         return [obj["metadata"]["name"], text or "<none>", age(obj["metadata"].get("creationTimestamp"), now)]
 
@@ -571,20 +707,40 @@ class EndpointSliceStrategy(Strategy):
         ports = ",".join(str(p.get("port")) for p in obj.get("ports") or []) or "<unset>"
         addresses = [a for e in obj.get("endpoints") or [] for a in e.get("addresses") or []]
         text = ",".join(addresses[:3]) + (f" + {len(addresses) - 3} more..." if len(addresses) > 3 else "")
-        return [obj["metadata"]["name"], obj.get("addressType", ""), ports, text or "<unset>",
-                age(obj["metadata"].get("creationTimestamp"), now)]
+        return [
+            obj["metadata"]["name"],
+            obj.get("addressType", ""),
+            ports,
+            text or "<unset>",
+            age(obj["metadata"].get("creationTimestamp"), now),
+        ]
 
 
 # ------------------------------------------------------------------------------------------------------- events
 
 _EVENT_SELECTORS = BASE_FIELD_SELECTORS | {
-    "involvedObject.kind", "involvedObject.namespace", "involvedObject.name", "involvedObject.uid",
-    "involvedObject.apiVersion", "involvedObject.resourceVersion", "involvedObject.fieldPath",
-    "reason", "reportingComponent", "source", "type"}
+    "involvedObject.kind",
+    "involvedObject.namespace",
+    "involvedObject.name",
+    "involvedObject.uid",
+    "involvedObject.apiVersion",
+    "involvedObject.resourceVersion",
+    "involvedObject.fieldPath",
+    "reason",
+    "reportingComponent",
+    "source",
+    "type",
+}
 # events.k8s.io/v1 field <-> core/v1 field
-_EVENT_RENAMES = (("regarding", "involvedObject"), ("note", "message"), ("deprecatedSource", "source"),
-                  ("deprecatedFirstTimestamp", "firstTimestamp"), ("deprecatedLastTimestamp", "lastTimestamp"),
-                  ("deprecatedCount", "count"), ("reportingController", "reportingComponent"))
+_EVENT_RENAMES = (
+    ("regarding", "involvedObject"),
+    ("note", "message"),
+    ("deprecatedSource", "source"),
+    ("deprecatedFirstTimestamp", "firstTimestamp"),
+    ("deprecatedLastTimestamp", "lastTimestamp"),
+    ("deprecatedCount", "count"),
+    ("reportingController", "reportingComponent"),
+)
 
 
 @dataclass
@@ -597,38 +753,73 @@ class EventStrategy(Strategy):
         if not isinstance(involved, dict):
             causes.append(required_value("involvedObject"))
         elif involved.get("namespace") and involved["namespace"] != obj["metadata"].get("namespace"):
-            causes.append(invalid_value("involvedObject.namespace", involved["namespace"], "does not match event.namespace"))
+            causes.append(
+                invalid_value("involvedObject.namespace", involved["namespace"], "does not match event.namespace")
+            )
         if obj.get("type") not in (None, "", "Normal", "Warning"):
             causes.append(not_supported("type", obj.get("type"), ["Normal", "Warning"]))
         return causes
 
     def columns(self):
-        return [Column("Last Seen"), Column("Type"), Column("Reason"), Column("Object"),
-                Column("Subobject", priority=1), Column("Source", priority=1), Column("Message"),
-                Column("First Seen", priority=1), Column("Count", priority=1), Column("Name", priority=1)]
+        return [
+            Column("Last Seen"),
+            Column("Type"),
+            Column("Reason"),
+            Column("Object"),
+            Column("Subobject", priority=1),
+            Column("Source", priority=1),
+            Column("Message"),
+            Column("First Seen", priority=1),
+            Column("Count", priority=1),
+            Column("Name", priority=1),
+        ]
 
     def cells(self, obj, now):
         involved = obj.get("involvedObject") or {}
-        last = obj.get("lastTimestamp") or (obj.get("series") or {}).get("lastObservedTime") or obj.get("eventTime") \
+        last = (
+            obj.get("lastTimestamp")
+            or (obj.get("series") or {}).get("lastObservedTime")
+            or obj.get("eventTime")
             or obj["metadata"].get("creationTimestamp")
+        )
         first = obj.get("firstTimestamp") or obj.get("eventTime") or obj["metadata"].get("creationTimestamp")
         source = obj.get("source") or {}
         source_text = source.get("component") or obj.get("reportingComponent") or ""
         if source.get("host"):
             source_text += f", {source['host']}"
-        return [age(last, now), obj.get("type", ""), obj.get("reason", ""),
-                f"{(involved.get('kind') or '').lower()}/{involved.get('name', '')}",
-                involved.get("fieldPath", ""), source_text, obj.get("message", ""), age(first, now),
-                int(obj.get("count") or 1), obj["metadata"]["name"]]
+        return [
+            age(last, now),
+            obj.get("type", ""),
+            obj.get("reason", ""),
+            f"{(involved.get('kind') or '').lower()}/{involved.get('name', '')}",
+            involved.get("fieldPath", ""),
+            source_text,
+            obj.get("message", ""),
+            age(first, now),
+            int(obj.get("count") or 1),
+            obj["metadata"]["name"],
+        ]
 
 
 @dataclass
 class EventsV1Strategy(EventStrategy):
     """events.k8s.io/v1: the same objects as core v1 events with renamed fields."""
 
-    field_selectors: frozenset[str] = field(default=BASE_FIELD_SELECTORS | {
-        "regarding.kind", "regarding.namespace", "regarding.name", "regarding.uid", "regarding.apiVersion",
-        "regarding.resourceVersion", "regarding.fieldPath", "reason", "reportingController", "type"})
+    field_selectors: frozenset[str] = field(
+        default=BASE_FIELD_SELECTORS
+        | {
+            "regarding.kind",
+            "regarding.namespace",
+            "regarding.name",
+            "regarding.uid",
+            "regarding.apiVersion",
+            "regarding.resourceVersion",
+            "regarding.fieldPath",
+            "reason",
+            "reportingController",
+            "type",
+        }
+    )
 
     def to_external(self, obj, api_version):
         out = dict(obj.items())
@@ -656,8 +847,11 @@ class LeaseStrategy(Strategy):
         return [NAME_COLUMN, Column("Holder"), AGE_COLUMN]
 
     def cells(self, obj, now):
-        return [obj["metadata"]["name"], (obj.get("spec") or {}).get("holderIdentity", ""),
-                age(obj["metadata"].get("creationTimestamp"), now)]
+        return [
+            obj["metadata"]["name"],
+            (obj.get("spec") or {}).get("holderIdentity", ""),
+            age(obj["metadata"].get("creationTimestamp"), now),
+        ]
 
 
 @dataclass
@@ -666,7 +860,11 @@ class ServiceAccountStrategy(Strategy):
         return [NAME_COLUMN, Column("Secrets", type="integer"), AGE_COLUMN]
 
     def cells(self, obj, now):
-        return [obj["metadata"]["name"], len(obj.get("secrets") or []), age(obj["metadata"].get("creationTimestamp"), now)]
+        return [
+            obj["metadata"]["name"],
+            len(obj.get("secrets") or []),
+            age(obj["metadata"].get("creationTimestamp"), now),
+        ]
 
 
 @dataclass
@@ -684,13 +882,23 @@ class PodDisruptionBudgetStrategy(Strategy):
         return []
 
     def columns(self):
-        return [NAME_COLUMN, Column("Min Available"), Column("Max Unavailable"), Column("Allowed Disruptions", type="integer"), AGE_COLUMN]
+        return [
+            NAME_COLUMN,
+            Column("Min Available"),
+            Column("Max Unavailable"),
+            Column("Allowed Disruptions", type="integer"),
+            AGE_COLUMN,
+        ]
 
     def cells(self, obj, now):
         spec, status = obj.get("spec") or {}, obj.get("status") or {}
-        return [obj["metadata"]["name"], _none(spec.get("minAvailable")).replace("<none>", "N/A"),
-                _none(spec.get("maxUnavailable")).replace("<none>", "N/A"), int(status.get("disruptionsAllowed") or 0),
-                age(obj["metadata"].get("creationTimestamp"), now)]
+        return [
+            obj["metadata"]["name"],
+            _none(spec.get("minAvailable")).replace("<none>", "N/A"),
+            _none(spec.get("maxUnavailable")).replace("<none>", "N/A"),
+            int(status.get("disruptionsAllowed") or 0),
+            age(obj["metadata"].get("creationTimestamp"), now),
+        ]
 
 
 _POLICY_TYPES = ("Ingress", "Egress")
@@ -739,7 +947,9 @@ class NetworkPolicyStrategy(Strategy):
                 for j, port in enumerate((rule or {}).get("ports") or []):
                     where = f"spec.{direction}[{i}].ports[{j}]"
                     if (port or {}).get("protocol") not in _PROTOCOLS:
-                        causes.append(not_supported(f"{where}.protocol", (port or {}).get("protocol"), list(_PROTOCOLS)))
+                        causes.append(
+                            not_supported(f"{where}.protocol", (port or {}).get("protocol"), list(_PROTOCOLS))
+                        )
                     number = (port or {}).get("port")
                     if isinstance(number, int) and not 1 <= number <= 65535:
                         causes.append(invalid_value(f"{where}.port", number, "must be between 1 and 65535, inclusive"))
@@ -773,39 +983,136 @@ class AccessReviewStrategy(Strategy):
 def builtin_types(crd_strategy: Strategy) -> list[ResourceType]:
     """Every built-in type, in the order discovery lists their groups."""
     core = [
-        ResourceType("", "v1", "namespaces", "namespace", "Namespace", False, NamespaceStrategy(), ("ns",),
-                     subresources={"status": ("get", "patch", "update"), "finalize": ("update",)},
-                     verbs=("create", "delete", "get", "list", "patch", "update", "watch")),
-        ResourceType("", "v1", "nodes", "node", "Node", False, NodeStrategy(), ("no",),
-                     subresources={"status": ("get", "patch", "update")}),
-        ResourceType("", "v1", "pods", "pod", "Pod", True, PodStrategy(), ("po",), ("all",),
-                     subresources={"status": ("get", "patch", "update"), "log": ("get",), "binding": ("create",),
-                                   "eviction": ("create",)}),
-        ResourceType("", "v1", "services", "service", "Service", True, ServiceStrategy(), ("svc",), ("all",),
-                     subresources={"status": ("get", "patch", "update")},
-                     verbs=("create", "delete", "deletecollection", "get", "list", "patch", "update", "watch")),
+        ResourceType(
+            "",
+            "v1",
+            "namespaces",
+            "namespace",
+            "Namespace",
+            False,
+            NamespaceStrategy(),
+            ("ns",),
+            subresources={"status": ("get", "patch", "update"), "finalize": ("update",)},
+            verbs=("create", "delete", "get", "list", "patch", "update", "watch"),
+        ),
+        ResourceType(
+            "",
+            "v1",
+            "nodes",
+            "node",
+            "Node",
+            False,
+            NodeStrategy(),
+            ("no",),
+            subresources={"status": ("get", "patch", "update")},
+        ),
+        ResourceType(
+            "",
+            "v1",
+            "pods",
+            "pod",
+            "Pod",
+            True,
+            PodStrategy(),
+            ("po",),
+            ("all",),
+            subresources={
+                "status": ("get", "patch", "update"),
+                "log": ("get",),
+                "binding": ("create",),
+                "eviction": ("create",),
+            },
+        ),
+        ResourceType(
+            "",
+            "v1",
+            "services",
+            "service",
+            "Service",
+            True,
+            ServiceStrategy(),
+            ("svc",),
+            ("all",),
+            subresources={"status": ("get", "patch", "update")},
+            verbs=("create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"),
+        ),
         ResourceType("", "v1", "endpoints", "endpoints", "Endpoints", True, EndpointsStrategy(), ("ep",)),
         ResourceType("", "v1", "configmaps", "configmap", "ConfigMap", True, ConfigMapStrategy(), ("cm",)),
         ResourceType("", "v1", "secrets", "secret", "Secret", True, SecretStrategy()),
-        ResourceType("", "v1", "serviceaccounts", "serviceaccount", "ServiceAccount", True, ServiceAccountStrategy(), ("sa",)),
+        ResourceType(
+            "", "v1", "serviceaccounts", "serviceaccount", "ServiceAccount", True, ServiceAccountStrategy(), ("sa",)
+        ),
         ResourceType("", "v1", "events", "event", "Event", True, EventStrategy(), ("ev",)),
     ]
     others = [
-        ResourceType("apiextensions.k8s.io", "v1", "customresourcedefinitions", "customresourcedefinition",
-                     "CustomResourceDefinition", False, crd_strategy, ("crd", "crds"), ("api-extensions",),
-                     subresources={"status": ("get", "patch", "update")}),
+        ResourceType(
+            "apiextensions.k8s.io",
+            "v1",
+            "customresourcedefinitions",
+            "customresourcedefinition",
+            "CustomResourceDefinition",
+            False,
+            crd_strategy,
+            ("crd", "crds"),
+            ("api-extensions",),
+            subresources={"status": ("get", "patch", "update")},
+        ),
         ResourceType("coordination.k8s.io", "v1", "leases", "lease", "Lease", True, LeaseStrategy()),
-        ResourceType("policy", "v1", "poddisruptionbudgets", "poddisruptionbudget", "PodDisruptionBudget", True,
-                     PodDisruptionBudgetStrategy(), ("pdb",), subresources={"status": ("get", "patch", "update")}),
-        ResourceType("networking.k8s.io", "v1", "networkpolicies", "networkpolicy", "NetworkPolicy", True,
-                     NetworkPolicyStrategy(), ("netpol",)),
-        ResourceType("events.k8s.io", "v1", "events", "event", "Event", True, EventsV1Strategy(), ("ev",),
-                     storage=("", "events"), storage_version="v1"),
-        ResourceType("discovery.k8s.io", "v1", "endpointslices", "endpointslice", "EndpointSlice", True,
-                     EndpointSliceStrategy()),
-        ResourceType("authorization.k8s.io", "v1", "selfsubjectaccessreviews", "", "SelfSubjectAccessReview", False,
-                     AccessReviewStrategy(), verbs=("create",)),
-        ResourceType("authorization.k8s.io", "v1", "subjectaccessreviews", "", "SubjectAccessReview", False,
-                     AccessReviewStrategy(), verbs=("create",)),
+        ResourceType(
+            "policy",
+            "v1",
+            "poddisruptionbudgets",
+            "poddisruptionbudget",
+            "PodDisruptionBudget",
+            True,
+            PodDisruptionBudgetStrategy(),
+            ("pdb",),
+            subresources={"status": ("get", "patch", "update")},
+        ),
+        ResourceType(
+            "networking.k8s.io",
+            "v1",
+            "networkpolicies",
+            "networkpolicy",
+            "NetworkPolicy",
+            True,
+            NetworkPolicyStrategy(),
+            ("netpol",),
+        ),
+        ResourceType(
+            "events.k8s.io",
+            "v1",
+            "events",
+            "event",
+            "Event",
+            True,
+            EventsV1Strategy(),
+            ("ev",),
+            storage=("", "events"),
+            storage_version="v1",
+        ),
+        ResourceType(
+            "discovery.k8s.io", "v1", "endpointslices", "endpointslice", "EndpointSlice", True, EndpointSliceStrategy()
+        ),
+        ResourceType(
+            "authorization.k8s.io",
+            "v1",
+            "selfsubjectaccessreviews",
+            "",
+            "SelfSubjectAccessReview",
+            False,
+            AccessReviewStrategy(),
+            verbs=("create",),
+        ),
+        ResourceType(
+            "authorization.k8s.io",
+            "v1",
+            "subjectaccessreviews",
+            "",
+            "SubjectAccessReview",
+            False,
+            AccessReviewStrategy(),
+            verbs=("create",),
+        ),
     ]
     return core + others

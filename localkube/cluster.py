@@ -37,18 +37,38 @@ def check_loopback(host: str) -> str:
 
 
 class Cluster:
-    def __init__(self, kubeconfig: str | Path | None = None, *, host: str = "127.0.0.1", port: int = 0,
-                 state: str | Path | None = None, workdir: str | Path | None = None, kubelet: bool = True,
-                 node_labels: dict[str, str] | None = None, node_capacity: dict[str, str] | None = None,
-                 restart_backoff: tuple[float, float] = (1.0, 60.0), pod_subnet: str | None = None,
-                 event_log_size: int = 20_000, start_timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        kubeconfig: str | Path | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        state: str | Path | None = None,
+        workdir: str | Path | None = None,
+        kubelet: bool = True,
+        node_labels: dict[str, str] | None = None,
+        node_capacity: dict[str, str] | None = None,
+        restart_backoff: tuple[float, float] = (1.0, 60.0),
+        pod_subnet: str | None = None,
+        event_log_size: int = 20_000,
+        start_timeout: float = 30.0,
+    ) -> None:
         self._own_workdir = workdir is None
         self.workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="localkube-"))
         self.kubeconfig = Path(kubeconfig) if kubeconfig is not None else self.workdir / "kubeconfig"
-        self.options = Options(host=check_loopback(host), port=port, state_file=Path(state) if state else None,
-                               workdir=self.workdir, kubelet=kubelet, node_labels=dict(node_labels or {}),
-                               node_capacity=dict(node_capacity or {}), restart_backoff=restart_backoff,
-                               pod_subnet=pod_subnet, kubeconfig=self.kubeconfig, event_log_size=event_log_size)
+        self.options = Options(
+            host=check_loopback(host),
+            port=port,
+            state_file=Path(state) if state else None,
+            workdir=self.workdir,
+            kubelet=kubelet,
+            node_labels=dict(node_labels or {}),
+            node_capacity=dict(node_capacity or {}),
+            restart_backoff=restart_backoff,
+            pod_subnet=pod_subnet,
+            kubeconfig=self.kubeconfig,
+            event_log_size=event_log_size,
+        )
         self._start_timeout = start_timeout
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

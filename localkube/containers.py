@@ -89,7 +89,9 @@ class ContainerRunner:
         self.name = spec["name"]
         self.init = init
         self.restart_count = 0
-        self.state: dict = {"waiting": {"reason": "PodInitializing" if init is False and worker.has_init else "ContainerCreating"}}
+        self.state: dict = {
+            "waiting": {"reason": "PodInitializing" if init is False and worker.has_init else "ContainerCreating"}
+        }
         self.last_state: dict = {}
         self.ready = False
         self.started = False
@@ -111,10 +113,14 @@ class ContainerRunner:
 
     def status(self) -> dict:
         status = {
-            "name": self.name, "image": self.spec.get("image", ""),
+            "name": self.name,
+            "image": self.spec.get("image", ""),
             "imageID": f"localkube://{self.spec.get('image', '')}",
-            "ready": self.ready, "restartCount": self.restart_count, "started": self.started,
-            "state": clone(self.state), "lastState": clone(self.last_state),
+            "ready": self.ready,
+            "restartCount": self.restart_count,
+            "started": self.started,
+            "state": clone(self.state),
+            "lastState": clone(self.last_state),
         }
         if self.container_id:
             status["containerID"] = self.container_id
@@ -170,13 +176,23 @@ class ContainerRunner:
             self.last_state = {"terminated": self.state.get("terminated", {})}
             self.restart_count += 1
             if delay > 0:
-                self.state = {"waiting": {"reason": "CrashLoopBackOff",
-                                          "message": f"back-off {delay:g}s restarting failed container={self.name} "
-                                                     f"pod={self.worker.name}_{self.worker.namespace}({self.worker.uid})"}}
+                self.state = {
+                    "waiting": {
+                        "reason": "CrashLoopBackOff",
+                        "message": f"back-off {delay:g}s restarting failed container={self.name} "
+                        f"pod={self.worker.name}_{self.worker.namespace}({self.worker.uid})",
+                    }
+                }
                 self._publish()
-                kubelet.recorder.record(self.worker.pod, "Warning", "BackOff",
-                                        "Back-off restarting failed container " f"{self.name} in pod "
-                                        f"{self.worker.name}_{self.worker.namespace}({self.worker.uid})", self._field_path())
+                kubelet.recorder.record(
+                    self.worker.pod,
+                    "Warning",
+                    "BackOff",
+                    "Back-off restarting failed container "
+                    f"{self.name} in pod "
+                    f"{self.worker.name}_{self.worker.namespace}({self.worker.uid})",
+                    self._field_path(),
+                )
                 await self._pause(delay)
         self.done = True
         return self.exit_code if self.exit_code is not None else 0
@@ -188,7 +204,9 @@ class ContainerRunner:
     def _prepare(self) -> tuple[list[str], dict[str, str]]:
         kubelet = self.worker.kubelet
         pod = self.worker.pod
-        defined = container_env(pod, self.spec, kubelet.lookup(SECRETS), kubelet.lookup(CONFIGMAPS), kubelet.node_capacity())
+        defined = container_env(
+            pod, self.spec, kubelet.lookup(SECRETS), kubelet.lookup(CONFIGMAPS), kubelet.node_capacity()
+        )
         argv = command_line(self.spec, defined)
         env = kubelet.base_env(pod)
         env.update(defined)
@@ -203,24 +221,52 @@ class ContainerRunner:
         now = rfc3339()
         executable = shutil.which(argv[0], path=env.get("PATH"))
         if executable is None and not os.path.isfile(argv[0]):
-            message = (f'failed to create containerd task: failed to create shim task: OCI runtime create failed: '
-                       f'exec: "{argv[0]}": executable file not found in $PATH')
+            message = (
+                f"failed to create containerd task: failed to create shim task: OCI runtime create failed: "
+                f'exec: "{argv[0]}": executable file not found in $PATH'
+            )
             log_path.write_text("")
-            self.state = {"terminated": {"exitCode": 128, "reason": "StartError", "message": message,
-                                         "startedAt": "1970-01-01T00:00:00Z", "finishedAt": now}}
+            self.state = {
+                "terminated": {
+                    "exitCode": 128,
+                    "reason": "StartError",
+                    "message": message,
+                    "startedAt": "1970-01-01T00:00:00Z",
+                    "finishedAt": now,
+                }
+            }
             self._started_at = time.monotonic()
             self._publish()
             kubelet.recorder.record(self.worker.pod, "Warning", "Failed", f"Error: {message}", self._field_path())
             return 128
-        cwd = self.spec.get("workingDir") if self.spec.get("workingDir") and os.path.isdir(self.spec["workingDir"]) else None
+        cwd = (
+            self.spec.get("workingDir")
+            if self.spec.get("workingDir") and os.path.isdir(self.spec["workingDir"])
+            else None
+        )
         command = ([_SETPRIV, "--pdeathsig", "KILL", "--"] if _SETPRIV else []) + [executable or argv[0]] + argv[1:]
         with open(log_path, "ab") as out:
             try:
-                self.proc = subprocess.Popen(command, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out,
-                                             stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+                self.proc = subprocess.Popen(
+                    command,
+                    env=env,
+                    cwd=cwd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    close_fds=True,
+                )
             except OSError as exc:
-                self.state = {"terminated": {"exitCode": 128, "reason": "StartError", "message": str(exc),
-                                             "startedAt": now, "finishedAt": now}}
+                self.state = {
+                    "terminated": {
+                        "exitCode": 128,
+                        "reason": "StartError",
+                        "message": str(exc),
+                        "startedAt": now,
+                        "finishedAt": now,
+                    }
+                }
                 self._publish()
                 return 128
         proc = self.proc
@@ -231,9 +277,19 @@ class ContainerRunner:
         self.state = {"running": {"startedAt": now}}
         self.started = self.spec.get("startupProbe") is None
         self.ready = False
-        kubelet.recorder.record(self.worker.pod, "Normal", "Pulled", f'Container image "{self.spec.get("image", "")}" already present on machine', self._field_path())
-        kubelet.recorder.record(self.worker.pod, "Normal", "Created", f"Created container: {self.name}", self._field_path())
-        kubelet.recorder.record(self.worker.pod, "Normal", "Started", f"Started container {self.name}", self._field_path())
+        kubelet.recorder.record(
+            self.worker.pod,
+            "Normal",
+            "Pulled",
+            f'Container image "{self.spec.get("image", "")}" already present on machine',
+            self._field_path(),
+        )
+        kubelet.recorder.record(
+            self.worker.pod, "Normal", "Created", f"Created container: {self.name}", self._field_path()
+        )
+        kubelet.recorder.record(
+            self.worker.pod, "Normal", "Started", f"Started container {self.name}", self._field_path()
+        )
         if not self.init:
             self._probe_task = asyncio.get_running_loop().create_task(self._probes())
         self._publish()
@@ -248,8 +304,13 @@ class ContainerRunner:
         self.proc = None
         self.ready = False
         finished = rfc3339()
-        terminated = {"exitCode": code if code >= 0 else 128 - code, "reason": "Completed" if code == 0 else "Error",
-                      "startedAt": now, "finishedAt": finished, "containerID": self.container_id}
+        terminated = {
+            "exitCode": code if code >= 0 else 128 - code,
+            "reason": "Completed" if code == 0 else "Error",
+            "startedAt": now,
+            "finishedAt": finished,
+            "containerID": self.container_id,
+        }
         if code < 0:
             terminated["signal"] = -code
         if self.kill_reason:
@@ -350,7 +411,9 @@ class ContainerRunner:
             await asyncio.sleep(float(probe.get("periodSeconds") or 10))
 
     def _unhealthy(self, kind: str, result: Result) -> None:
-        self.worker.kubelet.recorder.record(self.worker.pod, "Warning", "Unhealthy", f"{kind} probe failed: {result.message}", self._field_path())
+        self.worker.kubelet.recorder.record(
+            self.worker.pod, "Warning", "Unhealthy", f"{kind} probe failed: {result.message}", self._field_path()
+        )
 
     async def _kill_for(self, reason: str) -> None:
         proc = self.proc
@@ -381,14 +444,19 @@ class ContainerRunner:
         if proc is None:
             return
         loop = asyncio.get_running_loop()
-        pre_stop = ((self.spec.get("lifecycle") or {}).get("preStop"))
+        pre_stop = (self.spec.get("lifecycle") or {}).get("preStop")
         if run_pre_stop and pre_stop:
             remaining = deadline - loop.time()
             if remaining > 0:
                 result = await self._act(pre_stop, remaining)
                 if not result.ok:
-                    self.worker.kubelet.recorder.record(self.worker.pod, "Warning", "FailedPreStopHook",
-                                                        f"PreStopHook failed: {result.message}", self._field_path())
+                    self.worker.kubelet.recorder.record(
+                        self.worker.pod,
+                        "Warning",
+                        "FailedPreStopHook",
+                        f"PreStopHook failed: {result.message}",
+                        self._field_path(),
+                    )
         kill_group(proc.pid, signal.SIGTERM)
         exited = self._exited
         while exited is not None and not exited.done():

@@ -45,7 +45,10 @@ ENDPOINTS_MANAGER = "endpoint-controller"
 
 
 def pod_is_ready(pod: dict) -> bool:
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in (pod.get("status") or {}).get("conditions") or [])
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in (pod.get("status") or {}).get("conditions") or []
+    )
 
 
 def _resolve_port(pod: dict, target) -> int | None:
@@ -127,8 +130,9 @@ class Controllers:
         """Delete Events whose last activity is before ``older_than``; returns how many went."""
         expired = 0
         for event in self.kube.store.list(EVENTS):
-            stamp = parse_time(event.get("lastTimestamp") or event.get("eventTime")
-                               or event["metadata"].get("creationTimestamp"))
+            stamp = parse_time(
+                event.get("lastTimestamp") or event.get("eventTime") or event["metadata"].get("creationTimestamp")
+            )
             if stamp is not None and stamp < older_than:
                 self._delete(EVENTS, event)
                 expired += 1
@@ -155,11 +159,17 @@ class Controllers:
         if rt is None:
             return
         try:
-            self.kube.core.delete(rt, obj["metadata"].get("namespace", ""), obj["metadata"]["name"],
-                                  DeleteOptions(propagation=propagation))
+            self.kube.core.delete(
+                rt,
+                obj["metadata"].get("namespace", ""),
+                obj["metadata"]["name"],
+                DeleteOptions(propagation=propagation),
+            )
         except ApiError as exc:
             if exc.code != 404:
-                log.warning("could not delete %s/%s: %s", obj["metadata"].get("namespace"), obj["metadata"]["name"], exc)
+                log.warning(
+                    "could not delete %s/%s: %s", obj["metadata"].get("namespace"), obj["metadata"]["name"], exc
+                )
 
     def _put(self, storage, obj: dict) -> None:
         rt = self._rt(storage)
@@ -194,8 +204,10 @@ class Controllers:
         """Whether a dependent that blocks its owner's deletion still exists (deleting ones included)."""
         for storage, dep in deps:
             current = self.kube.store.get(storage, dep["metadata"].get("namespace", ""), dep["metadata"]["name"])
-            if current is not None and any(r.get("uid") == owner_uid and r.get("blockOwnerDeletion")
-                                           for r in current["metadata"].get("ownerReferences") or []):
+            if current is not None and any(
+                r.get("uid") == owner_uid and r.get("blockOwnerDeletion")
+                for r in current["metadata"].get("ownerReferences") or []
+            ):
                 return True
         return False
 
@@ -257,8 +269,14 @@ class Controllers:
             name = ns_obj["metadata"]["name"]
             if not ns_obj["metadata"].get("deletionTimestamp"):
                 if store.get(SERVICE_ACCOUNTS, name, "default") is None:
-                    self._put(SERVICE_ACCOUNTS, {"apiVersion": "v1", "kind": "ServiceAccount",
-                                                 "metadata": {"name": "default", "namespace": name}})
+                    self._put(
+                        SERVICE_ACCOUNTS,
+                        {
+                            "apiVersion": "v1",
+                            "kind": "ServiceAccount",
+                            "metadata": {"name": "default", "namespace": name},
+                        },
+                    )
                 continue
             remaining = 0
             for storage in store.storages():
@@ -309,19 +327,28 @@ class Controllers:
                 selector = selector_from_map((service.get("spec") or {}).get("selector"))
                 if selector is None:
                     continue
-                selected = [p for p in pods if selector.matches(p["metadata"].get("labels"))
-                            and (p.get("status") or {}).get("podIP")
-                            and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]
+                selected = [
+                    p
+                    for p in pods
+                    if selector.matches(p["metadata"].get("labels"))
+                    and (p.get("status") or {}).get("podIP")
+                    and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+                ]
                 self._write_endpoints(service, selected)
                 self._write_slice(service, selected)
             for ep in store.list(ENDPOINTS, ns):
                 labels = ep["metadata"].get("labels") or {}
-                if ep["metadata"]["name"] not in services and labels.get("endpoints.kubernetes.io/managed-by") == ENDPOINTS_MANAGER:
+                if (
+                    ep["metadata"]["name"] not in services
+                    and labels.get("endpoints.kubernetes.io/managed-by") == ENDPOINTS_MANAGER
+                ):
                     self._delete(ENDPOINTS, ep)
             for sl in store.list(SLICES, ns):
                 labels = sl["metadata"].get("labels") or {}
-                if labels.get("endpointslice.kubernetes.io/managed-by") == SLICE_MANAGER \
-                        and labels.get("kubernetes.io/service-name") not in services:
+                if (
+                    labels.get("endpointslice.kubernetes.io/managed-by") == SLICE_MANAGER
+                    and labels.get("kubernetes.io/service-name") not in services
+                ):
                     self._delete(SLICES, sl)
 
     def _service_ports(self, service: dict, pod: dict) -> list[dict]:
@@ -346,9 +373,16 @@ class Controllers:
                 continue  # none of the service's target ports exists on this pod
             key = repr(sorted((p.get("name", ""), p["port"], p["protocol"]) for p in ports))
             subset = groups.setdefault(key, {"addresses": [], "notReadyAddresses": [], "ports": ports})
-            address = {"ip": pod["status"]["podIP"], "nodeName": (pod.get("spec") or {}).get("nodeName", ""),
-                       "targetRef": {"kind": "Pod", "namespace": pod["metadata"]["namespace"],
-                                     "name": pod["metadata"]["name"], "uid": pod["metadata"]["uid"]}}
+            address = {
+                "ip": pod["status"]["podIP"],
+                "nodeName": (pod.get("spec") or {}).get("nodeName", ""),
+                "targetRef": {
+                    "kind": "Pod",
+                    "namespace": pod["metadata"]["namespace"],
+                    "name": pod["metadata"]["name"],
+                    "uid": pod["metadata"]["uid"],
+                },
+            }
             terminating = bool(pod["metadata"].get("deletionTimestamp"))
             if (pod_is_ready(pod) or publish_not_ready) and not terminating:
                 subset["addresses"].append(address)
@@ -362,10 +396,21 @@ class Controllers:
         current = self.kube.store.get(ENDPOINTS, meta["namespace"], meta["name"])
         labels = dict(meta.get("labels") or {})
         labels["endpoints.kubernetes.io/managed-by"] = ENDPOINTS_MANAGER
-        if current is not None and current.get("subsets", []) == subsets and current["metadata"].get("labels") == labels:
+        if (
+            current is not None
+            and current.get("subsets", []) == subsets
+            and current["metadata"].get("labels") == labels
+        ):
             return
-        new: dict[str, Any] = clone(current) if current is not None else {"apiVersion": "v1", "kind": "Endpoints",
-                                                          "metadata": {"name": meta["name"], "namespace": meta["namespace"]}}
+        new: dict[str, Any] = (
+            clone(current)
+            if current is not None
+            else {
+                "apiVersion": "v1",
+                "kind": "Endpoints",
+                "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
+            }
+        )
         new["metadata"]["labels"] = labels
         new["metadata"].setdefault("annotations", {})["endpoints.kubernetes.io/last-change-trigger-time"] = rfc3339()
         if subsets:
@@ -377,9 +422,12 @@ class Controllers:
     def _write_slice(self, service: dict, pods: list[dict]) -> None:
         meta = service["metadata"]
         store = self.kube.store
-        existing = [s for s in store.list(SLICES, meta["namespace"])
-                    if (s["metadata"].get("labels") or {}).get("kubernetes.io/service-name") == meta["name"]
-                    and (s["metadata"].get("labels") or {}).get("endpointslice.kubernetes.io/managed-by") == SLICE_MANAGER]
+        existing = [
+            s
+            for s in store.list(SLICES, meta["namespace"])
+            if (s["metadata"].get("labels") or {}).get("kubernetes.io/service-name") == meta["name"]
+            and (s["metadata"].get("labels") or {}).get("endpointslice.kubernetes.io/managed-by") == SLICE_MANAGER
+        ]
         endpoints = []
         ports: list[dict] = []
         for pod in sorted(pods, key=lambda p: p["status"]["podIP"]):
@@ -387,27 +435,51 @@ class Controllers:
                 continue
             ready = pod_is_ready(pod)
             terminating = bool(pod["metadata"].get("deletionTimestamp"))
-            endpoints.append({
-                "addresses": [pod["status"]["podIP"]],
-                "conditions": {"ready": ready and not terminating, "serving": ready, "terminating": terminating},
-                "nodeName": (pod.get("spec") or {}).get("nodeName", ""),
-                "targetRef": {"kind": "Pod", "namespace": pod["metadata"]["namespace"], "name": pod["metadata"]["name"],
-                              "uid": pod["metadata"]["uid"]},
-            })
+            endpoints.append(
+                {
+                    "addresses": [pod["status"]["podIP"]],
+                    "conditions": {"ready": ready and not terminating, "serving": ready, "terminating": terminating},
+                    "nodeName": (pod.get("spec") or {}).get("nodeName", ""),
+                    "targetRef": {
+                        "kind": "Pod",
+                        "namespace": pod["metadata"]["namespace"],
+                        "name": pod["metadata"]["name"],
+                        "uid": pod["metadata"]["uid"],
+                    },
+                }
+            )
             if not ports:
                 ports = self._service_ports(service, pod)
         labels = {"kubernetes.io/service-name": meta["name"], "endpointslice.kubernetes.io/managed-by": SLICE_MANAGER}
-        owner = {"apiVersion": "v1", "kind": "Service", "name": meta["name"], "uid": meta["uid"],
-                 "controller": True, "blockOwnerDeletion": True}
+        owner = {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "name": meta["name"],
+            "uid": meta["uid"],
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
         current = existing[0] if existing else None
         for extra in existing[1:]:
             self._delete(SLICES, extra)
         if current is not None and current.get("endpoints", []) == endpoints and current.get("ports", []) == ports:
             return
-        new = clone(current) if current is not None else {
-            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
-            "metadata": {"name": f"{meta['name']}-{generate_suffix()}", "namespace": meta["namespace"],
-                         "generateName": f"{meta['name']}-", "labels": labels, "ownerReferences": [owner]}}
+        new = (
+            clone(current)
+            if current is not None
+            else {
+                "apiVersion": "discovery.k8s.io/v1",
+                "kind": "EndpointSlice",
+                "addressType": "IPv4",
+                "metadata": {
+                    "name": f"{meta['name']}-{generate_suffix()}",
+                    "namespace": meta["namespace"],
+                    "generateName": f"{meta['name']}-",
+                    "labels": labels,
+                    "ownerReferences": [owner],
+                },
+            }
+        )
         new["endpoints"] = endpoints
         new["ports"] = ports
         self._put(SLICES, new)
@@ -425,8 +497,13 @@ class Controllers:
     def _write_pdb_status(self, pdb: dict, pods: list[dict]) -> None:
         spec = pdb.get("spec") or {}
         selector = selector_from_object(spec.get("selector"))
-        selected = [p for p in pods if selector is not None and selector.matches(p["metadata"].get("labels"))
-                    and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]
+        selected = [
+            p
+            for p in pods
+            if selector is not None
+            and selector.matches(p["metadata"].get("labels"))
+            and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+        ]
         expected = len(selected)
         healthy = sum(1 for p in selected if pod_is_ready(p) and not p["metadata"].get("deletionTimestamp"))
         if "minAvailable" in spec:
@@ -437,14 +514,28 @@ class Controllers:
             desired = expected
         allowed = max(0, healthy - desired)
         status = dict(pdb.get("status") or {})
-        status.update({"observedGeneration": pdb["metadata"].get("generation", 1), "currentHealthy": healthy,
-                       "desiredHealthy": desired, "expectedPods": expected, "disruptionsAllowed": allowed})
+        status.update(
+            {
+                "observedGeneration": pdb["metadata"].get("generation", 1),
+                "currentHealthy": healthy,
+                "desiredHealthy": desired,
+                "expectedPods": expected,
+                "disruptionsAllowed": allowed,
+            }
+        )
         old_cond = next((c for c in status.get("conditions") or [] if c.get("type") == "DisruptionAllowed"), None)
         state = "True" if allowed > 0 else "False"
         if old_cond is None or old_cond.get("status") != state:
-            status["conditions"] = [{"type": "DisruptionAllowed", "status": state, "lastTransitionTime": rfc3339(),
-                                     "reason": "SufficientPods" if allowed > 0 else "InsufficientPods", "message": "",
-                                     "observedGeneration": pdb["metadata"].get("generation", 1)}]
+            status["conditions"] = [
+                {
+                    "type": "DisruptionAllowed",
+                    "status": state,
+                    "lastTransitionTime": rfc3339(),
+                    "reason": "SufficientPods" if allowed > 0 else "InsufficientPods",
+                    "message": "",
+                    "observedGeneration": pdb["metadata"].get("generation", 1),
+                }
+            ]
         if status == pdb.get("status"):
             return
         new = clone(pdb)

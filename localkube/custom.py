@@ -21,8 +21,12 @@ from localkube.strategy import BASE_FIELD_SELECTORS, NAME_COLUMN, Column, Strate
 
 CLEANUP_FINALIZER = "customresourcecleanup.apiextensions.k8s.io"
 _COLUMN_TYPES = ("integer", "number", "string", "boolean", "date")
-_DEFAULT_AGE = {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp",
-                "description": "CreationTimestamp is a timestamp representing the server time when this object was created."}
+_DEFAULT_AGE = {
+    "name": "Age",
+    "type": "date",
+    "jsonPath": ".metadata.creationTimestamp",
+    "description": "CreationTimestamp is a timestamp representing the server time when this object was created.",
+}
 
 
 def _names_with_defaults(names: dict) -> dict:
@@ -82,8 +86,15 @@ class CRDStrategy(Strategy):
             condition("Established", "InitialNamesAccepted", "the initial names have been accepted"),
         ]
         if obj["metadata"].get("deletionTimestamp"):
-            conditions.append({"type": "Terminating", "status": "True", "lastTransitionTime": now,
-                               "reason": "InstanceDeletionInProgress", "message": "CustomResource deletion is in progress"})
+            conditions.append(
+                {
+                    "type": "Terminating",
+                    "status": "True",
+                    "lastTransitionTime": now,
+                    "reason": "InstanceDeletionInProgress",
+                    "message": "CustomResource deletion is in progress",
+                }
+            )
         stored = list(old_status.get("storedVersions") or [])
         for version in spec.get("versions") or []:
             if isinstance(version, dict) and version.get("storage") and version.get("name") not in stored:
@@ -94,7 +105,14 @@ class CRDStrategy(Strategy):
         return validate_crd(obj, old)
 
     def columns(self):
-        return [NAME_COLUMN, Column("Created At", type="date", description="CreationTimestamp is a timestamp representing the server time when this object was created.")]
+        return [
+            NAME_COLUMN,
+            Column(
+                "Created At",
+                type="date",
+                description="CreationTimestamp is a timestamp representing the server time when this object was created.",
+            ),
+        ]
 
     def cells(self, obj, now):
         return [obj["metadata"]["name"], obj["metadata"].get("creationTimestamp", "")]
@@ -125,16 +143,22 @@ def validate_crd(obj: dict, old: dict | None) -> list[Cause]:
     for n, short in enumerate(names.get("shortNames") or []):
         causes += validate_dns_label(f"spec.names.shortNames[{n}]", short)
     if plural and group and obj["metadata"]["name"] != f"{plural}.{group}":
-        causes.append(invalid_value("metadata.name", obj["metadata"]["name"], "must be spec.names.plural+\".\"+spec.group"))
+        causes.append(
+            invalid_value("metadata.name", obj["metadata"]["name"], 'must be spec.names.plural+"."+spec.group')
+        )
     if spec.get("scope") not in ("Namespaced", "Cluster"):
         causes.append(not_supported("spec.scope", spec.get("scope"), ["Cluster", "Namespaced"]))
     versions = spec.get("versions")
     if not isinstance(versions, list) or not versions:
-        causes.append(invalid_value("spec.versions", versions, "must have exactly one version marked as storage version"))
+        causes.append(
+            invalid_value("spec.versions", versions, "must have exactly one version marked as storage version")
+        )
         versions = []
     storage = [v for v in versions if isinstance(v, dict) and v.get("storage")]
     if versions and len(storage) != 1:
-        causes.append(invalid_value("spec.versions", versions, "must have exactly one version marked as storage version"))
+        causes.append(
+            invalid_value("spec.versions", versions, "must have exactly one version marked as storage version")
+        )
     seen: set[str] = set()
     for n, version in enumerate(versions):
         path = f"spec.versions[{n}]"
@@ -173,7 +197,9 @@ def validate_crd(obj: dict, old: dict | None) -> list[Cause]:
                 try:
                     compile_path(col["jsonPath"])
                 except JSONPathError as exc:
-                    causes.append(invalid_value(f"{cpath}.jsonPath", col["jsonPath"], f"must be a simple json path: {exc}"))
+                    causes.append(
+                        invalid_value(f"{cpath}.jsonPath", col["jsonPath"], f"must be a simple json path: {exc}")
+                    )
         for m, sel in enumerate(version.get("selectableFields") or []):
             try:
                 simple_path(sel.get("jsonPath", ""))
@@ -202,10 +228,20 @@ def _validate_subresources(path: str, subresources) -> list[Cause]:
         if not value:
             causes.append(required_value(f"{path}.subresources.scale.{key}"))
         elif not value.startswith(prefix):
-            causes.append(invalid_value(f"{path}.subresources.scale.{key}", value, f"should be a json path under {prefix.rstrip('.')}"))
+            causes.append(
+                invalid_value(
+                    f"{path}.subresources.scale.{key}", value, f"should be a json path under {prefix.rstrip('.')}"
+                )
+            )
     selector = scale.get("labelSelectorPath") if isinstance(scale, dict) else None
     if selector and not (selector.startswith((".spec.", ".status."))):
-        causes.append(invalid_value(f"{path}.subresources.scale.labelSelectorPath", selector, "should be a json path under either .spec or .status"))
+        causes.append(
+            invalid_value(
+                f"{path}.subresources.scale.labelSelectorPath",
+                selector,
+                "should be a json path under either .spec or .status",
+            )
+        )
     return causes
 
 
@@ -246,8 +282,15 @@ class CustomResourceStrategy(Strategy):
     def columns(self):
         cols = [NAME_COLUMN]
         for col in self.printer_columns:
-            cols.append(Column(col.get("name", ""), type=col.get("type", "string"), format=col.get("format", ""),
-                               description=col.get("description", ""), priority=int(col.get("priority") or 0)))
+            cols.append(
+                Column(
+                    col.get("name", ""),
+                    type=col.get("type", "string"),
+                    format=col.get("format", ""),
+                    description=col.get("description", ""),
+                    priority=int(col.get("priority") or 0),
+                )
+            )
         return cols
 
     def cells(self, obj, now):
@@ -302,22 +345,41 @@ def crd_resource_types(crd: dict) -> list[ResourceType]:
             schema=(version.get("schema") or {}).get("openAPIV3Schema"),
             storage_api_version=storage_api_version,
             printer_columns=columns,
-            scale_paths={"spec": scale["specReplicasPath"], "status": scale["statusReplicasPath"],
-                         "selector": scale.get("labelSelectorPath")} if isinstance(scale, dict) else None,
-            field_selectors=BASE_FIELD_SELECTORS | {sel["jsonPath"].lstrip(".") for sel in version.get("selectableFields") or []
-                                                    if isinstance(sel, dict) and sel.get("jsonPath")},
+            scale_paths={
+                "spec": scale["specReplicasPath"],
+                "status": scale["statusReplicasPath"],
+                "selector": scale.get("labelSelectorPath"),
+            }
+            if isinstance(scale, dict)
+            else None,
+            field_selectors=BASE_FIELD_SELECTORS
+            | {
+                sel["jsonPath"].lstrip(".")
+                for sel in version.get("selectableFields") or []
+                if isinstance(sel, dict) and sel.get("jsonPath")
+            },
         )
         subs: dict[str, tuple[str, ...]] = {}
         if "status" in subresources:
             subs["status"] = ("get", "patch", "update")
         if scale is not None:
             subs["scale"] = ("get", "patch", "update")
-        types.append(ResourceType(
-            group, version["name"], names["plural"], names.get("singular", ""), names["kind"],
-            spec.get("scope") == "Namespaced", strategy, tuple(names.get("shortNames") or ()),
-            tuple(names.get("categories") or ()), subresources=subs, storage=(group, names["plural"]),
-            storage_version=storage_api_version, list_kind=names.get("listKind", ""),
-            preferred=version["name"] == preferred,
-        ))
+        types.append(
+            ResourceType(
+                group,
+                version["name"],
+                names["plural"],
+                names.get("singular", ""),
+                names["kind"],
+                spec.get("scope") == "Namespaced",
+                strategy,
+                tuple(names.get("shortNames") or ()),
+                tuple(names.get("categories") or ()),
+                subresources=subs,
+                storage=(group, names["plural"]),
+                storage_version=storage_api_version,
+                list_kind=names.get("listKind", ""),
+                preferred=version["name"] == preferred,
+            )
+        )
     return types
-

@@ -49,7 +49,9 @@ def required_value(path: str, detail: str = "") -> Cause:
 
 def not_supported(path: str, value: object, supported: list) -> Cause:
     listed = ", ".join(render_value(v) for v in supported)
-    return Cause(path, "FieldValueNotSupported", f"Unsupported value: {render_value(value)}: supported values: {listed}")
+    return Cause(
+        path, "FieldValueNotSupported", f"Unsupported value: {render_value(value)}: supported values: {listed}"
+    )
 
 
 def forbidden(path: str, detail: str) -> Cause:
@@ -108,23 +110,38 @@ def qualified(resource: str, group: str) -> str:
 
 
 def not_found(resource: str, group: str, name: str) -> ApiError:
-    return ApiError(404, "NotFound", f'{qualified(resource, group)} "{name}" not found', name=name, group=group, kind=resource)
+    return ApiError(
+        404, "NotFound", f'{qualified(resource, group)} "{name}" not found', name=name, group=group, kind=resource
+    )
 
 
 def already_exists(resource: str, group: str, name: str) -> ApiError:
-    return ApiError(409, "AlreadyExists", f'{qualified(resource, group)} "{name}" already exists', name=name, group=group, kind=resource)
+    return ApiError(
+        409,
+        "AlreadyExists",
+        f'{qualified(resource, group)} "{name}" already exists',
+        name=name,
+        group=group,
+        kind=resource,
+    )
 
 
 def conflict(resource: str, group: str, name: str, detail: str) -> ApiError:
     return ApiError(
-        409, "Conflict", f'Operation cannot be fulfilled on {qualified(resource, group)} "{name}": {detail}',
-        name=name, group=group, kind=resource,
+        409,
+        "Conflict",
+        f'Operation cannot be fulfilled on {qualified(resource, group)} "{name}": {detail}',
+        name=name,
+        group=group,
+        kind=resource,
     )
 
 
 def stale(resource: str, group: str, name: str) -> ApiError:
     return conflict(
-        resource, group, name,
+        resource,
+        group,
+        name,
         "the object has been modified; please apply your changes to the latest version and try again",
     )
 
@@ -133,7 +150,9 @@ def invalid(kind: str, group: str, name: str, causes: list[Cause]) -> ApiError:
     described = [c.describe() for c in causes]
     summary = described[0] if len(described) == 1 else "[" + ", ".join(described) + "]"
     title = f"{kind}.{group}" if group else kind
-    return ApiError(422, "Invalid", f'{title} "{name}" is invalid: {summary}', name=name, group=group, kind=kind, causes=causes)
+    return ApiError(
+        422, "Invalid", f'{title} "{name}" is invalid: {summary}', name=name, group=group, kind=kind, causes=causes
+    )
 
 
 def bad_request(message: str) -> ApiError:
@@ -146,8 +165,9 @@ def method_not_allowed(message: str = "the server does not allow this method on 
 
 def unsupported_media_type(content_type: str, supported: list[str]) -> ApiError:
     return ApiError(
-        415, "UnsupportedMediaType",
-        f'the body of the request was in an unknown format - accepted media types include: {", ".join(supported)}'
+        415,
+        "UnsupportedMediaType",
+        f"the body of the request was in an unknown format - accepted media types include: {', '.join(supported)}"
         + (f" (got {content_type})" if content_type else ""),
     )
 

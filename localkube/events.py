@@ -39,23 +39,35 @@ class EventRecorder:
             self._seen.move_to_end(key)
             return
         name = f"{meta['name']}.{time.time_ns():x}"
-        involved = {"kind": obj.get("kind", ""), "namespace": meta.get("namespace", ""), "name": meta["name"],
-                    "uid": meta.get("uid", ""), "apiVersion": obj.get("apiVersion", ""),
-                    "resourceVersion": meta.get("resourceVersion", "")}
+        involved = {
+            "kind": obj.get("kind", ""),
+            "namespace": meta.get("namespace", ""),
+            "name": meta["name"],
+            "uid": meta.get("uid", ""),
+            "apiVersion": obj.get("apiVersion", ""),
+            "resourceVersion": meta.get("resourceVersion", ""),
+        }
         if field_path:
             involved["fieldPath"] = field_path
         source = {"component": self.component}
         if self.host:
             source["host"] = self.host
         event = {
-            "apiVersion": "v1", "kind": "Event",
+            "apiVersion": "v1",
+            "kind": "Event",
             "metadata": {"name": name, "namespace": namespace},
-            "involvedObject": involved, "reason": reason, "message": message, "source": source,
-            "firstTimestamp": now, "lastTimestamp": now, "count": 1, "type": event_type,
-            "reportingComponent": self.component, "reportingInstance": self.host or self.component,
+            "involvedObject": involved,
+            "reason": reason,
+            "message": message,
+            "source": source,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+            "type": event_type,
+            "reportingComponent": self.component,
+            "reportingInstance": self.host or self.component,
         }
         self.kube.core.put_system(rt, event)
         self._seen[key] = name
         while len(self._seen) > self._max:
             self._seen.popitem(last=False)
-

@@ -10,7 +10,9 @@ import re
 from dataclasses import dataclass
 
 _NAME = re.compile(r"[A-Za-z0-9_$\-]+")
-_FILTER = re.compile(r"""^\?\(\s*@((?:\.[A-Za-z0-9_\-]+|\['[^']*'\])+)\s*(?:(==|!=)\s*(?:"([^"]*)"|'([^']*)'|(-?[0-9.]+)|(true|false)))?\s*\)$""")
+_FILTER = re.compile(
+    r"""^\?\(\s*@((?:\.[A-Za-z0-9_\-]+|\['[^']*'\])+)\s*(?:(==|!=)\s*(?:"([^"]*)"|'([^']*)'|(-?[0-9.]+)|(true|false)))?\s*\)$"""
+)
 
 
 class JSONPathError(ValueError):
@@ -59,7 +61,7 @@ def compile_path(text: str) -> list[Step]:
             i = m.end()
         elif ch == "[":
             end = _find_bracket_end(expr, i)
-            inner = expr[i + 1:end].strip()
+            inner = expr[i + 1 : end].strip()
             i = end + 1
             if inner == "*":
                 steps.append(Step("all"))
@@ -81,7 +83,14 @@ def compile_path(text: str) -> list[Step]:
                     value = m.group(6) == "true"
                 else:
                     value = None
-                steps.append(Step("filter", filter_path=tuple(_split_path(m.group(1))), filter_op=m.group(2) or "exists", filter_value=value))
+                steps.append(
+                    Step(
+                        "filter",
+                        filter_path=tuple(_split_path(m.group(1))),
+                        filter_op=m.group(2) or "exists",
+                        filter_value=value,
+                    )
+                )
             else:
                 raise JSONPathError(f"unsupported subscript [{inner}] in {text!r}")
         elif ch.isspace():

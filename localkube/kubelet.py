@@ -61,7 +61,8 @@ class IPAllocator:
             subnet = f"127.{random.randint(1, 254)}.{random.randint(0, 255)}.0/24"
         self.subnet = ipaddress.ip_network(subnet)
         if not isinstance(self.subnet, ipaddress.IPv4Network) or not self.subnet.subnet_of(
-                ipaddress.IPv4Network("127.0.0.0/8")):
+            ipaddress.IPv4Network("127.0.0.0/8")
+        ):
             raise ValueError(f"pod subnet {subnet} must lie in 127.0.0.0/8")
         hosts = [str(h) for h in self.subnet.hosts()]
         self._hosts = [h for h in hosts[1:] if h != "127.0.0.1"] or hosts  # .1 stays free, as a gateway's would
@@ -203,23 +204,35 @@ class Kubelet:
 
     def _finish_terminal(self, pod: dict) -> None:
         try:
-            self.kube.core.delete(self.pod_rt, pod["metadata"]["namespace"], pod["metadata"]["name"],
-                                  DeleteOptions(grace_period=0, precondition_uid=pod["metadata"]["uid"]))
+            self.kube.core.delete(
+                self.pod_rt,
+                pod["metadata"]["namespace"],
+                pod["metadata"]["name"],
+                DeleteOptions(grace_period=0, precondition_uid=pod["metadata"]["uid"]),
+            )
         except ApiError:
             pass
 
     def _schedule(self, key: tuple[str, str], pod: dict) -> None:
         spec = pod.get("spec") or {}
-        if spec.get("schedulerName", "default-scheduler") != "default-scheduler" or pod["metadata"].get("deletionTimestamp"):
+        if spec.get("schedulerName", "default-scheduler") != "default-scheduler" or pod["metadata"].get(
+            "deletionTimestamp"
+        ):
             return
         if spec.get("schedulingGates"):
-            self._mark_unschedulable(key, pod, "SchedulingGated", "Scheduling is blocked due to non-empty scheduling gates")
+            self._mark_unschedulable(
+                key, pod, "SchedulingGated", "Scheduling is blocked due to non-empty scheduling gates"
+            )
             return
         node = self.kube.store.get(NODES, "", self.node_name)
         if node is None:
             return
-        bound = [p for p in self.kube.store.list(PODS) if (p.get("spec") or {}).get("nodeName") == self.node_name
-                 and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]
+        bound = [
+            p
+            for p in self.kube.store.list(PODS)
+            if (p.get("spec") or {}).get("nodeName") == self.node_name
+            and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+        ]
         fit = fits(pod, node, bound)
         if not fit.ok:
             self._mark_unschedulable(key, pod, "Unschedulable", fit.message)
@@ -227,8 +240,9 @@ class Kubelet:
             return
         self._unschedulable.discard(key)
         bound_pod = self.kube.assign_node(pod, self.node_name)
-        self.scheduler_events.record(bound_pod, "Normal", "Scheduled",
-                                     f"Successfully assigned {key[0]}/{key[1]} to {self.node_name}")
+        self.scheduler_events.record(
+            bound_pod, "Normal", "Scheduled", f"Successfully assigned {key[0]}/{key[1]} to {self.node_name}"
+        )
 
     def _mark_unschedulable(self, key, pod: dict, reason: str, message: str) -> None:
         self._unschedulable.add(key)
@@ -238,8 +252,16 @@ class Kubelet:
         old = next((c for c in status.get("conditions") or [] if c.get("type") == "PodScheduled"), None)
         if old is not None and old.get("reason") == reason and old.get("message") == message:
             return
-        conditions.append({"type": "PodScheduled", "status": "False", "lastProbeTime": None,
-                           "lastTransitionTime": rfc3339(), "reason": reason, "message": message})
+        conditions.append(
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "lastProbeTime": None,
+                "lastTransitionTime": rfc3339(),
+                "reason": reason,
+                "message": message,
+            }
+        )
         status["conditions"] = conditions
         self.kube.core.put_system(self.pod_rt, new)
 
@@ -248,6 +270,7 @@ class Kubelet:
     def lookup(self, storage):
         def get(namespace: str, name: str) -> dict | None:
             return self.kube.store.get(storage, namespace, name)
+
         return get
 
     def node_capacity(self) -> dict:
@@ -292,7 +315,8 @@ class Kubelet:
             if len(names) != 1:
                 raise errors.bad_request(
                     f"a container name must be specified for pod {pod_name}, choose one of: [{' '.join(names)}]"
-                    + (f" or one of the init containers: [{' '.join(init_names)}]" if init_names else ""))
+                    + (f" or one of the init containers: [{' '.join(init_names)}]" if init_names else "")
+                )
             name = names[0]
         if name not in names + init_names:
             raise errors.bad_request(f"container {name} is not valid for pod {pod_name}")
@@ -303,8 +327,15 @@ class Kubelet:
         if worker is not None:
             runner = next((r for r in worker.init_runners + worker.runners if r.name == name), None)
         previous = query.get("previous", "").lower() in ("1", "true")
-        status: dict = next((s for s in ((pod.get("status") or {}).get("containerStatuses") or [])
-                       + ((pod.get("status") or {}).get("initContainerStatuses") or []) if s.get("name") == name), {})
+        status: dict = next(
+            (
+                s
+                for s in ((pod.get("status") or {}).get("containerStatuses") or [])
+                + ((pod.get("status") or {}).get("initContainerStatuses") or [])
+                if s.get("name") == name
+            ),
+            {},
+        )
         instance = runner.instance if runner is not None else int(status.get("restartCount") or 0)
         if previous:
             instance -= 1
@@ -318,7 +349,7 @@ class Kubelet:
         data = path.read_bytes()
         if query.get("tailLines"):
             lines = data.splitlines(keepends=True)
-            data = b"".join(lines[-int(query["tailLines"]):]) if int(query["tailLines"]) > 0 else b""
+            data = b"".join(lines[-int(query["tailLines"]) :]) if int(query["tailLines"]) > 0 else b""
         limit = int(query["limitBytes"]) if query.get("limitBytes") else None
         response = web.StreamResponse(status=200, headers={"Content-Type": "text/plain"})
         response.enable_chunked_encoding()
@@ -342,8 +373,12 @@ class Kubelet:
                     await response.write(more)
                     sent += len(more)
                     continue
-                alive = runner is not None and runner.instance == instance and runner.proc is not None \
+                alive = (
+                    runner is not None
+                    and runner.instance == instance
+                    and runner.proc is not None
                     and (self.workers.get((pod["metadata"]["namespace"], pod_name)) is worker)
+                )
                 if not alive:
                     break
                 await asyncio.sleep(0.1)

@@ -95,12 +95,15 @@ def validate_dns_subdomain(path: str, value: str) -> list[Cause]:
     if len(value) > 253:
         return [invalid_value(path, value, "must be no more than 253 characters")]
     if not _DNS1123_SUBDOMAIN.match(value):
-        return [invalid_value(
-            path, value,
-            "a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', "
-            "and must start and end with an alphanumeric character (e.g. 'example.com', regex used for validation "
-            "is '[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*')",
-        )]
+        return [
+            invalid_value(
+                path,
+                value,
+                "a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', "
+                "and must start and end with an alphanumeric character (e.g. 'example.com', regex used for validation "
+                "is '[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*')",
+            )
+        ]
     return []
 
 
@@ -108,12 +111,15 @@ def validate_dns_label(path: str, value: str) -> list[Cause]:
     if len(value) > 63:
         return [invalid_value(path, value, "must be no more than 63 characters")]
     if not _DNS1123_LABEL.match(value):
-        return [invalid_value(
-            path, value,
-            "a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', and must start "
-            "and end with an alphanumeric character (e.g. 'my-name',  or '123-abc', regex used for validation is "
-            "'[a-z0-9]([-a-z0-9]*[a-z0-9])?')",
-        )]
+        return [
+            invalid_value(
+                path,
+                value,
+                "a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', and must start "
+                "and end with an alphanumeric character (e.g. 'my-name',  or '123-abc', regex used for validation is "
+                "'[a-z0-9]([-a-z0-9]*[a-z0-9])?')",
+            )
+        ]
     return []
 
 
@@ -121,12 +127,15 @@ def validate_dns1035_label(path: str, value: str) -> list[Cause]:
     if len(value) > 63:
         return [invalid_value(path, value, "must be no more than 63 characters")]
     if not _DNS1035_LABEL.match(value):
-        return [invalid_value(
-            path, value,
-            "a DNS-1035 label must consist of lower case alphanumeric characters or '-', start with an alphabetic "
-            "character, and end with an alphanumeric character (e.g. 'my-name',  or 'abc-123', regex used for "
-            "validation is '[a-z]([-a-z0-9]*[a-z0-9])?')",
-        )]
+        return [
+            invalid_value(
+                path,
+                value,
+                "a DNS-1035 label must consist of lower case alphanumeric characters or '-', start with an alphabetic "
+                "character, and end with an alphanumeric character (e.g. 'my-name',  or 'abc-123', regex used for "
+                "validation is '[a-z]([-a-z0-9]*[a-z0-9])?')",
+            )
+        ]
     return []
 
 
@@ -139,12 +148,15 @@ def validate_qualified_name(path: str, key: str) -> list[Cause]:
     elif prefix and validate_dns_subdomain(path, prefix):
         causes.append(invalid_value(path, key, "prefix part must be a lowercase RFC 1123 subdomain"))
     if not name or len(name) > 63 or not _QUALIFIED_NAME.match(name):
-        causes.append(invalid_value(
-            path, key,
-            "name part must consist of alphanumeric characters, '-', '_' or '.', and must start and end with an "
-            "alphanumeric character (e.g. 'MyName',  or 'my.name',  or '123-abc', regex used for validation is "
-            "'([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]') and must be no more than 63 characters",
-        ))
+        causes.append(
+            invalid_value(
+                path,
+                key,
+                "name part must consist of alphanumeric characters, '-', '_' or '.', and must start and end with an "
+                "alphanumeric character (e.g. 'MyName',  or 'my.name',  or '123-abc', regex used for validation is "
+                "'([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]') and must be no more than 63 characters",
+            )
+        )
     return causes
 
 
@@ -159,13 +171,16 @@ def validate_labels(path: str, labels: object) -> list[Cause]:
         if not isinstance(value, str):
             causes.append(invalid_value(f"{path}", value, "label values must be strings"))
         elif len(value) > 63 or not _LABEL_VALUE.match(value):
-            causes.append(invalid_value(
-                path, value,
-                "a valid label must be an empty string or consist of alphanumeric characters, '-', '_' or '.', and "
-                "must start and end with an alphanumeric character (e.g. 'MyValue',  or 'my_value',  or '12345', "
-                "regex used for validation is '(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?') and must be no more "
-                "than 63 characters",
-            ))
+            causes.append(
+                invalid_value(
+                    path,
+                    value,
+                    "a valid label must be an empty string or consist of alphanumeric characters, '-', '_' or '.', and "
+                    "must start and end with an alphanumeric character (e.g. 'MyValue',  or 'my_value',  or '12345', "
+                    "regex used for validation is '(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?') and must be no more "
+                    "than 63 characters",
+                )
+            )
     return causes
 
 

@@ -29,7 +29,9 @@ V2_PROTOBUF_TYPE = "application/octet-stream"
 _INFO_PROTO = _proto_string(1, _INFO["title"]) + _proto_string(2, _INFO["version"])
 V2_PROTOBUF = _proto_string(1, "2.0") + bytes([(2 << 3) | 2, len(_INFO_PROTO)]) + _INFO_PROTO
 _FIELD_VALIDATION = {
-    "name": "fieldValidation", "in": "query", "schema": {"type": "string", "uniqueItems": True},
+    "name": "fieldValidation",
+    "in": "query",
+    "schema": {"type": "string", "uniqueItems": True},
     "description": "fieldValidation instructs the server on how to handle objects in the request containing unknown or duplicate fields.",
 }
 
@@ -39,8 +41,11 @@ def _definition_name(rt: ResourceType) -> str:
     if rt.group == "":
         return f"io.k8s.api.core.{rt.version}.{rt.kind}"
     if rt.group.endswith(".k8s.io"):
-        prefix = "io.k8s.apiextensions-apiserver.pkg.apis." + rt.group.split(".")[0] if rt.group == "apiextensions.k8s.io" \
+        prefix = (
+            "io.k8s.apiextensions-apiserver.pkg.apis." + rt.group.split(".")[0]
+            if rt.group == "apiextensions.k8s.io"
             else "io.k8s.api." + rt.group.split(".")[0]
+        )
         return f"{prefix}.{rt.version}.{rt.kind}"
     if "." not in rt.group:
         return f"io.k8s.api.{rt.group}.{rt.version}.{rt.kind}"
@@ -56,14 +61,36 @@ def _schema_for(rt: ResourceType) -> dict:
     if isinstance(schema, dict):
         out = clone(schema)
         props = out.setdefault("properties", {})
-        props.setdefault("apiVersion", {"type": "string", "description": "APIVersion defines the versioned schema of this representation of an object."})
-        props.setdefault("kind", {"type": "string", "description": "Kind is a string value representing the REST resource this object represents."})
-        props["metadata"] = {"type": "object", "description": "Standard object's metadata.", "x-kubernetes-preserve-unknown-fields": True}
+        props.setdefault(
+            "apiVersion",
+            {
+                "type": "string",
+                "description": "APIVersion defines the versioned schema of this representation of an object.",
+            },
+        )
+        props.setdefault(
+            "kind",
+            {
+                "type": "string",
+                "description": "Kind is a string value representing the REST resource this object represents.",
+            },
+        )
+        props["metadata"] = {
+            "type": "object",
+            "description": "Standard object's metadata.",
+            "x-kubernetes-preserve-unknown-fields": True,
+        }
     else:
-        out = {"type": "object", "description": f"{rt.kind} ({rt.api_version}), served by localkube.",
-               "x-kubernetes-preserve-unknown-fields": True,
-               "properties": {"apiVersion": {"type": "string"}, "kind": {"type": "string"},
-                              "metadata": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}}
+        out = {
+            "type": "object",
+            "description": f"{rt.kind} ({rt.api_version}), served by localkube.",
+            "x-kubernetes-preserve-unknown-fields": True,
+            "properties": {
+                "apiVersion": {"type": "string"},
+                "kind": {"type": "string"},
+                "metadata": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+            },
+        }
     out["x-kubernetes-group-version-kind"] = _gvk(rt)
     return out
 
@@ -80,15 +107,24 @@ def _paths(rt: ResourceType, ref: str) -> dict:
     gvk = {"group": rt.group, "version": rt.version, "kind": rt.kind}
 
     def op(action: str, with_validation: bool) -> dict:
-        body: dict[str, Any] = {"operationId": f"{action}{rt.kind}", "responses": response, "x-kubernetes-action": action,
-                "x-kubernetes-group-version-kind": gvk}
+        body: dict[str, Any] = {
+            "operationId": f"{action}{rt.kind}",
+            "responses": response,
+            "x-kubernetes-action": action,
+            "x-kubernetes-group-version-kind": gvk,
+        }
         if with_validation:
             body["parameters"] = [_FIELD_VALIDATION]
         return body
 
     paths = {
         collection: {"get": op("list", False), "post": op("post", True)},
-        item: {"get": op("get", False), "put": op("put", True), "patch": op("patch", True), "delete": op("delete", False)},
+        item: {
+            "get": op("get", False),
+            "put": op("put", True),
+            "patch": op("patch", True),
+            "delete": op("delete", False),
+        },
     }
     for sub in rt.subresources:
         if sub in ("status", "scale"):
@@ -130,7 +166,9 @@ def v2_document(registry: Registry) -> dict:
 def _v2_compatible(schema):
     """OpenAPI v2 has no ``nullable``/``anyOf`` in the places v3 allows them; drop what v2 cannot say."""
     if isinstance(schema, dict):
-        return {k: _v2_compatible(v) for k, v in schema.items() if k not in ("nullable", "anyOf", "oneOf", "not", "allOf")}
+        return {
+            k: _v2_compatible(v) for k, v in schema.items() if k not in ("nullable", "anyOf", "oneOf", "not", "allOf")
+        }
     if isinstance(schema, list):
         return [_v2_compatible(v) for v in schema]
     return schema

@@ -65,10 +65,20 @@ def json_patch(target: dict, operations: object) -> dict:
     try:
         return patch.apply(clone(target))
     except jsonpatch.JsonPatchTestFailed as exc:
-        raise ApiError(422, "Invalid", f"the server rejected our request due to an error in our request: {exc}") from exc
-    except (jsonpatch.JsonPatchConflict, jsonpatch.JsonPatchException, jsonpatch.JsonPointerException, IndexError,
-            KeyError, TypeError) as exc:
-        raise ApiError(422, "Invalid", f"the server rejected our request due to an error in our request: {exc}") from exc
+        raise ApiError(
+            422, "Invalid", f"the server rejected our request due to an error in our request: {exc}"
+        ) from exc
+    except (
+        jsonpatch.JsonPatchConflict,
+        jsonpatch.JsonPatchException,
+        jsonpatch.JsonPointerException,
+        IndexError,
+        KeyError,
+        TypeError,
+    ) as exc:
+        raise ApiError(
+            422, "Invalid", f"the server rejected our request due to an error in our request: {exc}"
+        ) from exc
 
 
 def _merge_key_for(field: str, items: list) -> str | None:
@@ -165,5 +175,5 @@ def _reorder(field: str, items: list, order: list) -> list:
     wanted = [key_of(o) if isinstance(o, dict) else o for o in order]
     position = {k: n for n, k in enumerate(wanted) if isinstance(k, (str, int, float))}
     indexed = list(enumerate(items))
-    indexed.sort(key=lambda pair: (position.get(key_of(pair[1]), len(position) + pair[0])))
+    indexed.sort(key=lambda pair: position.get(key_of(pair[1]), len(position) + pair[0]))
     return [item for _, item in indexed]

@@ -24,6 +24,7 @@ class ContainerConfigError(Exception):
 
 def expand(text: str, env: dict[str, str]) -> str:
     """Kubernetes ``$(VAR)`` expansion: unknown references stay as written, ``$$`` escapes a ``$``."""
+
     def repl(m: re.Match) -> str:
         if m.group(0) == "$$":
             return "$"
@@ -39,9 +40,13 @@ def field_ref(pod: dict, path: str) -> str:
     if m:
         return str((meta.get(m.group(1)) or {}).get(m.group(2), ""))
     simple = {
-        "metadata.name": meta.get("name"), "metadata.namespace": meta.get("namespace"), "metadata.uid": meta.get("uid"),
-        "spec.nodeName": spec.get("nodeName"), "spec.serviceAccountName": spec.get("serviceAccountName"),
-        "status.hostIP": status.get("hostIP"), "status.podIP": status.get("podIP"),
+        "metadata.name": meta.get("name"),
+        "metadata.namespace": meta.get("namespace"),
+        "metadata.uid": meta.get("uid"),
+        "spec.nodeName": spec.get("nodeName"),
+        "spec.serviceAccountName": spec.get("serviceAccountName"),
+        "status.hostIP": status.get("hostIP"),
+        "status.podIP": status.get("podIP"),
         "status.hostIPs": ",".join(i.get("ip", "") for i in status.get("hostIPs") or []),
         "status.podIPs": ",".join(i.get("ip", "") for i in status.get("podIPs") or []),
     }
@@ -72,8 +77,9 @@ def _secret_value(secret: dict, key: str) -> str | None:
     return None
 
 
-def container_env(pod: dict, container: dict, get_secret: Lookup, get_configmap: Lookup,
-                  node_capacity: dict | None = None) -> dict[str, str]:
+def container_env(
+    pod: dict, container: dict, get_secret: Lookup, get_configmap: Lookup, node_capacity: dict | None = None
+) -> dict[str, str]:
     """The variables the pod spec defines for ``container`` (without the host environment)."""
     namespace = pod["metadata"].get("namespace", "default")
     env: dict[str, str] = {}
@@ -116,7 +122,9 @@ def container_env(pod: dict, container: dict, get_secret: Lookup, get_configmap:
                     continue
                 if secret is None:
                     raise ContainerConfigError(f'secret "{ref.get("name")}" not found')
-                raise ContainerConfigError(f"couldn't find key {ref.get('key')} in Secret {namespace}/{ref.get('name')}")
+                raise ContainerConfigError(
+                    f"couldn't find key {ref.get('key')} in Secret {namespace}/{ref.get('name')}"
+                )
             env[name] = value
         elif source.get("configMapKeyRef"):
             ref = source["configMapKeyRef"]
@@ -127,7 +135,9 @@ def container_env(pod: dict, container: dict, get_secret: Lookup, get_configmap:
                     continue
                 if cm is None:
                     raise ContainerConfigError(f'configmap "{ref.get("name")}" not found')
-                raise ContainerConfigError(f"couldn't find key {ref.get('key')} in ConfigMap {namespace}/{ref.get('name')}")
+                raise ContainerConfigError(
+                    f"couldn't find key {ref.get('key')} in ConfigMap {namespace}/{ref.get('name')}"
+                )
             env[name] = value
     return env
 
@@ -137,5 +147,6 @@ def command_line(container: dict, env: dict[str, str]) -> list[str]:
     command = list(container.get("command") or [])
     if not command:
         raise ContainerConfigError(
-            "localkube runs containers as local processes and cannot use an image's entrypoint: set `command`")
+            "localkube runs containers as local processes and cannot use an image's entrypoint: set `command`"
+        )
     return [expand(str(part), env) for part in command + list(container.get("args") or [])]

@@ -41,7 +41,11 @@ class KubeletServices(NodeServices, Protocol):
 def _condition(kind: str, ok: bool, previous: dict, reason: str = "", message: str = "") -> dict:
     status = "True" if ok else "False"
     old = previous.get(kind)
-    since = old["lastTransitionTime"] if old and old.get("status") == status and old.get("lastTransitionTime") else rfc3339()
+    since = (
+        old["lastTransitionTime"]
+        if old and old.get("status") == status and old.get("lastTransitionTime")
+        else rfc3339()
+    )
     cond = {"type": kind, "status": status, "lastProbeTime": None, "lastTransitionTime": since}
     if reason:
         cond["reason"] = reason
@@ -123,20 +127,28 @@ class PodWorker:
         not_ready = [r.name for r in self.runners if not r.ready]
         containers_ready = not not_ready and phase == "Running"
         message = f"containers with unready status: [{' '.join(not_ready)}]" if not_ready else ""
-        reason = "" if containers_ready else ("PodCompleted" if phase in ("Succeeded", "Failed") else "ContainersNotReady")
+        reason = (
+            "" if containers_ready else ("PodCompleted" if phase in ("Succeeded", "Failed") else "ContainersNotReady")
+        )
         gates = [g.get("conditionType") for g in (current.get("spec") or {}).get("readinessGates") or []]
         closed_gates = [g for g in gates if (previous.get(g) or {}).get("status") != "True"]
         ready = containers_ready and not closed_gates
         ready_reason, ready_message = reason, message
         if containers_ready and closed_gates:
             ready_reason = "ReadinessGatesNotReady"
-            ready_message = f"corresponding condition of pod readiness gate {json.dumps(closed_gates[0])} does not exist."
+            ready_message = (
+                f"corresponding condition of pod readiness gate {json.dumps(closed_gates[0])} does not exist."
+            )
         init_pending = [r.name for r in self.init_runners if not (r.done and r.exit_code == 0)]
         conditions = [
             _condition("PodReadyToStartContainers", self.ip is not None, previous),
-            _condition("Initialized", self.initialized, previous,
-                       "" if self.initialized else "ContainersNotInitialized",
-                       "" if self.initialized else f"containers with incomplete status: [{' '.join(init_pending)}]"),
+            _condition(
+                "Initialized",
+                self.initialized,
+                previous,
+                "" if self.initialized else "ContainersNotInitialized",
+                "" if self.initialized else f"containers with incomplete status: [{' '.join(init_pending)}]",
+            ),
             _condition("Ready", ready, previous, ready_reason, ready_message),
             _condition("ContainersReady", containers_ready, previous, reason, message),
         ]
@@ -176,7 +188,9 @@ class PodWorker:
         if self._terminate_task is None:
             self.deadline = deadline
             self.terminating = True
-            self._terminate_task = loop.create_task(self._terminate(delete_object), name=f"stop-{self.namespace}/{self.name}")
+            self._terminate_task = loop.create_task(
+                self._terminate(delete_object), name=f"stop-{self.namespace}/{self.name}"
+            )
         elif deadline < self.deadline:
             self.deadline = deadline
 
@@ -184,7 +198,12 @@ class PodWorker:
         try:
             runners = self.init_runners + self.runners
             if any(r.proc is not None for r in runners):
-                self.kubelet.recorder.record(self.pod, "Normal", "Killing", "Stopping container " + ", ".join(r.name for r in runners if r.proc is not None))
+                self.kubelet.recorder.record(
+                    self.pod,
+                    "Normal",
+                    "Killing",
+                    "Stopping container " + ", ".join(r.name for r in runners if r.proc is not None),
+                )
             await asyncio.gather(*(self._stop_runner(r) for r in runners))
             if self._task is not None and not self._task.done():
                 self._task.cancel()
@@ -197,8 +216,12 @@ class PodWorker:
             self.publish()
             if delete_object and not self.gone:
                 try:
-                    self.kubelet.kube.core.delete(self.kubelet.pod_rt, self.namespace, self.name,
-                                                  DeleteOptions(grace_period=0, precondition_uid=self.uid))
+                    self.kubelet.kube.core.delete(
+                        self.kubelet.pod_rt,
+                        self.namespace,
+                        self.name,
+                        DeleteOptions(grace_period=0, precondition_uid=self.uid),
+                    )
                 except ApiError as exc:
                     if exc.code not in (404, 409):
                         log.warning("could not remove pod %s/%s: %s", self.namespace, self.name, exc)

@@ -65,8 +65,15 @@ def kill_group(pid: int, sig: int) -> None:
         pass
 
 
-async def run_action(action: dict, container: dict, pod_ip: str, env: dict[str, str], timeout: float,
-                     session: aiohttp.ClientSession, cwd: str | None = None) -> Result:
+async def run_action(
+    action: dict,
+    container: dict,
+    pod_ip: str,
+    env: dict[str, str],
+    timeout: float,
+    session: aiohttp.ClientSession,
+    cwd: str | None = None,
+) -> Result:
     if action.get("httpGet") is not None:
         return await _http_get(action["httpGet"], container, pod_ip, timeout, session)
     if action.get("tcpSocket") is not None:
@@ -92,8 +99,9 @@ async def _http_get(spec: dict, container: dict, pod_ip: str, timeout: float, se
     headers = {h["name"]: h.get("value", "") for h in spec.get("httpHeaders") or [] if h.get("name")}
     headers.setdefault("User-Agent", "kube-probe/1.37")
     try:
-        async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout), ssl=False,
-                               allow_redirects=False) as response:
+        async with session.get(
+            url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout), ssl=False, allow_redirects=False
+        ) as response:
             body = (await response.content.read(1024)).decode("utf-8", "replace")
             if 200 <= response.status < 400:
                 return Result(True)
@@ -126,8 +134,15 @@ async def _exec(command: list[str], env: dict[str, str], timeout: float, cwd: st
         return Result(False, "exec action has no command")
     with tempfile.TemporaryFile() as output:
         try:
-            proc = subprocess.Popen([str(c) for c in command], env=env, cwd=cwd, stdin=subprocess.DEVNULL,
-                                    stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                [str(c) for c in command],
+                env=env,
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         except OSError as exc:
             return Result(False, f"exec failed: {exc}")
         try:

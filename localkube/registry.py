@@ -59,9 +59,16 @@ class ResourceType:
             entry["categories"] = list(self.categories)
         entries = [entry]
         for sub, verbs in self.subresources.items():
-            sub_kind = {"scale": "Scale", "log": "Pod", "binding": "Binding", "eviction": "Eviction"}.get(sub, self.kind)
-            item = {"name": f"{self.plural}/{sub}", "singularName": "", "namespaced": self.namespaced,
-                    "kind": sub_kind, "verbs": list(verbs)}
+            sub_kind = {"scale": "Scale", "log": "Pod", "binding": "Binding", "eviction": "Eviction"}.get(
+                sub, self.kind
+            )
+            item = {
+                "name": f"{self.plural}/{sub}",
+                "singularName": "",
+                "namespaced": self.namespaced,
+                "kind": sub_kind,
+                "verbs": list(verbs),
+            }
             if sub == "scale":
                 item["group"] = "autoscaling"
                 item["version"] = "v1"
@@ -152,7 +159,13 @@ class Registry:
         if not versions or not group:
             return None
         entries = [{"groupVersion": f"{group}/{v}", "version": v} for v in versions]
-        return {"kind": "APIGroup", "apiVersion": "v1", "name": group, "versions": entries, "preferredVersion": entries[0]}
+        return {
+            "kind": "APIGroup",
+            "apiVersion": "v1",
+            "name": group,
+            "versions": entries,
+            "preferredVersion": entries[0],
+        }
 
     def api_group_list(self) -> dict:
         groups = [group for g in self.group_versions() if g and (group := self.api_group(g)) is not None]
@@ -167,8 +180,12 @@ class Registry:
         resources = []
         for rt in sorted(types, key=lambda t: t.plural):
             resources.extend(rt.discovery_entries())
-        return {"kind": "APIResourceList", "apiVersion": "v1",
-                "groupVersion": f"{group}/{version}" if group else version, "resources": resources}
+        return {
+            "kind": "APIResourceList",
+            "apiVersion": "v1",
+            "groupVersion": f"{group}/{version}" if group else version,
+            "resources": resources,
+        }
 
 
 def version_priority(version: str) -> tuple:

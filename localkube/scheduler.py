@@ -12,8 +12,23 @@ import re
 from dataclasses import dataclass
 
 _BASIC_RESOURCES = ("cpu", "memory", "ephemeral-storage", "pods")
-_SUFFIXES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
-             "n": 1e-9, "u": 1e-6, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
+_SUFFIXES = {
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+    "Ei": 2**60,
+    "n": 1e-9,
+    "u": 1e-6,
+    "m": 1e-3,
+    "k": 1e3,
+    "M": 1e6,
+    "G": 1e9,
+    "T": 1e12,
+    "P": 1e15,
+    "E": 1e18,
+}
 
 
 def parse_quantity(text) -> float:
@@ -94,18 +109,30 @@ def fits(pod: dict, node: dict, bound_pods: list[dict]) -> Fit:
     labels = (node.get("metadata") or {}).get("labels") or {}
     node_name = node["metadata"]["name"]
     selector = spec.get("nodeSelector") or {}
-    affinity = (((spec.get("affinity") or {}).get("nodeAffinity") or {})
-                .get("requiredDuringSchedulingIgnoredDuringExecution") or {})
+    affinity = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ) or {}
     terms = affinity.get("nodeSelectorTerms") or []
-    if any(labels.get(k) != v for k, v in selector.items()) or (terms and not any(_term_matches(t, labels, node_name) for t in terms)):
-        return Fit(False, "0/1 nodes are available: 1 node(s) didn't match Pod's node affinity/selector. "
-                          "preemption: 0/1 nodes are available: 1 Preemption is not helpful for scheduling.")
-    untolerated = [t for t in (node.get("spec") or {}).get("taints") or []
-                   if t.get("effect") in ("NoSchedule", "NoExecute") and not _tolerates(t, spec.get("tolerations") or [])]
+    if any(labels.get(k) != v for k, v in selector.items()) or (
+        terms and not any(_term_matches(t, labels, node_name) for t in terms)
+    ):
+        return Fit(
+            False,
+            "0/1 nodes are available: 1 node(s) didn't match Pod's node affinity/selector. "
+            "preemption: 0/1 nodes are available: 1 Preemption is not helpful for scheduling.",
+        )
+    untolerated = [
+        t
+        for t in (node.get("spec") or {}).get("taints") or []
+        if t.get("effect") in ("NoSchedule", "NoExecute") and not _tolerates(t, spec.get("tolerations") or [])
+    ]
     if untolerated:
         taint = untolerated[0]
-        return Fit(False, f"0/1 nodes are available: 1 node(s) had untolerated taint {{{taint.get('key')}: {taint.get('value', '')}}}. "
-                          "preemption: 0/1 nodes are available: 1 Preemption is not helpful for scheduling.")
+        return Fit(
+            False,
+            f"0/1 nodes are available: 1 node(s) had untolerated taint {{{taint.get('key')}: {taint.get('value', '')}}}. "
+            "preemption: 0/1 nodes are available: 1 Preemption is not helpful for scheduling.",
+        )
     capacity = (node.get("status") or {}).get("allocatable") or {}
     wanted = extended_requests(pod)
     if wanted:
@@ -113,9 +140,16 @@ def fits(pod: dict, node: dict, bound_pods: list[dict]) -> Fit:
         for other in bound_pods:
             for name, amount in extended_requests(other).items():
                 used[name] = used.get(name, 0.0) + amount
-        short = sorted(name for name, amount in wanted.items()
-                       if amount + used.get(name, 0.0) > parse_quantity(capacity.get(name, 0)))
+        short = sorted(
+            name
+            for name, amount in wanted.items()
+            if amount + used.get(name, 0.0) > parse_quantity(capacity.get(name, 0))
+        )
         if short:
-            return Fit(False, "0/1 nodes are available: " + ", ".join(f"1 Insufficient {n}" for n in short)
-                       + ". preemption: 0/1 nodes are available: 1 No preemption victims found for incoming pod.")
+            return Fit(
+                False,
+                "0/1 nodes are available: "
+                + ", ".join(f"1 Insufficient {n}" for n in short)
+                + ". preemption: 0/1 nodes are available: 1 No preemption victims found for incoming pod.",
+            )
     return Fit(True)

@@ -89,7 +89,9 @@ def parse_label_selector(text: str | None) -> LabelSelector:
         elif m := _CMP_RE.match(part):
             op = {"==": "=", "=": "=", "!=": "!=", ">": "gt", "<": "lt"}[m.group(2)]
             if op in ("gt", "lt") and not re.fullmatch(r"-?\d+", m.group(3)):
-                raise bad_request(f"unable to parse requirement: for 'gt', 'lt' operators, the value must be an integer: {part}")
+                raise bad_request(
+                    f"unable to parse requirement: for 'gt', 'lt' operators, the value must be an integer: {part}"
+                )
             reqs.append(Requirement(m.group(1), op, (m.group(3),)))
         elif m := _KEY_RE.match(part):
             reqs.append(Requirement(m.group(2), "!" if m.group(1) else "exists"))
@@ -150,7 +152,7 @@ def parse_field_selector(text: str | None, allowed: frozenset[str] | None) -> Fi
             raise bad_request(f"invalid selector: '{text}'; can't understand '{part}'")
         path = m.group(1).strip()
         if allowed is not None and path not in allowed:
-            raise bad_request(f'field label not supported: {path}')
+            raise bad_request(f"field label not supported: {path}")
         reqs.append(FieldRequirement(path, m.group(2) == "!=", m.group(3).strip()))
     return FieldSelector(tuple(reqs))
 

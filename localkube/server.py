@@ -65,8 +65,9 @@ class LocalKube:
         self._bootstrap()
         self.controllers = Controllers(self)
         self.controllers.start()
-        runner = web.AppRunner(self.http.app, handle_signals=False, handler_cancellation=True, access_log=None,
-                               shutdown_timeout=1.0)
+        runner = web.AppRunner(
+            self.http.app, handle_signals=False, handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+        )
         await runner.setup()
         site = web.TCPSite(runner, self.options.host, self.options.port)
         await site.start()
@@ -119,51 +120,104 @@ class LocalKube:
             memory_kib = 8 * 1024 * 1024
         capacity = {"cpu": cpus, "memory": f"{memory_kib}Ki", "pods": "110", "ephemeral-storage": "100Gi"}
         capacity.update(self.options.node_capacity)
-        labels = {"kubernetes.io/hostname": self.options.node_name, "kubernetes.io/os": "linux",
-                  "kubernetes.io/arch": "amd64", "beta.kubernetes.io/os": "linux", "beta.kubernetes.io/arch": "amd64"}
+        labels = {
+            "kubernetes.io/hostname": self.options.node_name,
+            "kubernetes.io/os": "linux",
+            "kubernetes.io/arch": "amd64",
+            "beta.kubernetes.io/os": "linux",
+            "beta.kubernetes.io/arch": "amd64",
+        }
         labels.update(self.options.node_labels)
         now = rfc3339()
 
         def condition(kind: str, status: str, reason: str, message: str) -> dict:
-            return {"type": kind, "status": status, "lastHeartbeatTime": now, "lastTransitionTime": now,
-                    "reason": reason, "message": message}
+            return {
+                "type": kind,
+                "status": status,
+                "lastHeartbeatTime": now,
+                "lastTransitionTime": now,
+                "reason": reason,
+                "message": message,
+            }
 
         return {
             "metadata": {"name": self.options.node_name, "labels": labels},
             "spec": {"podCIDR": "127.0.0.0/8", "podCIDRs": ["127.0.0.0/8"]},
             "status": {
-                "capacity": capacity, "allocatable": dict(capacity),
+                "capacity": capacity,
+                "allocatable": dict(capacity),
                 "conditions": [
-                    condition("MemoryPressure", "False", "KubeletHasSufficientMemory", "kubelet has sufficient memory available"),
+                    condition(
+                        "MemoryPressure",
+                        "False",
+                        "KubeletHasSufficientMemory",
+                        "kubelet has sufficient memory available",
+                    ),
                     condition("DiskPressure", "False", "KubeletHasNoDiskPressure", "kubelet has no disk pressure"),
-                    condition("PIDPressure", "False", "KubeletHasSufficientPID", "kubelet has sufficient PID available"),
+                    condition(
+                        "PIDPressure", "False", "KubeletHasSufficientPID", "kubelet has sufficient PID available"
+                    ),
                     condition("Ready", "True", "KubeletReady", "localkube process kubelet is posting ready status"),
                 ],
-                "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": self.options.node_name}],
-                "nodeInfo": {"machineID": "", "systemUUID": "", "bootID": "", "kernelVersion": platform.release(),
-                             "osImage": "localkube (processes on the host)", "containerRuntimeVersion": "localkube://processes",
-                             "kubeletVersion": SERVER_VERSION["gitVersion"], "kubeProxyVersion": "",
-                             "operatingSystem": "linux", "architecture": "amd64"},
+                "addresses": [
+                    {"type": "InternalIP", "address": "127.0.0.1"},
+                    {"type": "Hostname", "address": self.options.node_name},
+                ],
+                "nodeInfo": {
+                    "machineID": "",
+                    "systemUUID": "",
+                    "bootID": "",
+                    "kernelVersion": platform.release(),
+                    "osImage": "localkube (processes on the host)",
+                    "containerRuntimeVersion": "localkube://processes",
+                    "kubeletVersion": SERVER_VERSION["gitVersion"],
+                    "kubeProxyVersion": "",
+                    "operatingSystem": "linux",
+                    "architecture": "amd64",
+                },
             },
         }
 
     def _bootstrap_kubernetes_service(self) -> None:
         svc_rt = self.registry.builtin("", "v1", "services")
         ep_rt = self.registry.builtin("", "v1", "endpoints")
-        self.core.put_system(svc_rt, {
-            "apiVersion": "v1", "kind": "Service",
-            "metadata": {"name": "kubernetes", "namespace": "default",
-                         "labels": {"component": "apiserver", "provider": "kubernetes"}},
-            "spec": {"type": "ClusterIP", "clusterIP": "10.96.0.1", "clusterIPs": ["10.96.0.1"], "sessionAffinity": "None",
-                     "ipFamilies": ["IPv4"], "ipFamilyPolicy": "SingleStack", "internalTrafficPolicy": "Cluster",
-                     "ports": [{"name": "https", "port": 443, "protocol": "TCP", "targetPort": self.port}]},
-            "status": {"loadBalancer": {}},
-        })
-        self.core.put_system(ep_rt, {
-            "apiVersion": "v1", "kind": "Endpoints",
-            "metadata": {"name": "kubernetes", "namespace": "default"},
-            "subsets": [{"addresses": [{"ip": self.options.host}], "ports": [{"name": "https", "port": self.port, "protocol": "TCP"}]}],
-        })
+        self.core.put_system(
+            svc_rt,
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": {
+                    "name": "kubernetes",
+                    "namespace": "default",
+                    "labels": {"component": "apiserver", "provider": "kubernetes"},
+                },
+                "spec": {
+                    "type": "ClusterIP",
+                    "clusterIP": "10.96.0.1",
+                    "clusterIPs": ["10.96.0.1"],
+                    "sessionAffinity": "None",
+                    "ipFamilies": ["IPv4"],
+                    "ipFamilyPolicy": "SingleStack",
+                    "internalTrafficPolicy": "Cluster",
+                    "ports": [{"name": "https", "port": 443, "protocol": "TCP", "targetPort": self.port}],
+                },
+                "status": {"loadBalancer": {}},
+            },
+        )
+        self.core.put_system(
+            ep_rt,
+            {
+                "apiVersion": "v1",
+                "kind": "Endpoints",
+                "metadata": {"name": "kubernetes", "namespace": "default"},
+                "subsets": [
+                    {
+                        "addresses": [{"ip": self.options.host}],
+                        "ports": [{"name": "https", "port": self.port, "protocol": "TCP"}],
+                    }
+                ],
+            },
+        )
 
     # ------------------------------------------------------------------------------------------ CRD wiring
 
@@ -187,7 +241,11 @@ class LocalKube:
     # ---------------------------------------------------------------------------------------------- pods
 
     def bind_pod(self, namespace: str, name: str, binding: object) -> dict:
-        if not isinstance(binding, dict) or not isinstance(binding.get("target"), dict) or not binding["target"].get("name"):
+        if (
+            not isinstance(binding, dict)
+            or not isinstance(binding.get("target"), dict)
+            or not binding["target"].get("name")
+        ):
             raise errors.invalid("Binding", "", name, [errors.required_value("target.name")])
         pod_rt = self.registry.builtin("", "v1", "pods")
         pod = self.store.get(pod_rt.storage, namespace, name)
@@ -195,7 +253,7 @@ class LocalKube:
             raise errors.not_found("pods", "", name)
         node = (pod.get("spec") or {}).get("nodeName")
         if node:
-            raise errors.conflict("pods/binding", "", name, f"pod {name} is already assigned to node \"{node}\"")
+            raise errors.conflict("pods/binding", "", name, f'pod {name} is already assigned to node "{node}"')
         self.assign_node(pod, binding["target"]["name"])
         return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}
 
@@ -205,7 +263,9 @@ class LocalKube:
         new["spec"]["nodeName"] = node
         status = new.setdefault("status", {})
         conditions = [c for c in status.get("conditions") or [] if c.get("type") != "PodScheduled"]
-        conditions.insert(0, {"type": "PodScheduled", "status": "True", "lastProbeTime": None, "lastTransitionTime": rfc3339()})
+        conditions.insert(
+            0, {"type": "PodScheduled", "status": "True", "lastProbeTime": None, "lastTransitionTime": rfc3339()}
+        )
         status["conditions"] = conditions
         return self.core.put_system(pod_rt, new)
 
@@ -227,11 +287,20 @@ class LocalKube:
                 if not pod_is_ready(pod) and healthy_enough:
                     continue
                 if int(status.get("disruptionsAllowed") or 0) < 1:
-                    raise ApiError(429, "TooManyRequests", "Cannot evict pod as it would violate the pod's disruption budget.",
-                                   causes=[errors.Cause("", "DisruptionBudget",
-                                                        f"The disruption budget {pdb['metadata']['name']} needs "
-                                                        f"{status.get('desiredHealthy', 0)} healthy pods and has "
-                                                        f"{status.get('currentHealthy', 0)} currently")])
+                    raise ApiError(
+                        429,
+                        "TooManyRequests",
+                        "Cannot evict pod as it would violate the pod's disruption budget.",
+                        causes=[
+                            errors.Cause(
+                                "",
+                                "DisruptionBudget",
+                                f"The disruption budget {pdb['metadata']['name']} needs "
+                                f"{status.get('desiredHealthy', 0)} healthy pods and has "
+                                f"{status.get('currentHealthy', 0)} currently",
+                            )
+                        ],
+                    )
                 new = clone(pdb)
                 new["status"]["disruptionsAllowed"] = int(status["disruptionsAllowed"]) - 1
                 new["status"].setdefault("disruptedPods", {})[name] = rfc3339()

@@ -193,5 +193,7 @@ class Store:
         return sum(len(w) for w in self._watches.values())
 
     def snapshot(self) -> dict:
-        return {"resourceVersion": self.rv,
-                "objects": [[list(s), obj] for s, bucket in self._data.items() for obj in bucket.values()]}
+        return {
+            "resourceVersion": self.rv,
+            "objects": [[list(s), obj] for s, bucket in self._data.items() for obj in bucket.values()],
+        }

@@ -38,12 +38,19 @@ class Column:
     priority: int = 0
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "type": self.type, "format": self.format,
-                "description": self.description, "priority": self.priority}
+        return {
+            "name": self.name,
+            "type": self.type,
+            "format": self.format,
+            "description": self.description,
+            "priority": self.priority,
+        }
 
 
 NAME_COLUMN = Column("Name", format="name", description="Name must be unique within a namespace.")
-AGE_COLUMN = Column("Age", description="CreationTimestamp is a timestamp representing the server time when this object was created.")
+AGE_COLUMN = Column(
+    "Age", description="CreationTimestamp is a timestamp representing the server time when this object was created."
+)
 
 
 @dataclass

@@ -63,7 +63,9 @@ def prune(obj: object, schema: dict | None, path: str = "", root: bool = False) 
                 pruned += prune(obj[key], props[key], child_path)
             elif isinstance(additional, dict):
                 pruned += prune(obj[key], additional, child_path)
-            elif additional is True or preserve or (props is None and additional is None and not _has_structure(schema)):
+            elif (
+                additional is True or preserve or (props is None and additional is None and not _has_structure(schema))
+            ):
                 continue
             else:
                 del obj[key]
@@ -125,9 +127,15 @@ def validate(obj: object, schema: dict | None, path: str = "", root: bool = Fals
     typ = schema.get("type")
     if schema.get("x-kubernetes-int-or-string"):
         if not (_TYPE_CHECKS["integer"](obj) or isinstance(obj, str)):
-            return [invalid_value(path, obj, f"{path} in body must be of type integer,string: {render_value(_json_type(obj))}")]
+            return [
+                invalid_value(
+                    path, obj, f"{path} in body must be of type integer,string: {render_value(_json_type(obj))}"
+                )
+            ]
     elif typ and typ in _TYPE_CHECKS and not _TYPE_CHECKS[typ](obj):
-        return [invalid_value(path, obj, f"{path or 'body'} in body must be of type {typ}: {render_value(_json_type(obj))}")]
+        return [
+            invalid_value(path, obj, f"{path or 'body'} in body must be of type {typ}: {render_value(_json_type(obj))}")
+        ]
 
     if "enum" in schema and obj not in schema["enum"]:
         causes.append(not_supported(path, obj, schema["enum"]))
@@ -193,7 +201,9 @@ def _string(value: str, schema: dict, path: str) -> list[Cause]:
 def _array(value: list, schema: dict, path: str) -> list[Cause]:
     causes: list[Cause] = []
     if "maxItems" in schema and len(value) > schema["maxItems"]:
-        causes.append(Cause(path, "FieldValueTooMany", f"Too many: {len(value)}: must have at most {schema['maxItems']} items"))
+        causes.append(
+            Cause(path, "FieldValueTooMany", f"Too many: {len(value)}: must have at most {schema['maxItems']} items")
+        )
     if "minItems" in schema and len(value) < schema["minItems"]:
         causes.append(invalid_value(path, value, f"{path} in body should have at least {schema['minItems']} items"))
     list_type = schema.get("x-kubernetes-list-type")
@@ -225,9 +235,15 @@ def _object(value: dict, schema: dict, path: str, root: bool) -> list[Cause]:
         if key not in value:
             causes.append(required_value(join(path, key)))
     if "maxProperties" in schema and len(value) > schema["maxProperties"]:
-        causes.append(Cause(path, "FieldValueTooMany", f"Too many: {len(value)}: must have at most {schema['maxProperties']} items"))
+        causes.append(
+            Cause(
+                path, "FieldValueTooMany", f"Too many: {len(value)}: must have at most {schema['maxProperties']} items"
+            )
+        )
     if "minProperties" in schema and len(value) < schema["minProperties"]:
-        causes.append(invalid_value(path, value, f"{path} in body should have at least {schema['minProperties']} properties"))
+        causes.append(
+            invalid_value(path, value, f"{path} in body should have at least {schema['minProperties']} properties")
+        )
     props = schema.get("properties") or {}
     additional = schema.get("additionalProperties")
     for key, item in value.items():
@@ -254,8 +270,13 @@ def check_structural(schema: object, path: str = "schema.openAPIV3Schema") -> li
     if isinstance(meta, dict):
         extra = set(meta.get("properties") or {}) - {"name", "generateName"}
         if extra:
-            causes.append(Cause(f"{path}.properties[metadata]", "FieldValueForbidden",
-                                "Forbidden: must not specify anything other than name and generateName, but metadata is implicitly specified"))
+            causes.append(
+                Cause(
+                    f"{path}.properties[metadata]",
+                    "FieldValueForbidden",
+                    "Forbidden: must not specify anything other than name and generateName, but metadata is implicitly specified",
+                )
+            )
     return causes
 
 
@@ -266,12 +287,25 @@ def _check_node(node: dict, path: str, in_logic: bool) -> list[Cause]:
     has_children = "properties" in node or "items" in node or "additionalProperties" in node
     untyped_ok = node.get("x-kubernetes-int-or-string") or node.get("x-kubernetes-preserve-unknown-fields")
     if not in_logic and not node.get("type") and not untyped_ok:
-        causes.append(required_value(f"{path}.type", "must not be empty for specified object fields" if has_children else "must not be empty"))
+        causes.append(
+            required_value(
+                f"{path}.type", "must not be empty for specified object fields" if has_children else "must not be empty"
+            )
+        )
     if node.get("type") == "array" and not in_logic and not isinstance(node.get("items"), dict):
         causes.append(required_value(f"{path}.items", "must be specified"))
-    if "properties" in node and isinstance(node.get("additionalProperties"), (dict, bool)) and node["additionalProperties"] is not True:
-        causes.append(Cause(f"{path}.additionalProperties", "FieldValueForbidden",
-                            "Forbidden: additionalProperties and properties are mutual exclusive"))
+    if (
+        "properties" in node
+        and isinstance(node.get("additionalProperties"), (dict, bool))
+        and node["additionalProperties"] is not True
+    ):
+        causes.append(
+            Cause(
+                f"{path}.additionalProperties",
+                "FieldValueForbidden",
+                "Forbidden: additionalProperties and properties are mutual exclusive",
+            )
+        )
     for key, sub in (node.get("properties") or {}).items():
         if isinstance(sub, dict):
             causes += _check_node(sub, f"{path}.properties[{key}]", in_logic)
@@ -291,11 +325,15 @@ def _check_node(node: dict, path: str, in_logic: bool) -> list[Cause]:
             prune(default, node)
         bad = validate(default, {k: v for k, v in node.items() if k != "default"}, "")
         for cause in bad:
-            causes.append(Cause(f"{path}.default{('.' + cause.field) if cause.field else ''}", cause.reason, cause.message))
+            causes.append(
+                Cause(f"{path}.default{('.' + cause.field) if cause.field else ''}", cause.reason, cause.message)
+            )
     for key in ("pattern",):
         if key in node:
             try:
                 _regex(node[key])
             except re.error as exc:
-                causes.append(invalid_value(f"{path}.pattern", node[key], f"must be a valid regular expression, but isn't: {exc}"))
+                causes.append(
+                    invalid_value(f"{path}.pattern", node[key], f"must be a valid regular expression, but isn't: {exc}")
+                )
     return causes

@@ -36,16 +36,28 @@ class Kubectl:
         self.binary = Path(binary)
         self.env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "KUBECACHEDIR": str(cache_dir)}
 
-    def run(self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
-        result = subprocess.run([str(self.binary), *args], input=input, env=self.env, capture_output=True, text=True,
-                                timeout=timeout, check=False)  # the return code is checked below, with the output
+    def run(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60
+    ) -> subprocess.CompletedProcess:
+        result = subprocess.run(
+            [str(self.binary), *args],
+            input=input,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )  # the return code is checked below, with the output
         if check and result.returncode != 0:
-            raise AssertionError(f"kubectl {' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+            raise AssertionError(
+                f"kubectl {' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
+            )
         return result
 
     def popen(self, *args: str) -> subprocess.Popen:
-        return subprocess.Popen([str(self.binary), *args], env=self.env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(
+            [str(self.binary), *args], env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
 
     def __call__(self, *args: str, **kwargs) -> str:
         return self.run(*args, **kwargs).stdout

@@ -22,8 +22,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = ["README.md", *sorted(p.relative_to(REPO).as_posix() for p in (REPO / "docs").glob("*.md")),
-        "charts/llmfleet/values.yaml"]
+DOCS = [
+    "README.md",
+    *sorted(p.relative_to(REPO).as_posix() for p in (REPO / "docs").glob("*.md")),
+    "charts/llmfleet/values.yaml",
+]
 _PATH_CHARS = r"[\w.*?/<>{}\[\]-]"
 _CAPS_STEM = re.compile(r"(?<![^/])[A-Z][A-Z0-9_]+(?=\.\w+$|$)")
 _PLACEHOLDER = re.compile(r"<[^/>]*>|\{[^/}]*\}")
@@ -32,7 +35,8 @@ _PLACEHOLDER = re.compile(r"<[^/>]*>|\{[^/}]*\}")
 def top_level_folders(root: Path) -> list[str]:
     """The repository's own top-level folders (not hidden ones, virtual environments or build metadata)."""
     return sorted(
-        p.name for p in root.iterdir()
+        p.name
+        for p in root.iterdir()
         if p.is_dir() and not p.name.startswith((".", "_")) and not p.name.endswith(".egg-info")
     )
 
@@ -69,8 +73,15 @@ def missing_paths(text: str, root: Path) -> list[str]:
 
 @pytest.fixture
 def fake_repo(tmp_path: Path) -> Path:
-    for name in ("controllers/rollout.py", "bench/engine.py", "docs/security.md", "worker_image/Dockerfile",
-                 "charts/llmfleet/templates/gateway.yaml", "operator/fleet_operator/handlers.py", "README.md"):
+    for name in (
+        "controllers/rollout.py",
+        "bench/engine.py",
+        "docs/security.md",
+        "worker_image/Dockerfile",
+        "charts/llmfleet/templates/gateway.yaml",
+        "operator/fleet_operator/handlers.py",
+        "README.md",
+    ):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("")
     (tmp_path / ".venv").mkdir()

@@ -236,7 +236,10 @@ def test_cycle_finder_finds_circles_and_only_circles():
 
 def test_rules_match_on_module_boundaries():
     graph = {"worker.core.x": {"worker.server.app", "worker.core.y", "workerx"}, "gateway.app": {"llmfleet.cli"}}
-    rules = [Rule("engine", ("worker.core",), ("worker",), unless=("worker.core",)), Rule("gw", ("gateway",), ("llmfleet",))]
+    rules = [
+        Rule("engine", ("worker.core",), ("worker",), unless=("worker.core",)),
+        Rule("gw", ("gateway",), ("llmfleet",)),
+    ]
     assert forbidden_edges(graph, rules) == [
         "worker.core.x -> worker.server.app  (engine)",
         "gateway.app -> llmfleet.cli  (gw)",

@@ -220,8 +220,12 @@ def create_alerts_app(
         body = b"" if size > max_body_bytes else await request.body()  # refuse a declared oversize unread
         size = max(size, len(body))
         if size > max_body_bytes:
-            return _error(413, f"payload of {size} bytes is over the {max_body_bytes}-byte limit",
-                          "invalid_request_error", "payload_too_large")
+            return _error(
+                413,
+                f"payload of {size} bytes is over the {max_body_bytes}-byte limit",
+                "invalid_request_error",
+                "payload_too_large",
+            )
         try:
             payload = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as error:

@@ -107,8 +107,11 @@ class AnalysisRunner:
         results = await asyncio.gather(
             *(self._compare(request, c, namespace, name, targets, now) for c in request.comparisons)
         )
-        return AnalysisObservation(result=combine(dict(zip((c.variant for c in request.comparisons), results,
-                                                           strict=True)), step=request.step, now=now))
+        return AnalysisObservation(
+            result=combine(
+                dict(zip((c.variant for c in request.comparisons), results, strict=True)), step=request.step, now=now
+            )
+        )
 
     async def _look_for_series(
         self,
@@ -122,8 +125,11 @@ class AnalysisRunner:
         """Sample every compared revision once: "present" when each canary revision has series (the stable
         samples only set the scrape source's baselines, so the first check covers the same interval for both)."""
         selectors = [Selector(namespace, name, c.variant, c.canary) for c in request.comparisons]
-        stable = [Selector(namespace, name, c.variant, c.stable) for c in request.comparisons
-                  if _of(targets, c.variant, c.stable)]
+        stable = [
+            Selector(namespace, name, c.variant, c.stable)
+            for c in request.comparisons
+            if _of(targets, c.variant, c.stable)
+        ]
         samples = await asyncio.gather(*(self._sample(s, targets, request.window_s) for s in (*selectors, *stable)))
         present = all(series_present(sample) for sample in samples[: len(selectors)])
         ready = [canary_ready_since(pods, c.variant, c.canary) for c in request.comparisons]

@@ -159,8 +159,12 @@ class Autoscaler:
         queued = await self._gateway_queued(namespace, name)
         if not queued or not any((queued.get(v) or 0) > 0 for v in at_zero):
             return []
-        log.info("%s/%s: requests held at zero (%s): waking", namespace, name,
-                 ", ".join(f"{v}: {queued.get(v):g}" for v in at_zero if queued.get(v)))
+        log.info(
+            "%s/%s: requests held at zero (%s): waking",
+            namespace,
+            name,
+            ", ".join(f"{v}: {queued.get(v):g}" for v in at_zero if queued.get(v)),
+        )
         return await self.tick(namespace, name)
 
     async def on_alerts(self, parsed: ParsedAlerts) -> None:
@@ -172,17 +176,21 @@ class Autoscaler:
             for namespace in namespaces:
                 targets.setdefault((namespace, intent.deployment), []).append(intent)
         if not targets:
-            log.info("alerts name no InferenceDeployment this operator serves: %s",
-                     ", ".join(sorted({f"{i.alert} -> {i.deployment}" for i in parsed.intents})))
+            log.info(
+                "alerts name no InferenceDeployment this operator serves: %s",
+                ", ".join(sorted({f"{i.alert} -> {i.deployment}" for i in parsed.intents})),
+            )
         for (namespace, name), intents in targets.items():
             outcomes = await self.evaluate(namespace, name, intents)
             if not outcomes:
-                log.info("%s/%s: alerts %s name no autoscaled variant", namespace, name,
-                         ", ".join(sorted({i.alert for i in intents})))
+                log.info(
+                    "%s/%s: alerts %s name no autoscaled variant",
+                    namespace,
+                    name,
+                    ", ".join(sorted({i.alert for i in intents})),
+                )
 
-    async def evaluate(
-        self, namespace: str, name: str, intents: Sequence[ScaleIntent] = ()
-    ) -> list[VariantOutcome]:
+    async def evaluate(self, namespace: str, name: str, intents: Sequence[ScaleIntent] = ()) -> list[VariantOutcome]:
         """One evaluation of one deployment (see the module docstring); the outcomes it persisted."""
         async with self._locks.setdefault((namespace, name), asyncio.Lock()):
             resource = await self.api.get(deployment_path(namespace, name))
@@ -245,7 +253,9 @@ class Autoscaler:
         for outcome in changed:
             log.info("%s/%s: %s", namespace, name, scale_event(outcome).message)
             self.metrics.count_scale_decision(
-                namespace, name, outcome.variant,
+                namespace,
+                name,
+                outcome.variant,
                 "up" if outcome.decision.direction == "up" else "down",
                 "alert" if outcome.trigger == DecisionTrigger.ALERT else "timer",
             )
@@ -276,8 +286,9 @@ class Autoscaler:
             if self.settings.gateway_url:
                 key = self.settings.gateway_api_key
                 headers = {"authorization": f"Bearer {key.get_secret_value()}"} if key is not None else {}
-                response = await self._http.get(self.settings.gateway_url.rstrip("/") + "/internal/queued",
-                                                headers=headers)
+                response = await self._http.get(
+                    self.settings.gateway_url.rstrip("/") + "/internal/queued", headers=headers
+                )
                 response.raise_for_status()
                 return dict(queued_by_variant(response.json(), namespace, name))
             if self.settings.prometheus_url:
@@ -365,11 +376,17 @@ def register_autoscaling(registry: kopf.OperatorRegistry, settings: OperatorSett
             step=settings.alert_step, max_step=settings.alert_max_step, ttl_seconds=settings.alert_ttl_seconds
         )
         peering_state: PeeringState = memo.peering_state
-        app = create_operator_app(metrics, memo.autoscaler.on_alerts, token, policy,
-                                  is_active=lambda: peering_state.active)
+        app = create_operator_app(
+            metrics, memo.autoscaler.on_alerts, token, policy, is_active=lambda: peering_state.active
+        )
         memo.http_server = OperatorHttpServer(app, settings.http_host, settings.http_port)
-        memo.metrics_server = OperatorHttpServer(create_metrics_app(metrics), settings.metrics_host,
-                                                 settings.metrics_port, "/metrics", "METRICS_HOST/_METRICS_PORT")
+        memo.metrics_server = OperatorHttpServer(
+            create_metrics_app(metrics),
+            settings.metrics_host,
+            settings.metrics_port,
+            "/metrics",
+            "METRICS_HOST/_METRICS_PORT",
+        )
         await memo.http_server.start()
         await memo.metrics_server.start()
 

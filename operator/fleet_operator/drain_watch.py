@@ -33,8 +33,9 @@ class DrainedPodRestarts:
     """Within `with`: every version of every worker pod in `namespace` (of `deployment` when given) is seen;
     `drained()` gives, per pod marked draining at some point, the most restarts any version showed."""
 
-    def __init__(self, kubeconfig: Path | str, namespace: str, deployment: str | None = None,
-                 max_seconds: float = 1800.0) -> None:
+    def __init__(
+        self, kubeconfig: Path | str, namespace: str, deployment: str | None = None, max_seconds: float = 1800.0
+    ) -> None:
         from kubernetes import client, config
 
         self.namespace = namespace
@@ -82,13 +83,20 @@ class DrainedPodRestarts:
             try:
                 if version is None:
                     listed = self._api.api_client.sanitize_for_serialization(
-                        self._api.list_namespaced_pod(self.namespace, label_selector=self.selector))
+                        self._api.list_namespaced_pod(self.namespace, label_selector=self.selector)
+                    )
                     for pod in listed.get("items") or []:
                         self.seen(pod)
                     version = (listed.get("metadata") or {}).get("resourceVersion")
                 response = self._api.list_namespaced_pod(
-                    self.namespace, label_selector=self.selector, watch=True, resource_version=version,
-                    timeout_seconds=WATCH_SECONDS, _preload_content=False, _request_timeout=WATCH_SECONDS + 10)
+                    self.namespace,
+                    label_selector=self.selector,
+                    watch=True,
+                    resource_version=version,
+                    timeout_seconds=WATCH_SECONDS,
+                    _preload_content=False,
+                    _request_timeout=WATCH_SECONDS + 10,
+                )
                 version = self._events(response, version)
                 failures = 0
             except Exception as error:  # noqa: BLE001 - retried a few times, then reported by drained()

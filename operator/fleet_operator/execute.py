@@ -79,12 +79,18 @@ async def execute(
     token = drains.token(meta) if starts and drains is not None else None
     await asyncio.gather(
         *(attempt("ensure Service", lambda a=a: _ensure_service(api, namespace, a)) for a in services),
-        *(attempt(f"ensure NetworkPolicy {n.name}", lambda n=n: _ensure_network_policy(api, namespace, n))
-          for n in plan.of_type(EnsureNetworkPolicy)),
-        *(attempt(f"ensure PodDisruptionBudget {b.name}", lambda b=b: _ensure_pdb(api, namespace, b))
-          for b in plan.of_type(EnsurePdb)),
-        *(attempt(f"delete PodDisruptionBudget {b.name}", lambda b=b: _delete_pdb(api, namespace, b))
-          for b in plan.of_type(DeletePdb)),
+        *(
+            attempt(f"ensure NetworkPolicy {n.name}", lambda n=n: _ensure_network_policy(api, namespace, n))
+            for n in plan.of_type(EnsureNetworkPolicy)
+        ),
+        *(
+            attempt(f"ensure PodDisruptionBudget {b.name}", lambda b=b: _ensure_pdb(api, namespace, b))
+            for b in plan.of_type(EnsurePdb)
+        ),
+        *(
+            attempt(f"delete PodDisruptionBudget {b.name}", lambda b=b: _delete_pdb(api, namespace, b))
+            for b in plan.of_type(DeletePdb)
+        ),
     )
     outcomes = await asyncio.gather(
         *(attempt(f"delete pod {d.name}", lambda d=d: _delete_pod(api, namespace, d)) for d in deletes),
@@ -115,10 +121,14 @@ async def execute(
     ]
     events += plan.of_type(EmitEvent)
     await asyncio.gather(
-        *(attempt("patch status", lambda p=p: _patch_status(api, namespace, meta["name"], p))
-          for p in plan.of_type(PatchStatus)),
-        *(attempt("remove annotations", lambda r=r: _remove_annotations(api, namespace, meta["name"], r))
-          for r in plan.of_type(RemoveAnnotations)),
+        *(
+            attempt("patch status", lambda p=p: _patch_status(api, namespace, meta["name"], p))
+            for p in plan.of_type(PatchStatus)
+        ),
+        *(
+            attempt("remove annotations", lambda r=r: _remove_annotations(api, namespace, meta["name"], r))
+            for r in plan.of_type(RemoveAnnotations)
+        ),
         *(_post_event(api, resource, event) for event in events),
     )
     if errors:

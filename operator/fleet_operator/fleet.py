@@ -72,8 +72,13 @@ class Fleet:
             started = time.monotonic()
             try:
                 seen = await observe(
-                    self.api, namespace, name, self._errors.get(key, ()), drains=self.drains,
-                    port=self.policy.defaults.port, network_policies=self.policy.network.enabled,
+                    self.api,
+                    namespace,
+                    name,
+                    self._errors.get(key, ()),
+                    drains=self.drains,
+                    port=self.policy.defaults.port,
+                    network_policies=self.policy.network.enabled,
                 )
             except Exception as error:  # noqa: BLE001 - the API may be down: back off, never crash
                 log.warning("%s/%s: cannot read the deployment: %s", namespace, name, error)

@@ -93,9 +93,7 @@ def build_registry(
         )
 
     @kopf.daemon(*CR, id="reconcile", registry=registry, cancellation_polling=1.0)  # type: ignore[arg-type]  # kopf types handlers with every kwarg; ours take what they use
-    async def reconcile_loop(
-        namespace: str, name: str, stopped: kopf.DaemonStopped, memo: kopf.Memo, **_: Any
-    ) -> None:
+    async def reconcile_loop(namespace: str, name: str, stopped: kopf.DaemonStopped, memo: kopf.Memo, **_: Any) -> None:
         halt = asyncio.Event()
 
         async def relay() -> None:

@@ -20,9 +20,7 @@ def run(settings: OperatorSettings, stop_flag: threading.Event | asyncio.Event |
 
     Raises SettingsError (before touching the cluster) when no drain key is configured."""
     drain_key = settings.load_drain_key()
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.log_level != "debug":  # kopf logs every handler call of every object at INFO
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     if settings.insecure_ephemeral_drain_key and not (settings.drain_key_file or settings.drain_key):

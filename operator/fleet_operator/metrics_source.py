@@ -591,8 +591,9 @@ class ScrapeSource:
             return None
         return previous
 
-    def _summary(self, scrapes: list[tuple[ScrapeTarget, PodScrape]], failures: list[str], wanted: int,
-                 extra: str | None = None) -> tuple[float | None, bool, str | None]:
+    def _summary(
+        self, scrapes: list[tuple[ScrapeTarget, PodScrape]], failures: list[str], wanted: int, extra: str | None = None
+    ) -> tuple[float | None, bool, str | None]:
         observed_at = min((s.at for _, s in scrapes), default=None)
         stale = observed_at is None or self._clock() - observed_at > self.max_age_s
         notes = []

@@ -109,8 +109,9 @@ def argmax_tokens(body: Any, num_tokens: int) -> list[int | None]:
     which has no context). ValueError when malformed."""
     top = _logprobs(body).get("top_logprobs")
     if not isinstance(top, list) or len(top) < num_tokens:
-        raise ValueError(f"choices[0].logprobs.top_logprobs must list at least {num_tokens} positions (echo + "
-                         "logprobs=1)")
+        raise ValueError(
+            f"choices[0].logprobs.top_logprobs must list at least {num_tokens} positions (echo + logprobs=1)"
+        )
     best: list[int | None] = [None]
     for position, entry in enumerate(top[1:num_tokens], start=1):
         if not isinstance(entry, dict) or not entry:

@@ -64,8 +64,10 @@ class PeerSelector(BaseModel):
     def _labels(cls, value: dict[str, str] | None) -> dict[str, str] | None:
         wrong = [f"{k}={v}" for k, v in (value or {}).items() if not (_LABEL_KEY.match(k) and _LABEL_VALUE.match(v))]
         if wrong:
-            raise ValueError(f"not valid label selectors: {', '.join(wrong)} (use label keys and values, e.g. "
-                             "app.kubernetes.io/name=prometheus)")
+            raise ValueError(
+                f"not valid label selectors: {', '.join(wrong)} (use label keys and values, e.g. "
+                "app.kubernetes.io/name=prometheus)"
+            )
         return value
 
     def peer(self) -> Peer:
@@ -248,25 +250,31 @@ class OperatorSettings(BaseModel):
         """The drain-token key: read the file (or take the variable) now. Call once per process: without a key and
         with `insecure_ephemeral_drain_key`, every call makes a new random key. Raises SettingsError saying how to
         provide one."""
-        fix = ("put at least 32 random bytes in a file and set LLMFLEET_OPERATOR_DRAIN_KEY_FILE to it (the chart "
-               "does this from its Secret; e.g. `head -c 48 /dev/urandom | base64 > drain.key`)")
+        fix = (
+            "put at least 32 random bytes in a file and set LLMFLEET_OPERATOR_DRAIN_KEY_FILE to it (the chart "
+            "does this from its Secret; e.g. `head -c 48 /dev/urandom | base64 > drain.key`)"
+        )
         if self.drain_key_file and self.drain_key is not None:
-            raise SettingsError("both LLMFLEET_OPERATOR_DRAIN_KEY_FILE and LLMFLEET_OPERATOR_DRAIN_KEY are set: "
-                                "keep one")
+            raise SettingsError(
+                "both LLMFLEET_OPERATOR_DRAIN_KEY_FILE and LLMFLEET_OPERATOR_DRAIN_KEY are set: keep one"
+            )
         if self.drain_key_file:
             try:
                 key = Path(self.drain_key_file).read_bytes().strip()
             except OSError as error:
-                raise SettingsError(f"cannot read LLMFLEET_OPERATOR_DRAIN_KEY_FILE {self.drain_key_file}: "
-                                    f"{error.strerror}; {fix}") from None
+                raise SettingsError(
+                    f"cannot read LLMFLEET_OPERATOR_DRAIN_KEY_FILE {self.drain_key_file}: {error.strerror}; {fix}"
+                ) from None
             where = f"LLMFLEET_OPERATOR_DRAIN_KEY_FILE {self.drain_key_file}"
         elif self.drain_key is not None:
             key, where = self.drain_key.get_secret_value().strip().encode(), "LLMFLEET_OPERATOR_DRAIN_KEY"
         elif self.insecure_ephemeral_drain_key:
             return secrets.token_bytes(MIN_KEY_BYTES)
         else:
-            raise SettingsError(f"no drain key: {fix}; for development only, "
-                                "LLMFLEET_OPERATOR_INSECURE_EPHEMERAL_DRAIN_KEY=true uses a random key per process")
+            raise SettingsError(
+                f"no drain key: {fix}; for development only, "
+                "LLMFLEET_OPERATOR_INSECURE_EPHEMERAL_DRAIN_KEY=true uses a random key per process"
+            )
         if len(key) < MIN_KEY_BYTES:
             raise SettingsError(f"{where} holds {len(key)} bytes, fewer than {MIN_KEY_BYTES}; {fix}")
         return key
@@ -284,13 +292,21 @@ class OperatorSettings(BaseModel):
 
     def policy(self) -> Policy:
         if self.metrics_port and self.metrics_port == self.http_port:
-            raise SettingsError(f"LLMFLEET_OPERATOR_METRICS_PORT equals LLMFLEET_OPERATOR_HTTP_PORT "
-                                f"({self.http_port}): /metrics needs its own internal port; choose another, e.g. 8082")
+            raise SettingsError(
+                f"LLMFLEET_OPERATOR_METRICS_PORT equals LLMFLEET_OPERATOR_HTTP_PORT "
+                f"({self.http_port}): /metrics needs its own internal port; choose another, e.g. 8082"
+            )
         if self.max_surge == 0 and self.max_unavailable == 0:
-            raise SettingsError("max_surge and max_unavailable are both 0, so no pod could ever be replaced: "
-                                "set LLMFLEET_OPERATOR_MAX_SURGE=1")
-        return Policy(max_surge=self.max_surge, max_unavailable=self.max_unavailable, defaults=self.pod_defaults(),
-                      network=self.network_policy_settings())
+            raise SettingsError(
+                "max_surge and max_unavailable are both 0, so no pod could ever be replaced: "
+                "set LLMFLEET_OPERATOR_MAX_SURGE=1"
+            )
+        return Policy(
+            max_surge=self.max_surge,
+            max_unavailable=self.max_unavailable,
+            defaults=self.pod_defaults(),
+            network=self.network_policy_settings(),
+        )
 
     @classmethod
     def load(cls, env: Mapping[str, str], **flags: Any) -> OperatorSettings:
@@ -324,8 +340,10 @@ def _from_env(name: str, raw: str) -> Any:
         try:
             return json.loads(raw)
         except json.JSONDecodeError as error:
-            raise SettingsError(f"{ENV_PREFIX}{name.upper()} is not JSON ({error}); expected e.g. "
-                                '{"namespaceSelector": {}, "podSelector": {"app.kubernetes.io/name": "prometheus"}}') from None
+            raise SettingsError(
+                f"{ENV_PREFIX}{name.upper()} is not JSON ({error}); expected e.g. "
+                '{"namespaceSelector": {}, "podSelector": {"app.kubernetes.io/name": "prometheus"}}'
+            ) from None
     kind = _LIST_FIELDS.get(name)
     if kind == "comma":
         return [part for part in raw.split(",") if part.strip()]

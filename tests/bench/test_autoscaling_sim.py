@@ -46,8 +46,15 @@ def flat(rate: float, duration: float = 600.0) -> Trace:
 
 def run(trace: Trace, autoscaler: Autoscaler, replicas: int = 2, startup_s: float = 6.0):
     return simulate(
-        trace, autoscaler, profile=PROFILE, workload=WORKLOAD, startup_s=startup_s, slo_ttft_s=6.0,
-        initial_replicas=replicas, needed_utilization=0.75, seed=3,
+        trace,
+        autoscaler,
+        profile=PROFILE,
+        workload=WORKLOAD,
+        startup_s=startup_s,
+        slo_ttft_s=6.0,
+        initial_replicas=replicas,
+        needed_utilization=0.75,
+        seed=3,
     )
 
 
@@ -76,7 +83,9 @@ def test_simulation_is_deterministic() -> None:
     first = run(trace, LlmfleetAutoscaler(policy))
     second = run(trace, LlmfleetAutoscaler(policy))
     assert (first.slo_violation_s, first.replica_s, first.replicas_series) == (
-        second.slo_violation_s, second.replica_s, second.replicas_series
+        second.slo_violation_s,
+        second.replica_s,
+        second.replicas_series,
     )
     assert generate_requests(trace, WORKLOAD, 5)[0] == generate_requests(trace, WORKLOAD, 5)[0]
 
@@ -90,8 +99,16 @@ def test_our_policy_reacts_within_a_few_ticks_of_a_step() -> None:
 
 def _view(now: float, desired: int, running: int, ready: int = 2) -> FleetView:
     pods = tuple(SimpleNamespace(running=running / ready, waiting=[]) for _ in range(ready))
-    return FleetView(now=now, desired=desired, ready=pods, starting_since=(), draining=0, gateway_queued=0,
-                     ttft_p95_60s=None, kv_total_60s=None)
+    return FleetView(
+        now=now,
+        desired=desired,
+        ready=pods,
+        starting_since=(),
+        draining=0,
+        gateway_queued=0,
+        ttft_p95_60s=None,
+        kv_total_60s=None,
+    )
 
 
 def test_keda_waits_for_its_scale_up_stabilisation_then_doubles() -> None:
@@ -134,8 +151,16 @@ def test_kubeai_averages_ten_minutes_and_needs_consecutive_lower_results() -> No
     # The 60-sample average of 40 in-flight falls to 30 (3 replicas' worth) after 15 idle samples; then three
     # consecutive lower results (30 s / 10 s) are needed before the fourth scales down.
     assert dropped_at == 15 + 3
-    no_endpoints = FleetView(now=500.0, desired=3, ready=(), starting_since=(), draining=0, gateway_queued=5,
-                             ttft_p95_60s=None, kv_total_60s=None)
+    no_endpoints = FleetView(
+        now=500.0,
+        desired=3,
+        ready=(),
+        starting_since=(),
+        draining=0,
+        gateway_queued=5,
+        ttft_p95_60s=None,
+        kv_total_60s=None,
+    )
     assert kubeai.evaluate(no_endpoints) == 3  # "No ready endpoints found for model, skipping"
 
 

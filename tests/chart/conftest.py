@@ -41,8 +41,12 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     },
     "watch-namespaces": {"watchNamespaces": ["team-a", "team-b"], "gateway": {"enabled": False}},
     "custom-gateway": {
-        "gateway": {"apiKeys": {"existingSecret": "team-keys"}, "metricsPort": 9191, "replicaCount": 1,
-                    "config": {"max_attempts": 2}},
+        "gateway": {
+            "apiKeys": {"existingSecret": "team-keys"},
+            "metricsPort": 9191,
+            "replicaCount": 1,
+            "config": {"max_attempts": 2},
+        },
         "operator": {"alerts": {"existingSecret": "my-alerts-token", "secretKey": "bearer"}},
     },
 }

@@ -312,8 +312,12 @@ def test_operator_gauges_are_not_summed_over_operator_replicas(dashboard):
     """With peering only the working replica exports the CR-derived gauges (a standby drops them), but for a moment
     around a handover two may: `max` never counts a fleet twice. Counters (`..._total`) are per replica and add up."""
     for _, expr in _dashboard_queries(dashboard):
-        for gauge in ("llmfleet_operator_replicas", "llmfleet_operator_ready_replicas",
-                      "llmfleet_operator_desired_replicas", "llmfleet_operator_canary_weight"):
+        for gauge in (
+            "llmfleet_operator_replicas",
+            "llmfleet_operator_ready_replicas",
+            "llmfleet_operator_desired_replicas",
+            "llmfleet_operator_canary_weight",
+        ):
             if f"{gauge}{{" in expr:
                 assert not expr.startswith("sum"), expr
 

@@ -34,8 +34,9 @@ def test_the_drain_key_is_a_generated_secret_mounted_as_a_file(rendered_sets):
     (mount,) = [m for m in container["volumeMounts"] if m["name"] == "drain-key"]
     assert mount == {"name": "drain-key", "mountPath": KEY_DIR, "readOnly": True}
     assert _env(container)["LLMFLEET_OPERATOR_DRAIN_KEY_FILE"] == f"{KEY_DIR}/key"
-    assert not any("secretKeyRef" in (e.get("valueFrom") or {}) and "drain" in e["name"].lower()
-                   for e in container["env"])
+    assert not any(
+        "secretKeyRef" in (e.get("valueFrom") or {}) and "drain" in e["name"].lower() for e in container["env"]
+    )
 
 
 def test_an_existing_drain_key_secret_is_mounted_not_rendered(render):
@@ -50,8 +51,9 @@ def test_an_existing_drain_key_secret_is_mounted_not_rendered(render):
 def test_network_policy_peers_are_this_releases_pods_and_the_scraper(rendered_sets):
     _pod, container = _operator(rendered_sets["defaults"])
     env = _env(container)
-    settings = OperatorSettings.load({k: v for k, v in env.items() if k.startswith("LLMFLEET_OPERATOR_")
-                                      and v is not None})
+    settings = OperatorSettings.load(
+        {k: v for k, v in env.items() if k.startswith("LLMFLEET_OPERATOR_") and v is not None}
+    )
     network = settings.policy().network
     assert network.enabled
     gateway, operator, scraper = network.peers
@@ -72,8 +74,12 @@ def test_network_policy_can_be_turned_off_and_the_scraper_chosen(render):
     assert "LLMFLEET_OPERATOR_NETWORK_POLICY_GATEWAY" not in off
     assert OperatorSettings.load({"LLMFLEET_OPERATOR_NETWORK_POLICY": "false"}).policy().network.enabled is False
     # values merge into the default selector: null removes the default label
-    scraper = {"namespaceSelector": {"kubernetes.io/metadata.name": "monitoring"},
-               "podSelector": {"app": "vmagent", "app.kubernetes.io/name": None}}
+    scraper = {
+        "namespaceSelector": {"kubernetes.io/metadata.name": "monitoring"},
+        "podSelector": {"app": "vmagent", "app.kubernetes.io/name": None},
+    }
     env = _env(_operator(render({"networkPolicy": {"enabled": True, "scraper": scraper}}))[1])
     assert json.loads(env["LLMFLEET_OPERATOR_NETWORK_POLICY_SCRAPER"]) == {
-        "namespaceSelector": {"kubernetes.io/metadata.name": "monitoring"}, "podSelector": {"app": "vmagent"}}
+        "namespaceSelector": {"kubernetes.io/metadata.name": "monitoring"},
+        "podSelector": {"app": "vmagent"},
+    }

@@ -178,4 +178,6 @@ def test_operator_has_no_secret_rule_at_all(rendered_sets, set_name, namespace):
 def test_network_policy_rights_follow_network_policy_enabled(render, cluster_wide):
     rendered = render({"networkPolicy": {"enabled": False}, "rbac": {"clusterWide": cluster_wide}})
     rules = rules_for(rendered, OPERATOR_SA, None if cluster_wide else "llm")
-    assert rules and not any(allows(rules, "networking.k8s.io", "networkpolicies", v) for v in ("get", "create", "patch"))
+    assert rules and not any(
+        allows(rules, "networking.k8s.io", "networkpolicies", v) for v in ("get", "create", "patch")
+    )

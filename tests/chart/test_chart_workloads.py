@@ -219,9 +219,7 @@ def test_services_select_their_pods_and_target_named_ports(value_set, rendered_s
     deployments = rendered.of_kind("Deployment")
     for service in rendered.of_kind("Service"):
         selector = service["spec"]["selector"]
-        matching = [
-            d for d in deployments if selector.items() <= d["spec"]["template"]["metadata"]["labels"].items()
-        ]
+        matching = [d for d in deployments if selector.items() <= d["spec"]["template"]["metadata"]["labels"].items()]
         assert len(matching) == 1, f"Service {service['metadata']['name']} selects {len(matching)} Deployments"
         ports = {p["name"] for c in matching[0]["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
         for port in service["spec"]["ports"]:

@@ -72,15 +72,20 @@ def test_quantile_lies_within_the_bucket_range_and_grows_with_q(counts: list[int
 DELTAS = [
     ("plain increase", {0.1: 5.0, INF: 8.0}, {0.1: 7.0, INF: 12.0}, {0.1: 2.0, INF: 4.0}),
     ("no previous scrape: nothing measured", None, {0.1: 7.0, INF: 12.0}, {0.1: 0.0, INF: 0.0}),
-    ("reset (process restarted): current counts are the increase", {0.1: 50.0, INF: 80.0}, {0.1: 3.0, INF: 4.0},
-     {0.1: 3.0, INF: 4.0}),
+    (
+        "reset (process restarted): current counts are the increase",
+        {0.1: 50.0, INF: 80.0},
+        {0.1: 3.0, INF: 4.0},
+        {0.1: 3.0, INF: 4.0},
+    ),
     ("new bucket counts from zero", {INF: 8.0}, {0.1: 1.0, INF: 9.0}, {0.1: 1.0, INF: 1.0}),
 ]
 
 
 @pytest.mark.parametrize(("previous", "current", "expected"), [pytest.param(*c[1:], id=c[0]) for c in DELTAS])
-def test_bucket_deltas(previous: dict[float, float] | None, current: dict[float, float],
-                       expected: dict[float, float]) -> None:
+def test_bucket_deltas(
+    previous: dict[float, float] | None, current: dict[float, float], expected: dict[float, float]
+) -> None:
     assert bucket_deltas(previous, current) == expected
 
 

@@ -195,17 +195,34 @@ CASES = [
         sample(ready=6, kv_cache_utilization=0.3),
         policy=policy(scale_down_stabilization_seconds=0),
     ),
-    Case("scale up ignores the window", 4, 6, sample(ready=4, kv_cache_utilization=0.9),
-         state=AutoscalingState(window=window((300, 2), (100, 2)))),
+    Case(
+        "scale up ignores the window",
+        4,
+        6,
+        sample(ready=4, kv_cache_utilization=0.9),
+        state=AutoscalingState(window=window((300, 2), (100, 2))),
+    ),
     # --- bounds
-    Case("min bound", 3, 2, sample(ready=3, kv_cache_utilization=0.0), policy=policy(min_replicas=2),
-         state=AutoscalingState(window=window((200, 1))), reason_has=("minReplicas 2",)),
+    Case(
+        "min bound",
+        3,
+        2,
+        sample(ready=3, kv_cache_utilization=0.0),
+        policy=policy(min_replicas=2),
+        state=AutoscalingState(window=window((200, 1))),
+        reason_has=("minReplicas 2",),
+    ),
     Case("max bound", 4, 20, sample(ready=4, queue_depth_per_replica=30.0), reason_has=("maxReplicas 20",)),
     Case("lowered max applies at once", 12, 10, None, policy=policy(max_replicas=10)),
     Case("raised min scales up", 2, 5, None, policy=policy(min_replicas=5)),
     Case("a new variant starts at min", 0, 2, None, policy=policy(min_replicas=2), reason_has=("minReplicas 2",)),
-    Case("no load keeps one pod", 2, 1, sample(kv_cache_utilization=0.0, running_requests=0.0),
-         state=AutoscalingState(window=window((300, 1)))),
+    Case(
+        "no load keeps one pod",
+        2,
+        1,
+        sample(kv_cache_utilization=0.0, running_requests=0.0),
+        state=AutoscalingState(window=window((300, 1))),
+    ),
     # --- missing or stale data never scales down
     Case("no metrics holds", 5, 5, None, state=AutoscalingState(window=window((200, 1))), reason_has=("no metrics",)),
     Case(
@@ -216,8 +233,13 @@ CASES = [
         state=AutoscalingState(window=window((200, 1))),
         reason_has=("metrics stale (61s old)",),
     ),
-    Case("fresh enough", 5, 1, sample(ready=5, age=59, kv_cache_utilization=0.0),
-         state=AutoscalingState(window=window((200, 1)))),
+    Case(
+        "fresh enough",
+        5,
+        1,
+        sample(ready=5, age=59, kv_cache_utilization=0.0),
+        state=AutoscalingState(window=window((200, 1))),
+    ),
     Case("no ready pod reporting", 3, 3, sample(ready=0), reason_has=("no ready pod",)),
     Case("metrics without configured signals", 3, 3, sample(ready=3, ttft_p95_seconds=9.0)),
     # --- alert intents raise the floor while they live
@@ -226,8 +248,9 @@ CASES = [
         3,
         6,
         sample(ready=3, kv_cache_utilization=0.6),
-        state=AutoscalingState(alerts=(AlertIntent(name="TTFTBurn", received_at=NOW - 5, expires_at=NOW + 60,
-                                                   min_replicas=6),)),
+        state=AutoscalingState(
+            alerts=(AlertIntent(name="TTFTBurn", received_at=NOW - 5, expires_at=NOW + 60, min_replicas=6),)
+        ),
         reason_has=("alert TTFTBurn holds at least 6 for 60s more",),
     ),
     Case(
@@ -235,16 +258,18 @@ CASES = [
         3,
         3,
         sample(ready=3, kv_cache_utilization=0.6),
-        state=AutoscalingState(alerts=(AlertIntent(name="TTFTBurn", received_at=NOW - 400, expires_at=NOW - 1,
-                                                   min_replicas=6),)),
+        state=AutoscalingState(
+            alerts=(AlertIntent(name="TTFTBurn", received_at=NOW - 400, expires_at=NOW - 1, min_replicas=6),)
+        ),
     ),
     Case(
         "alert with stale metrics",
         3,
         5,
         None,
-        state=AutoscalingState(alerts=(AlertIntent(name="QueueHigh", received_at=NOW, expires_at=NOW + 60,
-                                                   min_replicas=5),)),
+        state=AutoscalingState(
+            alerts=(AlertIntent(name="QueueHigh", received_at=NOW, expires_at=NOW + 60, min_replicas=5),)
+        ),
     ),
     Case(
         "alert bounded by max",
@@ -252,8 +277,9 @@ CASES = [
         4,
         None,
         policy=policy(max_replicas=4),
-        state=AutoscalingState(alerts=(AlertIntent(name="QueueHigh", received_at=NOW, expires_at=NOW + 60,
-                                                   min_replicas=9),)),
+        state=AutoscalingState(
+            alerts=(AlertIntent(name="QueueHigh", received_at=NOW, expires_at=NOW + 60, min_replicas=9),)
+        ),
     ),
 ]
 
@@ -299,8 +325,14 @@ IDLE = {"running_requests": 0.0, "waiting_requests": 0.0, "kv_cache_utilization"
         ("idle without gateway data", 1, sample(ready=1, **IDLE), None, 301, 0),
         ("idle not long enough", 1, sample(ready=1, **IDLE), None, 100, 1),
         ("running request", 1, sample(ready=1, **{**IDLE, "running_requests": 1.0}), None, 301, 1),
-        ("gateway holds requests", 1, sample(ready=1, **IDLE), GatewaySample(observed_at=NOW, queued_requests=2), 301,
-         1),
+        (
+            "gateway holds requests",
+            1,
+            sample(ready=1, **IDLE),
+            GatewaySample(observed_at=NOW, queued_requests=2),
+            301,
+            1,
+        ),
         ("stale metrics are not idleness", 1, sample(ready=1, age=120, **IDLE), None, 301, 1),
         ("no metrics are not idleness", 1, None, None, 301, 1),
         ("idle with several pods", 3, sample(ready=3, **IDLE), None, 400, 0),
@@ -312,7 +344,11 @@ IDLE = {"running_requests": 0.0, "waiting_requests": 0.0, "kv_cache_utilization"
     ],
 )
 def test_scale_to_zero_and_wake(
-    name: str, current: int, metrics: MetricsSample | None, gateway: GatewaySample | None, last_active_ago: float,
+    name: str,
+    current: int,
+    metrics: MetricsSample | None,
+    gateway: GatewaySample | None,
+    last_active_ago: float,
     desired: int,
 ) -> None:
     zero = ZERO.model_copy(update={"scale_up_max_step": 4})
@@ -330,11 +366,18 @@ def test_scale_to_zero_and_wake(
 
 def test_idle_clock_restarts_on_traffic_and_on_missing_data() -> None:
     state = AutoscalingState(last_active_at=NOW - 200)
-    idle = decide(ZERO, now=NOW, current_replicas=1, pods=PodCounts(ready=1), metrics=sample(ready=1, **IDLE),
-                  state=state)
+    idle = decide(
+        ZERO, now=NOW, current_replicas=1, pods=PodCounts(ready=1), metrics=sample(ready=1, **IDLE), state=state
+    )
     assert idle.state.last_active_at == NOW - 200 and not idle.traffic_seen
-    busy = decide(ZERO, now=NOW, current_replicas=1, pods=PodCounts(ready=1),
-                  metrics=sample(ready=1, **{**IDLE, "waiting_requests": 1.0}), state=state)
+    busy = decide(
+        ZERO,
+        now=NOW,
+        current_replicas=1,
+        pods=PodCounts(ready=1),
+        metrics=sample(ready=1, **{**IDLE, "waiting_requests": 1.0}),
+        state=state,
+    )
     assert busy.state.last_active_at == NOW and busy.traffic_seen
     unknown = decide(ZERO, now=NOW, current_replicas=1, pods=PodCounts(ready=1), metrics=None, state=state)
     assert unknown.state.last_active_at == NOW
@@ -371,9 +414,20 @@ def test_stabilisation_window_survives_a_restart() -> None:
     for tick in range(0, 200, 10):
         total_kv = 1.8 if tick < 30 else 0.6  # three pods' worth of load at target 0.6, then one
         kv = total_kv / current
-        decision = decide(p, now=NOW + tick, current_replicas=current, pods=PodCounts(ready=current),
-                          metrics=MetricsSample(observed_at=NOW + tick, ready_pods=current, kv_cache_utilization=kv,
-                                                running_requests=1, waiting_requests=0), state=state)
+        decision = decide(
+            p,
+            now=NOW + tick,
+            current_replicas=current,
+            pods=PodCounts(ready=current),
+            metrics=MetricsSample(
+                observed_at=NOW + tick,
+                ready_pods=current,
+                kv_cache_utilization=kv,
+                running_requests=1,
+                waiting_requests=0,
+            ),
+            state=state,
+        )
         restarted = AutoscalingState.model_validate_json(decision.state.model_dump_json())
         assert restarted == decision.state
         state, current = restarted, decision.desired_replicas
@@ -434,8 +488,9 @@ def test_repeated_alert_extends_without_stacking_and_resolves() -> None:
 def test_expired_alerts_are_dropped_from_state() -> None:
     live = AlertIntent(name="a", received_at=NOW - 10, expires_at=NOW + 10, min_replicas=2)
     dead = AlertIntent(name="b", received_at=NOW - 100, expires_at=NOW - 1, min_replicas=2)
-    decision = decide(policy(), now=NOW, current_replicas=2, pods=PodCounts(ready=2),
-                      state=AutoscalingState(alerts=(live, dead)))
+    decision = decide(
+        policy(), now=NOW, current_replicas=2, pods=PodCounts(ready=2), state=AutoscalingState(alerts=(live, dead))
+    )
     assert decision.state.alerts == (live,)
 
 
@@ -458,18 +513,37 @@ optional_float = st.one_of(st.none(), st.floats(min_value=0, max_value=50, allow
     age=st.floats(min_value=0, max_value=200),
     step=st.one_of(st.none(), st.integers(min_value=1, max_value=5)),
     max_replicas=st.integers(min_value=1, max_value=25),
-    records=st.lists(st.tuples(st.floats(min_value=0, max_value=400), st.integers(min_value=0, max_value=30)),
-                     max_size=6),
+    records=st.lists(
+        st.tuples(st.floats(min_value=0, max_value=400), st.integers(min_value=0, max_value=30)), max_size=6
+    ),
 )
 def test_invariants(
-    current: int, ready: int, queue: float | None, kv: float | None, age: float, step: int | None,
-    max_replicas: int, records: list[tuple[float, int]],
+    current: int,
+    ready: int,
+    queue: float | None,
+    kv: float | None,
+    age: float,
+    step: int | None,
+    max_replicas: int,
+    records: list[tuple[float, int]],
 ) -> None:
     p = policy(max_replicas=max_replicas, scale_up_max_step=step)
-    metrics = MetricsSample(observed_at=NOW - age, ready_pods=ready, queue_depth_per_replica=queue,
-                            kv_cache_utilization=kv, running_requests=1, waiting_requests=0)
-    decision = decide(p, now=NOW, current_replicas=current, pods=PodCounts(ready=ready), metrics=metrics,
-                      state=AutoscalingState(window=window(*records)))
+    metrics = MetricsSample(
+        observed_at=NOW - age,
+        ready_pods=ready,
+        queue_depth_per_replica=queue,
+        kv_cache_utilization=kv,
+        running_requests=1,
+        waiting_requests=0,
+    )
+    decision = decide(
+        p,
+        now=NOW,
+        current_replicas=current,
+        pods=PodCounts(ready=ready),
+        metrics=metrics,
+        state=AutoscalingState(window=window(*records)),
+    )
     desired = decision.desired_replicas
     assert 0 <= desired <= max_replicas
     if current > 0:

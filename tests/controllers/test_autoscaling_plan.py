@@ -80,11 +80,28 @@ def test_only_pods_the_deployment_controls_count():
 # -------------------------------------------------------------------------------------------------- alerts
 
 
-def intent(alert: str = "QueueHigh", *, deployment: str = NAME, namespace: str | None = NS,
-           variant: str | None = None, firing: bool = True, step: int = 2, at: float = T0) -> ScaleIntent:
-    return ScaleIntent(deployment=deployment, namespace=namespace, variant=variant, alert=alert,
-                       fingerprint="fp-" + alert, firing=firing, step=step, received_at=at, expires_at=at + 300,
-                       reason="summary of " + alert)
+def intent(
+    alert: str = "QueueHigh",
+    *,
+    deployment: str = NAME,
+    namespace: str | None = NS,
+    variant: str | None = None,
+    firing: bool = True,
+    step: int = 2,
+    at: float = T0,
+) -> ScaleIntent:
+    return ScaleIntent(
+        deployment=deployment,
+        namespace=namespace,
+        variant=variant,
+        alert=alert,
+        fingerprint="fp-" + alert,
+        firing=firing,
+        step=step,
+        received_at=at,
+        expires_at=at + 300,
+        reason="summary of " + alert,
+    )
 
 
 @pytest.mark.parametrize(
@@ -132,32 +149,49 @@ def test_collapse_runs_keeps_the_first_record_of_each_run(replicas, kept):
 SPEC = {
     "model": {"name": "m", "source": "bundled://smollm2-135m-instruct"},
     "variants": [
-        {"name": "default", "autoscaling": {"minReplicas": 1, "maxReplicas": 6,
-                                            "targets": {"queueDepthPerReplica": 2},
-                                            "scaleDownStabilizationSeconds": 30}},
+        {
+            "name": "default",
+            "autoscaling": {
+                "minReplicas": 1,
+                "maxReplicas": 6,
+                "targets": {"queueDepthPerReplica": 2},
+                "scaleDownStabilizationSeconds": 30,
+            },
+        },
         {"name": "fixed", "replicas": 2},
     ],
 }
 
 
 def _metrics(queue: float, ready: int = 1, at: float = T0) -> MetricsSample:
-    return MetricsSample(observed_at=at, ready_pods=ready, queue_depth_per_replica=queue,
-                         running_requests=float(ready), waiting_requests=queue * ready)
+    return MetricsSample(
+        observed_at=at,
+        ready_pods=ready,
+        queue_depth_per_replica=queue,
+        running_requests=float(ready),
+        waiting_requests=queue * ready,
+    )
 
 
 def _ready(n: int) -> PodCounts:
     return PodCounts(ready=n, ready_since=tuple(T0 - 600 for _ in range(n)))
 
 
-def _evaluate(status: AutoscalingStatus, inputs: dict[str, VariantInputs], *, now: float = T0, spec=SPEC,
-              intents=()) -> list:
-    return list(evaluate_variants(parse_spec(spec), status, inputs, namespace=NS, deployment=NAME, now=now,
-                                  intents=intents).outcomes)
+def _evaluate(
+    status: AutoscalingStatus, inputs: dict[str, VariantInputs], *, now: float = T0, spec=SPEC, intents=()
+) -> list:
+    return list(
+        evaluate_variants(
+            parse_spec(spec), status, inputs, namespace=NS, deployment=NAME, now=now, intents=intents
+        ).outcomes
+    )
 
 
 def test_only_autoscaled_variants_with_inputs_are_decided_from_the_initial_size():
-    (outcome,) = _evaluate(AutoscalingStatus(), {"default": VariantInputs(_ready(1), _metrics(8)),
-                                                 "fixed": VariantInputs(_ready(2), _metrics(8))})
+    (outcome,) = _evaluate(
+        AutoscalingStatus(),
+        {"default": VariantInputs(_ready(1), _metrics(8)), "fixed": VariantInputs(_ready(2), _metrics(8))},
+    )
     assert outcome.variant == "default" and outcome.trigger == DecisionTrigger.TIMER
     assert (outcome.decision.current_replicas, outcome.decision.desired_replicas) == (1, 4)
     assert outcome.entry.desired_replicas == 4 and outcome.entry.last_decisions[-1].inputs.queue_depth_per_replica == 8
@@ -172,16 +206,27 @@ def test_missing_metrics_hold_the_size():
 
 
 def test_a_firing_alert_adds_a_bounded_expiring_floor_and_a_resolved_one_removes_it():
-    (outcome,) = _evaluate(AutoscalingStatus(), {"default": VariantInputs(_ready(1), _metrics(0))},
-                           intents=[intent(step=2), intent("Other", deployment="x")])
+    (outcome,) = _evaluate(
+        AutoscalingStatus(),
+        {"default": VariantInputs(_ready(1), _metrics(0))},
+        intents=[intent(step=2), intent("Other", deployment="x")],
+    )
     assert outcome.trigger == DecisionTrigger.ALERT and outcome.decision.desired_replicas == 3
     (stored,) = outcome.entry.alert_intents
     assert (stored.alert, stored.replicas, stored.fingerprint, stored.reason) == (
-        "QueueHigh", 3, "fp-QueueHigh", "summary of QueueHigh")
+        "QueueHigh",
+        3,
+        "fp-QueueHigh",
+        "summary of QueueHigh",
+    )
     assert stored.expires_at.timestamp() == T0 + 300
     status = AutoscalingStatus(variants=[outcome.entry])
-    (later,) = _evaluate(status, {"default": VariantInputs(_ready(3), _metrics(0, 3))}, now=T0 + 10,
-                         intents=[intent(firing=False, at=T0 + 10)])
+    (later,) = _evaluate(
+        status,
+        {"default": VariantInputs(_ready(3), _metrics(0, 3))},
+        now=T0 + 10,
+        intents=[intent(firing=False, at=T0 + 10)],
+    )
     assert later.entry.alert_intents == [] and later.trigger == DecisionTrigger.ALERT
     assert later.decision.desired_replicas == 3  # scale-down still waits for the stabilisation window
 
@@ -229,8 +274,19 @@ def test_patch_keeps_undecided_entries_drops_unscaled_variants_and_is_none_when_
         {"variants": [{"name": "default", "desiredReplicas": 2}, {"name": "fixed", "desiredReplicas": 5}]}
     )
     patch = autoscaling_patch(spec, previous, [])
-    assert patch == {"autoscaling": {"variants": [{"name": "default", "desiredReplicas": 2, "lastDecisions": [],
-                                                   "recommendations": [], "alertIntents": []}]}}
+    assert patch == {
+        "autoscaling": {
+            "variants": [
+                {
+                    "name": "default",
+                    "desiredReplicas": 2,
+                    "lastDecisions": [],
+                    "recommendations": [],
+                    "alertIntents": [],
+                }
+            ]
+        }
+    }
     kept = AutoscalingStatus.model_validate(patch["autoscaling"])
     assert autoscaling_patch(spec, kept, []) is None
     (outcome,) = _evaluate(kept, {"default": VariantInputs(_ready(2), _metrics(8, 2))})
@@ -256,8 +312,10 @@ def test_wants_autoscaling(body, wanted):
 @pytest.mark.parametrize(
     ("status", "expected"),
     [
-        ({"autoscaling": {"variants": [{"name": "a", "desiredReplicas": 0}, {"name": "b", "desiredReplicas": 2}]}},
-         ["a"]),
+        (
+            {"autoscaling": {"variants": [{"name": "a", "desiredReplicas": 0}, {"name": "b", "desiredReplicas": 2}]}},
+            ["a"],
+        ),
         ({"autoscaling": {"variants": [{"name": "a", "desiredReplicas": 1}]}}, []),
         ({"autoscaling": {"variants": [{"name": "a"}]}}, []),  # not decided yet: not at zero
         ({}, []),

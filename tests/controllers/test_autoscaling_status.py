@@ -59,7 +59,11 @@ def _decision_with_everything():
         window=(RecommendationRecord(time=NOW - 30, replicas=3),), alerts=(alert,), last_active_at=NOW - 50
     )
     metrics = MetricsSample(
-        observed_at=NOW, ready_pods=2, queue_depth_per_replica=3.5, kv_cache_utilization=0.4, running_requests=3,
+        observed_at=NOW,
+        ready_pods=2,
+        queue_depth_per_replica=3.5,
+        kv_cache_utilization=0.4,
+        running_requests=3,
         waiting_requests=7,
     )
     pods = PodCounts(ready=2, starting_since=(NOW - 3,))
@@ -72,8 +76,12 @@ def test_status_entry_records_the_decision() -> None:
         name="fp8",
         alert_intents=[
             AlertIntentStatus(
-                alert="QueueHigh", fingerprint="abc", replicas=4, received_at=datetime.fromtimestamp(NOW - 5, UTC),
-                expires_at=datetime.fromtimestamp(NOW + 100, UTC), reason="queue above 8 for 1m",
+                alert="QueueHigh",
+                fingerprint="abc",
+                replicas=4,
+                received_at=datetime.fromtimestamp(NOW - 5, UTC),
+                expires_at=datetime.fromtimestamp(NOW + 100, UTC),
+                reason="queue above 8 for 1m",
             )
         ],
     )
@@ -83,21 +91,28 @@ def test_status_entry_records_the_decision() -> None:
     assert entry.idle_since is None  # traffic was seen
     (record,) = entry.last_decisions
     assert (record.trigger, record.current_replicas, record.ready_replicas, record.starting_replicas) == (
-        DecisionTrigger.ALERT, 3, 2, 1
+        DecisionTrigger.ALERT,
+        3,
+        2,
+        1,
     )
     assert (record.inputs.queue_depth_per_replica, record.inputs.kv_cache_utilization) == (3.5, 0.4)
     assert record.reason == decision.reason
     (intent,) = entry.alert_intents
     assert (intent.alert, intent.fingerprint, intent.replicas, intent.reason) == (
-        "QueueHigh", "abc", 4, "queue above 8 for 1m"
+        "QueueHigh",
+        "abc",
+        4,
+        "queue above 8 for 1m",
     )
     # What the status holds is valid CR status (the API server gets it through this model).
     InferenceDeploymentStatus.model_validate({"autoscaling": {"variants": [entry.model_dump(by_alias=True)]}})
 
 
 def test_new_alert_details_are_recorded() -> None:
-    entry = variant_status(_decision_with_everything(), None, name="fp8",
-                           alert_details={"QueueHigh": ("f00", "queue above 8")})
+    entry = variant_status(
+        _decision_with_everything(), None, name="fp8", alert_details={"QueueHigh": ("f00", "queue above 8")}
+    )
     (intent,) = entry.alert_intents
     assert (intent.fingerprint, intent.reason, intent.replicas) == ("f00", "queue above 8", 4)
     plain = variant_status(_decision_with_everything(), None, name="fp8")
@@ -116,19 +131,23 @@ def test_state_survives_the_status_round_trip() -> None:
 
 def test_idle_since_round_trip_drives_scale_to_zero() -> None:
     spec = AutoscalingSpec(
-        min_replicas=0, max_replicas=3, scale_to_zero_after_seconds=60,
+        min_replicas=0,
+        max_replicas=3,
+        scale_to_zero_after_seconds=60,
         targets=AutoscalingTargets(queue_depth_per_replica=2),
     )
     policy = policy_from_spec(spec)
-    idle = MetricsSample(observed_at=NOW, ready_pods=1, queue_depth_per_replica=0, running_requests=0,
-                         waiting_requests=0)
+    idle = MetricsSample(
+        observed_at=NOW, ready_pods=1, queue_depth_per_replica=0, running_requests=0, waiting_requests=0
+    )
     entry = None
     desired = []
     for tick in range(0, 80, 10):
         state = state_from_status(entry)
         metrics = idle.model_copy(update={"observed_at": NOW + tick})
-        decision = decide(policy, now=NOW + tick, current_replicas=1, pods=PodCounts(ready=1), metrics=metrics,
-                          state=state)
+        decision = decide(
+            policy, now=NOW + tick, current_replicas=1, pods=PodCounts(ready=1), metrics=metrics, state=state
+        )
         entry = variant_status(decision, entry, name="v")
         desired.append(decision.desired_replicas)
         assert entry.idle_since == datetime.fromtimestamp(NOW, UTC)

@@ -22,24 +22,59 @@ def _triple(health):
 @pytest.mark.parametrize(
     ("health", "expected"),
     [
-        (Health(summary="a 2/2 ready"), [("Ready", "True", "Current"), ("Reconciling", "False", "Reconciled"),
-                                         ("Stalled", "False", "NotStalled")]),
-        (Health(scaled_to_zero=True), [("Ready", "True", "ScaledToZero"), ("Reconciling", "False", "Reconciled"),
-                                       ("Stalled", "False", "NotStalled")]),
-        (Health(moving=[(Reason.CANARY_PROGRESSING, "step 1/2"), (Reason.SCALING_UP, "a: up")]),
-         [("Ready", "False", "CanaryProgressing"), ("Reconciling", "True", "CanaryProgressing"),
-          ("Stalled", "False", "NotStalled")]),
-        (Health(serving=False), [("Ready", "False", "ReplicasUnavailable"), ("Reconciling", "False", "Reconciled"),
-                                 ("Stalled", "False", "NotStalled")]),
-        (Health(trouble=(Reason.API_ERROR, "boom")), [("Ready", "False", "ApiError"),
-                                                ("Reconciling", "False", "Reconciled"),
-                                                ("Stalled", "False", "NotStalled")]),
+        (
+            Health(summary="a 2/2 ready"),
+            [("Ready", "True", "Current"), ("Reconciling", "False", "Reconciled"), ("Stalled", "False", "NotStalled")],
+        ),
+        (
+            Health(scaled_to_zero=True),
+            [
+                ("Ready", "True", "ScaledToZero"),
+                ("Reconciling", "False", "Reconciled"),
+                ("Stalled", "False", "NotStalled"),
+            ],
+        ),
+        (
+            Health(moving=[(Reason.CANARY_PROGRESSING, "step 1/2"), (Reason.SCALING_UP, "a: up")]),
+            [
+                ("Ready", "False", "CanaryProgressing"),
+                ("Reconciling", "True", "CanaryProgressing"),
+                ("Stalled", "False", "NotStalled"),
+            ],
+        ),
+        (
+            Health(serving=False),
+            [
+                ("Ready", "False", "ReplicasUnavailable"),
+                ("Reconciling", "False", "Reconciled"),
+                ("Stalled", "False", "NotStalled"),
+            ],
+        ),
+        (
+            Health(trouble=(Reason.API_ERROR, "boom")),
+            [
+                ("Ready", "False", "ApiError"),
+                ("Reconciling", "False", "Reconciled"),
+                ("Stalled", "False", "NotStalled"),
+            ],
+        ),
         # Stalled wins over moving: kstatus reads Reconciling first, so both true would hide the failure.
-        (Health(stalled=[(Reason.CANARY_ROLLED_BACK, "fix it")], moving=[(Reason.DRAINING, "d")]),
-         [("Ready", "False", "CanaryRolledBack"), ("Reconciling", "False", "Stalled"),
-          ("Stalled", "True", "CanaryRolledBack")]),
-        (Health(stalled=[(Reason.INVALID_SPEC, "x"), (Reason.PODS_CANNOT_START, "y")]),
-         [("Ready", "False", "InvalidSpec"), ("Reconciling", "False", "Stalled"), ("Stalled", "True", "InvalidSpec")]),
+        (
+            Health(stalled=[(Reason.CANARY_ROLLED_BACK, "fix it")], moving=[(Reason.DRAINING, "d")]),
+            [
+                ("Ready", "False", "CanaryRolledBack"),
+                ("Reconciling", "False", "Stalled"),
+                ("Stalled", "True", "CanaryRolledBack"),
+            ],
+        ),
+        (
+            Health(stalled=[(Reason.INVALID_SPEC, "x"), (Reason.PODS_CANNOT_START, "y")]),
+            [
+                ("Ready", "False", "InvalidSpec"),
+                ("Reconciling", "False", "Stalled"),
+                ("Stalled", "True", "InvalidSpec"),
+            ],
+        ),
     ],
 )
 def test_kstatus_rules(health, expected):

@@ -34,15 +34,27 @@ def _marked(kit, *, since_s: float = 5, timeout_s: float = 30, ip: str | None = 
 @pytest.mark.parametrize(
     ("pod", "probe", "expected", "needle"),
     [
-        ({"since_s": 3.2}, DrainProbe(ProbeState.ANSWERED, draining=True, in_flight=0), DeletePod,
-         "drained: 0 in flight after 3.2 s"),
-        ({}, DrainProbe(ProbeState.ANSWERED, draining=False, in_flight=0), DeletePod,
-         "not drained: 0 in flight but the worker was not draining (it restarted, or never got POST /drain) "
-         "after 5.0 s"),
+        (
+            {"since_s": 3.2},
+            DrainProbe(ProbeState.ANSWERED, draining=True, in_flight=0),
+            DeletePod,
+            "drained: 0 in flight after 3.2 s",
+        ),
+        (
+            {},
+            DrainProbe(ProbeState.ANSWERED, draining=False, in_flight=0),
+            DeletePod,
+            "not drained: 0 in flight but the worker was not draining (it restarted, or never got POST /drain) "
+            "after 5.0 s",
+        ),
         ({}, DrainProbe(ProbeState.ANSWERED, draining=True, in_flight=3), None, ""),
         ({}, DrainProbe(ProbeState.ANSWERED, draining=False, in_flight=2), StartDrain, "not draining yet"),
-        ({}, DrainProbe(ProbeState.UNREACHABLE, detail="refused"), DeletePod,
-         "not drained: the worker no longer answers"),
+        (
+            {},
+            DrainProbe(ProbeState.UNREACHABLE, detail="refused"),
+            DeletePod,
+            "not drained: the worker no longer answers",
+        ),
         ({}, DrainProbe(ProbeState.FAILED, detail="timeout"), None, ""),
         ({}, None, None, ""),
         ({"since_s": 40}, DrainProbe(ProbeState.ANSWERED, draining=True, in_flight=3), DeletePod, "timeout"),
@@ -50,8 +62,19 @@ def _marked(kit, *, since_s: float = 5, timeout_s: float = 30, ip: str | None = 
         ({"ip": None}, None, DeletePod, "no IP"),
         ({"phase": PodPhase.FAILED}, None, DeletePod, "ended"),
     ],
-    ids=["drained", "idle-not-draining", "in-flight", "post-lost", "exited", "probe-failed", "not-probed", "timeout", "timeout-unknown",
-         "no-ip", "ended"],
+    ids=[
+        "drained",
+        "idle-not-draining",
+        "in-flight",
+        "post-lost",
+        "exited",
+        "probe-failed",
+        "not-probed",
+        "timeout",
+        "timeout-unknown",
+        "no-ip",
+        "ended",
+    ],
 )
 def test_one_drain_step(kit, pod, probe, expected, needle):
     marked = _marked(kit, **pod)
@@ -81,8 +104,9 @@ def test_a_pod_marked_without_annotations_is_marked_again_with_a_fresh_deadline(
 def test_pods_not_draining_or_already_deleting_are_left_alone(kit):
     serving = PodInfo(name="a", phase=PodPhase.RUNNING, ready=True, ip="10.0.0.1")
     deleting = _marked(kit, deleting=True)
-    assert advance([serving, deleting], {}, kit.now, timeout_s=30, port=8000) == advance([], {}, kit.now,
-                                                                                          timeout_s=30, port=8000)
+    assert advance([serving, deleting], {}, kit.now, timeout_s=30, port=8000) == advance(
+        [], {}, kit.now, timeout_s=30, port=8000
+    )
 
 
 @pytest.mark.parametrize(
@@ -103,19 +127,30 @@ def test_remove_drains_only_what_may_serve(kit, fields, expected):
 
 
 def test_the_mark_round_trips_through_the_pod(kit):
-    action = remove(PodInfo(name="p", uid="u", phase=PodPhase.RUNNING, ready=True, ip="::1"),
-                    DrainReason.DELETION, "bye", kit.now, 20, 8000)
+    action = remove(
+        PodInfo(name="p", uid="u", phase=PodPhase.RUNNING, ready=True, ip="::1"),
+        DrainReason.DELETION,
+        "bye",
+        kit.now,
+        20,
+        8000,
+    )
     assert action.address == "[::1]:8000"
-    pod = kit.merge_patch({"metadata": {"name": "p", "labels": {"x": "y"}}, "status": {"phase": "Running"}},
-                          mark_patch(action))
+    pod = kit.merge_patch(
+        {"metadata": {"name": "p", "labels": {"x": "y"}}, "status": {"phase": "Running"}}, mark_patch(action)
+    )
     info = PodInfo.from_pod(pod)
     assert info.draining and not info.live and pod["metadata"]["labels"] == {"x": "y", "llmfleet.io/draining": "true"}
     assert (info.draining_since, info.drain_deadline, info.drain_reason) == (
-        action.started_at, action.deadline, "Deletion")
+        action.started_at,
+        action.deadline,
+        "Deletion",
+    )
 
 
-@pytest.mark.parametrize(("value", "draining"), [("true", True), ("2025-01-01T00:00:00Z", True), ("false", False),
-                                                 ("0", False), ("", False)])
+@pytest.mark.parametrize(
+    ("value", "draining"), [("true", True), ("2025-01-01T00:00:00Z", True), ("false", False), ("0", False), ("", False)]
+)
 def test_draining_label_values(value, draining):
     pod = {"metadata": {"name": "p", "labels": {"llmfleet.io/draining": value}}}
     assert PodInfo.from_pod(pod).draining is draining
@@ -226,8 +261,11 @@ def test_an_invalid_spec_lets_drains_under_way_finish(kit):
     c.converge()
     c.resource["spec"]["replicas"] = 1
     c.apply(c.plan())
-    c.resource["spec"]["variants"][0]["autoscaling"] = {"minReplicas": 3, "maxReplicas": 1,
-                                                        "targets": {"queueDepthPerReplica": 1}}
+    c.resource["spec"]["variants"][0]["autoscaling"] = {
+        "minReplicas": 3,
+        "maxReplicas": 1,
+        "targets": {"queueDepthPerReplica": 1},
+    }
     plan = c.plan()
     assert [d.reason for d in plan.of_type(DeletePod)] == ["ScaleDown"]
     assert c.resource["status"]["drains"] and plan.of_type(PatchStatus)[0].status["drains"] == []

@@ -24,7 +24,11 @@ def test_default_policy_admits_gateway_operator_and_prometheus_on_the_worker_por
     assert manifest["metadata"]["namespace"] == "team-a"
     (owner,) = manifest["metadata"]["ownerReferences"]
     assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == (
-        "InferenceDeployment", "smollm2", "uid-1", True)
+        "InferenceDeployment",
+        "smollm2",
+        "uid-1",
+        True,
+    )
     spec = manifest["spec"]
     assert spec["podSelector"] == {"matchLabels": {"llmfleet.io/deployment": "smollm2"}}
     assert spec["policyTypes"] == ["Ingress"]
@@ -41,13 +45,21 @@ def test_default_policy_admits_gateway_operator_and_prometheus_on_the_worker_por
     ("peer", "rule"),
     [
         (Peer({"app": "gw"}), {"podSelector": {"matchLabels": {"app": "gw"}}}),
-        (Peer({"app": "gw"}, {}), {"podSelector": {"matchLabels": {"app": "gw"}}, "namespaceSelector": {"matchLabels": {}}}),
+        (
+            Peer({"app": "gw"}, {}),
+            {"podSelector": {"matchLabels": {"app": "gw"}}, "namespaceSelector": {"matchLabels": {}}},
+        ),
         (
             Peer({"app": "gw"}, {"kubernetes.io/metadata.name": "llm"}),
-            {"podSelector": {"matchLabels": {"app": "gw"}},
-             "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "llm"}}},
+            {
+                "podSelector": {"matchLabels": {"app": "gw"}},
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "llm"}},
+            },
         ),
-        (Peer({}, {"team": "x"}), {"podSelector": {"matchLabels": {}}, "namespaceSelector": {"matchLabels": {"team": "x"}}}),
+        (
+            Peer({}, {"team": "x"}),
+            {"podSelector": {"matchLabels": {}}, "namespaceSelector": {"matchLabels": {"team": "x"}}},
+        ),
     ],
 )
 def test_peers_become_from_entries(peer, rule):

@@ -42,11 +42,21 @@ def test_command_carries_model_engine_and_variant_settings(kit):
     pod = _pod(
         kit,
         {
-            "model": {"name": "smollm2", "source": "bundled://smollm2-135m-instruct", "maxModelLen": 2048,
-                      "revision": "v1.2"},
-            "engine": {"type": "builtin", "maxNumSeqs": 16, "kvCacheBytes": "64Mi", "enablePrefixCaching": False,
-                       "enableChunkedPrefill": False, "maxNumBatchedTokens": 2048,
-                       "extraArgs": {"gpu-memory-utilization": 0.9, "trust-remote-code": True}},
+            "model": {
+                "name": "smollm2",
+                "source": "bundled://smollm2-135m-instruct",
+                "maxModelLen": 2048,
+                "revision": "v1.2",
+            },
+            "engine": {
+                "type": "builtin",
+                "maxNumSeqs": 16,
+                "kvCacheBytes": "64Mi",
+                "enablePrefixCaching": False,
+                "enableChunkedPrefill": False,
+                "maxNumBatchedTokens": 2048,
+                "extraArgs": {"gpu-memory-utilization": 0.9, "trust-remote-code": True},
+            },
             "variants": [{"name": "q", "quantization": "int4", "extraArgs": {"gpu-memory-utilization": 0.5}}],
             "drain": {"timeoutSeconds": 30, "terminationGracePeriodSeconds": 45},
         },
@@ -220,8 +230,13 @@ def test_pvc_sources_are_mounted_read_only(kit):
 
 @pytest.mark.parametrize(
     ("source", "expected"),
-    [("bundled://x", "bundled://x"), ("hf://org/repo", "hf://org/repo"), ("/data/m", "/data/m"),
-     ("pvc://claim", "/models/claim"), ("pvc://claim/a/b", "/models/claim/a/b")],
+    [
+        ("bundled://x", "bundled://x"),
+        ("hf://org/repo", "hf://org/repo"),
+        ("/data/m", "/data/m"),
+        ("pvc://claim", "/models/claim"),
+        ("pvc://claim/a/b", "/models/claim/a/b"),
+    ],
 )
 def test_model_path(source, expected):
     assert model_path(source) == expected

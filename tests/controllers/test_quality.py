@@ -21,11 +21,10 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("stable", "canary", "expected", "identical"), [pytest.param(*c[1:], id=c[0]) for c in CASES]
-)
-def test_agreement(stable: list[list[object]], canary: list[list[object]], expected: float | None,
-                   identical: int) -> None:
+@pytest.mark.parametrize(("stable", "canary", "expected", "identical"), [pytest.param(*c[1:], id=c[0]) for c in CASES])
+def test_agreement(
+    stable: list[list[object]], canary: list[list[object]], expected: float | None, identical: int
+) -> None:
     result = token_agreement(stable, canary)
     assert result.value == (pytest.approx(expected) if expected is not None else None)
     assert result.identical_sequences == identical

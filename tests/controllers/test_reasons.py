@@ -51,7 +51,7 @@ def literal_reasons(source: str, filename: str = "<snippet>") -> list[str]:
                 found.append(f"{filename}:{node.lineno}: {_callee(node)}(..., {ast.unparse(node.args[index])}, ...)")
         elif isinstance(node, ast.Dict):
             found += [
-                f"{filename}:{value.lineno}: \"reason\": {ast.unparse(value)}"
+                f'{filename}:{value.lineno}: "reason": {ast.unparse(value)}'
                 for key, value in zip(node.keys, node.values, strict=True)
                 if isinstance(key, ast.Constant) and key.value == "reason" and _is_text(value)
             ]
@@ -132,7 +132,9 @@ def test_scanner_finds_reasons_spelled_as_text(snippet, count):
 
 def test_no_product_file_spells_a_reason_as_text():
     files = _product_files()
-    assert ROOT / "controllers" / "reconcile.py" in files and ROOT / "operator" / "fleet_operator" / "execute.py" in files
+    assert (
+        ROOT / "controllers" / "reconcile.py" in files and ROOT / "operator" / "fleet_operator" / "execute.py" in files
+    )
     found = [hit for path in files for hit in literal_reasons(path.read_text(), str(path.relative_to(ROOT)))]
     assert found == [], "use controllers.reasons.Reason:\n" + "\n".join(found)
 

@@ -48,8 +48,14 @@ def _removals(plan):
         ({"variants": [{"name": "a", "replicas": 2}, {"name": "b"}]}, {"a": 2, "b": 1}),
         ({"replicas": 5, "variants": [{"name": "a", "weight": 3}, {"name": "b", "weight": 1}]}, {"a": 4, "b": 1}),
         (
-            {"variants": [{"name": "a", "autoscaling": {"minReplicas": 2, "maxReplicas": 4,
-                                                         "targets": {"queueDepthPerReplica": 4}}}]},
+            {
+                "variants": [
+                    {
+                        "name": "a",
+                        "autoscaling": {"minReplicas": 2, "maxReplicas": 4, "targets": {"queueDepthPerReplica": 4}},
+                    }
+                ]
+            },
             {"a": 2},
         ),
     ],
@@ -166,7 +172,9 @@ def test_crash_looping_pod_marks_degraded_and_is_left_to_the_kubelet(kit):
 def test_api_errors_of_the_last_pass_show_as_degraded(kit):
     c = kit.cluster()
     c.converge()
-    observed = Observed(pods=c.observed().pods, service=c.service, network_policy=c.network_policy, errors=("create pod: 500",))
+    observed = Observed(
+        pods=c.observed().pods, service=c.service, network_policy=c.network_policy, errors=("create pod: 500",)
+    )
     plan = kit.reconcile(c.resource, observed, kit.now)
     degraded = _conditions(plan)["Degraded"]
     assert degraded["reason"] == "ApiError" and "500" in degraded["message"]
@@ -319,8 +327,11 @@ def test_pods_of_another_owner_are_ignored(kit):
 
 
 def test_autoscaled_variant_follows_status_within_bounds(kit):
-    spec = {"variants": [{"name": "a", "autoscaling": {"minReplicas": 1, "maxReplicas": 3,
-                                                       "targets": {"queueDepthPerReplica": 2}}}]}
+    spec = {
+        "variants": [
+            {"name": "a", "autoscaling": {"minReplicas": 1, "maxReplicas": 3, "targets": {"queueDepthPerReplica": 2}}}
+        ]
+    }
     c = kit.cluster(spec)
     c.converge()
     assert len(c.pods) == 1
@@ -466,8 +477,14 @@ def test_schema_violations_are_reported_not_raised(kit):
     [
         ({"podSpec": {"hostNetwork": True}}, "spec.template.podSpec.hostNetwork"),
         ({"podSpec": {"volumes": [{"name": "root", "hostPath": {"path": "/"}}]}}, "podSpec.volumes[0].hostPath"),
-        ({"podSpec": {"initContainers": [{"name": "x", "image": "busybox", "securityContext": {"privileged": True}}]}},
-         "spec.template.podSpec.initContainers"),
+        (
+            {
+                "podSpec": {
+                    "initContainers": [{"name": "x", "image": "busybox", "securityContext": {"privileged": True}}]
+                }
+            },
+            "spec.template.podSpec.initContainers",
+        ),
         ({"labels": {"llmfleet.io/draining": "true"}}, 'spec.template.labels["llmfleet.io/draining"]'),
     ],
 )

@@ -89,8 +89,16 @@ def _started(kit, **spec):
 
 @pytest.mark.parametrize(
     ("weight", "desired", "expected"),
-    [(25, 4, (3, 1)), (10, 4, (4, 1)), (50, 4, (2, 2)), (50, 1, (1, 1)), (67, 3, (1, 3)), (100, 3, (0, 3)),
-     (1, 1, (1, 1)), (30, 0, (0, 0))],
+    [
+        (25, 4, (3, 1)),
+        (10, 4, (4, 1)),
+        (50, 4, (2, 2)),
+        (50, 1, (1, 1)),
+        (67, 3, (1, 3)),
+        (100, 3, (0, 3)),
+        (1, 1, (1, 1)),
+        (30, 0, (0, 0)),
+    ],
 )
 def test_shares_of_stable_and_canary_pods(weight, desired, expected):
     assert shares(weight, desired) == expected
@@ -100,19 +108,22 @@ def test_the_first_revision_is_stable_at_once(kit):
     c = kit.cluster(_spec())
     c.converge()
     rollout = _rollout(c)
-    assert rollout["phase"] == "Stable" and rollout["stableSpec"]["variants"] == [{"name": "default",
-                                                                                 "quantization": "none",
-                                                                                 "resources": {"nvidia.com/gpu": 0},
-                                                                                 "extraArgs": {}}]
+    assert rollout["phase"] == "Stable" and rollout["stableSpec"]["variants"] == [
+        {"name": "default", "quantization": "none", "resources": {"nvidia.com/gpu": 0}, "extraArgs": {}}
+    ]
     assert rollout["stableRevision"] == next(iter(c.pods_by_revision()))
     assert "replicas" not in rollout["stableSpec"] and "rollout" not in rollout["stableSpec"]
 
 
 def test_stable_spec_keeps_pod_fields_and_takes_sizes_from_the_spec():
     old = parse_spec({"model": {"name": "m", "source": "/m"}, "variants": [{"name": "a", "weight": 1}]})
-    new = parse_spec({"model": {"name": "m", "source": "/m"}, "replicas": 9,
-                      "variants": [{"name": "a", "weight": 3, "source": "/int4", "quantization": "int4"},
-                                   {"name": "b"}]})
+    new = parse_spec(
+        {
+            "model": {"name": "m", "source": "/m"},
+            "replicas": 9,
+            "variants": [{"name": "a", "weight": 3, "source": "/int4", "quantization": "int4"}, {"name": "b"}],
+        }
+    )
     stable = stable_spec_of(new, pod_snapshot(old))
     a, b = stable.variants
     assert (a.source, a.quantization, a.weight, stable.replicas) == (None, "none", 3, 9)  # a field unset before
@@ -233,8 +244,7 @@ def test_rollback_drains_the_canary_and_does_not_retry_it(kit):
     assert rollout["phase"] == "RolledBack" and rollout["reason"] == "AnalysisFailed"
     assert _live_revisions(c) == Counter({stable: 4}) and len(c.pods) == 4
     conditions = {x["type"]: x for x in c.resource["status"]["conditions"]}
-    assert (conditions["Progressing"]["status"], conditions["Progressing"]["reason"]) == ("False",
-                                                                                          "CanaryRolledBack")
+    assert (conditions["Progressing"]["status"], conditions["Progressing"]["reason"]) == ("False", "CanaryRolledBack")
     plan = _pass(c, 60)
     assert plan.of_type(CreatePod) == [] and _events(plan, "CanaryStarted") == []
 
@@ -255,7 +265,8 @@ def test_restart_mid_step_resumes_at_the_same_step(kit):
     c.apply(plan)
     after = _rollout(c)
     assert {k: after[k] for k in ("step", "stepStartedAt", "startedAt", "canaryRevision", "canaryWeight")} == {
-        k: before[k] for k in ("step", "stepStartedAt", "startedAt", "canaryRevision", "canaryWeight")}
+        k: before[k] for k in ("step", "stepStartedAt", "startedAt", "canaryRevision", "canaryWeight")
+    }
     assert set(c.pods) == pods
 
 
@@ -416,11 +427,13 @@ def test_only_changed_variants_run_a_canary(kit):
     rollout = _rollout(c)
     endpoints = [(e["variant"], e.get("canary", False), e["weight"]) for e in c.resource["status"]["endpoints"]]
     assert endpoints == [("a", False, 75), ("a", True, 25), ("b", False, 100)]
-    canary_pods = [n for n, p in c.pods.items() if p["metadata"]["labels"]["llmfleet.io/revision"]
-                   == rollout["canaryRevision"]]
+    canary_pods = [
+        n for n, p in c.pods.items() if p["metadata"]["labels"]["llmfleet.io/revision"] == rollout["canaryRevision"]
+    ]
     assert len(canary_pods) == 1 and canary_pods[0].startswith("smollm2-a-")
     assert {n: p for n, p in c.pods.items() if n.startswith("smollm2-b-")} == {
-        n: p for n, p in before.items() if n.startswith("smollm2-b-")}
+        n: p for n, p in before.items() if n.startswith("smollm2-b-")
+    }
 
 
 def test_superseding_a_canary_with_the_rejected_revision_stops_it_without_rejecting_it(kit):
@@ -543,8 +556,10 @@ def test_canary_ready_since(pods, expected_s):
         condition = {"type": "Ready", "status": "True" if ready else "False"}
         if at is not None:
             condition["lastTransitionTime"] = (base + timedelta(seconds=at)).strftime("%Y-%m-%dT%H:%M:%SZ")
-        return {"metadata": {"labels": {"llmfleet.io/variant": "default", "llmfleet.io/revision": revision}},
-                "status": {"phase": "Running", "conditions": [condition]}}
+        return {
+            "metadata": {"labels": {"llmfleet.io/variant": "default", "llmfleet.io/revision": revision}},
+            "status": {"phase": "Running", "conditions": [condition]},
+        }
 
     found = canary_ready_since([pod(*p) for p in pods], "default", "canary")
     assert found == (base + timedelta(seconds=expected_s) if expected_s is not None else None)

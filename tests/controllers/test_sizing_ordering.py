@@ -42,19 +42,37 @@ _AUTO = {"minReplicas": 2, "maxReplicas": 5, "targets": {"queueDepthPerReplica":
     ("spec", "status", "expected"),
     [
         ({"variants": [{"name": "a"}]}, {}, {"a": (1, SizeSource.SHARED)}),
-        ({"replicas": 6, "variants": [{"name": "a", "weight": 2}, {"name": "b"}]}, {},
-         {"a": (4, SizeSource.SHARED), "b": (2, SizeSource.SHARED)}),
-        ({"replicas": 6, "variants": [{"name": "a", "replicas": 1}, {"name": "b"}]}, {},
-         {"a": (1, SizeSource.FIXED), "b": (6, SizeSource.SHARED)}),
+        (
+            {"replicas": 6, "variants": [{"name": "a", "weight": 2}, {"name": "b"}]},
+            {},
+            {"a": (4, SizeSource.SHARED), "b": (2, SizeSource.SHARED)},
+        ),
+        (
+            {"replicas": 6, "variants": [{"name": "a", "replicas": 1}, {"name": "b"}]},
+            {},
+            {"a": (1, SizeSource.FIXED), "b": (6, SizeSource.SHARED)},
+        ),
         ({"variants": [{"name": "a", "autoscaling": _AUTO}]}, {}, {"a": (2, SizeSource.AUTOSCALER_INITIAL)}),
-        ({"variants": [{"name": "a", "autoscaling": _AUTO}]},
-         {"autoscaling": {"variants": [{"name": "a", "desiredReplicas": 4}]}}, {"a": (4, SizeSource.AUTOSCALER)}),
-        ({"variants": [{"name": "a", "autoscaling": _AUTO}]},
-         {"autoscaling": {"variants": [{"name": "a", "desiredReplicas": 0}]}}, {"a": (2, SizeSource.AUTOSCALER)}),
-        ({"variants": [{"name": "a", "autoscaling": {**_AUTO, "minReplicas": 0, "scaleToZeroAfterSeconds": 60}}]},
-         {"autoscaling": {"variants": [{"name": "a", "desiredReplicas": 0}]}}, {"a": (0, SizeSource.AUTOSCALER)}),
-        ({"variants": [{"name": "a", "autoscaling": {**_AUTO, "minReplicas": 0, "scaleToZeroAfterSeconds": 60}}]},
-         {}, {"a": (1, SizeSource.AUTOSCALER_INITIAL)}),
+        (
+            {"variants": [{"name": "a", "autoscaling": _AUTO}]},
+            {"autoscaling": {"variants": [{"name": "a", "desiredReplicas": 4}]}},
+            {"a": (4, SizeSource.AUTOSCALER)},
+        ),
+        (
+            {"variants": [{"name": "a", "autoscaling": _AUTO}]},
+            {"autoscaling": {"variants": [{"name": "a", "desiredReplicas": 0}]}},
+            {"a": (2, SizeSource.AUTOSCALER)},
+        ),
+        (
+            {"variants": [{"name": "a", "autoscaling": {**_AUTO, "minReplicas": 0, "scaleToZeroAfterSeconds": 60}}]},
+            {"autoscaling": {"variants": [{"name": "a", "desiredReplicas": 0}]}},
+            {"a": (0, SizeSource.AUTOSCALER)},
+        ),
+        (
+            {"variants": [{"name": "a", "autoscaling": {**_AUTO, "minReplicas": 0, "scaleToZeroAfterSeconds": 60}}]},
+            {},
+            {"a": (1, SizeSource.AUTOSCALER_INITIAL)},
+        ),
     ],
 )
 def test_desired_sizes(spec, status, expected):
@@ -64,8 +82,9 @@ def test_desired_sizes(spec, status, expected):
 
 
 def _pod(name, *, ready=True, revision="new", in_flight=None, age=0):
-    return PodInfo(name=name, ready=ready, revision=revision, in_flight=in_flight,
-                   created_at=T0 - timedelta(seconds=age))
+    return PodInfo(
+        name=name, ready=ready, revision=revision, in_flight=in_flight, created_at=T0 - timedelta(seconds=age)
+    )
 
 
 @pytest.mark.parametrize(
@@ -76,11 +95,12 @@ def _pod(name, *, ready=True, revision="new", in_flight=None, age=0):
         ([_pod("busy", in_flight=5), _pod("idle", in_flight=0)], ["idle", "busy"]),
         ([_pod("older", age=100), _pod("younger", age=10)], ["younger", "older"]),
         # the rules apply in order: unready beats old revision beats in-flight beats age
-        ([_pod("old-idle", revision="old", in_flight=0), _pod("new-unready", ready=False)],
-         ["new-unready", "old-idle"]),
+        (
+            [_pod("old-idle", revision="old", in_flight=0), _pod("new-unready", ready=False)],
+            ["new-unready", "old-idle"],
+        ),
         ([_pod("new-idle", in_flight=0), _pod("old-busy", revision="old", in_flight=9)], ["old-busy", "new-idle"]),
-        ([_pod("young-busy", in_flight=3, age=1), _pod("old-idle", in_flight=1, age=500)],
-         ["old-idle", "young-busy"]),
+        ([_pod("young-busy", in_flight=3, age=1), _pod("old-idle", in_flight=1, age=500)], ["old-idle", "young-busy"]),
         ([_pod("b"), _pod("a")], ["a", "b"]),
     ],
 )

@@ -38,9 +38,7 @@ def test_the_promised_examples_exist() -> None:
 
 
 @pytest.mark.parametrize("path", VALID, ids=lambda path: path.name)
-def test_valid_example_passes_schema_models_and_rules(
-    path: Path, schema_validator: jsonschema.Draft4Validator
-) -> None:
+def test_valid_example_passes_schema_models_and_rules(path: Path, schema_validator: jsonschema.Draft4Validator) -> None:
     obj = _load(path)
     assert _schema_errors(schema_validator, obj) == []
     parsed = parse_resource(obj)

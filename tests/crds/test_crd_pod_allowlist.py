@@ -72,10 +72,18 @@ FORBIDDEN: dict[str, tuple[dict[str, Any], str, str, str]] = {
         "restricted security context",
         "unknown",
     ),
-    "shareProcessNamespace": ({"podSpec": {"shareProcessNamespace": True}}, f"{PS}.shareProcessNamespace", "alone",
-                              "unknown"),
-    "hostAliases": ({"podSpec": {"hostAliases": [{"ip": "10.0.0.1", "hostnames": ["api"]}]}}, f"{PS}.hostAliases",
-                    "dnsConfig", "unknown"),
+    "shareProcessNamespace": (
+        {"podSpec": {"shareProcessNamespace": True}},
+        f"{PS}.shareProcessNamespace",
+        "alone",
+        "unknown",
+    ),
+    "hostAliases": (
+        {"podSpec": {"hostAliases": [{"ip": "10.0.0.1", "hostnames": ["api"]}]}},
+        f"{PS}.hostAliases",
+        "dnsConfig",
+        "unknown",
+    ),
     "overhead": ({"podSpec": {"overhead": {"cpu": "1"}}}, f"{PS}.overhead", "RuntimeClass", "unknown"),
     "serviceAccountName in podSpec": (
         {"podSpec": {"serviceAccountName": "admin"}},
@@ -109,8 +117,12 @@ FORBIDDEN: dict[str, tuple[dict[str, Any], str, str, str]] = {
         "service account token",
         "unknown",
     ),
-    "emptyDir on hugepages": (_vol(emptyDir={"medium": "HugePages"}), f"{PS}.volumes[0].emptyDir.medium", "Memory",
-                              "schema"),
+    "emptyDir on hugepages": (
+        _vol(emptyDir={"medium": "HugePages"}),
+        f"{PS}.volumes[0].emptyDir.medium",
+        "Memory",
+        "schema",
+    ),
     "dnsPolicy ClusterFirstWithHostNet": (
         {"podSpec": {"dnsPolicy": "ClusterFirstWithHostNet"}},
         f"{PS}.dnsPolicy",
@@ -160,8 +172,12 @@ FORBIDDEN: dict[str, tuple[dict[str, Any], str, str, str]] = {
         "not a field",
         "unknown",
     ),
-    "operator label": ({"labels": {"llmfleet.io/draining": "true"}}, 'spec.template.labels["llmfleet.io/draining"]',
-                       "set by the operator", "cel"),
+    "operator label": (
+        {"labels": {"llmfleet.io/draining": "true"}},
+        'spec.template.labels["llmfleet.io/draining"]',
+        "set by the operator",
+        "cel",
+    ),
     "operator annotation": (
         {"annotations": {"llmfleet.io/drain-deadline": "0"}},
         'spec.template.annotations["llmfleet.io/drain-deadline"]',
@@ -214,27 +230,55 @@ FORBIDDEN: dict[str, tuple[dict[str, Any], str, str, str]] = {
 
 # name -> spec.template that must validate and pass every layer of the CRD
 ALLOWED: dict[str, dict[str, Any]] = {
-    "affinity": {"podSpec": {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-        "nodeSelectorTerms": [{"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100"]}]}]}}}}},
-    "topologySpreadConstraints": {"podSpec": {"topologySpreadConstraints": [
-        {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway"}]}},
+    "affinity": {
+        "podSpec": {
+            "affinity": {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [
+                            {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100"]}]}
+                        ]
+                    }
+                }
+            }
+        }
+    },
+    "topologySpreadConstraints": {
+        "podSpec": {
+            "topologySpreadConstraints": [
+                {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway"}
+            ]
+        }
+    },
     "runtimeClassName": {"podSpec": {"runtimeClassName": "nvidia"}},
     "schedulerName": {"podSpec": {"schedulerName": "gpu-scheduler"}},
     "imagePullSecrets": {"podSpec": {"imagePullSecrets": [{"name": "registry"}]}},
-    "dnsPolicy and dnsConfig": {"podSpec": {"dnsPolicy": "None", "dnsConfig": {
-        "nameservers": ["10.0.0.10"], "searches": ["svc.cluster.local"], "options": [{"name": "ndots", "value": "2"}],
-    }}},
-    "pvc volume mounted": _mount({"name": "data", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}},
-                                 readOnly=True),
+    "dnsPolicy and dnsConfig": {
+        "podSpec": {
+            "dnsPolicy": "None",
+            "dnsConfig": {
+                "nameservers": ["10.0.0.10"],
+                "searches": ["svc.cluster.local"],
+                "options": [{"name": "ndots", "value": "2"}],
+            },
+        }
+    },
+    "pvc volume mounted": _mount(
+        {"name": "data", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}}, readOnly=True
+    ),
     "configMap volume": _vol(configMap={"name": "chat-templates", "items": [{"key": "t", "path": "t.jinja"}]}),
     "secret volume": _vol(secret={"secretName": "hf-token", "defaultMode": 0o440}),
     "emptyDir in memory": _mount({"name": "data", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}}),
     "emptyDir on disk": _vol(emptyDir={"medium": "", "sizeLimit": "10Gi"}),
-    "projected configMap, secret and pod fields": _vol(projected={"sources": [
-        {"configMap": {"name": "c"}},
-        {"secret": {"name": "s", "items": [{"key": "k", "path": "k"}]}},
-        {"downwardAPI": {"items": [{"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}]}},
-    ]}),
+    "projected configMap, secret and pod fields": _vol(
+        projected={
+            "sources": [
+                {"configMap": {"name": "c"}},
+                {"secret": {"name": "s", "items": [{"key": "k", "path": "k"}]}},
+                {"downwardAPI": {"items": [{"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}]}},
+            ]
+        }
+    ),
     "mount with a subPath": _mount({"name": "data", "configMap": {"name": "c"}}, subPath="conf/a.yaml"),
     "env from a secret key": _env(valueFrom={"secretKeyRef": {"name": "hf-token", "key": "token"}}),
     "env from a configMap key": _env(valueFrom={"configMapKeyRef": {"name": "c", "key": "k", "optional": True}}),

@@ -147,4 +147,3 @@ def test_every_field_is_described(openapi_schema: dict[str, Any]) -> None:
         if path.startswith(("spec", "status")) and not path.endswith(("[]", "{}")) and not node.get("description")
     ]
     assert undocumented == []
-

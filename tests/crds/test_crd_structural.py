@@ -63,13 +63,25 @@ def test_a_good_schema_passes() -> None:
         (_root(a={"type": "string", "items": {"type": "string"}}), "need `type: array`"),
         (_root(a={"type": "array", "items": {"type": "string"}, "uniqueItems": True}), "'uniqueItems' is not allowed"),
         (
-            _root(a={"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}}},
-                     "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["k"]}),
+            _root(
+                a={
+                    "type": "array",
+                    "items": {"type": "object", "properties": {"k": {"type": "string"}}},
+                    "x-kubernetes-list-type": "map",
+                    "x-kubernetes-list-map-keys": ["k"],
+                }
+            ),
             "map key 'k' must be required or defaulted",
         ),
         (
-            _root(a={"type": "array", "items": {"type": "object", "properties": {}},
-                     "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["k"]}),
+            _root(
+                a={
+                    "type": "array",
+                    "items": {"type": "object", "properties": {}},
+                    "x-kubernetes-list-type": "map",
+                    "x-kubernetes-list-map-keys": ["k"],
+                }
+            ),
             "map key 'k' is not a property",
         ),
         (_root(a={"type": "integer", "minimum": 1, "default": 0}), "default 0 does not validate"),

@@ -21,8 +21,11 @@ from crds.pods import (
 
 
 def pod(
-    *, labels: dict[str, Any] | None = None, annotations: dict[str, Any] | None = None,
-    conditions: list[Any] | None = None, ports: list[dict[str, Any]] | None = None,
+    *,
+    labels: dict[str, Any] | None = None,
+    annotations: dict[str, Any] | None = None,
+    conditions: list[Any] | None = None,
+    ports: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     meta: dict[str, Any] = {"name": "p"}
     if labels is not None:
@@ -78,8 +81,10 @@ def test_marked(value, draining):
 )
 def test_is_draining_by_label_or_annotation(where, value, draining):
     marks = {DRAINING: value}
-    subject = pod(labels=marks if where == "label" else {LABEL_REVISION: "r1"},
-                  annotations=marks if where == "annotation" else None)
+    subject = pod(
+        labels=marks if where == "label" else {LABEL_REVISION: "r1"},
+        annotations=marks if where == "annotation" else None,
+    )
     assert is_draining(subject) is draining
 
 

@@ -96,7 +96,11 @@ def secret(text: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize(
     ("initial", "reason"),
-    [(None, NOT_LOADED), (secret("# no keys yet\n"), NOT_LOADED), (secret("short\n"), malformed_secret_message("llm", "gw-keys"))],
+    [
+        (None, NOT_LOADED),
+        (secret("# no keys yet\n"), NOT_LOADED),
+        (secret("short\n"), malformed_secret_message("llm", "gw-keys")),
+    ],
     ids=["missing", "no-keys", "malformed"],
 )
 async def test_a_gateway_without_keys_refuses_everything_with_503_until_the_secret_has_keys(
@@ -115,7 +119,10 @@ async def test_a_gateway_without_keys_refuses_everything_with_503_until_the_secr
                 r = await c.request(method, path, **kw)
                 assert r.status_code == 503, (path, r.text)
                 assert r.json()["error"] == {
-                    "message": reason, "type": "api_error", "param": None, "code": "api_keys_not_loaded"
+                    "message": reason,
+                    "type": "api_error",
+                    "param": None,
+                    "code": "api_keys_not_loaded",
                 }
                 assert r.headers["retry-after"] == "1" and r.headers["x-request-id"]
             assert (await c.get("/health")).status_code == 200  # liveness: the process is fine
@@ -190,7 +197,10 @@ class _Exploding:
 
 
 async def test_an_unexpected_exception_is_a_generic_500_with_the_request_id(caplog: pytest.LogCaptureFixture) -> None:
-    async with stubs(1) as ws, run_gateway(FixedSource(one_variant_table("m", ws)), {KEY: "standard"}, settings()) as gw:
+    async with (
+        stubs(1) as ws,
+        run_gateway(FixedSource(one_variant_table("m", ws)), {KEY: "standard"}, settings()) as gw,
+    ):
         gw.state.table = _Exploding()  # type: ignore[assignment]
         async with gw.client(headers=AUTH) as c:
             with caplog.at_level(logging.ERROR, logger="llmfleet.gateway"):
@@ -198,7 +208,10 @@ async def test_an_unexpected_exception_is_a_generic_500_with_the_request_id(capl
                 theirs = await c.post("/v1/chat/completions", json=chat())
     assert mine.status_code == 500 and mine.headers["x-request-id"] == "trace-42"
     assert mine.json()["error"] == {
-        "message": internal_error_message("trace-42"), "type": "api_error", "param": None, "code": "internal_error"
+        "message": internal_error_message("trace-42"),
+        "type": "api_error",
+        "param": None,
+        "code": "internal_error",
     }
     rid = theirs.headers["x-request-id"]
     assert theirs.status_code == 500 and len(rid) == 32
@@ -212,8 +225,16 @@ async def test_an_unexpected_exception_is_a_generic_500_with_the_request_id(capl
 
 @pytest.mark.parametrize(
     ("presented", "kept"),
-    [(b"abc-123", True), (b"A.b:c_d-9", True), (b"x" * 128, True), (b"x" * 129, False), (b"a b", False),
-     (b"", False), (b"\xff", False), (None, False)],
+    [
+        (b"abc-123", True),
+        (b"A.b:c_d-9", True),
+        (b"x" * 128, True),
+        (b"x" * 129, False),
+        (b"a b", False),
+        (b"", False),
+        (b"\xff", False),
+        (None, False),
+    ],
 )
 def test_request_id_is_kept_only_when_well_formed(presented: bytes | None, kept: bool) -> None:
     rid = request_id(presented)
@@ -239,7 +260,10 @@ async def test_request_id_is_echoed_and_forwarded() -> None:
 
 
 async def test_metrics_are_served_on_the_internal_port_only() -> None:
-    async with stubs(1, tokens=2) as ws, run_gateway(FixedSource(one_variant_table("m", ws)), {KEY: "standard"}, settings()) as gw:
+    async with (
+        stubs(1, tokens=2) as ws,
+        run_gateway(FixedSource(one_variant_table("m", ws)), {KEY: "standard"}, settings()) as gw,
+    ):
         async with gw.client(headers=AUTH) as c:
             assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
             public = await c.get("/metrics")
@@ -254,7 +278,10 @@ async def test_metrics_are_served_on_the_internal_port_only() -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"port": 9000, "metrics_port": 9000}, "metrics_port equals port"), ({"metrics_port": 70000}, "less than or equal")],
+    [
+        ({"port": 9000, "metrics_port": 9000}, "metrics_port equals port"),
+        ({"metrics_port": 70000}, "less than or equal"),
+    ],
 )
 def test_metrics_port_settings(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):

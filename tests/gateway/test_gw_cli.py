@@ -76,7 +76,10 @@ def test_settings_file_with_cli_overrides(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"tiers": (TierSettings(name="a", priority=1), TierSettings(name="a", priority=2)), "default_tier": "a"}, "repeated: a"),
+        (
+            {"tiers": (TierSettings(name="a", priority=1), TierSettings(name="a", priority=2)), "default_tier": "a"},
+            "repeated: a",
+        ),
         ({"default_tier": "gold"}, "default_tier 'gold' is not a configured tier"),
         ({"pool": {"max_connections": 10, "max_keepalive_connections": 20}}, "max_keepalive_connections must be <="),
         ({"load_factor": 0.9}, "greater than or equal to 1"),

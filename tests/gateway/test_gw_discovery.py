@@ -71,7 +71,12 @@ def pod(
     meta: dict[str, Any] = {
         "name": name,
         "namespace": ns,
-        "labels": {"llmfleet.io/deployment": dep, "llmfleet.io/variant": variant, "llmfleet.io/revision": revision, **(labels or {})},
+        "labels": {
+            "llmfleet.io/deployment": dep,
+            "llmfleet.io/variant": variant,
+            "llmfleet.io/revision": revision,
+            **(labels or {}),
+        },
         "annotations": annotations or {},
     }
     if deleting:
@@ -103,7 +108,11 @@ def test_pod_is_routable(p: dict[str, Any], routable: bool) -> None:
     ("ports", "ip", "url"),
     [
         ([], "10.0.0.1", "http://10.0.0.1:8000"),
-        ([{"name": "metrics", "containerPort": 9000}, {"name": "http", "containerPort": 8080}], "10.0.0.1", "http://10.0.0.1:8080"),
+        (
+            [{"name": "metrics", "containerPort": 9000}, {"name": "http", "containerPort": 8080}],
+            "10.0.0.1",
+            "http://10.0.0.1:8080",
+        ),
         ([{"name": "http", "containerPort": 8001}], "fd00::1", "http://[fd00::1]:8001"),
     ],
 )
@@ -111,12 +120,22 @@ def test_pod_url(ports: list[dict[str, Any]], ip: str, url: str) -> None:
     assert pod_url(pod("a", ports=ports, ip=ip)) == url
 
 
-def cr(name: str = "smol", ns: str = "prod", model: str = "smollm2", variants: list[dict] | None = None, endpoints: list[dict] | None = None, deleting: bool = False) -> dict[str, Any]:
+def cr(
+    name: str = "smol",
+    ns: str = "prod",
+    model: str = "smollm2",
+    variants: list[dict] | None = None,
+    endpoints: list[dict] | None = None,
+    deleting: bool = False,
+) -> dict[str, Any]:
     obj: dict[str, Any] = {
         "apiVersion": "llmfleet.io/v1alpha1",
         "kind": "InferenceDeployment",
         "metadata": {"name": name, "namespace": ns},
-        "spec": {"model": {"name": model, "source": "bundled://smollm2-135m-instruct"}, "variants": variants or [{"name": "full"}]},
+        "spec": {
+            "model": {"name": model, "source": "bundled://smollm2-135m-instruct"},
+            "variants": variants or [{"name": "full"}],
+        },
     }
     if endpoints is not None:
         obj["status"] = {"endpoints": endpoints}
@@ -129,7 +148,11 @@ def summary(table) -> dict[str, Any]:
     """{model: {variant: (weight, tiers, {revision: (weight, [pod names])})}}"""
     return {
         model: {
-            v.name: (v.weight, sorted(v.tiers), {r.name: (r.weight, [e.name for e in r.endpoints]) for r in v.revisions})
+            v.name: (
+                v.weight,
+                sorted(v.tiers),
+                {r.name: (r.weight, [e.name for e in r.endpoints]) for r in v.revisions},
+            )
             for v in d.variants
         }
         for model, d in table.deployments.items()
@@ -148,17 +171,37 @@ CANARY_ENDPOINTS = [
     [
         # status endpoints give canary weights per revision; pods land by their labels
         (
-            [cr(variants=[{"name": "full"}, {"name": "int4", "tiers": ["batch"], "weight": 0}], endpoints=CANARY_ENDPOINTS)],
-            [pod("s1"), pod("s2", revision="r1"), pod("c1", revision="r2"), pod("q1", variant="int4"),
-             pod("d1", labels={"llmfleet.io/draining": "true"}), pod("u1", ready="False")],
-            {"smollm2": {"full": (100.0, [], {"r1": (90.0, ["s1", "s2"]), "r2": (10.0, ["c1"])}),
-                         "int4": (0.0, ["batch"], {"r1": (0.0, ["q1"])})}},
+            [
+                cr(
+                    variants=[{"name": "full"}, {"name": "int4", "tiers": ["batch"], "weight": 0}],
+                    endpoints=CANARY_ENDPOINTS,
+                )
+            ],
+            [
+                pod("s1"),
+                pod("s2", revision="r1"),
+                pod("c1", revision="r2"),
+                pod("q1", variant="int4"),
+                pod("d1", labels={"llmfleet.io/draining": "true"}),
+                pod("u1", ready="False"),
+            ],
+            {
+                "smollm2": {
+                    "full": (100.0, [], {"r1": (90.0, ["s1", "s2"]), "r2": (10.0, ["c1"])}),
+                    "int4": (0.0, ["batch"], {"r1": (0.0, ["q1"])}),
+                }
+            },
         ),
         # before the operator writes status: spec variants, every revision on ready pods shares the variant
         (
             [cr(variants=[{"name": "full", "weight": 3}, {"name": "int4"}])],
             [pod("a", revision="r1"), pod("b", revision="r2"), pod("q", variant="int4")],
-            {"smollm2": {"full": (6.0, [], {"r1": (3.0, ["a"]), "r2": (3.0, ["b"])}), "int4": (1.0, [], {"r1": (1.0, ["q"])})}},
+            {
+                "smollm2": {
+                    "full": (6.0, [], {"r1": (3.0, ["a"]), "r2": (3.0, ["b"])}),
+                    "int4": (1.0, [], {"r1": (1.0, ["q"])}),
+                }
+            },
         ),
         # a variant scaled to zero keeps its weight so demand can still reach (and wake) it
         (

@@ -35,7 +35,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 def secret(key: str) -> dict[str, Any]:
     text = f"{key} premium\n".encode()
-    return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "gw-keys"}, "data": {"api-keys": base64.b64encode(text).decode()}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "gw-keys"},
+        "data": {"api-keys": base64.b64encode(text).decode()},
+    }
 
 
 def infd() -> dict[str, Any]:
@@ -43,7 +48,10 @@ def infd() -> dict[str, Any]:
         "apiVersion": "llmfleet.io/v1alpha1",
         "kind": "InferenceDeployment",
         "metadata": {"name": "smol"},
-        "spec": {"model": {"name": "smollm2", "source": "bundled://smollm2-135m-instruct"}, "variants": [{"name": "full"}]},
+        "spec": {
+            "model": {"name": "smollm2", "source": "bundled://smollm2-135m-instruct"},
+            "variants": [{"name": "full"}],
+        },
     }
 
 
@@ -53,7 +61,11 @@ def pod(name: str, port: int, revision: str) -> dict[str, Any]:
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": name, "labels": labels},
-        "spec": {"containers": [{"name": "worker", "image": "llmfleet/worker", "ports": [{"name": "http", "containerPort": port}]}]},
+        "spec": {
+            "containers": [
+                {"name": "worker", "image": "llmfleet/worker", "ports": [{"name": "http", "containerPort": port}]}
+            ]
+        },
     }
 
 
@@ -83,27 +95,53 @@ async def test_kubernetes_discovery_follows_the_cluster(cluster: Any, tmp_path: 
         ok(await api.post(f"/apis/llmfleet.io/v1alpha1/namespaces/{NS}/inferencedeployments", json=infd()))
         ok(await api.post(f"/api/v1/namespaces/{NS}/pods", json=pod("smol-a", w1.port, "r1")))
         ok(await api.patch(f"/api/v1/namespaces/{NS}/pods/smol-a/status", json=READY, headers=MERGE))
-        source = KubeSource(KubeConnection.load(str(cluster.kubeconfig)), namespace=NS, keys_secret=(NS, "gw-keys"), retry_delay_s=0.1)
+        source = KubeSource(
+            KubeConnection.load(str(cluster.kubeconfig)), namespace=NS, keys_secret=(NS, "gw-keys"), retry_delay_s=0.1
+        )
         async with run_gateway(source) as gw, gw.client(headers={"authorization": f"Bearer {KEY}"}) as c:
             assert not gw.state.keys.open_mode  # keys came from the Secret
-            assert (await c.post("/v1/chat/completions", json=chat(model="smollm2"), headers={"authorization": "Bearer nope-nope-nope"})).status_code == 401
+            assert (
+                await c.post(
+                    "/v1/chat/completions",
+                    json=chat(model="smollm2"),
+                    headers={"authorization": "Bearer nope-nope-nope"},
+                )
+            ).status_code == 401
             assert await served_by(c) == {"r1"} and w1.stats.requests == 6
 
             # a second pod (a new revision) becomes ready; status endpoints put all weight on it (canary promoted)
             ok(await api.post(f"/api/v1/namespaces/{NS}/pods", json=pod("smol-b", w2.port, "r2")))
             ok(await api.patch(f"/api/v1/namespaces/{NS}/pods/smol-b/status", json=READY, headers=MERGE))
-            endpoints = [{"variant": "full", "revision": "r1", "weight": 0}, {"variant": "full", "revision": "r2", "weight": 100, "canary": True}]
-            ok(await api.patch(
-                f"/apis/llmfleet.io/v1alpha1/namespaces/{NS}/inferencedeployments/smol/status",
-                json={"status": {"endpoints": endpoints}}, headers=MERGE,
-            ))
-            await eventually(lambda: {e.revision for e in gw.state.table.endpoints()} == {"r1", "r2"}, "both pods are routable")
-            await eventually(lambda: gw.state.table.deployments["smollm2"].variants[0].revisions[1].weight == 100, "weights seen")
+            endpoints = [
+                {"variant": "full", "revision": "r1", "weight": 0},
+                {"variant": "full", "revision": "r2", "weight": 100, "canary": True},
+            ]
+            ok(
+                await api.patch(
+                    f"/apis/llmfleet.io/v1alpha1/namespaces/{NS}/inferencedeployments/smol/status",
+                    json={"status": {"endpoints": endpoints}},
+                    headers=MERGE,
+                )
+            )
+            await eventually(
+                lambda: {e.revision for e in gw.state.table.endpoints()} == {"r1", "r2"}, "both pods are routable"
+            )
+            await eventually(
+                lambda: gw.state.table.deployments["smollm2"].variants[0].revisions[1].weight == 100, "weights seen"
+            )
             assert await served_by(c) == {"r2"}
 
             # the new pod is marked draining: traffic goes back to the one left
-            ok(await api.patch(f"/api/v1/namespaces/{NS}/pods/smol-b", json={"metadata": {"labels": {"llmfleet.io/draining": "true"}}}, headers=MERGE))
-            await eventually(lambda: [e.name for e in gw.state.table.endpoints()] == ["smol-a"], "the draining pod left the table")
+            ok(
+                await api.patch(
+                    f"/api/v1/namespaces/{NS}/pods/smol-b",
+                    json={"metadata": {"labels": {"llmfleet.io/draining": "true"}}},
+                    headers=MERGE,
+                )
+            )
+            await eventually(
+                lambda: [e.name for e in gw.state.table.endpoints()] == ["smol-a"], "the draining pod left the table"
+            )
             assert await served_by(c) == {"r1"}
 
             # the last pod is deleted: the model stays known (its requests would be held until it scales up)
@@ -113,13 +151,17 @@ async def test_kubernetes_discovery_follows_the_cluster(cluster: Any, tmp_path: 
 
             # key rotation through the Secret
             ok(await api.put(f"/api/v1/namespaces/{NS}/secrets/gw-keys", json=secret(NEW_KEY)))
-            await eventually(lambda: gw.state.keys.authenticate(f"Bearer {NEW_KEY}") is not None, "the new key is loaded")
+            await eventually(
+                lambda: gw.state.keys.authenticate(f"Bearer {NEW_KEY}") is not None, "the new key is loaded"
+            )
             assert gw.state.keys.authenticate(f"Bearer {KEY}") is None
 
             # the deployment is deleted: its model disappears
             ok(await api.delete(f"/apis/llmfleet.io/v1alpha1/namespaces/{NS}/inferencedeployments/smol"))
             await eventually(lambda: gw.state.table.deployments == {}, "the model is gone")
-            r = await c.post("/v1/chat/completions", json=chat(model="smollm2"), headers={"authorization": f"Bearer {NEW_KEY}"})
+            r = await c.post(
+                "/v1/chat/completions", json=chat(model="smollm2"), headers={"authorization": f"Bearer {NEW_KEY}"}
+            )
             assert r.status_code == 404
 
 
@@ -154,7 +196,13 @@ async def test_list_then_watch_events_and_410() -> None:
             await coll.watch(c, {}, 5, lambda: changes.append(sorted(n for _, n in coll.objects)))
     assert changes == [["a", "b"], ["a", "b"], ["a"]]  # ADDED, MODIFIED, DELETED (not the bookmark)
     assert coll.objects[(NS, "a")]["spec"] == {"x": 1} and coll.resource_version == "14"
-    assert seen[1] == {"labelSelector": "llmfleet.io/deployment", "watch": "1", "allowWatchBookmarks": "true", "timeoutSeconds": "5", "resourceVersion": "10"}
+    assert seen[1] == {
+        "labelSelector": "llmfleet.io/deployment",
+        "watch": "1",
+        "allowWatchBookmarks": "true",
+        "timeoutSeconds": "5",
+        "resourceVersion": "10",
+    }
 
 
 @pytest.mark.slow
@@ -165,10 +213,15 @@ async def test_the_key_secret_fails_closed_missing_empty_and_deleted(cluster: An
     doc = {**secret(KEY), "metadata": {"name": name}}
     empty = {**doc, "data": {"api-keys": base64.b64encode(b"# none yet\n").decode()}}
     async with httpx.AsyncClient(base_url=cluster.url, timeout=10) as api:
-        source = KubeSource(KubeConnection.load(str(cluster.kubeconfig)), namespace=NS, keys_secret=(NS, name), retry_delay_s=0.1)
+        source = KubeSource(
+            KubeConnection.load(str(cluster.kubeconfig)), namespace=NS, keys_secret=(NS, name), retry_delay_s=0.1
+        )
         async with run_gateway(source) as gw, gw.client() as c:
             r = await c.get("/v1/models", headers={"authorization": f"Bearer {KEY}"})
-            assert r.status_code == 503 and f"the Secret {NS}/{name} is missing or holds no keys" in r.json()["error"]["message"]
+            assert (
+                r.status_code == 503
+                and f"the Secret {NS}/{name} is missing or holds no keys" in r.json()["error"]["message"]
+            )
             assert (await c.get("/ready")).status_code == 503 and (await c.get("/health")).status_code == 200
 
             before = gw.state.keys

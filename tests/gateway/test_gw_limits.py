@@ -130,7 +130,17 @@ def test_token_bucket_refills_continuously_and_allows_debt() -> None:
 
 
 @pytest.mark.parametrize(
-    ("seconds", "text"), [(0, "0s"), (-1, "0s"), (0.0004, "1ms"), (0.25, "250ms"), (1.5, "1.5s"), (59.4, "59.4s"), (360, "6m0s"), (90.4, "1m30s")]
+    ("seconds", "text"),
+    [
+        (0, "0s"),
+        (-1, "0s"),
+        (0.0004, "1ms"),
+        (0.25, "250ms"),
+        (1.5, "1.5s"),
+        (59.4, "59.4s"),
+        (360, "6m0s"),
+        (90.4, "1m30s"),
+    ],
 )
 def test_format_reset(seconds: float, text: str) -> None:
     assert format_reset(seconds) == text
@@ -294,7 +304,9 @@ def test_resolve_tier(key_tier: str, header: str | None, may_raise: bool, expect
         (TierSettings(name="x", priority=1, shed_above_in_flight=0), 0, 10, 0, 5, Admit.SHED),
     ],
 )
-def test_admission_decision(tier: TierSettings, in_flight: int, max_in_flight: int, queued: int, queue_size: int, expected: Admit) -> None:
+def test_admission_decision(
+    tier: TierSettings, in_flight: int, max_in_flight: int, queued: int, queue_size: int, expected: Admit
+) -> None:
     assert admission_decision(tier, in_flight, max_in_flight, queued, queue_size) is expected
 
 
@@ -308,7 +320,10 @@ async def test_admission_hands_freed_slots_to_the_highest_priority_first() -> No
         order.append(tag)
 
     low = TierSettings(name="low", priority=0)
-    tasks = [asyncio.create_task(wait(t, tag)) for t, tag in [(low, "low1"), (STANDARD, "std1"), (low, "low2"), (STANDARD, "std2")]]
+    tasks = [
+        asyncio.create_task(wait(t, tag))
+        for t, tag in [(low, "low1"), (STANDARD, "std1"), (low, "low2"), (STANDARD, "std2")]
+    ]
     for _ in range(5):
         await asyncio.sleep(0)
     assert adm.queued == 4 and order == []
@@ -384,20 +399,25 @@ def _table(ws: list[StubWorker], max_model_len: int | None = None) -> RoutingTab
 
 
 def _sse_events(text: str) -> list[str]:
-    return [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
+    return [line[len("data: ") :] for line in text.split("\n") if line.startswith("data: ")]
 
 
 async def test_max_tokens_is_reserved_at_admission_so_concurrent_requests_cannot_overrun_the_limit() -> None:
     """30 concurrent requests of max_tokens=1000 on a 200 tokens/min key: one runs (a full bucket admits one
     request larger than itself), the other 29 get 429 with Retry-After instead of all running at once."""
-    async with stubs(1, delay=0.002) as ws, run_gateway(FixedSource(_table(ws)), {LIMIT_KEY: "standard"}, _limited(tokens_per_minute=200)) as gw:
+    async with (
+        stubs(1, delay=0.002) as ws,
+        run_gateway(FixedSource(_table(ws)), {LIMIT_KEY: "standard"}, _limited(tokens_per_minute=200)) as gw,
+    ):
         async with gw.client(headers=LIMIT_AUTH) as c:
             body = chat(stream=True, max_tokens=1000)
             answers = await asyncio.gather(*(c.post("/v1/chat/completions", json=body) for _ in range(30)))
     statuses = sorted(r.status_code for r in answers)
     assert statuses == [200] + [429] * 29
     refused = [r for r in answers if r.status_code == 429]
-    assert all(r.json()["error"]["code"] == "rate_limit_exceeded" and int(r.headers["retry-after"]) >= 1 for r in refused)
+    assert all(
+        r.json()["error"]["code"] == "rate_limit_exceeded" and int(r.headers["retry-after"]) >= 1 for r in refused
+    )
     assert ws[0].stats.requests == 1
 
 
@@ -405,7 +425,10 @@ async def test_streams_are_charged_from_the_workers_usage_not_by_counting_events
     """A stop string that never matches holds text back: 1,500 tokens arrive as 2 events. The usage the worker
     reports is what counts, and the usage event the gateway asked for is not shown to a client that did not."""
     settings = _limited(tokens_per_minute=2000)
-    async with stubs(1, tokens_per_event=750) as ws, run_gateway(FixedSource(_table(ws)), {LIMIT_KEY: "standard"}, settings) as gw:
+    async with (
+        stubs(1, tokens_per_event=750) as ws,
+        run_gateway(FixedSource(_table(ws)), {LIMIT_KEY: "standard"}, settings) as gw,
+    ):
         async with gw.client(headers=LIMIT_AUTH) as c:
             first = await c.post("/v1/chat/completions", json=chat(stream=True, max_tokens=1500, stop=["never"]))
             second = await c.post("/v1/chat/completions", json=chat(stream=True, max_tokens=1000))
@@ -418,7 +441,10 @@ async def test_streams_are_charged_from_the_workers_usage_not_by_counting_events
 
 
 async def test_a_client_that_asked_for_usage_gets_it() -> None:
-    async with stubs(1, tokens=5) as ws, run_gateway(FixedSource(_table(ws)), {LIMIT_KEY: "standard"}, _limited()) as gw:
+    async with (
+        stubs(1, tokens=5) as ws,
+        run_gateway(FixedSource(_table(ws)), {LIMIT_KEY: "standard"}, _limited()) as gw,
+    ):
         async with gw.client(headers=LIMIT_AUTH) as c:
             body = chat(stream=True, max_tokens=5, stream_options={"include_usage": True})
             r = await c.post("/v1/chat/completions", json=body)
@@ -431,7 +457,10 @@ async def test_unused_reservation_is_refunded_with_max_model_len_from_the_routin
     """Without max_tokens a request reserves the remaining context (the deployment's max_model_len minus the
     prompt); what the usage shows unused comes back, so short answers do not exhaust the key."""
     settings = _limited(tokens_per_minute=1000)
-    async with stubs(1, tokens=8) as ws, run_gateway(FixedSource(_table(ws, max_model_len=500)), {LIMIT_KEY: "standard"}, settings) as gw:
+    async with (
+        stubs(1, tokens=8) as ws,
+        run_gateway(FixedSource(_table(ws, max_model_len=500)), {LIMIT_KEY: "standard"}, settings) as gw,
+    ):
         async with gw.client(headers=LIMIT_AUTH) as c:
             answers = [await c.post("/v1/chat/completions", json=chat(stream=i % 2 == 0)) for i in range(4)]
             remaining = int(answers[-1].headers["x-ratelimit-remaining-tokens"])
@@ -442,7 +471,10 @@ async def test_unused_reservation_is_refunded_with_max_model_len_from_the_routin
 async def test_a_client_that_disconnects_mid_stream_is_charged_its_reservation() -> None:
     """Usage never arrives when the client leaves (the worker aborts): the reservation stands (fail safe)."""
     settings = _limited(tokens_per_minute=1000)
-    async with stubs(1, delay=0.02, tokens_per_event=1) as ws, run_gateway(FixedSource(_table(ws)), {LIMIT_KEY: "standard"}, settings) as gw:
+    async with (
+        stubs(1, delay=0.02, tokens_per_event=1) as ws,
+        run_gateway(FixedSource(_table(ws)), {LIMIT_KEY: "standard"}, settings) as gw,
+    ):
         async with gw.client(headers=LIMIT_AUTH) as c:
             async with c.stream("POST", "/v1/chat/completions", json=chat(stream=True, max_tokens=900)) as r:
                 async for chunk in r.aiter_raw():
@@ -454,7 +486,10 @@ async def test_a_client_that_disconnects_mid_stream_is_charged_its_reservation()
 
 
 async def test_per_key_concurrency_cap() -> None:
-    async with stubs(1, mode="hang") as ws, run_gateway(FixedSource(_table(ws)), {LIMIT_KEY: "standard"}, _limited(max_concurrent_requests=2)) as gw:
+    async with (
+        stubs(1, mode="hang") as ws,
+        run_gateway(FixedSource(_table(ws)), {LIMIT_KEY: "standard"}, _limited(max_concurrent_requests=2)) as gw,
+    ):
         async with gw.client(headers=LIMIT_AUTH) as c:
             held = [asyncio.create_task(c.post("/v1/chat/completions", json=chat(max_tokens=4))) for _ in range(2)]
             await eventually(lambda: ws[0].stats.active == 2, "two requests reached the worker")

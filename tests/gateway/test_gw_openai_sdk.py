@@ -16,7 +16,10 @@ def sdk(url: str, key: str = KEY) -> openai.AsyncOpenAI:
 
 
 async def test_openai_sdk_streaming_and_not() -> None:
-    async with stubs(2, tokens=6) as ws, run_gateway(FixedSource(one_variant_table("smollm2", ws)), {KEY: "standard"}) as gw:
+    async with (
+        stubs(2, tokens=6) as ws,
+        run_gateway(FixedSource(one_variant_table("smollm2", ws)), {KEY: "standard"}) as gw,
+    ):
         client = sdk(gw.url)
         stream = await client.chat.completions.create(
             model="smollm2", messages=[{"role": "user", "content": "hi"}], stream=True, max_tokens=6
@@ -24,7 +27,9 @@ async def test_openai_sdk_streaming_and_not() -> None:
         text = "".join([c.choices[0].delta.content or "" async for c in stream])
         assert text == "tok0 tok1 tok2 tok3 tok4 tok5 "
 
-        answer = await client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        answer = await client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
         assert answer.choices[0].message.content == "tok0 tok1 tok2 "
         assert answer.usage is not None and answer.usage.completion_tokens == 3
 
@@ -38,7 +43,10 @@ async def test_openai_sdk_streaming_and_not() -> None:
 async def test_openai_sdk_raises_its_typed_errors() -> None:
     tiers = (TierSettings(name="standard", priority=1, requests_per_minute=1),)
     s = GatewaySettings(tiers=tiers)
-    async with stubs(1, tokens=10) as ws, run_gateway(FixedSource(one_variant_table("smollm2", ws)), {KEY: "standard"}, s) as gw:
+    async with (
+        stubs(1, tokens=10) as ws,
+        run_gateway(FixedSource(one_variant_table("smollm2", ws)), {KEY: "standard"}, s) as gw,
+    ):
         with pytest.raises(openai.AuthenticationError):
             await sdk(gw.url, "sk-wrong-key-123").chat.completions.create(model="smollm2", messages=[])
         client = sdk(gw.url)

@@ -30,7 +30,7 @@ AUTH = {"authorization": f"Bearer {KEY}"}
 
 
 def events(text: str) -> list[str]:
-    return [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
+    return [line[len("data: ") :] for line in text.split("\n") if line.startswith("data: ")]
 
 
 def settings(**kw: object) -> GatewaySettings:
@@ -38,7 +38,10 @@ def settings(**kw: object) -> GatewaySettings:
 
 
 async def test_streaming_and_plain_requests_pass_through_unchanged() -> None:
-    async with stubs(2, delay=0.001, tokens=5) as ws, run_gateway(StaticSource([static("m", ws)]), KEYS, settings()) as gw:
+    async with (
+        stubs(2, delay=0.001, tokens=5) as ws,
+        run_gateway(StaticSource([static("m", ws)]), KEYS, settings()) as gw,
+    ):
         async with gw.client(headers=AUTH) as c:
             body = chat(stream=True, temperature=0.5, max_tokens=7)
             async with c.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -48,7 +51,9 @@ async def test_streaming_and_plain_requests_pass_through_unchanged() -> None:
                 text = (await r.aread()).decode()
             evs = events(text)
             assert len(evs) == 8 and evs[-1] == "[DONE]"
-            assert "".join(json.loads(e)["choices"][0]["delta"]["content"] for e in evs[:-1]) == "".join(f"tok{i} " for i in range(7))
+            assert "".join(json.loads(e)["choices"][0]["delta"]["content"] for e in evs[:-1]) == "".join(
+                f"tok{i} " for i in range(7)
+            )
             # the worker got the client's body, asked for usage (what the gateway charges), and no usage came back
             assert {**body, "stream_options": {"include_usage": True}} in [b for w in ws for b in w.stats.bodies]
             assert all("usage" not in json.loads(e) for e in evs[:-1])
@@ -118,12 +123,17 @@ async def test_models_lists_known_models() -> None:
 
 async def test_rate_limit_429_with_headers() -> None:
     tiers = (TierSettings(name="standard", priority=10, requests_per_minute=2, tokens_per_minute=10_000),)
-    tiers += (TierSettings(name="premium", priority=20, requests_per_minute=None), TierSettings(name="batch", priority=0))
+    tiers += (
+        TierSettings(name="premium", priority=20, requests_per_minute=None),
+        TierSettings(name="batch", priority=0),
+    )
     async with stubs(1) as ws, run_gateway(StaticSource([static("m", ws)]), KEYS, settings(tiers=tiers)) as gw:
         async with gw.client(headers=AUTH) as c:
             ok = [await c.post("/v1/chat/completions", json=chat(max_tokens=8)) for _ in range(2)]
             r = await c.post("/v1/chat/completions", json=chat(max_tokens=8))
-            premium = await c.post("/v1/chat/completions", json=chat(max_tokens=8), headers={"authorization": f"Bearer {PREMIUM_KEY}"})
+            premium = await c.post(
+                "/v1/chat/completions", json=chat(max_tokens=8), headers={"authorization": f"Bearer {PREMIUM_KEY}"}
+            )
             metrics = await gw.metrics_text()
     assert [x.status_code for x in ok] == [200, 200]
     assert ok[0].headers["x-ratelimit-limit-requests"] == "2"
@@ -140,8 +150,15 @@ async def test_rate_limit_429_with_headers() -> None:
 
 
 async def test_streamed_output_tokens_count_against_the_token_limit() -> None:
-    tiers = (TierSettings(name="standard", priority=10, tokens_per_minute=20), TierSettings(name="premium", priority=20), TierSettings(name="batch", priority=0))
-    async with stubs(1, tokens=30) as ws, run_gateway(StaticSource([static("m", ws)]), KEYS, settings(tiers=tiers)) as gw:
+    tiers = (
+        TierSettings(name="standard", priority=10, tokens_per_minute=20),
+        TierSettings(name="premium", priority=20),
+        TierSettings(name="batch", priority=0),
+    )
+    async with (
+        stubs(1, tokens=30) as ws,
+        run_gateway(StaticSource([static("m", ws)]), KEYS, settings(tiers=tiers)) as gw,
+    ):
         async with gw.client(headers=AUTH) as c:
             first = await c.post("/v1/chat/completions", json=chat(stream=True, content="hi"))
             second = await c.post("/v1/chat/completions", json=chat(stream=True, content="hi"))
@@ -171,7 +188,10 @@ async def test_retries_another_pod_before_the_first_byte(failure: str) -> None:
 
 
 async def test_when_every_pod_refuses_the_last_answer_is_returned() -> None:
-    async with stubs(2, mode="503") as ws, run_gateway(FixedSource(one_variant_table("m", ws)), KEYS, settings(max_attempts=5)) as gw:
+    async with (
+        stubs(2, mode="503") as ws,
+        run_gateway(FixedSource(one_variant_table("m", ws)), KEYS, settings(max_attempts=5)) as gw,
+    ):
         async with gw.client(headers=AUTH) as c:
             r = await c.post("/v1/chat/completions", json=chat(stream=True))
     assert r.status_code == 503 and r.headers["retry-after"] == "2"
@@ -191,7 +211,10 @@ async def test_when_every_pod_refuses_the_last_answer_is_returned() -> None:
 async def test_answers_that_a_retry_could_repeat_are_passed_through_untried_elsewhere(
     failure: str, status: int, code: str
 ) -> None:
-    async with stubs(3, mode=failure) as ws, run_gateway(FixedSource(one_variant_table("m", ws)), KEYS, settings(max_attempts=3)) as gw:
+    async with (
+        stubs(3, mode=failure) as ws,
+        run_gateway(FixedSource(one_variant_table("m", ws)), KEYS, settings(max_attempts=3)) as gw,
+    ):
         async with gw.client(headers=AUTH) as c:
             for stream in (True, False):
                 r = await c.post("/v1/chat/completions", json=chat(stream=stream, max_tokens=4))
@@ -203,7 +226,10 @@ async def test_answers_that_a_retry_could_repeat_are_passed_through_untried_else
 async def test_a_connection_reset_is_retried_once_only() -> None:
     """A worker that dies while reading a request (a poison request crashing the process) resets the connection;
     one retry covers the benign race with a keep-alive close, a second would spread the poison."""
-    async with stubs(3, mode="reset") as ws, run_gateway(FixedSource(one_variant_table("m", ws)), KEYS, settings(max_attempts=3)) as gw:
+    async with (
+        stubs(3, mode="reset") as ws,
+        run_gateway(FixedSource(one_variant_table("m", ws)), KEYS, settings(max_attempts=3)) as gw,
+    ):
         async with gw.client(headers=AUTH) as c:
             r = await c.post("/v1/chat/completions", json=chat(max_tokens=4))
     assert r.status_code == 502
@@ -228,7 +254,10 @@ async def test_never_retried_after_the_first_byte() -> None:
 
 
 async def test_client_disconnect_mid_stream_reaches_the_worker() -> None:
-    async with stubs(1, delay=0.02, tokens=10_000) as ws, run_gateway(FixedSource(one_variant_table("m", ws)), KEYS, settings()) as gw:
+    async with (
+        stubs(1, delay=0.02, tokens=10_000) as ws,
+        run_gateway(FixedSource(one_variant_table("m", ws)), KEYS, settings()) as gw,
+    ):
         async with gw.client(headers=AUTH) as c:
             async with c.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as r:
                 seen = 0
@@ -237,7 +266,9 @@ async def test_client_disconnect_mid_stream_reaches_the_worker() -> None:
                     if seen >= 3:
                         break
         await eventually(lambda: ws[0].stats.disconnects == 1, "the worker saw the disconnect")
-        await eventually(lambda: gw.state.outstanding == {} and gw.state.admission.in_flight == 0, "bookkeeping released")
+        await eventually(
+            lambda: gw.state.outstanding == {} and gw.state.admission.in_flight == 0, "bookkeeping released"
+        )
         assert ws[0].stats.active == 0 and ws[0].stats.completed == 0
         assert gw.state.client is not None
         async with gw.client(headers=AUTH) as c:
@@ -247,14 +278,21 @@ async def test_client_disconnect_mid_stream_reaches_the_worker() -> None:
 
 @pytest.mark.parametrize("stream", [True, False])
 async def test_client_disconnect_before_the_first_byte_reaches_the_worker(stream: bool) -> None:
-    async with stubs(1, mode="hang") as ws, run_gateway(FixedSource(one_variant_table("m", ws)), KEYS, settings()) as gw:
+    async with (
+        stubs(1, mode="hang") as ws,
+        run_gateway(FixedSource(one_variant_table("m", ws)), KEYS, settings()) as gw,
+    ):
         async with gw.client(headers=AUTH) as c:
             req = asyncio.create_task(c.post("/v1/chat/completions", json=chat(stream=stream)))
             await eventually(lambda: ws[0].stats.active == 1, "the worker got the request")
             req.cancel()
             await asyncio.gather(req, return_exceptions=True)
-        await eventually(lambda: ws[0].stats.disconnects == 1 and ws[0].stats.active == 0, "the worker saw the disconnect")
-        await eventually(lambda: gw.state.outstanding == {} and gw.state.admission.in_flight == 0, "bookkeeping released")
+        await eventually(
+            lambda: ws[0].stats.disconnects == 1 and ws[0].stats.active == 0, "the worker saw the disconnect"
+        )
+        await eventually(
+            lambda: gw.state.outstanding == {} and gw.state.admission.in_flight == 0, "bookkeeping released"
+        )
 
 
 async def test_first_byte_timeout_is_504_and_not_retried() -> None:
@@ -280,14 +318,26 @@ async def test_read_timeout_between_chunks_ends_the_stream_with_an_error_event()
 async def test_tier_picks_its_variant_and_suffix_picks_any() -> None:
     async with stubs(2) as (main, batch):
         table = RoutingTable(
-            {"m": DeploymentRoute("m", "m", "ns", (variant_route("full", 1, [main]), variant_route("cheap", 0, [batch], tiers=("batch",))))}
+            {
+                "m": DeploymentRoute(
+                    "m",
+                    "m",
+                    "ns",
+                    (variant_route("full", 1, [main]), variant_route("cheap", 0, [batch], tiers=("batch",))),
+                )
+            }
         )
         async with run_gateway(FixedSource(table), KEYS, settings()) as gw, gw.client(headers=AUTH) as c:
             plain = await c.post("/v1/chat/completions", json=chat())
             by_header = await c.post("/v1/chat/completions", json=chat(), headers={"x-llmfleet-tier": "batch"})
             by_key = await c.post("/v1/chat/completions", json=chat(), headers={"authorization": f"Bearer {BATCH_KEY}"})
             by_suffix = await c.post("/v1/chat/completions", json=chat(model="m:cheap"))
-    assert [r.headers["x-llmfleet-variant"] for r in (plain, by_header, by_key, by_suffix)] == ["full", "cheap", "cheap", "cheap"]
+    assert [r.headers["x-llmfleet-variant"] for r in (plain, by_header, by_key, by_suffix)] == [
+        "full",
+        "cheap",
+        "cheap",
+        "cheap",
+    ]
     assert (main.stats.requests, batch.stats.requests) == (1, 3)
 
 
@@ -305,7 +355,11 @@ async def test_saturation_sheds_low_tiers_queues_standard_and_lets_premium_throu
             batch = await c.post("/v1/chat/completions", json=chat(), headers={"authorization": f"Bearer {BATCH_KEY}"})
             queued = asyncio.create_task(c.post("/v1/chat/completions", json=chat(stream=True)))
             await eventually(lambda: gw.state.admission.queued == 1, "standard waits for admission")
-            premium = asyncio.create_task(c.post("/v1/chat/completions", json=chat(stream=True), headers={"authorization": f"Bearer {PREMIUM_KEY}"}))
+            premium = asyncio.create_task(
+                c.post(
+                    "/v1/chat/completions", json=chat(stream=True), headers={"authorization": f"Bearer {PREMIUM_KEY}"}
+                )
+            )
             await eventually(lambda: ws[0].stats.active == 2, "premium bypassed the queue")
             assert gw.state.admission.queued == 1
             ws[0].mode = "ok"
@@ -322,7 +376,9 @@ async def test_saturation_sheds_low_tiers_queues_standard_and_lets_premium_throu
 async def test_scaled_to_zero_variant_holds_requests_and_exports_the_queue() -> None:
     async with stubs(1, tokens=3) as ws:
         ws[0].ready = False
-        async with run_gateway(StaticSource([static("m", ws, variant="v")]), KEYS, settings(zero_hold_seconds=60)) as gw:
+        async with run_gateway(
+            StaticSource([static("m", ws, variant="v")]), KEYS, settings(zero_hold_seconds=60)
+        ) as gw:
             async with gw.client(headers=AUTH) as c:
                 held = asyncio.create_task(c.post("/v1/chat/completions", json=chat(stream=True)))
                 await eventually(lambda: gw.state.hold.counts != {}, "the request is held")

@@ -35,7 +35,9 @@ def variant(name: str, weight: float, *revs: RevisionRoute, tiers: tuple[str, ..
     return VariantRoute(name=name, weight=weight, tiers=frozenset(tiers), revisions=revs)
 
 
-FULL = variant("full", 3, RevisionRoute("r1", 90, eps("full", "r1", "f1", "f2")), RevisionRoute("r2", 10, eps("full", "r2", "f3")))
+FULL = variant(
+    "full", 3, RevisionRoute("r1", 90, eps("full", "r1", "f1", "f2")), RevisionRoute("r2", 10, eps("full", "r2", "f3"))
+)
 INT4 = variant("int4", 1, RevisionRoute("r1", 1, eps("int4", "r1", "q1")))
 BATCH = variant("batch", 0, RevisionRoute("r1", 1, eps("batch", "r1", "b1")), tiers=("batch",))
 COLD = variant("cold", 1, RevisionRoute("r1", 1, ()))
@@ -82,9 +84,19 @@ def shares(fn, n: int = 4000, seed: int = 1) -> dict[str, float]:
         # a variant without ready pods is skipped while another can serve
         (DeploymentRoute("m", "m", variants=(FULL, COLD)), None, "standard", {"full": 1.0}),
         # ... but chosen (to be held until it scales up) when no eligible variant has a pod
-        (DeploymentRoute("m", "m", variants=(COLD, variant("cold2", 0, RevisionRoute("r", 1, ())))), None, "standard", {"cold": 1.0}),
+        (
+            DeploymentRoute("m", "m", variants=(COLD, variant("cold2", 0, RevisionRoute("r", 1, ())))),
+            None,
+            "standard",
+            {"cold": 1.0},
+        ),
         # all weights zero: uniform
-        (DeploymentRoute("m", "m", variants=(variant("a", 0, *FULL.revisions), variant("b", 0, *INT4.revisions))), None, "x", {"a": 0.5, "b": 0.5}),
+        (
+            DeploymentRoute("m", "m", variants=(variant("a", 0, *FULL.revisions), variant("b", 0, *INT4.revisions))),
+            None,
+            "x",
+            {"a": 0.5, "b": 0.5},
+        ),
     ],
 )
 def test_choose_variant_shares(dep: DeploymentRoute, suffix: str | None, tier: str, expected: dict[str, float]) -> None:
@@ -113,7 +125,9 @@ def test_canary_revision_weights() -> None:
         ((RevisionRoute("stable", 50, ()), RevisionRoute("canary", 50, ())), {}),
     ],
 )
-def test_revision_without_ready_pods_is_skipped(revisions: tuple[RevisionRoute, ...], expected: dict[str, float]) -> None:
+def test_revision_without_ready_pods_is_skipped(
+    revisions: tuple[RevisionRoute, ...], expected: dict[str, float]
+) -> None:
     v = variant("v", 1, *revisions)
     if not expected:
         assert choose_revision(v, random.Random(0)) is None
@@ -135,11 +149,17 @@ PODS = eps("v", "r", "p0", "p1", "p2", "p3")
     ("outstanding", "exclude", "expected"),
     [
         ({"http://p0:8000": 3, "http://p1:8000": 1, "http://p2:8000": 2, "http://p3:8000": 5}, (), "p1"),
-        ({"http://p0:8000": 3, "http://p1:8000": 1, "http://p2:8000": 2, "http://p3:8000": 5}, ("http://p1:8000",), "p2"),
+        (
+            {"http://p0:8000": 3, "http://p1:8000": 1, "http://p2:8000": 2, "http://p3:8000": 5},
+            ("http://p1:8000",),
+            "p2",
+        ),
         ({}, tuple(e.url for e in PODS), None),
     ],
 )
-def test_least_outstanding_without_affinity(outstanding: dict[str, int], exclude: tuple[str, ...], expected: str | None) -> None:
+def test_least_outstanding_without_affinity(
+    outstanding: dict[str, int], exclude: tuple[str, ...], expected: str | None
+) -> None:
     got = choose_endpoint(PODS, outstanding, None, 1.25, random.Random(0), exclude)
     assert (got.name if got else None) == expected
 
@@ -202,8 +222,25 @@ def test_hot_prefix_prefers_its_home_pod_while_under_cap() -> None:
 @pytest.mark.parametrize(
     ("body", "text"),
     [
-        ({"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}, "system\nbe brief\nuser\nhi\n"),
-        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}, {"type": "text", "text": "b"}]}]}, "user\nab\n"),
+        (
+            {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]},
+            "system\nbe brief\nuser\nhi\n",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "a"},
+                            {"type": "image_url"},
+                            {"type": "text", "text": "b"},
+                        ],
+                    }
+                ]
+            },
+            "user\nab\n",
+        ),
         ({"prompt": "once upon"}, "once upon"),
         ({"prompt": ["a", "b"]}, "ab"),
         ({"prompt": [1, 2, 3]}, "1 2 3"),
@@ -216,7 +253,9 @@ def test_prompt_text(body: dict, text: str) -> None:
     assert prompt_text(body) == text
 
 
-@pytest.mark.parametrize(("prompt", "n", "key"), [("abcdef", 3, "abc"), ("ab", 3, "ab"), ("abc", 0, None), ("", 5, None)])
+@pytest.mark.parametrize(
+    ("prompt", "n", "key"), [("abcdef", 3, "abc"), ("ab", 3, "ab"), ("abc", 0, None), ("", 5, None)]
+)
 def test_affinity_key(prompt: str, n: int, key: str | None) -> None:
     assert affinity_key(prompt, n) == key
 

@@ -37,24 +37,62 @@ async def test_soak_1000_concurrent_streams(tmp_path: Path) -> None:
     keys = tmp_path / "keys.txt"
     keys.write_text(f"{KEY} soak\n")
     # per-key limits stay on, sized so the soak itself is never refused (the default tiers cap a key's concurrency)
-    tier = {"name": "soak", "priority": 20, "bypass_queue": True, "requests_per_minute": 1_000_000,
-            "tokens_per_minute": 1_000_000_000, "max_concurrent_requests": 2 * STREAMS}
+    tier = {
+        "name": "soak",
+        "priority": 20,
+        "bypass_queue": True,
+        "requests_per_minute": 1_000_000,
+        "tokens_per_minute": 1_000_000_000,
+        "max_concurrent_requests": 2 * STREAMS,
+    }
     config = tmp_path / "gateway.json"
     config.write_text(json.dumps({"tiers": [tier], "default_tier": "soak"}))
     port, metrics_port = free_port(), free_port()
     metrics_base = f"http://127.0.0.1:{metrics_port}"
-    async with spawn(sys.executable, "-m", "gateway.stub", "--count", "4", "--delay", "0.05", "--tokens", str(TOKENS), ready_prefix="listening on") as stub:
+    async with spawn(
+        sys.executable,
+        "-m",
+        "gateway.stub",
+        "--count",
+        "4",
+        "--delay",
+        "0.05",
+        "--tokens",
+        str(TOKENS),
+        ready_prefix="listening on",
+    ) as stub:
         urls = stub.first_line.removeprefix("listening on ").split()
-        args = ["-m", "llmfleet.cli", "gateway", "--port", str(port), "--backend", "soak=" + ",".join(urls), "--api-keys-file", str(keys), "--config", str(config), "--log-level", "warning", "--metrics-port", str(metrics_port)]
+        args = [
+            "-m",
+            "llmfleet.cli",
+            "gateway",
+            "--port",
+            str(port),
+            "--backend",
+            "soak=" + ",".join(urls),
+            "--api-keys-file",
+            str(keys),
+            "--config",
+            str(config),
+            "--log-level",
+            "warning",
+            "--metrics-port",
+            str(metrics_port),
+        ]
         async with spawn(sys.executable, *args) as _gateway:
             base = f"http://127.0.0.1:{port}"
             await wait_http_ok(base + "/ready")
             # the load generator uses the gateway's O(1) pool too: httpx's default pool is O(n^2) at this concurrency
             transport = PooledTransport(max_keepalive_connections=STREAMS)
             headers = {"authorization": f"Bearer {KEY}"}
-            async with httpx.AsyncClient(base_url=base, timeout=60, transport=transport, trust_env=False, headers=headers) as c:
+            async with httpx.AsyncClient(
+                base_url=base, timeout=60, transport=transport, trust_env=False, headers=headers
+            ) as c:
                 # warm up one stream, then take the baseline
-                r = await c.post("/v1/chat/completions", json={"model": "soak", "stream": True, "messages": [{"role": "user", "content": "warm"}]})
+                r = await c.post(
+                    "/v1/chat/completions",
+                    json={"model": "soak", "stream": True, "messages": [{"role": "user", "content": "warm"}]},
+                )
                 assert r.status_code == 200
                 before = await metrics(metrics_base)
 
@@ -68,7 +106,9 @@ async def test_soak_1000_concurrent_streams(tmp_path: Path) -> None:
                     results = await asyncio.gather(*(one(i) for i in range(STREAMS)), return_exceptions=True)
                 errors = [r for r in results if isinstance(r, BaseException)]
                 assert errors == [], f"{len(errors)} streams failed, first: {errors[:1]!r}"
-                assert all(r == (200, TOKENS, True) for r in results), [r for r in results if r != (200, TOKENS, True)][:5]
+                assert all(r == (200, TOKENS, True) for r in results), [r for r in results if r != (200, TOKENS, True)][
+                    :5
+                ]
 
                 # afterwards: the gateway's task count returns to the baseline and nothing is outstanding
                 after = await metrics(metrics_base)
@@ -79,7 +119,9 @@ async def test_soak_1000_concurrent_streams(tmp_path: Path) -> None:
                     after = await metrics(metrics_base)
             assert after["llmfleet_gateway_asyncio_tasks"] == before["llmfleet_gateway_asyncio_tasks"]
             assert after["llmfleet_gateway_in_flight_requests"] == 0
-            assert all(v == 0 for k, v in after.items() if k.startswith("llmfleet_gateway_backend_outstanding_requests"))
+            assert all(
+                v == 0 for k, v in after.items() if k.startswith("llmfleet_gateway_backend_outstanding_requests")
+            )
             assert after['llmfleet_gateway_requests_total{model="soak",status="200"}'] == STREAMS + 1
             assert sum(v for k, v in after.items() if k.startswith("llmfleet_gateway_errors_total")) == 0
             stats = await stub_stats(urls)

@@ -31,7 +31,9 @@ async def test_idle_connections_are_bounded() -> None:
     async with stubs(1, delay=0.01, tokens=5) as (w,):
         t = PooledTransport(max_keepalive_connections=3)
         async with client(t) as c:
-            await asyncio.gather(*(c.post(w.url + "/v1/completions", json={"prompt": "x", "stream": True}) for _ in range(10)))
+            await asyncio.gather(
+                *(c.post(w.url + "/v1/completions", json={"prompt": "x", "stream": True}) for _ in range(10))
+            )
             assert w.stats.max_connections == 10
             assert t.connections == 3
             await eventually(lambda: w.stats.connections == 3, "surplus connections were closed")
@@ -45,7 +47,9 @@ async def test_closing_a_response_early_closes_its_connection() -> None:
                 async for _ in r.aiter_raw():
                     break
             assert t.connections == 0
-            await eventually(lambda: w.stats.disconnects == 1 and w.stats.connections == 0, "the server saw the disconnect")
+            await eventually(
+                lambda: w.stats.disconnects == 1 and w.stats.connections == 0, "the server saw the disconnect"
+            )
 
 
 async def test_pool_timeout_when_every_slot_is_busy() -> None:

@@ -25,7 +25,9 @@ async def workers(n: int, **engine_kw: object) -> AsyncIterator[list]:
     try:
         for _ in range(n):
             engine = fake_engine.FakeEngine(**engine_kw)
-            settings = worker_settings.WorkerSettings(model="fake://fake-model", engine="fake", host="127.0.0.1", port=0)
+            settings = worker_settings.WorkerSettings(
+                model="fake://fake-model", engine="fake", host="127.0.0.1", port=0
+            )
             server = serve.WorkerServer(engine, settings, configure_logging=False, log_level="warning")
             task = asyncio.create_task(server.serve())
             started.append((server, engine, task))
@@ -60,7 +62,15 @@ async def test_client_disconnect_frees_the_workers_request_and_kv_cache() -> Non
 async def test_a_draining_workers_503_is_retried_on_another_worker() -> None:
     async with workers(2) as [(draining, d_engine, d_url), (_, engine, url)]:
         eps = tuple(Endpoint(url=u, name=u, variant="default", revision="r") for u in (d_url, url))
-        table = RoutingTable({"fake-model": DeploymentRoute("fake-model", "fake-model", variants=(VariantRoute("default", 1, revisions=(RevisionRoute("r", 1, eps),)),))})
+        table = RoutingTable(
+            {
+                "fake-model": DeploymentRoute(
+                    "fake-model",
+                    "fake-model",
+                    variants=(VariantRoute("default", 1, revisions=(RevisionRoute("r", 1, eps),)),),
+                )
+            }
+        )
         draining.service.begin_drain("test")  # lame duck: answers 503 + Retry-After to new requests
         async with run_gateway(FixedSource(table), open_mode=True) as gw, gw.client() as c:
             for i in range(6):

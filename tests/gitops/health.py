@@ -97,8 +97,10 @@ def fixture_document(name: str, note: str, expected: Mapping[str, Any], obj: Map
         "metadata": {key: meta[key] for key in ("name", "generation") if key in meta},
         "status": obj.get("status") or {},
     }
-    header = (f"# {name}: {note}\n# Captured from the real operator on localkube by tests/operator/test_op_gitops.py"
-              f" (LLMFLEET_CAPTURE_GITOPS=1); regenerate with that test, never edit by hand.\n")
+    header = (
+        f"# {name}: {note}\n# Captured from the real operator on localkube by tests/operator/test_op_gitops.py"
+        f" (LLMFLEET_CAPTURE_GITOPS=1); regenerate with that test, never edit by hand.\n"
+    )
     return header + yaml.safe_dump({"captured": note, "expected": dict(expected), "object": kept}, sort_keys=False)
 
 

@@ -8,8 +8,15 @@ import re
 
 import pytest
 
-PHASES = ["01-first-rollout", "02-ready", "03-canary-progressing", "04-promoted", "05-rolled-back",
-          "06-invalid-spec", "07-scaled-to-zero"]
+PHASES = [
+    "01-first-rollout",
+    "02-ready",
+    "03-canary-progressing",
+    "04-promoted",
+    "05-rolled-back",
+    "06-invalid-spec",
+    "07-scaled-to-zero",
+]
 
 
 def _fixture(gitops, name):
@@ -33,16 +40,22 @@ def test_captured_objects_get_the_expected_verdicts(gitops, name):
 
 @pytest.mark.parametrize(
     ("name", "reason"),
-    [("03-canary-progressing", "CanaryProgressing"), ("05-rolled-back", "CanaryRolledBack"),
-     ("06-invalid-spec", "InvalidSpec"), ("07-scaled-to-zero", "ScaledToZero")],
+    [
+        ("03-canary-progressing", "CanaryProgressing"),
+        ("05-rolled-back", "CanaryRolledBack"),
+        ("06-invalid-spec", "InvalidSpec"),
+        ("07-scaled-to-zero", "ScaledToZero"),
+    ],
 )
 def test_argocd_message_says_why(gitops, name, reason):
     assert gitops.argocd_health(_fixture(gitops, name)["object"])["message"].startswith(reason)
 
 
 def _obj(generation=1, observed=1, conditions=(), **meta):
-    status = {"observedGeneration": observed, "conditions": [
-        {"type": t, "status": s, "reason": r, "message": ""} for t, s, r in conditions]}
+    status = {
+        "observedGeneration": observed,
+        "conditions": [{"type": t, "status": s, "reason": r, "message": ""} for t, s, r in conditions],
+    }
     return {"metadata": {"name": "x", "generation": generation, **meta}, "status": status}
 
 
@@ -72,15 +85,18 @@ def test_rules_on_synthetic_objects(gitops, obj, kstatus, argocd):
 
 
 def test_lua_tolerates_conditions_without_reason_or_message(gitops):
-    obj = {"metadata": {"generation": 1}, "status": {"observedGeneration": 1, "conditions": [
-        {"type": "Stalled", "status": "True"}]}}
+    obj = {
+        "metadata": {"generation": 1},
+        "status": {"observedGeneration": 1, "conditions": [{"type": "Stalled", "status": "True"}]},
+    }
     assert gitops.argocd_health(obj) == {"status": "Degraded", "message": "Stalled"}
 
 
 def test_docs_embed_the_chart_script_verbatim(gitops):
     docs = (gitops.REPO / "docs" / "gitops.md").read_text()
-    match = re.search(r"resource\.customizations\.health\.llmfleet\.io_InferenceDeployment: \|\n(.*?)\n```",
-                      docs, re.DOTALL)
+    match = re.search(
+        r"resource\.customizations\.health\.llmfleet\.io_InferenceDeployment: \|\n(.*?)\n```", docs, re.DOTALL
+    )
     assert match, "docs/gitops.md lacks the argocd-cm snippet"
     embedded = "\n".join(line.removeprefix("    ") for line in match.group(1).splitlines())
     assert embedded.strip() == gitops.LUA_SCRIPT.read_text().strip()

@@ -23,9 +23,18 @@ REPO = Path(__file__).resolve().parents[2]
         ("v1", "Namespace", "x", "/api/v1/namespaces"),
         ("v1", "Secret", "x", "/api/v1/namespaces/x/secrets"),
         ("v1", "Pod", None, "/api/v1/namespaces/default/pods"),
-        ("apiextensions.k8s.io/v1", "CustomResourceDefinition", "x",
-         "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"),
-        ("llmfleet.io/v1alpha1", "InferenceDeployment", "ns", "/apis/llmfleet.io/v1alpha1/namespaces/ns/inferencedeployments"),
+        (
+            "apiextensions.k8s.io/v1",
+            "CustomResourceDefinition",
+            "x",
+            "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
+        ),
+        (
+            "llmfleet.io/v1alpha1",
+            "InferenceDeployment",
+            "ns",
+            "/apis/llmfleet.io/v1alpha1/namespaces/ns/inferencedeployments",
+        ),
     ],
 )
 def test_collection_path(api_version, kind, namespace, path):
@@ -39,14 +48,24 @@ def test_collection_path_names_the_known_kinds_for_an_unknown_one():
 
 def test_merged_for_update_takes_the_desired_spec_and_keeps_server_fields():
     existing = {
-        "apiVersion": "llmfleet.io/v1alpha1", "kind": "InferenceDeployment",
-        "metadata": {"name": "a", "resourceVersion": "7", "finalizers": ["llmfleet.io/finalizer"],
-                     "labels": {"keep": "1", "over": "old"}, "annotations": {"llmfleet.io/x": "y"}},
+        "apiVersion": "llmfleet.io/v1alpha1",
+        "kind": "InferenceDeployment",
+        "metadata": {
+            "name": "a",
+            "resourceVersion": "7",
+            "finalizers": ["llmfleet.io/finalizer"],
+            "labels": {"keep": "1", "over": "old"},
+            "annotations": {"llmfleet.io/x": "y"},
+        },
         "spec": {"replicas": 1, "rollout": {"canary": {}}},
         "status": {"phase": "Available"},
     }
-    desired = {"apiVersion": "llmfleet.io/v1alpha1", "kind": "InferenceDeployment",
-               "metadata": {"name": "a", "labels": {"over": "new"}}, "spec": {"replicas": 2}}
+    desired = {
+        "apiVersion": "llmfleet.io/v1alpha1",
+        "kind": "InferenceDeployment",
+        "metadata": {"name": "a", "labels": {"over": "new"}},
+        "spec": {"replicas": 2},
+    }
     body = merged_for_update(existing, desired)
     assert body["spec"] == {"replicas": 2}  # removed fields go away, like kubectl apply
     assert body["status"] == {"phase": "Available"}
@@ -63,8 +82,10 @@ def test_every_example_and_the_crd_load(path):
 
 @pytest.mark.parametrize(
     ("text", "error"),
-    [("kind: Pod\nmetadata: {name: a}\n", "apiVersion and kind"),
-     ("apiVersion: v1\nkind: Pod\nmetadata: {}\n", "no metadata.name")],
+    [
+        ("kind: Pod\nmetadata: {name: a}\n", "apiVersion and kind"),
+        ("apiVersion: v1\nkind: Pod\nmetadata: {}\n", "no metadata.name"),
+    ],
 )
 def test_load_manifests_rejects_incomplete_documents(tmp_path, text, error):
     path = tmp_path / "m.yaml"
@@ -78,11 +99,17 @@ def _pod(phase="Running", ready=True, waiting=None, deleting=False, restarts=0, 
     meta = {"name": "p", "labels": {"llmfleet.io/revision": "abc"}}
     if deleting:
         meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
-    return {"metadata": meta, "status": {
-        "phase": phase,
-        "conditions": [{"type": "Ready", "status": "True" if ready else "False"},
-                       {"type": "PodScheduled", "status": "True" if scheduled else "False", "message": "no node"}],
-        "containerStatuses": [{"restartCount": restarts, "state": state}]}}
+    return {
+        "metadata": meta,
+        "status": {
+            "phase": phase,
+            "conditions": [
+                {"type": "Ready", "status": "True" if ready else "False"},
+                {"type": "PodScheduled", "status": "True" if scheduled else "False", "message": "no node"},
+            ],
+            "containerStatuses": [{"restartCount": restarts, "state": state}],
+        },
+    }
 
 
 @pytest.mark.parametrize(
@@ -90,8 +117,11 @@ def _pod(phase="Running", ready=True, waiting=None, deleting=False, restarts=0, 
     [
         (_pod(), True, "serving"),
         (_pod(ready=False), False, "loading the model (waiting for /ready)"),
-        (_pod(ready=False, waiting={"reason": "CrashLoopBackOff", "message": "back-off 5s"}), False,
-         "CrashLoopBackOff: back-off 5s"),
+        (
+            _pod(ready=False, waiting={"reason": "CrashLoopBackOff", "message": "back-off 5s"}),
+            False,
+            "CrashLoopBackOff: back-off 5s",
+        ),
         (_pod(deleting=True), False, "terminating (draining)"),
         (_pod(phase="Pending", ready=False, scheduled=False), False, "unschedulable: no node"),
     ],
@@ -102,15 +132,27 @@ def test_pod_row(pod, ready, detail):
 
 
 def _infd(generation=2, observed=2, available="True", ready=1, **status):
-    return {"metadata": {"generation": generation}, "status": {
-        "observedGeneration": observed, "readyReplicas": ready, "replicas": ready,
-        "conditions": [{"type": "Available", "status": available}], **status}}
+    return {
+        "metadata": {"generation": generation},
+        "status": {
+            "observedGeneration": observed,
+            "readyReplicas": ready,
+            "replicas": ready,
+            "conditions": [{"type": "Available", "status": available}],
+            **status,
+        },
+    }
 
 
 @pytest.mark.parametrize(
     ("resource", "ready"),
-    [(None, False), (_infd(), True), (_infd(observed=1), False), (_infd(available="False"), False),
-     (_infd(ready=0), False)],
+    [
+        (None, False),
+        (_infd(), True),
+        (_infd(observed=1), False),
+        (_infd(available="False"), False),
+        (_infd(ready=0), False),
+    ],
 )
 def test_deployment_ready(resource, ready):
     assert deployment_ready(resource) is ready
@@ -126,7 +168,8 @@ def test_deployment_summary_mentions_canary_and_invalid_spec():
 def test_deployment_summary_says_why_it_is_stalled():
     resource = _infd()
     resource["status"]["conditions"].append(
-        {"type": "Stalled", "status": "True", "reason": "CanaryRolledBack", "message": "canary c1 failed"})
+        {"type": "Stalled", "status": "True", "reason": "CanaryRolledBack", "message": "canary c1 failed"}
+    )
     assert "Stalled (CanaryRolledBack): canary c1 failed" in deployment_summary(resource)
 
 
@@ -134,22 +177,65 @@ def test_deployment_summary_says_why_it_is_stalled():
     ("before", "after", "lines"),
     [
         ({}, {}, []),
-        ({"variants": [{"name": "d", "desiredReplicas": 1, "readyReplicas": 1}]},
-         {"variants": [{"name": "d", "desiredReplicas": 3, "readyReplicas": 1}]},
-         ["variant d: desired pods 1 -> 3"]),
-        ({"rollout": {"phase": "Stable"}},
-         {"rollout": {"phase": "Progressing", "reason": "CanaryStarted", "message": "m", "canaryRevision": "c",
-                      "step": 0, "canaryWeight": 20}},
-         ["rollout Stable -> Progressing (CanaryStarted: m)", "canary c: step 1, 20% of traffic"]),
-        ({"rollout": {"phase": "Progressing", "canaryRevision": "c", "step": 0, "canaryWeight": 20,
-                      "analysis": [{"time": "t1", "step": 0, "verdict": "Pass", "message": "ok"}]}},
-         {"rollout": {"phase": "Progressing", "canaryRevision": "c", "step": 0, "canaryWeight": 20,
-                      "analysis": [{"time": "t1", "step": 0, "verdict": "Pass", "message": "ok"},
-                                   {"time": "t2", "step": 0, "verdict": "Fail", "message": "errors"}]}},
-         ["analysis (step 1): Fail - errors"]),
-        ({}, {"autoscaling": {"variants": [{"name": "d", "lastDecisions": [
-            {"time": "t", "currentReplicas": 1, "desiredReplicas": 2, "reason": "queue"}]}]}},
-         ["autoscaler (d): 1 -> 2 pods: queue"]),
+        (
+            {"variants": [{"name": "d", "desiredReplicas": 1, "readyReplicas": 1}]},
+            {"variants": [{"name": "d", "desiredReplicas": 3, "readyReplicas": 1}]},
+            ["variant d: desired pods 1 -> 3"],
+        ),
+        (
+            {"rollout": {"phase": "Stable"}},
+            {
+                "rollout": {
+                    "phase": "Progressing",
+                    "reason": "CanaryStarted",
+                    "message": "m",
+                    "canaryRevision": "c",
+                    "step": 0,
+                    "canaryWeight": 20,
+                }
+            },
+            ["rollout Stable -> Progressing (CanaryStarted: m)", "canary c: step 1, 20% of traffic"],
+        ),
+        (
+            {
+                "rollout": {
+                    "phase": "Progressing",
+                    "canaryRevision": "c",
+                    "step": 0,
+                    "canaryWeight": 20,
+                    "analysis": [{"time": "t1", "step": 0, "verdict": "Pass", "message": "ok"}],
+                }
+            },
+            {
+                "rollout": {
+                    "phase": "Progressing",
+                    "canaryRevision": "c",
+                    "step": 0,
+                    "canaryWeight": 20,
+                    "analysis": [
+                        {"time": "t1", "step": 0, "verdict": "Pass", "message": "ok"},
+                        {"time": "t2", "step": 0, "verdict": "Fail", "message": "errors"},
+                    ],
+                }
+            },
+            ["analysis (step 1): Fail - errors"],
+        ),
+        (
+            {},
+            {
+                "autoscaling": {
+                    "variants": [
+                        {
+                            "name": "d",
+                            "lastDecisions": [
+                                {"time": "t", "currentReplicas": 1, "desiredReplicas": 2, "reason": "queue"}
+                            ],
+                        }
+                    ]
+                }
+            },
+            ["autoscaler (d): 1 -> 2 pods: queue"],
+        ),
     ],
 )
 def test_rollout_changes(before, after, lines):
@@ -167,8 +253,14 @@ def test_plan_steps_skips_steps_whose_features_are_missing_and_says_why():
 @pytest.mark.parametrize(
     ("lines", "kind"),
     [
-        (['data: {"choices":[{"delta":{"content":"a"}}]}', 'data: {"choices":[{"delta":{},"finish_reason":"stop"}]}',
-          "data: [DONE]"], "ok"),
+        (
+            [
+                'data: {"choices":[{"delta":{"content":"a"}}]}',
+                'data: {"choices":[{"delta":{},"finish_reason":"stop"}]}',
+                "data: [DONE]",
+            ],
+            "ok",
+        ),
         (['data: {"choices":[{"delta":{"content":"a"}}]}', "data: [DONE]"], "mid_stream"),  # no finish reason
         (['data: {"choices":[{"delta":{"content":"a"}}]}'], "mid_stream"),  # cut before [DONE]
         (['data: {"choices":[{"delta":{},"finish_reason":"length"}]}', ": keep-alive", "data: [DONE]"], "ok"),
@@ -180,13 +272,17 @@ def test_classify_stream(lines, kind):
 
 
 def test_sse_payloads_stop_at_done():
-    assert list(sse_payloads(iter(["data: {}", "data: [DONE]", "data: {\"x\": 1}"]))) == [{}, None]
+    assert list(sse_payloads(iter(["data: {}", "data: [DONE]", 'data: {"x": 1}']))) == [{}, None]
 
 
 @pytest.mark.parametrize(
     ("fields", "error"),
-    [({"operator_env": {"PATH": "/x"}}, "LLMFLEET_OPERATOR_"), ({"namespace": "Bad_NS"}, "namespace"),
-     ({"scrape_interval_s": 0}, "scrape_interval_s"), ({"log_level": "loud"}, "log_level")],
+    [
+        ({"operator_env": {"PATH": "/x"}}, "LLMFLEET_OPERATOR_"),
+        ({"namespace": "Bad_NS"}, "namespace"),
+        ({"scrape_interval_s": 0}, "scrape_interval_s"),
+        ({"log_level": "loud"}, "log_level"),
+    ],
 )
 def test_fleet_settings_reject_bad_values(fields, error):
     with pytest.raises(ValidationError, match=error):
@@ -195,8 +291,12 @@ def test_fleet_settings_reject_bad_values(fields, error):
 
 @pytest.mark.parametrize(
     ("observed", "phase", "settled"),
-    [(4, "RolledBack", False),  # the previous rollout's outcome, read before the operator saw the change
-     (5, "Progressing", False), (5, "RolledBack", True), (6, "Stable", True)],
+    [
+        (4, "RolledBack", False),  # the previous rollout's outcome, read before the operator saw the change
+        (5, "Progressing", False),
+        (5, "RolledBack", True),
+        (6, "Stable", True),
+    ],
 )
 def test_rollout_settled_needs_the_new_generation(observed, phase, settled):
     resource = {"status": {"observedGeneration": observed, "rollout": {"phase": phase}}}
@@ -213,12 +313,22 @@ def test_run_tour_reports_each_step_and_survives_a_failing_one():
     def boom(_ctx):
         raise RuntimeError("no pods")
 
-    steps = (Step("works", ("canary",), lambda _ctx: "Stable", "e1"),
-             Step("breaks", ("canary",), boom, "e2"),
-             Step("waits", ("autoscaling",), lambda _ctx: "never", "e3"))
+    steps = (
+        Step("works", ("canary",), lambda _ctx: "Stable", "e1"),
+        Step("breaks", ("canary",), boom, "e2"),
+        Step("waits", ("autoscaling",), lambda _ctx: "never", "e3"),
+    )
     out = io.StringIO()
-    ctx = TourContext(Console(file=out, width=200), kube=None, gateway_url="", api_key="", namespace="default",
-                      name="d", model="d", examples=REPO / "examples")
+    ctx = TourContext(
+        Console(file=out, width=200),
+        kube=None,
+        gateway_url="",
+        api_key="",
+        namespace="default",
+        name="d",
+        model="d",
+        examples=REPO / "examples",
+    )
     results = run_tour(ctx, steps, present=lambda module: "autoscal" not in module)
     assert [r[1].split(":")[0] for r in results] == ["ran", "failed", "skipped"]
     assert results[0][1] == "ran: Stable" and "no pods" in results[1][1] and "autoscaler.py" in results[2][1]

@@ -18,41 +18,59 @@ WIDGET_CRD = {
         "group": "example.com",
         "scope": "Namespaced",
         "names": {"plural": "widgets", "singular": "widget", "kind": "Widget", "shortNames": ["wd"]},
-        "versions": [{
-            "name": "v1", "served": True, "storage": True,
-            "subresources": {"status": {}, "scale": {"specReplicasPath": ".spec.replicas",
-                                                     "statusReplicasPath": ".status.replicas"}},
-            "additionalPrinterColumns": [
-                {"name": "Size", "type": "string", "jsonPath": ".spec.size"},
-                {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},
-                {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
-                {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-            ],
-            "schema": {"openAPIV3Schema": {
-                "type": "object",
-                "properties": {
-                    "spec": {
-                        "type": "object", "required": ["size"],
-                        "properties": {
-                            "size": {"type": "string", "enum": ["small", "large"]},
-                            "replicas": {"type": "integer", "minimum": 0, "default": 1},
-                            "name": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 10},
-                            "port": {"x-kubernetes-int-or-string": True},
-                            "extra": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
-                            "variants": {"type": "array", "items": {
-                                "type": "object", "required": ["name"],
-                                "properties": {
-                                    "name": {"type": "string"},
-                                    "autoscaling": {"type": "object", "properties": {
-                                        "minReplicas": {"type": "integer", "minimum": 1},
-                                        "maxReplicas": {"type": "integer", "maximum": 100}}},
-                                }}},
-                        },
-                    },
-                    "status": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "subresources": {
+                    "status": {},
+                    "scale": {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas"},
                 },
-            }},
-        }],
+                "additionalPrinterColumns": [
+                    {"name": "Size", "type": "string", "jsonPath": ".spec.size"},
+                    {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},
+                    {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+                    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                ],
+                "schema": {
+                    "openAPIV3Schema": {
+                        "type": "object",
+                        "properties": {
+                            "spec": {
+                                "type": "object",
+                                "required": ["size"],
+                                "properties": {
+                                    "size": {"type": "string", "enum": ["small", "large"]},
+                                    "replicas": {"type": "integer", "minimum": 0, "default": 1},
+                                    "name": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 10},
+                                    "port": {"x-kubernetes-int-or-string": True},
+                                    "extra": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+                                    "variants": {
+                                        "type": "array",
+                                        "items": {
+                                            "type": "object",
+                                            "required": ["name"],
+                                            "properties": {
+                                                "name": {"type": "string"},
+                                                "autoscaling": {
+                                                    "type": "object",
+                                                    "properties": {
+                                                        "minReplicas": {"type": "integer", "minimum": 1},
+                                                        "maxReplicas": {"type": "integer", "maximum": 100},
+                                                    },
+                                                },
+                                            },
+                                        },
+                                    },
+                                },
+                            },
+                            "status": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+                        },
+                    }
+                },
+            }
+        ],
     },
 }
 

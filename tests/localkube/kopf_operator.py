@@ -8,8 +8,12 @@ import kopf
 
 def _record(kind: str, body) -> None:
     with open(os.environ["LK_KOPF_LOG"], "a") as log:
-        log.write(json.dumps({"handler": kind, "name": body["metadata"]["name"],
-                              "generation": body["metadata"].get("generation")}) + "\n")
+        log.write(
+            json.dumps(
+                {"handler": kind, "name": body["metadata"]["name"], "generation": body["metadata"].get("generation")}
+            )
+            + "\n"
+        )
 
 
 @kopf.on.login()

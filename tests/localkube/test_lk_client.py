@@ -36,8 +36,15 @@ def test_create_list_watch_patch_status(widgets, namespace):
     ready = threading.Event()
 
     def follow() -> None:
-        stream = watch.Watch().stream(widgets.list_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL,
-                                      resource_version=listing["metadata"]["resourceVersion"], timeout_seconds=10)
+        stream = watch.Watch().stream(
+            widgets.list_namespaced_custom_object,
+            GROUP,
+            VERSION,
+            namespace,
+            PLURAL,
+            resource_version=listing["metadata"]["resourceVersion"],
+            timeout_seconds=10,
+        )
         ready.set()
         for event in stream:
             seen.append((event["type"], event["object"]))
@@ -47,10 +54,13 @@ def test_create_list_watch_patch_status(widgets, namespace):
     thread = threading.Thread(target=follow)
     thread.start()
     ready.wait(5)
-    patched = widgets.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name,
-                                                            {"status": {"replicas": 2, "phase": "Running"}})
+    patched = widgets.patch_namespaced_custom_object_status(
+        GROUP, VERSION, namespace, PLURAL, name, {"status": {"replicas": 2, "phase": "Running"}}
+    )
     assert patched["status"] == {"replicas": 2, "phase": "Running"} and patched["metadata"]["generation"] == 1
-    spec_patched = widgets.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, {"spec": {"replicas": 4}})
+    spec_patched = widgets.patch_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, name, {"spec": {"replicas": 4}}
+    )
     assert spec_patched["metadata"]["generation"] == 2 and spec_patched["status"]["replicas"] == 2
     widgets.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
     thread.join(15)
@@ -71,17 +81,33 @@ def test_errors_are_status_objects(widgets, namespace):
         widgets.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "nope")
     assert missing.value.status == 404 and status_of(missing.value)["message"] == 'widgets.example.com "nope" not found'
     with pytest.raises(ApiException) as invalid:
-        widgets.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, {
-            "apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "inv"},
-            "spec": {"size": "small", "variants": [{"name": "a", "autoscaling": {"minReplicas": 0, "maxReplicas": 500}}]}})
+        widgets.create_namespaced_custom_object(
+            GROUP,
+            VERSION,
+            namespace,
+            PLURAL,
+            {
+                "apiVersion": "example.com/v1",
+                "kind": "Widget",
+                "metadata": {"name": "inv"},
+                "spec": {
+                    "size": "small",
+                    "variants": [{"name": "a", "autoscaling": {"minReplicas": 0, "maxReplicas": 500}}],
+                },
+            },
+        )
     body = status_of(invalid.value)
     assert invalid.value.status == 422 and body["reason"] == "Invalid"
     fields = {c["field"]: c["reason"] for c in body["details"]["causes"]}
-    assert fields == {"spec.variants[0].autoscaling.minReplicas": "FieldValueInvalid",
-                      "spec.variants[0].autoscaling.maxReplicas": "FieldValueInvalid"}
+    assert fields == {
+        "spec.variants[0].autoscaling.minReplicas": "FieldValueInvalid",
+        "spec.variants[0].autoscaling.maxReplicas": "FieldValueInvalid",
+    }
     with pytest.raises(ApiException) as bad_name:
         widgets.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, new_widget("Not_A_Name"))
-    assert bad_name.value.status == 422 and status_of(bad_name.value)["details"]["causes"][0]["field"] == "metadata.name"
+    assert (
+        bad_name.value.status == 422 and status_of(bad_name.value)["details"]["causes"][0]["field"] == "metadata.name"
+    )
 
 
 def test_stale_resource_version_conflicts(widgets, namespace):
@@ -96,22 +122,33 @@ def test_stale_resource_version_conflicts(widgets, namespace):
     # a JSON patch whose test fails is rejected (kopf's finalizer patches rely on this)
     with pytest.raises(ApiException) as failed:
         widgets.patch_namespaced_custom_object(
-            GROUP, VERSION, namespace, PLURAL, "cas",
-            [{"op": "test", "path": "/metadata/resourceVersion", "value": obj["metadata"]["resourceVersion"]},
-             {"op": "replace", "path": "/spec/replicas", "value": 9}], _content_type="application/json-patch+json")
+            GROUP,
+            VERSION,
+            namespace,
+            PLURAL,
+            "cas",
+            [
+                {"op": "test", "path": "/metadata/resourceVersion", "value": obj["metadata"]["resourceVersion"]},
+                {"op": "replace", "path": "/spec/replicas", "value": 9},
+            ],
+            _content_type="application/json-patch+json",
+        )
     assert failed.value.status == 422
     assert widgets.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "cas")["spec"]["replicas"] == 2
 
 
 def test_no_op_update_keeps_resource_version(widgets, namespace):
     obj = widgets.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, new_widget("same"))
-    again = widgets.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "same", {"spec": {"size": "small"}})
+    again = widgets.patch_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, "same", {"spec": {"size": "small"}}
+    )
     assert again["metadata"]["resourceVersion"] == obj["metadata"]["resourceVersion"]
 
 
 def test_status_endpoint_ignores_spec_and_main_ignores_status(widgets, namespace):
-    obj = widgets.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
-                                                  {**new_widget("split"), "status": {"phase": "ignored-on-create"}})
+    obj = widgets.create_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, {**new_widget("split"), "status": {"phase": "ignored-on-create"}}
+    )
     assert "status" not in obj
     obj["spec"]["replicas"] = 7
     obj["status"] = {"phase": "Set"}
@@ -127,15 +164,22 @@ def test_labels_fields_pagination_and_deletecollection(widgets, namespace):
         widgets.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
 
     def names(**kw):
-        return [i["metadata"]["name"] for i in widgets.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, **kw)["items"]]
+        return [
+            i["metadata"]["name"]
+            for i in widgets.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, **kw)["items"]
+        ]
 
     assert names(label_selector="batch=a") == ["p0", "p1", "p2"]
     assert names(label_selector="batch in (b),n!=4") == ["p3"]
     assert names(label_selector="!missing,n") == ["p0", "p1", "p2", "p3", "p4"]
     assert names(field_selector="metadata.name=p4") == ["p4"]
     page = widgets.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, limit=2)
-    assert [i["metadata"]["name"] for i in page["items"]] == ["p0", "p1"] and page["metadata"]["remainingItemCount"] == 3
-    rest = widgets.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, limit=10, _continue=page["metadata"]["continue"])
+    assert [i["metadata"]["name"] for i in page["items"]] == ["p0", "p1"] and page["metadata"][
+        "remainingItemCount"
+    ] == 3
+    rest = widgets.list_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, limit=10, _continue=page["metadata"]["continue"]
+    )
     assert [i["metadata"]["name"] for i in rest["items"]] == ["p2", "p3", "p4"]
     with pytest.raises(ApiException) as unsupported:
         names(field_selector="spec.size=small")
@@ -152,14 +196,25 @@ def test_watch_selector_transitions_and_initial_events(cluster, widgets, namespa
     events: list[dict] = []
     open_before = cluster.call(lambda kube: kube.store.watch_count())
     with httpx.Client(timeout=10) as http:
-        with http.stream("GET", url, params={"watch": "1", "labelSelector": "watched=yes", "sendInitialEvents": "true",
-                                             "allowWatchBookmarks": "true", "resourceVersionMatch": "NotOlderThan",
-                                             "timeoutSeconds": "5"}) as response:
+        with http.stream(
+            "GET",
+            url,
+            params={
+                "watch": "1",
+                "labelSelector": "watched=yes",
+                "sendInitialEvents": "true",
+                "allowWatchBookmarks": "true",
+                "resourceVersionMatch": "NotOlderThan",
+                "timeoutSeconds": "5",
+            },
+        ) as response:
             assert response.headers["content-type"].startswith("application/json")
             lines = response.iter_lines()
             events.append(json.loads(next(lines)))
             events.append(json.loads(next(lines)))
-            widgets.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "sel", {"metadata": {"labels": {"watched": "no"}}})
+            widgets.patch_namespaced_custom_object(
+                GROUP, VERSION, namespace, PLURAL, "sel", {"metadata": {"labels": {"watched": "no"}}}
+            )
             events.append(json.loads(next(lines)))
     # the client went away long before timeoutSeconds: the server notices and forgets the watch
     wait_for(lambda: cluster.call(lambda kube: kube.store.watch_count()) == open_before, what="the watch to be dropped")
@@ -176,8 +231,12 @@ def test_watch_too_old_resource_version_is_gone(tmp_path):
         for n in range(1, 15):
             core.create_namespaced_config_map("default", {"metadata": {"name": f"c{n}"}})
         with pytest.raises(ApiException) as gone:
-            for _ in watch.Watch().stream(core.list_namespaced_config_map, "default",
-                                          resource_version=first.metadata.resource_version, timeout_seconds=2):
+            for _ in watch.Watch().stream(
+                core.list_namespaced_config_map,
+                "default",
+                resource_version=first.metadata.resource_version,
+                timeout_seconds=2,
+            ):
                 pass
         assert gone.value.status == 410
         client.close()
@@ -187,9 +246,18 @@ def test_garbage_collection_background_foreground_orphan(api, widgets, namespace
     core = kubernetes.client.CoreV1Api(api)
 
     def owned(name: str, owner: dict, block: bool = False, finalizers=None) -> None:
-        meta = {"name": name, "ownerReferences": [{"apiVersion": "example.com/v1", "kind": "Widget",
-                                                   "name": owner["metadata"]["name"], "uid": owner["metadata"]["uid"],
-                                                   "blockOwnerDeletion": block}]}
+        meta = {
+            "name": name,
+            "ownerReferences": [
+                {
+                    "apiVersion": "example.com/v1",
+                    "kind": "Widget",
+                    "name": owner["metadata"]["name"],
+                    "uid": owner["metadata"]["uid"],
+                    "blockOwnerDeletion": block,
+                }
+            ],
+        }
         if finalizers:
             meta["finalizers"] = finalizers
         core.create_namespaced_config_map(namespace, {"metadata": meta})
@@ -209,21 +277,30 @@ def test_garbage_collection_background_foreground_orphan(api, widgets, namespace
     fg = widgets.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, new_widget("fg"))
     owned("fg-child", fg, block=True, finalizers=["example.com/slow"])
     widgets.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "fg", propagation_policy="Foreground")
-    child = wait_for(lambda: (c := core.read_namespaced_config_map("fg-child", namespace)).metadata.deletion_timestamp and c,
-                     what="the dependent to be deleting")
+    child = wait_for(
+        lambda: (c := core.read_namespaced_config_map("fg-child", namespace)).metadata.deletion_timestamp and c,
+        what="the dependent to be deleting",
+    )
     owner = widgets.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "fg")
     assert owner["metadata"]["finalizers"] == ["foregroundDeletion"]  # waits for its blocking dependent
     core.patch_namespaced_config_map("fg-child", namespace, {"metadata": {"finalizers": None}})
     assert child.metadata.name == "fg-child"
-    wait_for(lambda: not widgets.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
-                                                               field_selector="metadata.name=fg")["items"],
-             what="foreground owner removal")
+    wait_for(
+        lambda: (
+            not widgets.list_namespaced_custom_object(
+                GROUP, VERSION, namespace, PLURAL, field_selector="metadata.name=fg"
+            )["items"]
+        ),
+        what="foreground owner removal",
+    )
 
     orphan = widgets.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, new_widget("orph"))
     owned("orph-child", orphan)
     widgets.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "orph", propagation_policy="Orphan")
-    wait_for(lambda: not core.read_namespaced_config_map("orph-child", namespace).metadata.owner_references,
-             what="ownerReferences to be removed")
+    wait_for(
+        lambda: not core.read_namespaced_config_map("orph-child", namespace).metadata.owner_references,
+        what="ownerReferences to be removed",
+    )
     assert exists("orph-child")
 
 
@@ -234,8 +311,9 @@ def test_finalizers_block_deletion_and_cannot_be_added_late(widgets, namespace):
     deleting = widgets.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "fin")
     assert deleting["metadata"]["deletionTimestamp"]
     with pytest.raises(ApiException) as late:
-        widgets.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "fin",
-                                               {"metadata": {"finalizers": ["example.com/a", "example.com/b"]}})
+        widgets.patch_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, "fin", {"metadata": {"finalizers": ["example.com/a", "example.com/b"]}}
+        )
     assert late.value.status == 422
     widgets.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "fin", {"metadata": {"finalizers": []}})
     with pytest.raises(ApiException) as gone:
@@ -273,8 +351,11 @@ def test_http_errors_for_methods_media_and_paths(cluster, namespace):
     httpx.post(base, json={"metadata": {"name": "smp"}, "data": {"a": "1"}})
     wrong = httpx.patch(f"{base}/smp", content=b"{}", headers={"Content-Type": "text/plain"})
     assert wrong.status_code == 415
-    crd_smp = httpx.patch(f"{cluster.url}/apis/example.com/v1/namespaces/{namespace}/widgets/x", content=b"{}",
-                          headers={"Content-Type": "application/strategic-merge-patch+json"})
+    crd_smp = httpx.patch(
+        f"{cluster.url}/apis/example.com/v1/namespaces/{namespace}/widgets/x",
+        content=b"{}",
+        headers={"Content-Type": "application/strategic-merge-patch+json"},
+    )
     assert crd_smp.status_code in (404, 415)
     assert httpx.get(f"{base}/missing").json()["reason"] == "NotFound"
 
@@ -282,12 +363,24 @@ def test_http_errors_for_methods_media_and_paths(cluster, namespace):
 def test_events_in_both_api_groups(api, namespace):
     core = kubernetes.client.CoreV1Api(api)
     events_v1 = kubernetes.client.EventsV1Api(api)
-    events_v1.create_namespaced_event(namespace, {
-        "metadata": {"name": "e1"}, "eventTime": "2026-01-01T00:00:00.000000Z", "reason": "Scaled", "note": "scaled up",
-        "type": "Normal", "action": "Scale", "reportingController": "test/ctl", "reportingInstance": "test-1",
-        "regarding": {"kind": "Pod", "name": "p", "namespace": namespace}})
+    events_v1.create_namespaced_event(
+        namespace,
+        {
+            "metadata": {"name": "e1"},
+            "eventTime": "2026-01-01T00:00:00.000000Z",
+            "reason": "Scaled",
+            "note": "scaled up",
+            "type": "Normal",
+            "action": "Scale",
+            "reportingController": "test/ctl",
+            "reportingInstance": "test-1",
+            "regarding": {"kind": "Pod", "name": "p", "namespace": namespace},
+        },
+    )
     event = core.read_namespaced_event("e1", namespace)
-    assert event.message == "scaled up" and event.involved_object.name == "p" and event.reporting_component == "test/ctl"
+    assert (
+        event.message == "scaled up" and event.involved_object.name == "p" and event.reporting_component == "test/ctl"
+    )
     listed = core.list_namespaced_event(namespace, field_selector="involvedObject.name=p,reason=Scaled")
     assert [e.metadata.name for e in listed.items] == ["e1"]
     assert events_v1.read_namespaced_event("e1", namespace).note == "scaled up"
@@ -295,15 +388,20 @@ def test_events_in_both_api_groups(api, namespace):
 
 def test_leases_and_disruption_budgets(api, namespace):
     coordination = kubernetes.client.CoordinationV1Api(api)
-    lease = coordination.create_namespaced_lease(namespace, {"metadata": {"name": "leader"},
-                                                             "spec": {"holderIdentity": "a", "leaseDurationSeconds": 15}})
+    lease = coordination.create_namespaced_lease(
+        namespace, {"metadata": {"name": "leader"}, "spec": {"holderIdentity": "a", "leaseDurationSeconds": 15}}
+    )
     lease.spec.holder_identity = "b"
     assert coordination.replace_namespaced_lease("leader", namespace, lease).spec.holder_identity == "b"
     policy = kubernetes.client.PolicyV1Api(api)
-    policy.create_namespaced_pod_disruption_budget(namespace, {
-        "metadata": {"name": "pdb"}, "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "none"}}}})
-    budget = wait_for(lambda: (b := policy.read_namespaced_pod_disruption_budget("pdb", namespace)).status.observed_generation and b,
-                      what="PDB status")
+    policy.create_namespaced_pod_disruption_budget(
+        namespace,
+        {"metadata": {"name": "pdb"}, "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "none"}}}},
+    )
+    budget = wait_for(
+        lambda: (b := policy.read_namespaced_pod_disruption_budget("pdb", namespace)).status.observed_generation and b,
+        what="PDB status",
+    )
     assert budget.status.disruptions_allowed == 0 and budget.status.expected_pods == 0
 
 
@@ -317,11 +415,15 @@ def test_namespace_lifecycle(api):
     with pytest.raises(ApiException) as forbidden:
         core.create_namespaced_config_map("short-lived", {"metadata": {"name": "late"}})
     assert forbidden.value.status == 403
-    held = wait_for(lambda: (c := core.read_namespaced_config_map("c", "short-lived")).metadata.deletion_timestamp and c,
-                    what="the namespace controller to delete the contents")
+    held = wait_for(
+        lambda: (c := core.read_namespaced_config_map("c", "short-lived")).metadata.deletion_timestamp and c,
+        what="the namespace controller to delete the contents",
+    )
     assert held.metadata.finalizers == ["example.com/hold"]
     core.patch_namespaced_config_map("c", "short-lived", {"metadata": {"finalizers": None}})
-    wait_for(lambda: "short-lived" not in [n.metadata.name for n in core.list_namespace().items], what="namespace removal")
+    wait_for(
+        lambda: "short-lived" not in [n.metadata.name for n in core.list_namespace().items], what="namespace removal"
+    )
     with pytest.raises(ApiException) as missing:
         core.create_namespaced_config_map("short-lived", {"metadata": {"name": "later"}})
     assert missing.value.status == 404
@@ -332,8 +434,15 @@ def test_old_events_expire(cluster, api, namespace):
 
     core = kubernetes.client.CoreV1Api(api)
     involved = {"kind": "ConfigMap", "name": "x", "namespace": namespace}
-    core.create_namespaced_event(namespace, {"metadata": {"name": "old"}, "involvedObject": involved, "reason": "R",
-                                             "lastTimestamp": "2020-01-01T00:00:00Z"})
+    core.create_namespaced_event(
+        namespace,
+        {
+            "metadata": {"name": "old"},
+            "involvedObject": involved,
+            "reason": "R",
+            "lastTimestamp": "2020-01-01T00:00:00Z",
+        },
+    )
     core.create_namespaced_event(namespace, {"metadata": {"name": "new"}, "involvedObject": involved, "reason": "R"})
     cutoff = dt.datetime.now(dt.UTC) - dt.timedelta(hours=1)
     assert cluster.call(lambda kube: kube.controllers.expire_events(cutoff)) >= 1
@@ -342,27 +451,58 @@ def test_old_events_expire(cluster, api, namespace):
 
 def test_status_writes_are_pruned_and_validated(api, namespace):
     ext = kubernetes.client.ApiextensionsV1Api(api)
-    ext.create_custom_resource_definition({
-        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-        "metadata": {"name": "typedstatuses.example.com"},
-        "spec": {"group": "example.com", "scope": "Namespaced",
-                 "names": {"plural": "typedstatuses", "kind": "TypedStatus"},
-                 "versions": [{"name": "v1", "served": True, "storage": True, "subresources": {"status": {}},
-                               "schema": {"openAPIV3Schema": {"type": "object", "properties": {
-                                   "spec": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
-                                   "status": {"type": "object", "properties": {
-                                       "replicas": {"type": "integer", "minimum": 0}}}}}}}]}})
+    ext.create_custom_resource_definition(
+        {
+            "apiVersion": "apiextensions.k8s.io/v1",
+            "kind": "CustomResourceDefinition",
+            "metadata": {"name": "typedstatuses.example.com"},
+            "spec": {
+                "group": "example.com",
+                "scope": "Namespaced",
+                "names": {"plural": "typedstatuses", "kind": "TypedStatus"},
+                "versions": [
+                    {
+                        "name": "v1",
+                        "served": True,
+                        "storage": True,
+                        "subresources": {"status": {}},
+                        "schema": {
+                            "openAPIV3Schema": {
+                                "type": "object",
+                                "properties": {
+                                    "spec": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+                                    "status": {
+                                        "type": "object",
+                                        "properties": {"replicas": {"type": "integer", "minimum": 0}},
+                                    },
+                                },
+                            }
+                        },
+                    }
+                ],
+            },
+        }
+    )
     objects = kubernetes.client.CustomObjectsApi(api)
     wait_for(lambda: _served(objects, namespace), what="the new resource to be served")
-    objects.create_namespaced_custom_object("example.com", "v1", namespace, "typedstatuses",
-                                            {"apiVersion": "example.com/v1", "kind": "TypedStatus", "metadata": {"name": "t"}})
-    written = objects.patch_namespaced_custom_object_status("example.com", "v1", namespace, "typedstatuses", "t",
-                                                            {"status": {"replicas": 2, "undeclared": "dropped"}})
+    objects.create_namespaced_custom_object(
+        "example.com",
+        "v1",
+        namespace,
+        "typedstatuses",
+        {"apiVersion": "example.com/v1", "kind": "TypedStatus", "metadata": {"name": "t"}},
+    )
+    written = objects.patch_namespaced_custom_object_status(
+        "example.com", "v1", namespace, "typedstatuses", "t", {"status": {"replicas": 2, "undeclared": "dropped"}}
+    )
     assert written["status"] == {"replicas": 2}
     with pytest.raises(ApiException) as invalid:
-        objects.patch_namespaced_custom_object_status("example.com", "v1", namespace, "typedstatuses", "t",
-                                                      {"status": {"replicas": -1}})
-    assert invalid.value.status == 422 and status_of(invalid.value)["details"]["causes"][0]["field"] == "status.replicas"
+        objects.patch_namespaced_custom_object_status(
+            "example.com", "v1", namespace, "typedstatuses", "t", {"status": {"replicas": -1}}
+        )
+    assert (
+        invalid.value.status == 422 and status_of(invalid.value)["details"]["causes"][0]["field"] == "status.replicas"
+    )
 
 
 def _served(objects, namespace: str) -> bool:

@@ -43,12 +43,21 @@ def test_kopf_handlers_fire_once_each(cluster, api, widgets, namespace, tmp_path
     def get() -> dict:
         return widgets.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "op")
 
-    with KopfRunner(["run", "--standalone", "--namespace", namespace, str(OPERATOR)], timeout=60,
-                    registry=own_registry) as runner:
-        widgets.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, {
-            "apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "op"}, "spec": {"size": "small"}})
-        created = wait_for(lambda: (o := get()).get("status", {}).get("phase") == "Created" and o, timeout=30,
-                           what="the create handler's status patch")
+    with KopfRunner(
+        ["run", "--standalone", "--namespace", namespace, str(OPERATOR)], timeout=60, registry=own_registry
+    ) as runner:
+        widgets.create_namespaced_custom_object(
+            GROUP,
+            VERSION,
+            namespace,
+            PLURAL,
+            {"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "op"}, "spec": {"size": "small"}},
+        )
+        created = wait_for(
+            lambda: (o := get()).get("status", {}).get("phase") == "Created" and o,
+            timeout=30,
+            what="the create handler's status patch",
+        )
         assert FINALIZER in created["metadata"]["finalizers"]
         assert created["status"]["on_create"] == {"size": "small"}  # the handler's return value, stored by kopf
         widgets.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "op", {"spec": {"size": "large"}})
@@ -65,12 +74,17 @@ def test_kopf_handlers_fire_once_each(cluster, api, widgets, namespace, tmp_path
         wait_for(deleted, timeout=30, what="kopf to remove its finalizer")
 
         def kopf_events() -> list:
-            found = [e for e in core.list_namespaced_event(namespace, field_selector="involvedObject.name=op").items
-                     if e.source and e.source.component == "kopf"]
+            found = [
+                e
+                for e in core.list_namespaced_event(namespace, field_selector="involvedObject.name=op").items
+                if e.source and e.source.component == "kopf"
+            ]
             return found if {"Provisioned", "Logging"} <= {e.reason for e in found} else []
 
         events = wait_for(kopf_events, what="kopf's explicit event and its logging events")
     assert runner.exception is None, runner.stdout
     assert [(c["handler"], c["generation"]) for c in calls(log)] == [("create", 1), ("update", 2), ("delete", 2)]
     assert any(e.message == "widget arrived" for e in events if e.reason == "Logging")
-    assert all(e.involved_object.kind == "Widget" and e.involved_object.uid == created["metadata"]["uid"] for e in events)
+    assert all(
+        e.involved_object.kind == "Widget" and e.involved_object.uid == created["metadata"]["uid"] for e in events
+    )

@@ -11,8 +11,12 @@ from localkube.testing import wait_for
 
 
 def widget(obj_name: str, namespace: str, **spec) -> dict:
-    return {"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": obj_name, "namespace": namespace},
-            "spec": {"size": "small", **spec}}
+    return {
+        "apiVersion": "example.com/v1",
+        "kind": "Widget",
+        "metadata": {"name": obj_name, "namespace": namespace},
+        "spec": {"size": "small", **spec},
+    }
 
 
 @pytest.fixture
@@ -57,8 +61,14 @@ def test_apply_get_printer_columns_and_yaml(kubectl, crd, namespace):
 
 
 def test_validation_errors_name_fields(kubectl, crd, namespace):
-    bad = widget("bad", namespace, size="medium", replicas=-1, name="UPPER",
-                 variants=[{"name": "a", "autoscaling": {"minReplicas": 0}}, {"autoscaling": {}}])
+    bad = widget(
+        "bad",
+        namespace,
+        size="medium",
+        replicas=-1,
+        name="UPPER",
+        variants=[{"name": "a", "autoscaling": {"minReplicas": 0}}, {"autoscaling": {}}],
+    )
     result = kubectl.run("apply", "-f", "-", input=json.dumps(bad), check=False)
     assert result.returncode != 0
     err = result.stderr
@@ -67,7 +77,7 @@ def test_validation_errors_name_fields(kubectl, crd, namespace):
     assert "spec.replicas: Invalid value: -1" in err
     assert "spec.variants[0].autoscaling.minReplicas: Invalid value: 0" in err
     assert "spec.variants[1].name: Required value" in err
-    assert "spec.name: Invalid value: \"UPPER\"" in err
+    assert 'spec.name: Invalid value: "UPPER"' in err
     unknown = kubectl.run("apply", "-f", "-", input=json.dumps(widget("bad", namespace, colour="red")), check=False)
     assert unknown.returncode != 0 and 'unknown field "spec.colour"' in unknown.stderr
     missing = kubectl.run("get", "wd", "bad", "-n", namespace, check=False)
@@ -97,8 +107,18 @@ def test_scale_annotate_patch_and_generation(kubectl, crd, namespace):
     kubectl("patch", "wd", "w2", "-n", namespace, "--type", "merge", "-p", '{"spec":{"size":"large"}}')
     obj = kubectl.json("get", "wd", "w2", "-n", namespace)
     assert obj["spec"]["size"] == "large" and obj["metadata"]["generation"] == 3
-    kubectl("patch", "wd", "w2", "-n", namespace, "--subresource=status", "--type", "merge",
-            "-p", '{"status":{"replicas":3,"conditions":[{"type":"Ready","status":"True"}]}}')
+    kubectl(
+        "patch",
+        "wd",
+        "w2",
+        "-n",
+        namespace,
+        "--subresource=status",
+        "--type",
+        "merge",
+        "-p",
+        '{"status":{"replicas":3,"conditions":[{"type":"Ready","status":"True"}]}}',
+    )
     obj = kubectl.json("get", "wd", "w2", "-n", namespace)
     assert obj["status"]["replicas"] == 3 and obj["metadata"]["generation"] == 3  # status does not bump it
     row = kubectl("get", "wd", "w2", "-n", namespace, "--no-headers").split()
@@ -115,12 +135,26 @@ def test_describe_shows_object_and_events(kubectl, crd, namespace, api):
 
     kubectl.apply(widget("w3", namespace))
     obj = kubectl.json("get", "wd", "w3", "-n", namespace)
-    kubernetes.client.CoreV1Api(api).create_namespaced_event(namespace, {
-        "metadata": {"generateName": "w3-"}, "type": "Warning", "reason": "TooSmall", "message": "this widget is small",
-        "involvedObject": {"apiVersion": "example.com/v1", "kind": "Widget", "name": "w3", "namespace": namespace,
-                           "uid": obj["metadata"]["uid"]},
-        "source": {"component": "test"}, "count": 1,
-        "firstTimestamp": obj["metadata"]["creationTimestamp"], "lastTimestamp": obj["metadata"]["creationTimestamp"]})
+    kubernetes.client.CoreV1Api(api).create_namespaced_event(
+        namespace,
+        {
+            "metadata": {"generateName": "w3-"},
+            "type": "Warning",
+            "reason": "TooSmall",
+            "message": "this widget is small",
+            "involvedObject": {
+                "apiVersion": "example.com/v1",
+                "kind": "Widget",
+                "name": "w3",
+                "namespace": namespace,
+                "uid": obj["metadata"]["uid"],
+            },
+            "source": {"component": "test"},
+            "count": 1,
+            "firstTimestamp": obj["metadata"]["creationTimestamp"],
+            "lastTimestamp": obj["metadata"]["creationTimestamp"],
+        },
+    )
     text = kubectl("describe", "wd", "w3", "-n", namespace)
     assert "Name:         w3" in text and "Size:      small" in text
     assert "TooSmall" in text and "this widget is small" in text
@@ -129,8 +163,18 @@ def test_describe_shows_object_and_events(kubectl, crd, namespace, api):
 def test_wait_for_condition(kubectl, crd, namespace):
     kubectl.apply(widget("w4", namespace))
     waiter = kubectl.popen("wait", "--for=condition=Ready", "wd/w4", "-n", namespace, "--timeout=30s")
-    kubectl("patch", "wd", "w4", "-n", namespace, "--subresource=status", "--type", "merge",
-            "-p", '{"status":{"conditions":[{"type":"Ready","status":"True"}]}}')
+    kubectl(
+        "patch",
+        "wd",
+        "w4",
+        "-n",
+        namespace,
+        "--subresource=status",
+        "--type",
+        "merge",
+        "-p",
+        '{"status":{"conditions":[{"type":"Ready","status":"True"}]}}',
+    )
     out, err = waiter.communicate(timeout=40)
     assert waiter.returncode == 0, err
     assert "condition met" in out
@@ -141,12 +185,15 @@ def test_delete_waits_for_finalizers(kubectl, crd, namespace):
     manifest["metadata"]["finalizers"] = ["example.com/hold"]
     kubectl.apply(manifest)
     deleter = kubectl.popen("delete", "wd", "w5", "-n", namespace, "--timeout=30s")
-    obj = wait_for(lambda: (o := kubectl.json("get", "wd", "w5", "-n", namespace))["metadata"].get("deletionTimestamp") and o,
-                   what="deletionTimestamp to be set")
+    obj = wait_for(
+        lambda: (o := kubectl.json("get", "wd", "w5", "-n", namespace))["metadata"].get("deletionTimestamp") and o,
+        what="deletionTimestamp to be set",
+    )
     assert obj["metadata"]["finalizers"] == ["example.com/hold"]
     assert deleter.poll() is None  # kubectl is still waiting for the object to go
-    kubectl("patch", "wd", "w5", "-n", namespace, "--type", "json",
-            "-p", '[{"op":"remove","path":"/metadata/finalizers"}]')
+    kubectl(
+        "patch", "wd", "w5", "-n", namespace, "--type", "json", "-p", '[{"op":"remove","path":"/metadata/finalizers"}]'
+    )
     out, err = deleter.communicate(timeout=40)
     assert deleter.returncode == 0, err
     assert 'widget.example.com "w5" deleted' in out
@@ -161,10 +208,22 @@ def test_explain_uses_the_crd_schema(kubectl, crd):
 
 
 def test_builtin_tables_and_configmaps(kubectl, namespace):
-    kubectl.apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cfg", "namespace": namespace},
-                   "data": {"a": "1", "b": "2"}})
-    kubectl.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "sec", "namespace": namespace},
-                   "stringData": {"token": "s3cret"}})
+    kubectl.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "cfg", "namespace": namespace},
+            "data": {"a": "1", "b": "2"},
+        }
+    )
+    kubectl.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "sec", "namespace": namespace},
+            "stringData": {"token": "s3cret"},
+        }
+    )
     cm_row = kubectl("get", "cm", "cfg", "-n", namespace, "--no-headers").split()
     assert cm_row[:2] == ["cfg", "2"]
     secret = kubectl.json("get", "secret", "sec", "-n", namespace)
@@ -173,8 +232,14 @@ def test_builtin_tables_and_configmaps(kubectl, namespace):
     assert header == ["NAME", "STATUS", "AGE"]
     nodes = kubectl("get", "nodes", "--no-headers").split()
     assert nodes[:2] == ["localkube-node", "Ready"]
-    svc = kubectl.apply({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "s", "namespace": namespace},
-                         "spec": {"selector": {"app": "x"}, "ports": [{"port": 80, "targetPort": 8080}]}})
+    svc = kubectl.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "s", "namespace": namespace},
+            "spec": {"selector": {"app": "x"}, "ports": [{"port": 80, "targetPort": 8080}]},
+        }
+    )
     assert "service/s created" in svc
     row = kubectl("get", "svc", "s", "-n", namespace, "--no-headers").split()
     assert row[1] == "ClusterIP" and row[2].startswith("10.96.") and row[4] == "80/TCP"
@@ -187,15 +252,23 @@ def test_builtin_tables_and_configmaps(kubectl, namespace):
     kubectl("create", "service", "clusterip", "gensvc", "-n", namespace, "--tcp=80:http")
     assert kubectl.json("get", "svc", "gensvc", "-n", namespace)["spec"]["ports"][0]["targetPort"] == "http"
     assert kubectl("auth", "can-i", "delete", "pods").strip() == "yes"
-    unsupported = kubectl.run("create", "pdb", "gen", "-n", namespace, "--selector=a=b", "--min-available=1", check=False)
+    unsupported = kubectl.run(
+        "create", "pdb", "gen", "-n", namespace, "--selector=a=b", "--min-available=1", check=False
+    )
     assert unsupported.returncode != 0 and "application/json" in unsupported.stderr
 
 
 def test_strategic_merge_for_builtins(kubectl, namespace):
-    base = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "sm", "namespace": namespace},
-            "spec": {"selector": {"app": "x"}, "ports": [{"name": "a", "port": 80}, {"name": "b", "port": 81}]}}
+    base = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "sm", "namespace": namespace},
+        "spec": {"selector": {"app": "x"}, "ports": [{"name": "a", "port": 80}, {"name": "b", "port": 81}]},
+    }
     kubectl.apply(base)
-    kubectl("patch", "svc", "sm", "-n", namespace, "-p", '{"spec":{"ports":[{"port":81,"name":"b","targetPort":9000}]}}')
+    kubectl(
+        "patch", "svc", "sm", "-n", namespace, "-p", '{"spec":{"ports":[{"port":81,"name":"b","targetPort":9000}]}}'
+    )
     ports = {p["name"]: p for p in kubectl.json("get", "svc", "sm", "-n", namespace)["spec"]["ports"]}
     assert ports["a"]["port"] == 80 and ports["b"]["targetPort"] == 9000  # merged by port, not replaced
     base["spec"]["ports"] = [{"name": "a", "port": 80}]
@@ -219,17 +292,27 @@ def test_namespace_deletion_empties_it(kubectl, crd, api):
 
 
 def test_deleting_a_crd_deletes_its_objects_first(kubectl, widget_crd, namespace):
-    crd = json.loads(json.dumps(widget_crd).replace("widgets", "gadgets").replace("Widget", "Gadget")
-                     .replace("widget", "gadget").replace('"wd"', '"gd"'))
+    crd = json.loads(
+        json.dumps(widget_crd)
+        .replace("widgets", "gadgets")
+        .replace("Widget", "Gadget")
+        .replace("widget", "gadget")
+        .replace('"wd"', '"gd"')
+    )
     kubectl.apply(crd)
     kubectl("wait", "--for=condition=established", "crd/gadgets.example.com", "--timeout=20s")
-    gadget = {"apiVersion": "example.com/v1", "kind": "Gadget", "metadata": {"name": "g1", "namespace": namespace,
-                                                                              "finalizers": ["example.com/hold"]},
-              "spec": {"size": "small"}}
+    gadget = {
+        "apiVersion": "example.com/v1",
+        "kind": "Gadget",
+        "metadata": {"name": "g1", "namespace": namespace, "finalizers": ["example.com/hold"]},
+        "spec": {"size": "small"},
+    }
     kubectl.apply(gadget)
     kubectl("delete", "crd", "gadgets.example.com", "--wait=false")
-    wait_for(lambda: kubectl.json("get", "gadgets", "g1", "-n", namespace)["metadata"].get("deletionTimestamp"),
-             what="the CRD's objects to be deleted first")
+    wait_for(
+        lambda: kubectl.json("get", "gadgets", "g1", "-n", namespace)["metadata"].get("deletionTimestamp"),
+        what="the CRD's objects to be deleted first",
+    )
     terminating = kubectl.json("get", "crd", "gadgets.example.com")
     assert "Terminating" in {c["type"] for c in terminating["status"]["conditions"]}
     kubectl("patch", "gadgets", "g1", "-n", namespace, "--type", "merge", "-p", '{"metadata":{"finalizers":null}}')

@@ -43,7 +43,10 @@ def test_create_defaults_read_list_patch_delete(api, namespace):
     [
         ({"ingress": []}, "spec.podSelector"),
         ({"podSelector": {}, "policyTypes": ["Sideways"]}, "spec.policyTypes[0]"),
-        ({"podSelector": {}, "ingress": [{"ports": [{"port": 80, "protocol": "ICMP"}]}]}, "spec.ingress[0].ports[0].protocol"),
+        (
+            {"podSelector": {}, "ingress": [{"ports": [{"port": 80, "protocol": "ICMP"}]}]},
+            "spec.ingress[0].ports[0].protocol",
+        ),
         ({"podSelector": {}, "ingress": [{"ports": [{"port": 70000}]}]}, "spec.ingress[0].ports[0].port"),
     ],
 )
@@ -61,8 +64,13 @@ def test_owner_garbage_collection_removes_the_policy(api, namespace):
     core = kubernetes.client.CoreV1Api(api)
     owner = core.create_namespaced_config_map(namespace, {"metadata": {"name": "owner"}})
     net = kubernetes.client.NetworkingV1Api(api)
-    owned = {**POLICY, "metadata": {"name": "owned", "ownerReferences": [
-        {"apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": owner.metadata.uid}]}}
+    owned = {
+        **POLICY,
+        "metadata": {
+            "name": "owned",
+            "ownerReferences": [{"apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": owner.metadata.uid}],
+        },
+    }
     net.create_namespaced_network_policy(namespace, owned)
     core.delete_namespaced_config_map("owner", namespace)
     wait_for(lambda: not net.list_namespaced_network_policy(namespace).items, what="policy collected")

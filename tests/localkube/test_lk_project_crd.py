@@ -10,7 +10,9 @@ ROOT = Path(__file__).resolve().parents[2]
 CRD = ROOT / "crds" / "inferencedeployment.yaml"
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 
-pytestmark = pytest.mark.skipif(not CRD.exists() or not EXAMPLES, reason="crds/inferencedeployment.yaml or examples/ not written yet")
+pytestmark = pytest.mark.skipif(
+    not CRD.exists() or not EXAMPLES, reason="crds/inferencedeployment.yaml or examples/ not written yet"
+)
 
 
 def test_inferencedeployment_crd_and_examples(kubectl, namespace):
@@ -20,7 +22,9 @@ def test_inferencedeployment_crd_and_examples(kubectl, namespace):
     for example in EXAMPLES:
         out = kubectl("apply", "-n", namespace, "-f", str(example))
         assert "inferencedeployment.llmfleet.io/" in out, out
-        names += [line.split()[0].split("/", 1)[1] for line in out.splitlines() if line.startswith("inferencedeployment")]
+        names += [
+            line.split()[0].split("/", 1)[1] for line in out.splitlines() if line.startswith("inferencedeployment")
+        ]
     table = kubectl("get", "infd", "-n", namespace)
     header = table.splitlines()[0].split()
     assert header[0] == "NAME" and header[-1] == "AGE" and len(header) > 2  # the CRD's printer columns

@@ -241,18 +241,30 @@ def kit() -> Any:
     )()
 
 
-
-
 @pytest.fixture
 def gateway(fleet: Any, localkube_cluster: Any, tmp_path: Path) -> Iterator[str]:
     """`llmfleet gateway` in Kubernetes mode for the test's namespace; yields its base URL."""
     port = free_port()
     log = open(tmp_path / "gateway.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
-        [LLMFLEET, "gateway", "--port", str(port), "--kubeconfig", str(localkube_cluster.kubeconfig),
-         "--namespace", fleet.namespace, "--log-level", "warning", "--metrics-port", str(free_port()),
-         "--insecure-open-mode"],  # these tests send no API key
-        env={**os.environ}, stdout=log, stderr=subprocess.STDOUT,
+        [
+            LLMFLEET,
+            "gateway",
+            "--port",
+            str(port),
+            "--kubeconfig",
+            str(localkube_cluster.kubeconfig),
+            "--namespace",
+            fleet.namespace,
+            "--log-level",
+            "warning",
+            "--metrics-port",
+            str(free_port()),
+            "--insecure-open-mode",
+        ],  # these tests send no API key
+        env={**os.environ},
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
     try:

@@ -54,9 +54,21 @@ def webhook(*alerts: dict[str, Any], **overrides: Any) -> dict[str, Any]:
 
 # (id, alert, expected intent fields or None, ignored-reason fragment)
 INTENT_CASES: list[tuple[str, dict[str, Any], dict[str, Any] | None, str | None]] = [
-    ("firing alert for a deployment", alert(),
-     {"deployment": "smol", "namespace": "ns", "variant": None, "firing": True, "step": 1, "alert": "LLMTTFTHigh",
-      "fingerprint": "abc123", "reason": "TTFT p95 over SLO"}, None),
+    (
+        "firing alert for a deployment",
+        alert(),
+        {
+            "deployment": "smol",
+            "namespace": "ns",
+            "variant": None,
+            "firing": True,
+            "step": 1,
+            "alert": "LLMTTFTHigh",
+            "fingerprint": "abc123",
+            "reason": "TTFT p95 over SLO",
+        },
+        None,
+    ),
     ("variant label narrows it", alert(variant="int4"), {"variant": "int4"}, None),
     ("no namespace label: any watched namespace", alert(namespace="-"), {"namespace": None}, None),
     ("resolved ends the intent", alert("resolved"), {"firing": False}, None),
@@ -173,8 +185,13 @@ async def test_no_scale_alerts_answer_ok_without_calling_back() -> None:
 
 @pytest.mark.parametrize(
     "headers",
-    [{}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}, {"Authorization": f"Basic {TOKEN}"},
-     {"Authorization": f"Bearer {TOKEN}x"}],
+    [
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": TOKEN},
+        {"Authorization": f"Basic {TOKEN}"},
+        {"Authorization": f"Bearer {TOKEN}x"},
+    ],
     ids=["missing", "wrong token", "no scheme", "basic", "longer token"],
 )
 async def test_bad_or_missing_token_is_401(headers: dict[str, str]) -> None:

@@ -35,20 +35,27 @@ def pod(name: str, **kwargs: Any) -> dict[str, Any]:
 
 
 def test_queued_by_variant_sums_this_deployments_rows():
-    answer = {"queued": [
-        {"namespace": NS, "deployment": NAME, "variant": "a", "queued": 3},
-        {"namespace": NS, "deployment": NAME, "variant": "b", "queued": 0},
-        {"namespace": NS, "deployment": "other", "variant": "a", "queued": 9},
-        {"namespace": "elsewhere", "deployment": NAME, "variant": "a", "queued": 9},
-    ]}
+    answer = {
+        "queued": [
+            {"namespace": NS, "deployment": NAME, "variant": "a", "queued": 3},
+            {"namespace": NS, "deployment": NAME, "variant": "b", "queued": 0},
+            {"namespace": NS, "deployment": "other", "variant": "a", "queued": 9},
+            {"namespace": "elsewhere", "deployment": NAME, "variant": "a", "queued": 9},
+        ]
+    }
     assert queued_by_variant(answer, NS, NAME) == {"a": 3.0, "b": 0.0}
     assert queued_by_variant({"queued": []}, NS, NAME) == {}
 
 
 @pytest.mark.parametrize(
     "answer",
-    [[], {"rows": []}, {"queued": ["x"]}, {"queued": [{"namespace": NS, "deployment": NAME, "queued": -1}]},
-     {"queued": [{"namespace": NS, "deployment": NAME, "queued": "lots"}]}],
+    [
+        [],
+        {"rows": []},
+        {"queued": ["x"]},
+        {"queued": [{"namespace": NS, "deployment": NAME, "queued": -1}]},
+        {"queued": [{"namespace": NS, "deployment": NAME, "queued": "lots"}]},
+    ],
 )
 def test_queued_by_variant_refuses_other_shapes(answer):
     with pytest.raises(ValueError):
@@ -58,19 +65,42 @@ def test_queued_by_variant_refuses_other_shapes(answer):
 # -------------------------------------------------------------------------------------------------- helpers
 
 
-def intent(alert: str = "QueueHigh", *, deployment: str = NAME, namespace: str | None = NS,
-           variant: str | None = None, firing: bool = True, step: int = 2, at: float = T0) -> ScaleIntent:
-    return ScaleIntent(deployment=deployment, namespace=namespace, variant=variant, alert=alert,
-                       fingerprint="fp-" + alert, firing=firing, step=step, received_at=at, expires_at=at + 300,
-                       reason="summary of " + alert)
+def intent(
+    alert: str = "QueueHigh",
+    *,
+    deployment: str = NAME,
+    namespace: str | None = NS,
+    variant: str | None = None,
+    firing: bool = True,
+    step: int = 2,
+    at: float = T0,
+) -> ScaleIntent:
+    return ScaleIntent(
+        deployment=deployment,
+        namespace=namespace,
+        variant=variant,
+        alert=alert,
+        fingerprint="fp-" + alert,
+        firing=firing,
+        step=step,
+        received_at=at,
+        expires_at=at + 300,
+        reason="summary of " + alert,
+    )
 
 
 SPEC = {
     "model": {"name": "m", "source": "bundled://smollm2-135m-instruct"},
     "variants": [
-        {"name": "default", "autoscaling": {"minReplicas": 1, "maxReplicas": 6,
-                                            "targets": {"queueDepthPerReplica": 2},
-                                            "scaleDownStabilizationSeconds": 30}},
+        {
+            "name": "default",
+            "autoscaling": {
+                "minReplicas": 1,
+                "maxReplicas": 6,
+                "targets": {"queueDepthPerReplica": 2},
+                "scaleDownStabilizationSeconds": 30,
+            },
+        },
         {"name": "fixed", "replicas": 2},
     ],
 }
@@ -142,22 +172,40 @@ class ScriptedSource:
 
 
 def _resource(spec: dict[str, Any] = SPEC, status: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"apiVersion": "llmfleet.io/v1alpha1", "kind": "InferenceDeployment",
-            "metadata": {"name": NAME, "namespace": NS, "uid": UID, "resourceVersion": "7"},
-            "spec": copy.deepcopy(spec), "status": copy.deepcopy(status or {})}
+    return {
+        "apiVersion": "llmfleet.io/v1alpha1",
+        "kind": "InferenceDeployment",
+        "metadata": {"name": NAME, "namespace": NS, "uid": UID, "resourceVersion": "7"},
+        "spec": copy.deepcopy(spec),
+        "status": copy.deepcopy(status or {}),
+    }
 
 
 def _load(queue: float, ready: int = 1, at: float = T0, stale: bool = False, error: str | None = None) -> LoadSample:
-    return LoadSample(observed_at=at, stale=stale, ready_pods=ready, queue_depth_per_replica=queue,
-                      running_requests=float(ready), waiting_requests=queue * ready, error=error)
+    return LoadSample(
+        observed_at=at,
+        stale=stale,
+        ready_pods=ready,
+        queue_depth_per_replica=queue,
+        running_requests=float(ready),
+        waiting_requests=queue * ready,
+        error=error,
+    )
 
 
 def _autoscaler(api, source, *, transport=None, **settings: Any) -> tuple[Autoscaler, list, OperatorMetrics]:
     woken: list[tuple[str, str]] = []
     metrics = OperatorMetrics()
     http = httpx.AsyncClient(transport=transport) if transport is not None else None
-    scaler = Autoscaler(api, source, OperatorSettings(**settings), metrics, wake=lambda *key: woken.append(key),
-                        http=http, clock=lambda: T0)
+    scaler = Autoscaler(
+        api,
+        source,
+        OperatorSettings(**settings),
+        metrics,
+        wake=lambda *key: woken.append(key),
+        http=http,
+        clock=lambda: T0,
+    )
     return scaler, woken, metrics
 
 
@@ -207,9 +255,12 @@ def test_no_change_means_no_event_and_no_wake_and_unavailable_metrics_hold():
 
 @pytest.mark.parametrize(
     "resource",
-    [None, {**_resource(), "metadata": {**_resource()["metadata"], "deletionTimestamp": iso(T0)}},
-     _resource(spec={**SPEC, "variants": [{"name": "a", "autoscaling": {"minReplicas": 5, "maxReplicas": 2}}]}),
-     _resource(spec={**SPEC, "variants": [{"name": "a", "replicas": 1}]})],
+    [
+        None,
+        {**_resource(), "metadata": {**_resource()["metadata"], "deletionTimestamp": iso(T0)}},
+        _resource(spec={**SPEC, "variants": [{"name": "a", "autoscaling": {"minReplicas": 5, "maxReplicas": 2}}]}),
+        _resource(spec={**SPEC, "variants": [{"name": "a", "replicas": 1}]}),
+    ],
     ids=["gone", "deleting", "invalid", "not-autoscaled"],
 )
 def test_nothing_is_written_for_deployments_the_autoscaler_leaves_alone(resource):
@@ -253,17 +304,27 @@ def test_gateway_queue_from_the_gateway_or_prometheus_and_unknown_on_failure():
     def answer(request: httpx.Request) -> httpx.Response:
         seen.append(request)
         if request.url.host == "gw":
-            return httpx.Response(200, json={"queued": [{"namespace": NS, "deployment": NAME, "variant": "default",
-                                                         "queued": 4}]})
+            return httpx.Response(
+                200, json={"queued": [{"namespace": NS, "deployment": NAME, "variant": "default", "queued": 4}]}
+            )
         if request.url.host == "prom":
-            return httpx.Response(200, json={"status": "success", "data": {"resultType": "vector", "result": [
-                {"metric": {"variant": "default"}, "value": [T0, "2"]}]}})
+            return httpx.Response(
+                200,
+                json={
+                    "status": "success",
+                    "data": {
+                        "resultType": "vector",
+                        "result": [{"metric": {"variant": "default"}, "value": [T0, "2"]}],
+                    },
+                },
+            )
         return httpx.Response(500)
 
     transport = httpx.MockTransport(answer)
     api = ScriptedApi(_resource(), [])
-    via_gateway, _, _ = _autoscaler(api, ScriptedSource(_load(0)), transport=transport, gateway_url="http://gw:80/",
-                                    gateway_api_key="sk-op")
+    via_gateway, _, _ = _autoscaler(
+        api, ScriptedSource(_load(0)), transport=transport, gateway_url="http://gw:80/", gateway_api_key="sk-op"
+    )
     assert asyncio.run(via_gateway._gateway_queued(NS, NAME)) == {"default": 4.0}
     assert seen[-1].url.path == "/internal/queued" and seen[-1].headers["authorization"] == "Bearer sk-op"
     via_prom, _, _ = _autoscaler(api, ScriptedSource(_load(0)), transport=transport, prometheus_url="http://prom:9090")
@@ -277,25 +338,38 @@ def test_gateway_queue_from_the_gateway_or_prometheus_and_unknown_on_failure():
 
 ZERO_SPEC = {
     "model": {"name": "m", "source": "bundled://smollm2-135m-instruct"},
-    "variants": [{"name": "default", "autoscaling": {"minReplicas": 0, "maxReplicas": 3,
-                                                     "targets": {"queueDepthPerReplica": 2},
-                                                     "scaleToZeroAfterSeconds": 60}}],
+    "variants": [
+        {
+            "name": "default",
+            "autoscaling": {
+                "minReplicas": 0,
+                "maxReplicas": 3,
+                "targets": {"queueDepthPerReplica": 2},
+                "scaleToZeroAfterSeconds": 60,
+            },
+        }
+    ],
 }
 
 
-@pytest.mark.parametrize(("queued", "woken"), [(3, True), (0, False), (None, False)],
-                         ids=["held requests wake", "nothing held", "gateway unknown"])
+@pytest.mark.parametrize(
+    ("queued", "woken"),
+    [(3, True), (0, False), (None, False)],
+    ids=["held requests wake", "nothing held", "gateway unknown"],
+)
 def test_the_wake_check_evaluates_at_once_only_when_the_gateway_holds_requests(queued, woken):
     def answer(request: httpx.Request) -> httpx.Response:
         if queued is None:
             return httpx.Response(503)
-        return httpx.Response(200, json={"queued": [{"namespace": NS, "deployment": NAME, "variant": "default",
-                                                     "queued": queued}]})
+        return httpx.Response(
+            200, json={"queued": [{"namespace": NS, "deployment": NAME, "variant": "default", "queued": queued}]}
+        )
 
     status = {"autoscaling": {"variants": [{"name": "default", "desiredReplicas": 0}]}}
     api = ScriptedApi(_resource(ZERO_SPEC, status), [])
-    scaler, wakes, _ = _autoscaler(api, ScriptedSource(_load(0, ready=0)), transport=httpx.MockTransport(answer),
-                                   gateway_url="http://gw")
+    scaler, wakes, _ = _autoscaler(
+        api, ScriptedSource(_load(0, ready=0)), transport=httpx.MockTransport(answer), gateway_url="http://gw"
+    )
     outcomes = asyncio.run(scaler.wake_check(NS, NAME, ["default"]))
     if woken:
         (outcome,) = outcomes

@@ -178,8 +178,9 @@ def test_the_port_is_free_again_after_stop():
         return None
 
     async def scenario() -> int:
-        server = OperatorHttpServer(create_operator_app(OperatorMetrics(), on_intents, None, AlertPolicy()),
-                                    "127.0.0.1", 0)
+        server = OperatorHttpServer(
+            create_operator_app(OperatorMetrics(), on_intents, None, AlertPolicy()), "127.0.0.1", 0
+        )
         assert await server.start()
         port = server.port
         await server.stop()
@@ -197,8 +198,9 @@ def _body(name: str, variants: list[tuple[str, int, int, int]], canary: int = 0)
     return {
         "metadata": {"namespace": "ns", "name": name},
         "status": {
-            "variants": [{"name": v, "replicas": r, "readyReplicas": ready, "desiredReplicas": d}
-                         for v, r, ready, d in variants],
+            "variants": [
+                {"name": v, "replicas": r, "readyReplicas": ready, "desiredReplicas": d} for v, r, ready, d in variants
+            ],
             "rollout": {"canaryWeight": canary},
         },
     }
@@ -212,10 +214,18 @@ def test_gauges_follow_the_status_and_disappear_with_variants_and_deployments():
         (("deployment", "demo"), ("namespace", "ns"), ("variant", "a")): 3.0,
         (("deployment", "demo"), ("namespace", "ns"), ("variant", "b")): 1.0,
     }
-    assert _samples(text, "llmfleet_operator_ready_replicas")[(("deployment", "demo"), ("namespace", "ns"),
-                                                              ("variant", "a"))] == 2.0
-    assert _samples(text, "llmfleet_operator_desired_replicas")[(("deployment", "demo"), ("namespace", "ns"),
-                                                                ("variant", "a"))] == 4.0
+    assert (
+        _samples(text, "llmfleet_operator_ready_replicas")[
+            (("deployment", "demo"), ("namespace", "ns"), ("variant", "a"))
+        ]
+        == 2.0
+    )
+    assert (
+        _samples(text, "llmfleet_operator_desired_replicas")[
+            (("deployment", "demo"), ("namespace", "ns"), ("variant", "a"))
+        ]
+        == 4.0
+    )
     assert _samples(text, "llmfleet_operator_canary_weight") == {(("deployment", "demo"), ("namespace", "ns")): 34.0}
     metrics.observe_deployment(_body("demo", [("a", 4, 4, 4)]))
     assert set(_samples(metrics.exposition().decode(), "llmfleet_operator_replicas")) == {
@@ -237,18 +247,22 @@ def test_a_standby_exports_no_deployment_gauges():
     metrics.set_active(False)
     text = metrics.exposition().decode()
     assert _samples(text, "llmfleet_operator_active") == {(): 0.0}
-    assert _samples(text, "llmfleet_operator_replicas") == {} and _samples(text, "llmfleet_operator_canary_weight") == {}
+    assert (
+        _samples(text, "llmfleet_operator_replicas") == {} and _samples(text, "llmfleet_operator_canary_weight") == {}
+    )
 
 
 def test_plan_events_count_verdicts_and_rollout_results():
     metrics = OperatorMetrics()
-    plan = Plan(actions=(
-        EmitEvent(EventType.NORMAL, "AnalysisPass", "ok"),
-        EmitEvent(EventType.WARNING, "AnalysisFail", "slow"),
-        EmitEvent(EventType.NORMAL, "AnalysisPass", "ok"),
-        EmitEvent(EventType.WARNING, "CanaryRolledBack", "bad"),
-        EmitEvent(EventType.NORMAL, "CreatedPod", "not counted"),
-    ))
+    plan = Plan(
+        actions=(
+            EmitEvent(EventType.NORMAL, "AnalysisPass", "ok"),
+            EmitEvent(EventType.WARNING, "AnalysisFail", "slow"),
+            EmitEvent(EventType.NORMAL, "AnalysisPass", "ok"),
+            EmitEvent(EventType.WARNING, "CanaryRolledBack", "bad"),
+            EmitEvent(EventType.NORMAL, "CreatedPod", "not counted"),
+        )
+    )
     metrics.observe_plan({"metadata": {"namespace": "ns", "name": "demo"}}, plan)
     text = metrics.exposition().decode()
     assert _samples(text, "llmfleet_operator_analysis_verdicts_total") == {
@@ -270,17 +284,23 @@ def test_two_metrics_objects_share_nothing():
 
 
 def test_http_alert_and_autoscaling_settings_from_the_environment():
-    settings = OperatorSettings.load({
-        "LLMFLEET_OPERATOR_HTTP_HOST": "10.1.2.3",
-        "LLMFLEET_OPERATOR_HTTP_PORT": "9090",
-        "LLMFLEET_OPERATOR_ALERTS_TOKEN": "zq-9x7-secret",
-        "LLMFLEET_OPERATOR_ALERT_STEP": "2",
-        "LLMFLEET_OPERATOR_ALERT_TTL_SECONDS": "120",
-        "LLMFLEET_OPERATOR_AUTOSCALE_INTERVAL_SECONDS": "2.5",
-        "LLMFLEET_OPERATOR_GATEWAY_URL": "",
-    })
+    settings = OperatorSettings.load(
+        {
+            "LLMFLEET_OPERATOR_HTTP_HOST": "10.1.2.3",
+            "LLMFLEET_OPERATOR_HTTP_PORT": "9090",
+            "LLMFLEET_OPERATOR_ALERTS_TOKEN": "zq-9x7-secret",
+            "LLMFLEET_OPERATOR_ALERT_STEP": "2",
+            "LLMFLEET_OPERATOR_ALERT_TTL_SECONDS": "120",
+            "LLMFLEET_OPERATOR_AUTOSCALE_INTERVAL_SECONDS": "2.5",
+            "LLMFLEET_OPERATOR_GATEWAY_URL": "",
+        }
+    )
     assert (settings.http_host, settings.http_port, settings.alert_step, settings.alert_ttl_seconds) == (
-        "10.1.2.3", 9090, 2, 120.0)
+        "10.1.2.3",
+        9090,
+        2,
+        120.0,
+    )
     assert settings.alerts_token is not None and settings.alerts_token.get_secret_value() == "zq-9x7-secret"
     assert "zq-9x7-secret" not in repr(settings)  # the token never shows in logs
     assert settings.autoscale_interval_seconds == 2.5 and settings.gateway_url is None
@@ -291,8 +311,9 @@ def test_http_alert_and_autoscaling_settings_from_the_environment():
 
 
 def test_metrics_address_from_the_environment_and_the_flag():
-    settings = OperatorSettings.load({"LLMFLEET_OPERATOR_METRICS_HOST": "10.1.2.3",
-                                      "LLMFLEET_OPERATOR_METRICS_PORT": "9100"})
+    settings = OperatorSettings.load(
+        {"LLMFLEET_OPERATOR_METRICS_HOST": "10.1.2.3", "LLMFLEET_OPERATOR_METRICS_PORT": "9100"}
+    )
     assert (settings.metrics_host, settings.metrics_port) == ("10.1.2.3", 9100)
     assert OperatorSettings.load({"LLMFLEET_OPERATOR_METRICS_PORT": "9100"}, metrics_port=9200).metrics_port == 9200
     assert OperatorSettings.load({"LLMFLEET_OPERATOR_HTTP_PORT": "0", "LLMFLEET_OPERATOR_METRICS_PORT": "0"})

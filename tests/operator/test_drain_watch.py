@@ -13,15 +13,26 @@ pytestmark = pytest.mark.slow
 
 def _pod(name: str, command: str, draining: bool) -> dict[str, Any]:
     labels = {"llmfleet.io/deployment": "watched", **({"llmfleet.io/draining": "true"} if draining else {})}
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels},
-            "spec": {"restartPolicy": "Always",
-                     "containers": [{"name": "worker", "image": "none", "command": ["sh", "-c", command]}]}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {
+            "restartPolicy": "Always",
+            "containers": [{"name": "worker", "image": "none", "command": ["sh", "-c", command]}],
+        },
+    }
 
 
 @pytest.mark.parametrize(
     ("statuses", "expected"),
-    [(None, 0), ([], 0), ([{"restartCount": 2}], 2), ([{"restartCount": 1}, {"restartCount": 3}], 4),
-     ([{"name": "c"}], 0)],
+    [
+        (None, 0),
+        ([], 0),
+        ([{"restartCount": 2}], 2),
+        ([{"restartCount": 1}, {"restartCount": 3}], 4),
+        ([{"name": "c"}], 0),
+    ],
 )
 def test_restarts_of(statuses, expected):
     assert restarts_of({"status": {"containerStatuses": statuses}}) == expected
@@ -30,7 +41,8 @@ def test_restarts_of(statuses, expected):
 def test_restarts_of_pods_marked_draining_are_seen(localkube_cluster, kit) -> None:
     namespace = "t-drain-watch"
     kit.Kube(localkube_cluster.kubeconfig, "default").apply(
-        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
+    )
     kube = kit.Kube(localkube_cluster.kubeconfig, namespace)
     with DrainedPodRestarts(localkube_cluster.kubeconfig, namespace, "watched") as watch:
         kube.apply(_pod("exits", "exit 1", draining=True))  # restarted by the kubelet again and again

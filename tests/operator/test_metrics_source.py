@@ -73,9 +73,7 @@ class StubWorker:
 
         self.server = ThreadingHTTPServer((ip, 0), Handler)
         self.address = f"{ip}:{self.server.server_address[1]}"
-        self.thread = threading.Thread(
-            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        )
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self.thread.start()
 
     def _fresh_metrics(self) -> WorkerMetrics:
@@ -97,8 +95,14 @@ class StubWorker:
             self.metrics.error(code)
 
     def target(self, namespace: str = "ns", deployment: str = "smol") -> ScrapeTarget:
-        return ScrapeTarget(namespace=namespace, pod=self.pod, address=self.address, deployment=deployment,
-                            variant=self.variant, revision=self.revision)
+        return ScrapeTarget(
+            namespace=namespace,
+            pod=self.pod,
+            address=self.address,
+            deployment=deployment,
+            variant=self.variant,
+            revision=self.revision,
+        )
 
     def close(self) -> None:
         self.server.shutdown()
@@ -293,14 +297,26 @@ async def test_prometheus_unreachable_is_missing_data() -> None:
 # ------------------------------------------------------------------------------------------ targets and file_sd
 
 
-def pod(name: str = "p", *, ready: bool = True, phase: str = "Running", ip: str | None = "127.0.0.9",
-        labels: dict[str, str] | None = None, annotations: dict[str, str] | None = None, deleting: bool = False,
-        port: int | None = None) -> dict[str, Any]:
+def pod(
+    name: str = "p",
+    *,
+    ready: bool = True,
+    phase: str = "Running",
+    ip: str | None = "127.0.0.9",
+    labels: dict[str, str] | None = None,
+    annotations: dict[str, str] | None = None,
+    deleting: bool = False,
+    port: int | None = None,
+) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "name": name,
         "namespace": "ns",
-        "labels": {"llmfleet.io/deployment": "smol", "llmfleet.io/variant": "default",
-                   "llmfleet.io/revision": "r1", **(labels or {})},
+        "labels": {
+            "llmfleet.io/deployment": "smol",
+            "llmfleet.io/variant": "default",
+            "llmfleet.io/revision": "r1",
+            **(labels or {}),
+        },
         "annotations": annotations or {},
     }
     if deleting:
@@ -340,10 +356,14 @@ def test_file_sd_renders_one_group_per_pod_with_selectable_labels(tmp_path: Path
     targets = scrape_targets([pod("b", ip="127.0.0.3"), pod("a", ip="127.0.0.2", labels={"llmfleet.io/variant": "q"})])
     groups = file_sd_targets(targets)
     assert groups == [
-        {"targets": ["127.0.0.2:8000"],
-         "labels": {"namespace": "ns", "pod": "a", "deployment": "smol", "variant": "q", "revision": "r1"}},
-        {"targets": ["127.0.0.3:8000"],
-         "labels": {"namespace": "ns", "pod": "b", "deployment": "smol", "variant": "default", "revision": "r1"}},
+        {
+            "targets": ["127.0.0.2:8000"],
+            "labels": {"namespace": "ns", "pod": "a", "deployment": "smol", "variant": "q", "revision": "r1"},
+        },
+        {
+            "targets": ["127.0.0.3:8000"],
+            "labels": {"namespace": "ns", "pod": "b", "deployment": "smol", "variant": "default", "revision": "r1"},
+        },
     ]
     path = tmp_path / "sd" / "workers.json"
     assert write_file_sd(path, targets) is True
@@ -369,8 +389,7 @@ def test_queries_select_the_variant_or_revision() -> None:
     load = load_queries(VARIANT, 60)
     selector = '{namespace="ns",deployment="smol",variant="default"}'
     assert load["ttft_p95"] == (
-        "histogram_quantile(0.95, sum by (le) "
-        f"(rate(vllm:time_to_first_token_seconds_bucket{selector}[60s])))"
+        f"histogram_quantile(0.95, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket{selector}[60s])))"
     )
     assert load["waiting"] == (
         f"sum(vllm:num_requests_waiting{selector} unless on(instance) (llmfleet:draining{selector} == 1))"
@@ -387,8 +406,6 @@ def test_load_sample_rejects_impossible_values() -> None:
 
 
 # ------------------------------------------------------------------------------------------- real Prometheus
-
-
 
 
 def _poll(predicate: Callable[[], Any], what: str, timeout_s: float, poll_s: float = 0.25) -> Any:
@@ -426,11 +443,18 @@ def prometheus(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     log_path = tmp_path / "prometheus.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
-             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-            stdout=log, stderr=subprocess.STDOUT,
+            [
+                binary,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={tmp_path / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--log.level=warn",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
     try:
+
         def ready() -> bool:
             if proc.poll() is not None:
                 raise AssertionError(f"prometheus exited: {log_path.read_text()[-2000:]}")
@@ -465,6 +489,7 @@ async def test_prometheus_source_against_a_real_prometheus(
     write_file_sd(sd_path, [stable.target(), canary.target()])
     src = PrometheusSource(url, timeout_s=5, max_age_s=30, ttft_window_s=20, min_window_s=10)
     try:
+
         async def both_scraped() -> LoadSample | None:
             sample = await src.load(VARIANT, [])
             return sample if sample.ready_pods == 2 else None

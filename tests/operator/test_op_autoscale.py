@@ -30,8 +30,6 @@ TOKEN = "test-alerts-token"
 MAX_TOKENS = 8
 
 
-
-
 @pytest.fixture
 def operator_http(monkeypatch: pytest.MonkeyPatch) -> str:
     """Settings for the operator the `fleet` fixture starts (it passes the environment through): a 1 s
@@ -77,8 +75,12 @@ def _entry(kube: Any, name: str) -> dict[str, Any]:
 
 def _stream(client: httpx.Client, url: str, model: str) -> str | None:
     """One streamed chat completion; None when it ends properly, else why it failed."""
-    body = {"model": model, "stream": True, "max_tokens": MAX_TOKENS,
-            "messages": [{"role": "user", "content": "Tell me a story."}]}
+    body = {
+        "model": model,
+        "stream": True,
+        "max_tokens": MAX_TOKENS,
+        "messages": [{"role": "user", "content": "Tell me a story."}],
+    }
     try:
         with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
             if response.status_code != 200:
@@ -93,8 +95,16 @@ class Streams:
     """Bounded streaming load through the gateway: `burst` concurrent streams at once, then (with `steady`)
     one thread streaming back to back until stopped, `max_requests` in all, or `deadline_s`."""
 
-    def __init__(self, url: str, model: str, *, burst: int, steady: bool = False, max_requests: int = 500,
-                 deadline_s: float = 90.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        *,
+        burst: int,
+        steady: bool = False,
+        max_requests: int = 500,
+        deadline_s: float = 90.0,
+    ) -> None:
         self.url, self.model = url, model
         self.completed = 0
         self.failures: list[str] = []
@@ -152,7 +162,8 @@ def test_load_step_scales_up_within_ticks_and_back_down_after_the_window_without
     with Streams(gateway, name, burst=6) as burst:
         # 1 request runs (paused by the gate), 5 wait in the pod: 5 per replica against a target of 1.
         entry = kit.wait_until(
-            lambda: (e := _entry(kube, name)).get("desiredReplicas") == 3 and e, "a scale-up to maxReplicas 3",
+            lambda: (e := _entry(kube, name)).get("desiredReplicas") == 3 and e,
+            "a scale-up to maxReplicas 3",
             timeout_s=30,
         )
         up = next(d for d in entry["lastDecisions"] if d["desiredReplicas"] == 3)
@@ -198,16 +209,23 @@ def test_alert_scales_up_at_once_and_shows_in_status_events_and_metrics(
 
     alert = {
         "status": "firing",
-        "labels": {"alertname": "LlmfleetQueueDepthHigh", "llmfleet_scale": "up", "llmfleet_scale_step": "2",
-                   "namespace": fleet.namespace, "deployment": name, "variant": "default"},
+        "labels": {
+            "alertname": "LlmfleetQueueDepthHigh",
+            "llmfleet_scale": "up",
+            "llmfleet_scale_step": "2",
+            "namespace": fleet.namespace,
+            "deployment": name,
+            "variant": "default",
+        },
         "annotations": {"summary": "queue depth above target for 2m"},
         "fingerprint": "abc123",
     }
     payload = {"version": "4", "status": "firing", "receiver": "llmfleet-operator", "alerts": [alert]}
     refused = httpx.post(f"{operator_http}/alerts", json=payload, headers={"Authorization": "Bearer wrong"})
     assert refused.status_code == 401
-    answer = httpx.post(f"{operator_http}/alerts", json=payload, headers={"Authorization": f"Bearer {TOKEN}"},
-                        timeout=30)
+    answer = httpx.post(
+        f"{operator_http}/alerts", json=payload, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30
+    )
     assert answer.status_code == 200 and answer.json()["accepted"] == 1
 
     # The answer comes after the decision is persisted: status shows it at once, no tick needed.
@@ -224,22 +242,27 @@ def test_alert_scales_up_at_once_and_shows_in_status_events_and_metrics(
     assert any("1 -> 3 replicas (alert)" in e["message"] for e in events)
 
     metrics = kit.wait_until(
-        lambda: (text := httpx.get(f"http://127.0.0.1:{os.environ['LLMFLEET_OPERATOR_METRICS_PORT']}/metrics").text)
-        and 'llmfleet_operator_ready_replicas{deployment="alerted"' in text
-        and _sample(text, "llmfleet_operator_ready_replicas", deployment=name) == 3
-        and text,
+        lambda: (
+            (text := httpx.get(f"http://127.0.0.1:{os.environ['LLMFLEET_OPERATOR_METRICS_PORT']}/metrics").text)
+            and 'llmfleet_operator_ready_replicas{deployment="alerted"' in text
+            and _sample(text, "llmfleet_operator_ready_replicas", deployment=name) == 3
+            and text
+        ),
         "the replica gauges at 3",
     )
     assert _sample(metrics, "llmfleet_operator_alerts_received_total", result="accepted") == 1
     assert _sample(metrics, "llmfleet_operator_alerts_received_total", result="unauthorized") == 1
-    assert _sample(metrics, "llmfleet_operator_scale_decisions_total", deployment=name, direction="up",
-                   source="alert") == 1
+    assert (
+        _sample(metrics, "llmfleet_operator_scale_decisions_total", deployment=name, direction="up", source="alert")
+        == 1
+    )
     assert _sample(metrics, "llmfleet_operator_desired_replicas", deployment=name, variant="default") == 3
 
     # Resolved: the intent ends (the size then follows the usual stabilised scale-down).
     resolved = {**payload, "status": "resolved", "alerts": [{**alert, "status": "resolved"}]}
-    answer = httpx.post(f"{operator_http}/alerts", json=resolved, headers={"Authorization": f"Bearer {TOKEN}"},
-                        timeout=30)
+    answer = httpx.post(
+        f"{operator_http}/alerts", json=resolved, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30
+    )
     assert answer.status_code == 200
     assert _entry(kube, name).get("alertIntents") in (None, [])
 

@@ -140,8 +140,18 @@ KEY = b"operator-drain-key-for-tests-0123456789"
 
 
 def _start(address: str | None, *, mark: bool = True, name: str = "m-default-r-0") -> StartDrain:
-    return StartDrain(name=name, uid="uid", address=address, variant="default", revision="r", reason="ScaleDown",
-                      message="scale down", started_at=NOW, deadline=NOW + timedelta(seconds=30), mark=mark)
+    return StartDrain(
+        name=name,
+        uid="uid",
+        address=address,
+        variant="default",
+        revision="r",
+        reason="ScaleDown",
+        message="scale down",
+        started_at=NOW,
+        deadline=NOW + timedelta(seconds=30),
+        mark=mark,
+    )
 
 
 async def test_start_drain_marks_the_pod_then_posts_with_the_token(worker):
@@ -169,8 +179,10 @@ def test_a_restarted_operator_derives_the_token_its_pods_hold():
     env = {e["name"]: e.get("value") for e in container["env"]}
     restarted = WorkerDrains(key=bytes(KEY))  # a new process reading the same key file
     assert env["LLMFLEET_DRAIN_TOKEN"] == restarted.token(RESOURCE["metadata"]) is not None
-    assert WorkerDrains(key=b"another-key-after-rotation-0123456789").token(RESOURCE["metadata"]) != env[
-        "LLMFLEET_DRAIN_TOKEN"]
+    assert (
+        WorkerDrains(key=b"another-key-after-rotation-0123456789").token(RESOURCE["metadata"])
+        != env["LLMFLEET_DRAIN_TOKEN"]
+    )
     assert "operator-drain-key" not in repr(restarted)
 
 
@@ -183,8 +195,10 @@ async def test_a_failed_post_or_a_vanished_pod_is_not_an_api_error():
     finally:
         await drains.aclose()
     assert errors == []
-    assert [c[1] for c in api.calls if c[0] == "patch"] == ["/api/v1/namespaces/ns/pods/m-default-r-0",
-                                                            "/api/v1/namespaces/ns/pods/gone"]
+    assert [c[1] for c in api.calls if c[0] == "patch"] == [
+        "/api/v1/namespaces/ns/pods/m-default-r-0",
+        "/api/v1/namespaces/ns/pods/gone",
+    ]
 
 
 async def test_budgets_and_annotation_removal():
@@ -196,8 +210,11 @@ async def test_budgets_and_annotation_removal():
     calls = [(verb, p, body) for verb, p, body in api.calls if not p.endswith("/events")]
     assert ("patch", f"{path}/m-a", {"spec": {"maxUnavailable": 1}}) in calls  # existed: updated in place
     assert ("delete", f"{path}/m-b", None) in calls
-    assert ("patch", "/apis/llmfleet.io/v1alpha1/namespaces/ns/inferencedeployments/m",
-            {"metadata": {"annotations": {"llmfleet.io/promote": None}}}) in calls
+    assert (
+        "patch",
+        "/apis/llmfleet.io/v1alpha1/namespaces/ns/inferencedeployments/m",
+        {"metadata": {"annotations": {"llmfleet.io/promote": None}}},
+    ) in calls
 
 
 # ----------------------------------------------------------------------------------------------- analysis runner
@@ -226,9 +243,12 @@ def _canary_resource(
 ) -> tuple[dict[str, Any], list[dict[str, Any]], str, str]:
     """A deployment whose canary started at NOW (its metrics series appeared at `metrics_since`; None: not yet),
     and its ready pods (2 stable, 1 canary, ready since NOW)."""
-    spec = {"model": {"name": "smol", "source": "/m"}, "replicas": 2, "variants": [{"name": "default"}],
-            "rollout": {"canary": {"steps": [{"weight": 50}], "analysis": {"intervalSeconds": 10,
-                                                                            "minRequests": 2}}}}
+    spec = {
+        "model": {"name": "smol", "source": "/m"},
+        "replicas": 2,
+        "variants": [{"name": "default"}],
+        "rollout": {"canary": {"steps": [{"weight": 50}], "analysis": {"intervalSeconds": 10, "minRequests": 2}}},
+    }
     resource = {**RESOURCE, "metadata": {**RESOURCE["metadata"], "generation": 1}, "spec": spec}
     plan = reconcile(resource, Observed(), NOW)
     resource["status"] = next(a.status for a in plan.actions if hasattr(a, "status"))
@@ -244,10 +264,24 @@ def _canary_resource(
     canary_rev = changed["status"]["rollout"]["canaryRevision"]
 
     def pod(name: str, revision: str, ip: str) -> dict[str, Any]:
-        return {"metadata": {"name": name, "namespace": "ns", "labels": {
-            "llmfleet.io/deployment": "m", "llmfleet.io/variant": "default", "llmfleet.io/revision": revision}},
-            "status": {"phase": "Running", "podIP": ip, "conditions": [
-                {"type": "Ready", "status": "True", "lastTransitionTime": NOW.strftime("%Y-%m-%dT%H:%M:%SZ")}]}}
+        return {
+            "metadata": {
+                "name": name,
+                "namespace": "ns",
+                "labels": {
+                    "llmfleet.io/deployment": "m",
+                    "llmfleet.io/variant": "default",
+                    "llmfleet.io/revision": revision,
+                },
+            },
+            "status": {
+                "phase": "Running",
+                "podIP": ip,
+                "conditions": [
+                    {"type": "Ready", "status": "True", "lastTransitionTime": NOW.strftime("%Y-%m-%dT%H:%M:%SZ")}
+                ],
+            },
+        }
 
     pods = [pod("s0", stable_rev, "10.0.0.1"), pod("s1", stable_rev, "10.0.0.2"), pod("c0", canary_rev, "10.0.0.3")]
     return changed, pods, stable_rev, canary_rev

@@ -46,8 +46,14 @@ def test_already_exists_and_not_found_count_as_done():
 
 
 def test_conflicts_are_retried():
-    api = ScriptedApi({("patch", "/apis/llmfleet.io/v1alpha1/namespaces/ns/inferencedeployments/m/status"):
-                       [_error(409, "Conflict"), _error(503, "ServiceUnavailable")]})
+    api = ScriptedApi(
+        {
+            ("patch", "/apis/llmfleet.io/v1alpha1/namespaces/ns/inferencedeployments/m/status"): [
+                _error(409, "Conflict"),
+                _error(503, "ServiceUnavailable"),
+            ]
+        }
+    )
     assert _run(api, Plan(actions=(PatchStatus({"phase": "Available"}),))) == []
     patches = [c for c in api.calls if c[0] == "patch"]
     assert len(patches) == 3 and patches[-1][2] == {"status": {"phase": "Available"}}

@@ -57,8 +57,9 @@ async def test_loop_ends_when_the_deployment_is_gone():
 
 
 async def test_errors_back_off_then_retry_without_a_wake():
-    fleet = ScriptedFleet([PassResult(None, ("observe: 500",)), PassResult(Plan())],
-                          resync_seconds=3600, error_backoff_seconds=0.05)
+    fleet = ScriptedFleet(
+        [PassResult(None, ("observe: 500",)), PassResult(Plan())], resync_seconds=3600, error_backoff_seconds=0.05
+    )
     halt = asyncio.Event()
     loop = asyncio.create_task(fleet.run("ns", "a", halt))
     await _next_pass(fleet)

@@ -75,26 +75,38 @@ def test_status_at_each_phase_is_judged_like_gitops_tools_judge_it(fleet: Any, k
     capture("02-ready", lambda o: _is(o, "Ready"), "Ready", 90)
 
     apply({"template": {"env": [{"name": "RELEASE", "value": "2"}]}})
-    capture("03-canary-progressing",
-            lambda o: o["status"]["rollout"].get("phase") == "Progressing" and _canary_ready(kit, kube, o),
-            "a ready canary pod at step 1")
+    capture(
+        "03-canary-progressing",
+        lambda o: o["status"]["rollout"].get("phase") == "Progressing" and _canary_ready(kit, kube, o),
+        "a ready canary pod at step 1",
+    )
     kube.run("annotate", "infd", "gitops", "llmfleet.io/promote=true")
-    capture("04-promoted", lambda o: _is(o, "Ready") and o["status"]["rollout"].get("phase") == "Stable",
-            "the promotion")
+    capture(
+        "04-promoted", lambda o: _is(o, "Ready") and o["status"]["rollout"].get("phase") == "Stable", "the promotion"
+    )
 
     apply({"template": {"env": [{"name": "RELEASE", "value": "3"}]}})
-    kit.wait_until(lambda: (get() or {}).get("status", {}).get("rollout", {}).get("phase") == "Progressing",
-                   "the second canary")
+    kit.wait_until(
+        lambda: (get() or {}).get("status", {}).get("rollout", {}).get("phase") == "Progressing", "the second canary"
+    )
     kube.run("annotate", "infd", "gitops", "llmfleet.io/abort=true")
     capture("05-rolled-back", lambda o: o["status"]["rollout"].get("phase") == "RolledBack", "the rollback")
 
     apply({"template": {"env": [{"name": "RELEASE", "value": "2"}]}})  # Git reverted: back to the stable revision
     kit.wait_until(lambda: _current(o := get()) and _is(o, "Ready"), "Ready after the revert")
 
-    apply({"template": {"env": [{"name": "RELEASE", "value": "2"}]},
-           "variants": [{"name": "default", "autoscaling": {"minReplicas": 3, "maxReplicas": 2}}]})
-    capture("06-invalid-spec", lambda o: _is(o, "Stalled") and _condition(o, "Stalled")["reason"] == "InvalidSpec",
-            "Stalled with InvalidSpec", 30)
+    apply(
+        {
+            "template": {"env": [{"name": "RELEASE", "value": "2"}]},
+            "variants": [{"name": "default", "autoscaling": {"minReplicas": 3, "maxReplicas": 2}}],
+        }
+    )
+    capture(
+        "06-invalid-spec",
+        lambda o: _is(o, "Stalled") and _condition(o, "Stalled")["reason"] == "InvalidSpec",
+        "Stalled with InvalidSpec",
+        30,
+    )
 
     apply({"template": {"env": [{"name": "RELEASE", "value": "2"}]}, "replicas": 0})
     capture("07-scaled-to-zero", lambda o: _is(o, "Ready") and not kube.pods("gitops"), "scaled to zero", 60)

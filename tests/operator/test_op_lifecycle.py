@@ -35,8 +35,15 @@ def test_apply_scale_edit_delete(fleet, kit):
 
     # an edit that does not reach the pods leaves them alone
     (pod,) = kube.pods("demo")
-    kube.run("patch", "infd", "demo", "--type", "merge", "-p",
-             '{"spec": {"variants": [{"name": "default", "weight": 5, "tiers": ["gold"]}]}}')
+    kube.run(
+        "patch",
+        "infd",
+        "demo",
+        "--type",
+        "merge",
+        "-p",
+        '{"spec": {"variants": [{"name": "default", "weight": 5, "tiers": ["gold"]}]}}',
+    )
     generation = kube.get("infd", "demo")["metadata"]["generation"]
     kit.wait_until(
         lambda: kube.get("infd", "demo")["status"].get("observedGeneration") == generation, "the edit observed"
@@ -61,8 +68,15 @@ def test_invalid_spec_reports_and_leaves_pods_running(fleet, kit):
     kube.apply(kit.deployment("bad", replicas=1))
     kit.wait_until(lambda: _available(fleet, kit, "bad"), "Available=True")
     (pod,) = kube.pods("bad")
-    kube.run("patch", "infd", "bad", "--type", "merge", "-p",
-             '{"spec": {"drain": {"timeoutSeconds": 60, "terminationGracePeriodSeconds": 30}}}')
+    kube.run(
+        "patch",
+        "infd",
+        "bad",
+        "--type",
+        "merge",
+        "-p",
+        '{"spec": {"drain": {"timeoutSeconds": 60, "terminationGracePeriodSeconds": 30}}}',
+    )
     resource = kit.wait_until(
         lambda: (r := kube.get("infd", "bad")) and kit.condition(r, "InvalidSpec").get("status") == "True" and r,
         "InvalidSpec=True",
@@ -87,9 +101,7 @@ def test_operator_killed_mid_scale_up_converges_without_duplicates(fleet, kit):
     fleet.operator.kill()
     fleet.operator.start()
     kit.wait_until(lambda: len(kit.ready_pods(kube.pods("grow"))) == 5, "5 ready pods after the restart")
-    kit.wait_until(
-        lambda: kube.get("infd", "grow")["status"].get("readyReplicas") == 5, "status.readyReplicas=5"
-    )
+    kit.wait_until(lambda: kube.get("infd", "grow")["status"].get("readyReplicas") == 5, "status.readyReplicas=5")
     pods = kube.pods("grow")
     assert len(pods) == 5
     slots = sorted(int(p["metadata"]["name"].rsplit("-", 1)[1]) for p in pods)
@@ -121,7 +133,11 @@ def test_network_policy_and_drain_tokens_without_secrets(fleet, kit):
     policy = kit.wait_until(lambda: kube.get("networkpolicy", "guarded-workers"), "the workers' NetworkPolicy")
     (owner,) = policy["metadata"]["ownerReferences"]
     assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == (
-        "InferenceDeployment", "guarded", resource["metadata"]["uid"], True)
+        "InferenceDeployment",
+        "guarded",
+        resource["metadata"]["uid"],
+        True,
+    )
     assert policy["spec"]["podSelector"] == {"matchLabels": {"llmfleet.io/deployment": "guarded"}}
     (rule,) = policy["spec"]["ingress"]
     assert rule["ports"] == [{"protocol": "TCP", "port": 8000}] and len(rule["from"]) == 3

@@ -34,17 +34,32 @@ def chart_peering_docs(namespace: str) -> list[dict[str, Any]]:
     """The kopf peering CRDs and this namespace's KopfPeering object, as the chart renders them."""
     helm = Path(sys.prefix) / "bin" / "helm"
     rendered = subprocess.run(
-        [str(helm), "template", "llmfleet", str(REPO / "charts" / "llmfleet"), "--namespace", namespace,
-         "--set", "operator.peering.enabled=true", "--set", "operator.replicaCount=2"],
-        capture_output=True, text=True, check=True, timeout=120,
+        [
+            str(helm),
+            "template",
+            "llmfleet",
+            str(REPO / "charts" / "llmfleet"),
+            "--namespace",
+            namespace,
+            "--set",
+            "operator.peering.enabled=true",
+            "--set",
+            "operator.replicaCount=2",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
     ).stdout
     docs = [d for d in yaml.safe_load_all(rendered) if d]
-    wanted = [d for d in docs if d["kind"] in ("CustomResourceDefinition", "KopfPeering")
-              and (d["kind"] != "CustomResourceDefinition" or d["spec"]["group"] == "kopf.dev")]
+    wanted = [
+        d
+        for d in docs
+        if d["kind"] in ("CustomResourceDefinition", "KopfPeering")
+        and (d["kind"] != "CustomResourceDefinition" or d["spec"]["group"] == "kopf.dev")
+    ]
     assert {d["kind"] for d in wanted} == {"CustomResourceDefinition", "KopfPeering"}, "chart renders no peering"
     return wanted
-
-
 
 
 def whole_log(process: Any) -> str:
@@ -80,20 +95,33 @@ def test_one_replica_works_the_standby_takes_over_when_it_dies(localkube_cluster
         for key in ("helm.sh/hook", "helm.sh/hook-delete-policy"):
             (doc["metadata"].get("annotations") or {}).pop(key, None)
         kube.apply(doc)
-    peering_env = {"LLMFLEET_OPERATOR_PEERING": PEERING,
-                   "LLMFLEET_OPERATOR_PEERING_LIFETIME_SECONDS": str(LIFETIME_S)}
+    peering_env = {"LLMFLEET_OPERATOR_PEERING": PEERING, "LLMFLEET_OPERATOR_PEERING_LIFETIME_SECONDS": str(LIFETIME_S)}
     ports = {"active": free_port(), "standby": free_port()}
     metrics_ports = {"active": free_port(), "standby": free_port()}
-    active = kit.OperatorProcess(localkube_cluster.kubeconfig, namespace, tmp_path / "active.log",
-                                 {**peering_env, "LLMFLEET_OPERATOR_PRIORITY": "20",
-                                  "LLMFLEET_OPERATOR_ALERTS_TOKEN": TOKEN,
-                                  "LLMFLEET_OPERATOR_HTTP_PORT": str(ports["active"]),
-                                  "LLMFLEET_OPERATOR_METRICS_PORT": str(metrics_ports["active"])})
-    standby = kit.OperatorProcess(localkube_cluster.kubeconfig, namespace, tmp_path / "standby.log",
-                                  {**peering_env, "LLMFLEET_OPERATOR_PRIORITY": "10",
-                                   "LLMFLEET_OPERATOR_ALERTS_TOKEN": TOKEN,
-                                   "LLMFLEET_OPERATOR_HTTP_PORT": str(ports["standby"]),
-                                   "LLMFLEET_OPERATOR_METRICS_PORT": str(metrics_ports["standby"])})
+    active = kit.OperatorProcess(
+        localkube_cluster.kubeconfig,
+        namespace,
+        tmp_path / "active.log",
+        {
+            **peering_env,
+            "LLMFLEET_OPERATOR_PRIORITY": "20",
+            "LLMFLEET_OPERATOR_ALERTS_TOKEN": TOKEN,
+            "LLMFLEET_OPERATOR_HTTP_PORT": str(ports["active"]),
+            "LLMFLEET_OPERATOR_METRICS_PORT": str(metrics_ports["active"]),
+        },
+    )
+    standby = kit.OperatorProcess(
+        localkube_cluster.kubeconfig,
+        namespace,
+        tmp_path / "standby.log",
+        {
+            **peering_env,
+            "LLMFLEET_OPERATOR_PRIORITY": "10",
+            "LLMFLEET_OPERATOR_ALERTS_TOKEN": TOKEN,
+            "LLMFLEET_OPERATOR_HTTP_PORT": str(ports["standby"]),
+            "LLMFLEET_OPERATOR_METRICS_PORT": str(metrics_ports["standby"]),
+        },
+    )
     active.start()
     standby.start()
     try:
@@ -102,12 +130,15 @@ def test_one_replica_works_the_standby_takes_over_when_it_dies(localkube_cluster
         kit.wait_until(lambda: len(kit.ready_pods(kube.pods("ha"))) == 1, "1 ready pod", timeout_s=60)
         assert working(active) and not working(standby)
         # only the working replica exports the fleet (a dashboard summing over replicas counts it once)
-        kit.wait_until(lambda: exported(metrics_ports["active"]) == {"active": 1.0, "replicas": 1.0},
-                       "the active's gauges")
+        kit.wait_until(
+            lambda: exported(metrics_ports["active"]) == {"active": 1.0, "replicas": 1.0}, "the active's gauges"
+        )
         assert exported(metrics_ports["standby"]) == {"active": 0.0, "replicas": 0.0}
         for port in ports.values():  # the public (Alertmanager) port serves no metrics
             assert httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).status_code == 404
-        assert f"{namespace}/ha: " in whole_log(active) and "action(s) in" in whole_log(active)  # the active one planned
+        assert f"{namespace}/ha: " in whole_log(active) and "action(s) in" in whole_log(
+            active
+        )  # the active one planned
         assert "action(s) in" not in whole_log(standby)  # the paused one did nothing
         first = {p["metadata"]["name"] for p in kube.pods("ha")}
         alerts_reach_only_the_active_replica(kube, kit, ports)
@@ -115,15 +146,18 @@ def test_one_replica_works_the_standby_takes_over_when_it_dies(localkube_cluster
         active.kill()
         killed = time.monotonic()
         kube.run("scale", "inferencedeployment/ha", "--replicas=2")
-        kit.wait_until(lambda: len(kit.ready_pods(kube.pods("ha"))) == 2, "the standby to scale up",
-                       timeout_s=LIFETIME_S + 60)
+        kit.wait_until(
+            lambda: len(kit.ready_pods(kube.pods("ha"))) == 2, "the standby to scale up", timeout_s=LIFETIME_S + 60
+        )
         takeover_s = time.monotonic() - killed
         assert working(standby) and "action(s) in" in whole_log(standby)
         kit.wait_until(lambda: exported(metrics_ports["standby"]) == {"active": 1.0, "replicas": 2.0}, "the new gauges")
         names = [p["metadata"]["name"] for p in kube.pods("ha")]
         assert len(names) == len(set(names)) == 2 and first <= set(names)
-        print(f"standby took over and scaled 1 -> 2 {takeover_s:.1f} s after the active replica was SIGKILLed "
-              f"(keep-alive {LIFETIME_S} s)")
+        print(
+            f"standby took over and scaled 1 -> 2 {takeover_s:.1f} s after the active replica was SIGKILLed "
+            f"(keep-alive {LIFETIME_S} s)"
+        )
     finally:
         active.stop()
         standby.stop()
@@ -134,14 +168,27 @@ def test_one_replica_works_the_standby_takes_over_when_it_dies(localkube_cluster
 def alerts_reach_only_the_active_replica(kube: Any, kit: Any, ports: dict[str, int]) -> None:
     """A firing scale-up alert (step 3) for an autoscaled deployment: the standby answers 503 and nothing is
     scaled; the active replica applies it (desired 1 -> 4)."""
-    body = kit.deployment("alerted", variants=[
-        {"name": "default", "autoscaling": {"minReplicas": 1, "maxReplicas": 4,
-                                            "targets": {"queueDepthPerReplica": 100}}}])
+    body = kit.deployment(
+        "alerted",
+        variants=[
+            {
+                "name": "default",
+                "autoscaling": {"minReplicas": 1, "maxReplicas": 4, "targets": {"queueDepthPerReplica": 100}},
+            }
+        ],
+    )
     del body["spec"]["replicas"]
     kube.apply(body)
     kit.wait_until(lambda: desired(kube, "alerted") == 1, "the autoscaled deployment at 1", timeout_s=60)
-    alert = {"status": "firing", "labels": {"alertname": "QueueHigh", "llmfleet_scale": "up",
-                                            "llmfleet_scale_step": "3", "deployment": "alerted"}}
+    alert = {
+        "status": "firing",
+        "labels": {
+            "alertname": "QueueHigh",
+            "llmfleet_scale": "up",
+            "llmfleet_scale_step": "3",
+            "deployment": "alerted",
+        },
+    }
     headers = {"Authorization": f"Bearer {TOKEN}"}
     payload = {"version": "4", "alerts": [alert]}
     refused = httpx.post(f"http://127.0.0.1:{ports['standby']}/alerts", json=payload, headers=headers, timeout=30)

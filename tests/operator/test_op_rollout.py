@@ -38,8 +38,14 @@ ENGINE = {"extraArgs": {"fake-ttft-ms": 50, "fake-itl-ms": 20}}
 MAX_TOKENS = 24
 # Latency ratios are generous: two fake-engine pods on a busy 2-core machine are not always equally fast, and
 # these tests are about the machinery, not about telling 50 ms from 60 ms.
-ANALYSIS = {"intervalSeconds": 5, "failureLimit": 2, "minRequests": 3, "ttftP95MaxRatio": 5, "itlP95MaxRatio": 5,
-            "errorRateMax": 0.05}
+ANALYSIS = {
+    "intervalSeconds": 5,
+    "failureLimit": 2,
+    "minRequests": 3,
+    "ttftP95MaxRatio": 5,
+    "itlP95MaxRatio": 5,
+    "errorRateMax": 0.05,
+}
 
 
 class StreamLoad:
@@ -79,8 +85,12 @@ class StreamLoad:
             return True
 
     def _run(self) -> None:
-        body = {"model": self.model, "stream": True, "max_tokens": MAX_TOKENS,
-                "messages": [{"role": "user", "content": "Tell me a story."}]}
+        body = {
+            "model": self.model,
+            "stream": True,
+            "max_tokens": MAX_TOKENS,
+            "messages": [{"role": "user", "content": "Tell me a story."}],
+        }
         with httpx.Client(timeout=30) as client:
             while self._take():
                 outcome, revision = self._one(client, body)
@@ -162,8 +172,15 @@ def test_canary_promotes_through_all_steps_and_no_stream_breaks_through_rollout_
     with _watch_drains(fleet, "promo") as watch, StreamLoad(gateway, "promo") as load:
         kit.wait_until(lambda: load.completed >= 6, "streams through the gateway", timeout_s=30)
         # the canary changes the quantization: the quality probe joins latency and errors in the analysis
-        kube.run("patch", "infd", "promo", "--type", "merge", "-p",
-                 json.dumps({"spec": {"variants": [{"name": "default", "quantization": "int4"}]}}))
+        kube.run(
+            "patch",
+            "infd",
+            "promo",
+            "--type",
+            "merge",
+            "-p",
+            json.dumps({"spec": {"variants": [{"name": "default", "quantization": "int4"}]}}),
+        )
         started = kit.wait_until(
             lambda: (r := _rollout(kube, "promo")).get("phase") == "Progressing" and r, "the canary to start"
         )
@@ -212,8 +229,9 @@ def test_faulty_canary_rolls_back_with_the_reason_in_status(fleet: Any, kit: Any
     stable = kit.wait_until(lambda: _settled(kit, kube, "faulty", 2), "2 ready pods", timeout_s=90)
     faults = [{"name": "LLMFLEET_FAULT_ERROR_RATE", "value": "0.6"}, {"name": "LLMFLEET_FAULT_SEED", "value": "7"}]
     with _watch_drains(fleet, "faulty") as watch, StreamLoad(gateway, "faulty") as load:
-        kube.run("patch", "infd", "faulty", "--type", "merge", "-p",
-                 json.dumps({"spec": {"template": {"env": faults}}}))
+        kube.run(
+            "patch", "infd", "faulty", "--type", "merge", "-p", json.dumps({"spec": {"template": {"env": faults}}})
+        )
         canary = kit.wait_until(lambda: _rollout(kube, "faulty").get("canaryRevision"), "the canary to start")
         rolled = kit.wait_until(
             lambda: (r := _rollout(kube, "faulty")).get("phase") == "RolledBack" and r, "the rollback", timeout_s=90
@@ -245,8 +263,15 @@ def test_operator_killed_mid_step_resumes_at_the_same_step_then_manual_promote(f
     steps = [{"weight": 20, "pauseSeconds": 600}, {"weight": 60, "pauseSeconds": 600}]
     kube.apply(_canary_deployment(kit, "resume", 2, steps))
     stable = kit.wait_until(lambda: _settled(kit, kube, "resume", 2), "2 ready pods", timeout_s=90)
-    kube.run("patch", "infd", "resume", "--type", "merge", "-p", json.dumps({"spec": {"engine": {
-        **ENGINE, "maxNumSeqs": 16}}}))
+    kube.run(
+        "patch",
+        "infd",
+        "resume",
+        "--type",
+        "merge",
+        "-p",
+        json.dumps({"spec": {"engine": {**ENGINE, "maxNumSeqs": 16}}}),
+    )
     before = kit.wait_until(
         lambda: (r := _rollout(kube, "resume")).get("phase") == "Progressing" and r, "the canary to start"
     )
@@ -262,9 +287,16 @@ def test_operator_killed_mid_step_resumes_at_the_same_step_then_manual_promote(f
     fleet.operator.start()
     # the restarted operator goes on analysing the same step (a check later than the restart)
     check = kit.wait_until(
-        lambda: next((a for a in _rollout(kube, "resume").get("analysis") or []
-                      if datetime.fromisoformat(a["time"].replace("Z", "+00:00")) > restarted), None),
-        "an analysis check by the restarted operator", timeout_s=60,
+        lambda: next(
+            (
+                a
+                for a in _rollout(kube, "resume").get("analysis") or []
+                if datetime.fromisoformat(a["time"].replace("Z", "+00:00")) > restarted
+            ),
+            None,
+        ),
+        "an analysis check by the restarted operator",
+        timeout_s=60,
     )
     assert check["step"] == 0
     after = _rollout(kube, "resume")

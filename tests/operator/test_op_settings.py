@@ -68,7 +68,10 @@ def test_the_drain_key_is_read_from_its_file_and_the_same_on_every_start(tmp_pat
     ("env", "needle"),
     [
         ({}, "no drain key: put at least 32 random bytes"),
-        ({"LLMFLEET_OPERATOR_DRAIN_KEY_FILE": "/nonexistent/drain.key"}, "cannot read LLMFLEET_OPERATOR_DRAIN_KEY_FILE"),
+        (
+            {"LLMFLEET_OPERATOR_DRAIN_KEY_FILE": "/nonexistent/drain.key"},
+            "cannot read LLMFLEET_OPERATOR_DRAIN_KEY_FILE",
+        ),
         ({"LLMFLEET_OPERATOR_DRAIN_KEY": "short"}, "fewer than 32"),
         ({"LLMFLEET_OPERATOR_DRAIN_KEY": "k" * 32, "LLMFLEET_OPERATOR_DRAIN_KEY_FILE": "/x"}, "keep one"),
     ],
@@ -114,14 +117,19 @@ def test_network_policy_peers_and_switch_come_from_the_environment():
     env = {
         "LLMFLEET_OPERATOR_NETWORK_POLICY": "false",
         "LLMFLEET_OPERATOR_NETWORK_POLICY_GATEWAY": json.dumps(
-            {"namespaceSelector": {"kubernetes.io/metadata.name": "llm"}, "podSelector": {"app": "gw"}}),
+            {"namespaceSelector": {"kubernetes.io/metadata.name": "llm"}, "podSelector": {"app": "gw"}}
+        ),
         "LLMFLEET_OPERATOR_NETWORK_POLICY_SCRAPER": json.dumps(
-            {"namespaceSelector": {"team": "monitoring"}, "podSelector": {"app": "vmagent"}}),
+            {"namespaceSelector": {"team": "monitoring"}, "podSelector": {"app": "vmagent"}}
+        ),
     }
     network = OperatorSettings.load(env).policy().network
     assert not network.enabled
     gateway, _operator, scraper = network.peers
-    assert (dict(gateway.pod_labels), gateway.namespace_labels) == ({"app": "gw"}, {"kubernetes.io/metadata.name": "llm"})
+    assert (dict(gateway.pod_labels), gateway.namespace_labels) == (
+        {"app": "gw"},
+        {"kubernetes.io/metadata.name": "llm"},
+    )
     assert (dict(scraper.pod_labels), scraper.namespace_labels) == ({"app": "vmagent"}, {"team": "monitoring"})
 
 

@@ -75,8 +75,9 @@ def test_an_operator_upgrade_keeps_running_pods_and_new_pods_get_the_new_renderi
 
     def rolled() -> bool:
         pods = kube.pods("up")
-        return (len(pods) == 3 and len(kit.ready_pods(pods)) == 3
-                and not {p["metadata"]["name"] for p in pods} & set(after))
+        return (
+            len(pods) == 3 and len(kit.ready_pods(pods)) == 3 and not {p["metadata"]["name"] for p in pods} & set(after)
+        )
 
     kit.wait_until(rolled, "every pod replaced", 120)
     assert all(_env(p)[NEW_ENV] == "1" for p in kube.pods("up"))

@@ -79,8 +79,10 @@ async def test_real_engines_agree_as_offline_teacher_forcing_says(worker_url, tm
     prompts = PROBE_PROMPTS[:4]
     stable_llm, canary_llm = LLM(model, num_blocks=64), LLM(model, quantization="fp8", num_blocks=64)
     conts = stable_llm.generate(list(prompts), SamplingParams(max_tokens=PROBE_MAX_TOKENS, temperature=0))
-    scored = canary_llm.generate([c.prompt_token_ids + c.token_ids for c in conts],
-                                 SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))
+    scored = canary_llm.generate(
+        [c.prompt_token_ids + c.token_ids for c in conts],
+        SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1),
+    )
     expected = token_agreement(
         [c.token_ids for c in conts],
         [[lp.top[0][0] for lp in s.prompt_logprobs[len(c.prompt_token_ids) - 1 :]] for c, s in zip(conts, scored)],
@@ -116,10 +118,18 @@ def label(token: int) -> str:
 def stable_answer(body: dict[str, Any]) -> httpx.Response:
     prompt = [len(w) for w in body["prompt"].split()]
     tokens = prompt + STABLE_NEXT[: body["max_tokens"]]
-    logprobs = {"tokens": [label(t) for t in tokens], "token_logprobs": [None] + [-0.1] * (len(tokens) - 1),
-                "top_logprobs": None}
-    return httpx.Response(200, json={"choices": [{"index": 0, "text": "...", "logprobs": logprobs}],
-                                     "usage": {"prompt_tokens": len(prompt), "completion_tokens": 3}})
+    logprobs = {
+        "tokens": [label(t) for t in tokens],
+        "token_logprobs": [None] + [-0.1] * (len(tokens) - 1),
+        "top_logprobs": None,
+    }
+    return httpx.Response(
+        200,
+        json={
+            "choices": [{"index": 0, "text": "...", "logprobs": logprobs}],
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": 3},
+        },
+    )
 
 
 def canary_scoring(best: Callable[[list[int]], int]) -> Callable[[dict[str, Any]], httpx.Response]:
@@ -128,10 +138,18 @@ def canary_scoring(best: Callable[[list[int]], int]) -> Callable[[dict[str, Any]
     def answer(body: dict[str, Any]) -> httpx.Response:
         ids = body["prompt"]
         top = [None] + [{label(best(ids[:i])): -0.1, label(999): -5.0} for i in range(1, len(ids))]
-        logprobs = {"tokens": [label(t) for t in ids + [1]], "token_logprobs": [None] + [-0.2] * len(ids),
-                    "top_logprobs": top + [{label(1): -0.1}]}
-        return httpx.Response(200, json={"choices": [{"index": 0, "text": "...", "logprobs": logprobs}],
-                                         "usage": {"prompt_tokens": len(ids), "completion_tokens": 1}})
+        logprobs = {
+            "tokens": [label(t) for t in ids + [1]],
+            "token_logprobs": [None] + [-0.2] * len(ids),
+            "top_logprobs": top + [{label(1): -0.1}],
+        }
+        return httpx.Response(
+            200,
+            json={
+                "choices": [{"index": 0, "text": "...", "logprobs": logprobs}],
+                "usage": {"prompt_tokens": len(ids), "completion_tokens": 1},
+            },
+        )
 
     return answer
 
@@ -141,8 +159,9 @@ def agrees(prefix: list[int]) -> int:
     return {7: 8, 8: 9}.get(prefix[-1], 7 if prefix[-1] < 7 else 0)
 
 
-def by_host(stable: Callable[[dict[str, Any]], httpx.Response],
-            canary: Callable[[dict[str, Any]], httpx.Response]) -> Callable[[httpx.Request], httpx.Response]:
+def by_host(
+    stable: Callable[[dict[str, Any]], httpx.Response], canary: Callable[[dict[str, Any]], httpx.Response]
+) -> Callable[[httpx.Request], httpx.Response]:
     def handle(request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
         return (stable if request.url.host == "stable" else canary)(body)
@@ -157,19 +176,28 @@ async def test_stable_generates_and_the_canary_scores_the_same_tokens() -> None:
         def handle(body: dict[str, Any]) -> httpx.Response:
             seen[role].append(body)
             return answer(body)
+
         return handle
 
     async with stub(by_host(record("stable", stable_answer), record("canary", canary_scoring(agrees)))) as client:
-        result = await run_probe("http://stable", "http://canary", prompts=["a bb ccc", "dd e"], max_tokens=3,
-                                 client=client)
+        result = await run_probe(
+            "http://stable", "http://canary", prompts=["a bb ccc", "dd e"], max_tokens=3, client=client
+        )
     assert result.agreement == 1.0, result.detail
     assert seen["stable"] == [generate_request("a bb ccc", 3, None), generate_request("dd e", 3, None)]
     assert {k: seen["stable"][0][k] for k in ("temperature", "echo", "logprobs", "max_tokens")} == {
-        "temperature": 0, "echo": True, "logprobs": 0, "max_tokens": 3}
+        "temperature": 0,
+        "echo": True,
+        "logprobs": 0,
+        "max_tokens": 3,
+    }
     # the canary scores exactly the prompt's ids followed by stable's continuation
     assert seen["canary"] == [score_request([1, 2, 3, 7, 8, 9], None), score_request([2, 1, 7, 8, 9], None)]
     assert {k: seen["canary"][0][k] for k in ("echo", "logprobs", "temperature")} == {
-        "echo": True, "logprobs": 1, "temperature": 0}
+        "echo": True,
+        "logprobs": 1,
+        "temperature": 0,
+    }
     assert "model" not in seen["stable"][0] and generate_request("x", 1, "m")["model"] == "m"
 
 
@@ -184,11 +212,11 @@ async def test_stable_generates_and_the_canary_scores_the_same_tokens() -> None:
     ],
     ids=["agrees", "never", "first position flips", "last position flips"],
 )
-async def test_agreement_counts_the_canary_argmax_per_position(best: Callable[[list[int]], int],
-                                                               expected: float) -> None:
+async def test_agreement_counts_the_canary_argmax_per_position(
+    best: Callable[[list[int]], int], expected: float
+) -> None:
     async with stub(by_host(stable_answer, canary_scoring(best))) as client:
-        result = await run_probe("http://stable", "http://canary", prompts=["a bb", "ccc"], max_tokens=3,
-                                 client=client)
+        result = await run_probe("http://stable", "http://canary", prompts=["a bb", "ccc"], max_tokens=3, client=client)
     assert result.agreement == pytest.approx(expected), result.detail
 
 
@@ -197,38 +225,88 @@ def malformed(field: str, value: Any) -> Callable[[dict[str, Any]], httpx.Respon
         good = canary_scoring(agrees)(body).json()
         good["choices"][0]["logprobs"][field] = value
         return httpx.Response(200, json=good)
+
     return answer
 
 
 @pytest.mark.parametrize(
     ("stable", "canary", "fragment"),
     [
-        (stable_answer, lambda body: httpx.Response(503, json={"error": {"message": "draining"}}),
-         "canary pod http://canary: HTTP 503"),
-        (stable_answer, lambda body: httpx.Response(200, content=b"not json"),
-         "canary pod http://canary: the response is not JSON"),
-        (stable_answer, lambda body: httpx.Response(200, json={"choices": [{"text": "x", "logprobs": None}]}),
-         "canary pod http://canary: choices[0].logprobs is missing"),
+        (
+            stable_answer,
+            lambda body: httpx.Response(503, json={"error": {"message": "draining"}}),
+            "canary pod http://canary: HTTP 503",
+        ),
+        (
+            stable_answer,
+            lambda body: httpx.Response(200, content=b"not json"),
+            "canary pod http://canary: the response is not JSON",
+        ),
+        (
+            stable_answer,
+            lambda body: httpx.Response(200, json={"choices": [{"text": "x", "logprobs": None}]}),
+            "canary pod http://canary: choices[0].logprobs is missing",
+        ),
         (stable_answer, malformed("top_logprobs", None), "top_logprobs must list at least"),
-        (stable_answer, malformed("top_logprobs", [None, {}] + [{"token_id:1": 0.0}] * 5), "top_logprobs[1] is not a non-empty"),
-        (stable_answer, malformed("top_logprobs", [None, {"Paris": -0.1}] + [{"token_id:1": 0.0}] * 5), "not named by id"),
-        (lambda body: httpx.Response(200, json={"choices": [{"logprobs": {"tokens": ["token_id:1"]}}]}),
-         canary_scoring(agrees), "stable pod http://stable: the response has no usage.prompt_tokens"),
-        (lambda body: httpx.Response(200, json={"choices": [{"logprobs": {"tokens": [1, 2]}}]}),
-         canary_scoring(agrees), "not a list of strings"),
-        (lambda body: httpx.Response(200, json={"choices": [{"logprobs": {"tokens": ["token_id:1"]}}],
-                                                "usage": {"prompt_tokens": 4}}),
-         canary_scoring(agrees), "is echo ignored?"),
-        (lambda body: httpx.Response(200, json={"choices": [{"logprobs": {"tokens": [" The", " capital"]}}],
-                                                "usage": {"prompt_tokens": 1}}),
-         canary_scoring(agrees), "stable pod http://stable: token ' The' is not named by id"),
-        (stable_answer, lambda body: (_ for _ in ()).throw(httpx.ConnectError("refused")),
-         "canary pod http://canary: ConnectError"),
-        (lambda body: (_ for _ in ()).throw(httpx.ReadTimeout("slow")), canary_scoring(agrees),
-         "stable pod http://stable: ReadTimeout"),
+        (
+            stable_answer,
+            malformed("top_logprobs", [None, {}] + [{"token_id:1": 0.0}] * 5),
+            "top_logprobs[1] is not a non-empty",
+        ),
+        (
+            stable_answer,
+            malformed("top_logprobs", [None, {"Paris": -0.1}] + [{"token_id:1": 0.0}] * 5),
+            "not named by id",
+        ),
+        (
+            lambda body: httpx.Response(200, json={"choices": [{"logprobs": {"tokens": ["token_id:1"]}}]}),
+            canary_scoring(agrees),
+            "stable pod http://stable: the response has no usage.prompt_tokens",
+        ),
+        (
+            lambda body: httpx.Response(200, json={"choices": [{"logprobs": {"tokens": [1, 2]}}]}),
+            canary_scoring(agrees),
+            "not a list of strings",
+        ),
+        (
+            lambda body: httpx.Response(
+                200, json={"choices": [{"logprobs": {"tokens": ["token_id:1"]}}], "usage": {"prompt_tokens": 4}}
+            ),
+            canary_scoring(agrees),
+            "is echo ignored?",
+        ),
+        (
+            lambda body: httpx.Response(
+                200, json={"choices": [{"logprobs": {"tokens": [" The", " capital"]}}], "usage": {"prompt_tokens": 1}}
+            ),
+            canary_scoring(agrees),
+            "stable pod http://stable: token ' The' is not named by id",
+        ),
+        (
+            stable_answer,
+            lambda body: (_ for _ in ()).throw(httpx.ConnectError("refused")),
+            "canary pod http://canary: ConnectError",
+        ),
+        (
+            lambda body: (_ for _ in ()).throw(httpx.ReadTimeout("slow")),
+            canary_scoring(agrees),
+            "stable pod http://stable: ReadTimeout",
+        ),
     ],
-    ids=["503", "not json", "no logprobs", "no top_logprobs", "empty top", "labels not ids", "no usage",
-         "token ids not strings", "echo ignored", "stable labels not ids", "connection refused", "timeout"],
+    ids=[
+        "503",
+        "not json",
+        "no logprobs",
+        "no top_logprobs",
+        "empty top",
+        "labels not ids",
+        "no usage",
+        "token ids not strings",
+        "echo ignored",
+        "stable labels not ids",
+        "connection refused",
+        "timeout",
+    ],
 )
 async def test_failures_give_no_agreement_and_say_why(
     stable: Callable[[dict[str, Any]], httpx.Response],
@@ -241,8 +319,10 @@ async def test_failures_give_no_agreement_and_say_why(
     assert result.detail.startswith("quality probe failed:") and fragment in result.detail
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [({"prompts": []}, "at least one prompt"),
-                                                 ({"max_tokens": 0}, "max_tokens must be at least 1")])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"prompts": []}, "at least one prompt"), ({"max_tokens": 0}, "max_tokens must be at least 1")],
+)
 async def test_bad_arguments_are_errors(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         await run_probe("http://stable", "http://canary", **kwargs)

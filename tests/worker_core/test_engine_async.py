@@ -221,8 +221,15 @@ async def test_tokenizer_and_chat_template_pass_through() -> None:
 
 def test_merge_outputs_concatenates_deltas() -> None:
     a = RequestOutput("r", [1], "a", num_output_tokens=1, new_logprobs=[-0.1])
-    b = RequestOutput("r", [2, 3], "bc", finished=True, finish_reason=FinishReason.STOP, num_output_tokens=3,
-                      new_logprobs=[-0.2, -0.3])
+    b = RequestOutput(
+        "r",
+        [2, 3],
+        "bc",
+        finished=True,
+        finish_reason=FinishReason.STOP,
+        num_output_tokens=3,
+        new_logprobs=[-0.2, -0.3],
+    )
     m = merge_outputs(a, b)
     assert (m.new_token_ids, m.new_text, m.new_logprobs) == ([1, 2, 3], "abc", [-0.1, -0.2, -0.3])
     assert (m.finished, m.finish_reason, m.num_output_tokens) == (True, FinishReason.STOP, 3)

@@ -76,7 +76,9 @@ def test_one_token_prompt_has_no_prompt_logprobs() -> None:
 
 
 def test_prompt_logprobs_come_on_the_first_delta_only() -> None:
-    core = EngineCore.from_config(EngineConfig(block_size=4, max_num_batched_tokens=8, max_num_seqs=2), ToyRunner(block_size=4))
+    core = EngineCore.from_config(
+        EngineConfig(block_size=4, max_num_batched_tokens=8, max_num_seqs=2), ToyRunner(block_size=4)
+    )
     core.add_request("r", PROMPT, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, prompt_logprobs=0))
     deltas = []
     while core.has_unfinished_requests():

@@ -43,8 +43,9 @@ def tiny_model(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def alone(tiny_model) -> list:
     """The baseline: one request at a time, no prefix cache, whole prompts in one step."""
-    llm = LLM(tiny_model, max_num_seqs=1, max_num_batched_tokens=512, enable_prefix_caching=False, block_size=4,
-              num_blocks=64)
+    llm = LLM(
+        tiny_model, max_num_seqs=1, max_num_batched_tokens=512, enable_prefix_caching=False, block_size=4, num_blocks=64
+    )
     return [llm.generate([p], GREEDY)[0] for p in PROMPTS]
 
 

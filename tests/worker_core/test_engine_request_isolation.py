@@ -74,15 +74,18 @@ def test_a_failing_request_ends_alone_and_its_batch_mates_are_unaffected(kit, wh
 
 
 async def test_the_async_engine_survives_a_failing_request(kit) -> None:
-    engine = AsyncEngine(EngineConfig(block_size=4),
-                         runner=ToyRunner(num_blocks=64, block_size=4, next_token=poisoned_next_token))
+    engine = AsyncEngine(
+        EngineConfig(block_size=4), runner=ToyRunner(num_blocks=64, block_size=4, next_token=poisoned_next_token)
+    )
     await engine.start()
     try:
+
         async def collect(prompt: list[int], rid: str) -> list:
             return [out async for out in engine.generate(prompt, LONG, rid)]
 
         good, bad = await asyncio.wait_for(
-            asyncio.gather(collect([1, 2, 3], "good"), collect([1, 2, POISON], "bad")), 10)
+            asyncio.gather(collect([1, 2, 3], "good"), collect([1, 2, POISON], "bad")), 10
+        )
         assert bad[-1].finish_reason is FinishReason.ERROR and "broken" in bad[-1].error
         assert ([t for o in good for t in o.new_token_ids], good[-1].finish_reason) == kit.reference([1, 2, 3], LONG)
         again = await asyncio.wait_for(collect([1, 2, 3], "again"), 10)

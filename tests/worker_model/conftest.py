@@ -74,8 +74,9 @@ class Driver:
             )
         finished, self.finished = frozenset(self.finished), set()
         out = self.runner.execute_model(
-            SchedulerOutput(seqs=scheduled, num_batched_tokens=sum(len(s.token_ids) for s in scheduled),
-                            finished_req_ids=finished)
+            SchedulerOutput(
+                seqs=scheduled, num_batched_tokens=sum(len(s.token_ids) for s in scheduled), finished_req_ids=finished
+            )
         )
         for seq, s in zip(seqs, scheduled):
             seq.computed += len(s.token_ids)

@@ -98,8 +98,11 @@ def test_concurrent_pulls_agree(tmp_path):
     calls: list = []
     results: list = []
     threads = [
-        threading.Thread(target=lambda: results.append(ensure_bundled("smollm2-135m-instruct", tmp_path,
-                                                                      convert=fake_convert(calls))))
+        threading.Thread(
+            target=lambda: results.append(
+                ensure_bundled("smollm2-135m-instruct", tmp_path, convert=fake_convert(calls))
+            )
+        )
         for _ in range(4)
     ]
     for t in threads:
@@ -162,8 +165,14 @@ def test_cli_pull_error_exit_code():
 
 
 def test_config_reads_both_rope_spellings():
-    base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
-            "num_attention_heads": 2, "num_key_value_heads": 1}
+    base = {
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+    }
     legacy = ModelConfig.from_dict({**base, "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}})
     v5 = ModelConfig.from_dict({**base, "rope_parameters": {"rope_theta": 5e5, "rope_type": "linear", "factor": 2.0}})
     assert legacy == v5
@@ -180,8 +189,14 @@ def test_config_reads_both_rope_spellings():
     ],
 )
 def test_config_rejects_unsupported(patch, match):
-    base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
-            "num_attention_heads": 2, "num_key_value_heads": 1}
+    base = {
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+    }
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_dict({**base, **patch})
 

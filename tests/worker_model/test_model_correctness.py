@@ -126,8 +126,13 @@ def test_recompute_after_preemption(runner, cases, driver_cls, seq_cls):
                 "original_max_position_embeddings": 64,
             },
         },
-        {"num_attention_heads": 2, "num_key_value_heads": 1, "hidden_size": 40, "head_dim": 32,
-         "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+        {
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "hidden_size": 40,
+            "head_dim": 32,
+            "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+        },
     ],
     ids=["mha-tied", "gqa3-llama3-rope", "explicit-head-dim-linear-rope"],
 )

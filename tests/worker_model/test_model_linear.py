@@ -105,7 +105,9 @@ def test_packed_linear_takes_strided_and_batched_inputs():
     torch.testing.assert_close(layer(batched), F.linear(batched, w))
 
 
-@pytest.mark.parametrize("kernel,cls", [("aten", DenseLinear), pytest.param("onednn_bf16", PackedLinear, marks=needs_onednn)])
+@pytest.mark.parametrize(
+    "kernel,cls", [("aten", DenseLinear), pytest.param("onednn_bf16", PackedLinear, marks=needs_onednn)]
+)
 def test_make_dense_linear_builds_the_kind_asked(kernel, cls):
     layer = make_dense_linear(torch.randn(8, 16, generator=GEN), None, torch.bfloat16, kernel)
     assert isinstance(layer, cls)

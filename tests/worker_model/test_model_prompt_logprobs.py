@@ -27,7 +27,10 @@ def test_prompt_logprobs_match_transformers(tiny_dir, tiny_hf, engine_args) -> N
     other = [50, 51, 52, 53, 54, 55, 56, 57, 58]  # batched alongside, without prompt logprobs
     outs = llm.generate(
         [PROMPT, other],
-        [SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3), SamplingParams(max_tokens=2, temperature=0.0)],
+        [
+            SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3),
+            SamplingParams(max_tokens=2, temperature=0.0),
+        ],
     )
     scored = outs[0].prompt_logprobs
     assert scored is not None and len(scored) == len(PROMPT) - 1 and outs[1].prompt_logprobs is None

@@ -88,8 +88,14 @@ def test_unknown_quantization_is_rejected():
 def quant_dir(tmp_path_factory):
     # Widths divisible by 32 so int4 groups fit; realistic init spread so quantization error is representative.
     return make_tiny_llama(
-        tmp_path_factory.mktemp("q"), hidden_size=128, intermediate_size=256, num_attention_heads=4,
-        num_key_value_heads=2, num_hidden_layers=2, init_std=0.08, seed=3,
+        tmp_path_factory.mktemp("q"),
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        init_std=0.08,
+        seed=3,
     )
 
 

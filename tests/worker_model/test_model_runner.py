@@ -64,8 +64,9 @@ def test_contract_attributes(tiny_dir):
 def test_step_validation_fails_the_bad_sequence_alone(tiny_dir):
     r = ModelRunner(str(tiny_dir), num_blocks=4, block_size=4, max_model_len=12)
     good = ScheduledSeq("ok", [3, 4, 5], 0, [3], True, GREEDY)
-    out = r.execute_model(SchedulerOutput([ScheduledSeq("a", list(range(3, 16)), 0, [0, 1, 2], True, GREEDY), good],
-                                          16))
+    out = r.execute_model(
+        SchedulerOutput([ScheduledSeq("a", list(range(3, 16)), 0, [0, 1, 2], True, GREEDY), good], 16)
+    )
     assert "over max_model_len" in out.failed["a"]
     assert set(out.sampled_token_ids) == {"ok"}
     out = r.execute_model(SchedulerOutput([ScheduledSeq("a", [], 0, [0], True, GREEDY)], 0))

@@ -43,8 +43,12 @@ def test_template_helpers_and_add_bos(tmp_path, tiny_dir):
         "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools') }}"
         "{% endif %}{{ m | tojson }}{% endfor %}"
     )
-    cfg = {"bos_token": {"content": "<|im_start|>"}, "eos_token": "<|im_end|>", "add_bos_token": True,
-           "chat_template": template}
+    cfg = {
+        "bos_token": {"content": "<|im_start|>"},
+        "eos_token": "<|im_end|>",
+        "add_bos_token": True,
+        "chat_template": template,
+    }
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
     t = Tokenizer(tmp_path)
     assert t.apply_chat_template([{"role": "user", "content": "é"}]) == '<|im_start|>{"role": "user", "content": "é"}'

@@ -92,13 +92,24 @@ class Launcher:
     def __init__(self) -> None:
         self.started: list[Live] = []
 
-    def __call__(self, engine: EngineClient | None = None, wait_loaded: bool = True, load_timeout_s: float = 10.0,
-                 max_bytes_per_token: int | None = None, **overrides: Any) -> Live:
+    def __call__(
+        self,
+        engine: EngineClient | None = None,
+        wait_loaded: bool = True,
+        load_timeout_s: float = 10.0,
+        max_bytes_per_token: int | None = None,
+        **overrides: Any,
+    ) -> Live:
         engine = engine if engine is not None else FakeEngine()
         fields: dict[str, Any] = {"model": "fake://fake-model", "engine": "fake", "host": "127.0.0.1", "port": 0}
         fields.update(overrides)
-        worker = WorkerServer(engine, WorkerSettings(**fields), configure_logging=False, log_level="warning",
-                              max_bytes_per_token=max_bytes_per_token)
+        worker = WorkerServer(
+            engine,
+            WorkerSettings(**fields),
+            configure_logging=False,
+            log_level="warning",
+            max_bytes_per_token=max_bytes_per_token,
+        )
         thread = threading.Thread(target=worker.run, name="worker-under-test", daemon=True)
         thread.start()
         wait_until(lambda: worker.server.started or not thread.is_alive(), "the server to start")
@@ -106,8 +117,12 @@ class Launcher:
         live = Live(worker, engine, thread, f"http://127.0.0.1:{worker.port}")
         self.started.append(live)
         if wait_loaded:
-            wait_until(lambda: worker.service.loaded or worker.service.load_error, "the engine to load",
-                       timeout_s=load_timeout_s, poll_s=0.05)
+            wait_until(
+                lambda: worker.service.loaded or worker.service.load_error,
+                "the engine to load",
+                timeout_s=load_timeout_s,
+                poll_s=0.05,
+            )
         return live
 
     def stop_all(self) -> None:
@@ -160,8 +175,11 @@ def open_raw_request(base_url: str, path: str, body: dict[str, Any]) -> socket.s
     host, port = base_url.removeprefix("http://").split(":")
     payload = json.dumps(body).encode()
     sock = socket.create_connection((host, int(port)), timeout=10)
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    sock.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
     return sock
 
 
@@ -185,8 +203,13 @@ class WorkerProcess:
 
     def __init__(self, argv: list[str], env: dict[str, str] | None = None, start_timeout_s: float = 60.0) -> None:
         self.host = f"127.0.0.{random.randint(2, 250)}"
-        self.proc = subprocess.Popen([*argv, "--host", self.host, "--port", "0"], stderr=subprocess.PIPE,
-                                     stdout=subprocess.DEVNULL, text=True, env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(
+            [*argv, "--host", self.host, "--port", "0"],
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
         self.lines: queue.Queue[str] = queue.Queue()
         self.log: list[str] = []
         threading.Thread(target=self._pump, daemon=True).start()

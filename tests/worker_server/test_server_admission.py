@@ -10,8 +10,7 @@ IDLE = Load(engine_waiting=0, engine_running=0, inflight=0)
 
 
 def limits(cap: int | None = None, policy: str = "reject", max_waiting: int = 4, context: int = 100) -> Limits:
-    return Limits(max_model_len=context, max_tokens_cap=cap, policy=policy, max_waiting=max_waiting,
-                  retry_after_s=3)
+    return Limits(max_model_len=context, max_tokens_cap=cap, policy=policy, max_waiting=max_waiting, retry_after_s=3)
 
 
 @pytest.mark.parametrize(
@@ -28,8 +27,9 @@ def limits(cap: int | None = None, policy: str = "reject", max_waiting: int = 4,
         (99, 1, None, limits(), 1),  # one token of room
     ],
 )
-def test_admitted_max_tokens(prompt: int, requested: int | None, default: int | None, lim: Limits,
-                             expected: int) -> None:
+def test_admitted_max_tokens(
+    prompt: int, requested: int | None, default: int | None, lim: Limits, expected: int
+) -> None:
     assert admit(prompt, requested, default, lim, IDLE).max_tokens == expected
 
 
@@ -47,8 +47,7 @@ def test_admitted_max_tokens(prompt: int, requested: int | None, default: int | 
         (10, 5, limits(max_waiting=1), Load(1, 1, 2), 429, "queue_full"),
     ],
 )
-def test_rejections(prompt: int, requested: int | None, lim: Limits, load: Load, status: int,
-                    code: str | None) -> None:
+def test_rejections(prompt: int, requested: int | None, lim: Limits, load: Load, status: int, code: str | None) -> None:
     if status == 200:
         assert admit(prompt, requested, None, lim, load).max_tokens == requested
         return

@@ -45,8 +45,10 @@ def _read_answer(sock: socket.socket) -> tuple[int, dict[str, str], dict]:
 def test_declared_length_over_the_cap_is_413_before_the_body(capped, path: str) -> None:
     sock, host = _connect(capped.base_url)
     with sock:  # only the headers: a worker that waited for the body would never answer
-        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {60 * 1024 * 1024}\r\n\r\n".encode())
+        sock.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {60 * 1024 * 1024}\r\n\r\n".encode()
+        )
         status, headers, body = _read_answer(sock)
     assert status == 413 and headers["connection"] == "close" and headers["x-request-id"]
     assert body["error"]["code"] == "body_too_large" and body["error"]["type"] == "invalid_request_error"
@@ -58,8 +60,10 @@ def test_chunked_body_over_the_cap_is_413_before_its_end(capped, path: str) -> N
     sock, host = _connect(capped.base_url)
     chunk = b"x" * 16 * 1024
     with sock:
-        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                     "Transfer-Encoding: chunked\r\n\r\n".encode())
+        sock.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n".encode()
+        )
         for _ in range(LIMIT // len(chunk) + 2):  # past the cap, and never the terminating chunk
             sock.sendall(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
         status, headers, body = _read_answer(sock)

@@ -15,8 +15,9 @@ def _running_request_id(live, wait) -> str:
 def test_disconnect_after_first_token_aborts(start_worker, gated, raw_request, wait, stream) -> None:
     engine, gate = gated()  # never opened: the request stays in flight until the client leaves
     live = start_worker(engine)
-    sock = raw_request(live.base_url, "/v1/completions",
-                       {"prompt": "hello", "max_tokens": 50, "stream": stream, "temperature": 0})
+    sock = raw_request(
+        live.base_url, "/v1/completions", {"prompt": "hello", "max_tokens": 50, "stream": stream, "temperature": 0}
+    )
     request_id = _running_request_id(live, wait)
     if stream:
         assert b"200 OK" in sock.recv(4096)  # the stream has started
@@ -33,8 +34,11 @@ def test_disconnect_while_waiting_for_the_first_token_aborts_at_once(start_worke
     fake engine's 60 s time-to-first-token is far beyond the wait below)."""
     engine = FakeEngine(ttft_s=60.0)
     live = start_worker(engine)
-    sock = raw_request(live.base_url, "/v1/chat/completions",
-                       {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True})
+    sock = raw_request(
+        live.base_url,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True},
+    )
     request_id = _running_request_id(live, wait)
     sock.close()
     wait(lambda: request_id in engine.aborted, "the engine abort", timeout_s=10)

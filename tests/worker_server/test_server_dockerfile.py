@@ -101,9 +101,15 @@ def test_cpu_image_command_serves_the_bundled_model(spawn_worker, wait) -> None:
     worker = spawn_worker(argv, start_timeout_s=240)
     http = httpx.Client(base_url=worker.base_url, timeout=120)
     wait(lambda: http.get("/ready").status_code == 200, "the model to load", timeout_s=240, poll_s=0.2)
-    r = http.post("/v1/chat/completions", json={
-        "model": "smollm2-135m-instruct", "temperature": 0, "max_tokens": 16,
-        "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+    r = http.post(
+        "/v1/chat/completions",
+        json={
+            "model": "smollm2-135m-instruct",
+            "temperature": 0,
+            "max_tokens": 16,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        },
+    )
     assert r.status_code == 200, r.text
     assert "Paris" in r.json()["choices"][0]["message"]["content"]
     worker.proc.send_signal(signal.SIGTERM)

@@ -74,8 +74,11 @@ def test_in_flight_stream_completes_and_new_requests_get_503(start_worker, gated
         assert live.worker.exit_code == 0 and not live.worker.server.should_exit
 
         gate.set()
-        payloads = [json.loads(line.removeprefix("data: ")) for line in lines
-                    if line.startswith("data: ") and line != "data: [DONE]"]
+        payloads = [
+            json.loads(line.removeprefix("data: "))
+            for line in lines
+            if line.startswith("data: ") and line != "data: [DONE]"
+        ]
     text = "T" + "".join(p["choices"][0]["text"] for p in payloads)
     assert text == DEFAULT_SCRIPT[:30] and payloads[-1]["choices"][0]["finish_reason"] == "length"
     _assert_drained_and_idle(live, wait)
@@ -108,9 +111,11 @@ def test_drain_timeout_aborts_what_is_left(start_worker, gated, raw_request, wai
     http = live.http()
     sock = raw_request(live.base_url, "/v1/completions", {"prompt": "a", "max_tokens": 20})  # not streaming
     wait(lambda: engine.stats().num_running == 1, "the first request to run")
-    with http.stream("POST", "/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "x"}], "max_tokens": 20, "stream": True,
-            "temperature": 0}) as stream:
+    with http.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 20, "stream": True, "temperature": 0},
+    ) as stream:
         lines = stream.iter_lines()
         assert next(line for line in lines if '"content":"T"' in line)
         assert http.post("/drain", headers=AUTH).status_code == 202

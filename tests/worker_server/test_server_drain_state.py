@@ -108,8 +108,15 @@ class Harness:
         self.aborts = 0
         self.exits = 0
         self.changed = asyncio.Event()
-        self.drainer = Drainer(timeout_s, self.clock, lambda: self.inflight, self.wait_change, self.abort_all,
-                               self.on_exit, abort_grace_s=1.0)
+        self.drainer = Drainer(
+            timeout_s,
+            self.clock,
+            lambda: self.inflight,
+            self.wait_change,
+            self.abort_all,
+            self.on_exit,
+            abort_grace_s=1.0,
+        )
 
     async def wait_change(self, timeout: float) -> None:
         self.changed.clear()

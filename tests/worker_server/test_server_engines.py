@@ -14,19 +14,40 @@ from worker.server.settings import WorkerSettings
 
 
 def test_builtin_engine_kwargs_pass_only_what_was_set() -> None:
-    settings = WorkerSettings(model="bundled://m", served_model_name="chat", quantization="int4", max_num_seqs=4,
-                              kv_cache_bytes=1 << 20, enable_prefix_caching=False, enable_chunked_prefill=False,
-                              max_waiting=9)
+    settings = WorkerSettings(
+        model="bundled://m",
+        served_model_name="chat",
+        quantization="int4",
+        max_num_seqs=4,
+        kv_cache_bytes=1 << 20,
+        enable_prefix_caching=False,
+        enable_chunked_prefill=False,
+        max_waiting=9,
+    )
     kwargs = builtin_engine_kwargs(settings, "/models/m", "cpu")
-    assert kwargs == {"model": "/models/m", "served_model_name": "chat", "dtype": "float32", "quantization": "int4",
-                      "device": "cpu", "enable_prefix_caching": False, "enable_chunked_prefill": False,
-                      "max_waiting": 9, "max_num_seqs": 4, "kv_cache_bytes": 1 << 20}
+    assert kwargs == {
+        "model": "/models/m",
+        "served_model_name": "chat",
+        "dtype": "float32",
+        "quantization": "int4",
+        "device": "cpu",
+        "enable_prefix_caching": False,
+        "enable_chunked_prefill": False,
+        "max_waiting": 9,
+        "max_num_seqs": 4,
+        "kv_cache_bytes": 1 << 20,
+    }
 
 
-@pytest.mark.parametrize(("dtype", "device", "expected"), [
-    ("auto", "cpu", "float32"), ("auto", "cuda", "bfloat16"), ("auto", "cuda:1", "bfloat16"),
-    ("float16", "cpu", "float16"),
-])
+@pytest.mark.parametrize(
+    ("dtype", "device", "expected"),
+    [
+        ("auto", "cpu", "float32"),
+        ("auto", "cuda", "bfloat16"),
+        ("auto", "cuda:1", "bfloat16"),
+        ("float16", "cpu", "float16"),
+    ],
+)
 def test_builtin_dtype(dtype: str, device: str, expected: str) -> None:
     assert builtin_engine_kwargs(WorkerSettings(model="m", dtype=dtype), "/m", device)["dtype"] == expected
 
@@ -51,8 +72,13 @@ def test_vllm_engine_args() -> None:
 def test_vllm_snapshot_keeps_gauges_and_adds_counters() -> None:
     snap = _Snapshot()
     prefix = SimpleNamespace(queries=32, hits=16)
-    sched = SimpleNamespace(num_running_reqs=3, num_waiting_reqs=2, num_skipped_waiting_reqs=1, kv_cache_usage=0.25,
-                            prefix_cache_stats=prefix)
+    sched = SimpleNamespace(
+        num_running_reqs=3,
+        num_waiting_reqs=2,
+        num_skipped_waiting_reqs=1,
+        kv_cache_usage=0.25,
+        prefix_cache_stats=prefix,
+    )
     snap.record(sched, SimpleNamespace(num_preempted_reqs=1))
     snap.record(sched, SimpleNamespace(num_preempted_reqs=2))
     snap.record(None, None)
@@ -61,8 +87,7 @@ def test_vllm_snapshot_keeps_gauges_and_adds_counters() -> None:
 
 
 def test_build_fake_engine(tmp_path: Path) -> None:
-    settings = WorkerSettings(model="fake://m", engine="fake", served_model_name="x", max_model_len=64,
-                              max_num_seqs=2)
+    settings = WorkerSettings(model="fake://m", engine="fake", served_model_name="x", max_model_len=64, max_num_seqs=2)
     built = build_engine(settings, fake=FakeOptions(ttft_ms=5, gate_file=tmp_path / "gate"))
     engine = built.engine
     assert isinstance(engine, FakeEngine)

@@ -30,7 +30,21 @@ def test_a_stray_positional_argument_is_an_error() -> None:
 
 
 def test_builtin_engine_refuses_extra_flags_with_a_fix() -> None:
-    result = CliRunner().invoke(app, ["worker", "--model", "fake://m", "--engine", "fake", "--host", "127.0.0.1",
-                                      "--port", "0", "--gpu-memory-utilization", "0.9"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "worker",
+            "--model",
+            "fake://m",
+            "--engine",
+            "fake",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--gpu-memory-utilization",
+            "0.9",
+        ],
+    )
     assert result.exit_code == 2
     assert "--gpu-memory-utilization" in result.output and "--engine vllm" in result.output

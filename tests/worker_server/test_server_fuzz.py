@@ -22,17 +22,40 @@ testing = pytest.importorskip("worker.model.testing")
 
 from worker.core.config import EngineConfig  # noqa: E402
 
-EDGE_INTS = [0, 1, -1, 16, 17, 20, 21, 383, 384, 2**31 - 1, 2**31, 2**63 - 1, 2**63, 2**64, -(2**63), -(2**63) - 1,
-             10**30]
+EDGE_INTS = [
+    0,
+    1,
+    -1,
+    16,
+    17,
+    20,
+    21,
+    383,
+    384,
+    2**31 - 1,
+    2**31,
+    2**63 - 1,
+    2**63,
+    2**64,
+    -(2**63),
+    -(2**63) - 1,
+    10**30,
+]
 EDGE_FLOATS = [0.0, -0.0, 5e-324, 1e-300, 1e-5, 0.5, 1.0, 2.0, 2.0000001, 100.0, -100.0, 101.0, 1e308, -1e308]
 
 ints = st.one_of(st.sampled_from(EDGE_INTS), st.integers(-3, 40), st.sampled_from(EDGE_INTS), st.integers())
 floats = st.one_of(st.floats(allow_nan=False, allow_infinity=False), st.sampled_from(EDGE_FLOATS), st.floats(0, 2))
 texts = st.one_of(st.text(max_size=24), st.sampled_from(["", "\n", "é" * 300, "\x00", "😀", "The"]))
-wrong = st.one_of(st.none(), st.booleans(), st.text(max_size=4), st.lists(st.integers(), max_size=2),
-                  st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
-token_ids = st.one_of(st.lists(ints, max_size=12), st.just([7] * 5000), st.lists(st.integers(0, 383), min_size=1,
-                                                                                    max_size=12))
+wrong = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.text(max_size=4),
+    st.lists(st.integers(), max_size=2),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+)
+token_ids = st.one_of(
+    st.lists(ints, max_size=12), st.just([7] * 5000), st.lists(st.integers(0, 383), min_size=1, max_size=12)
+)
 
 
 def field(valid: st.SearchStrategy, extreme: st.SearchStrategy) -> tuple[st.SearchStrategy, st.SearchStrategy]:
@@ -49,32 +72,46 @@ COMMON = {
     "min_tokens": field(st.integers(0, 4), ints),
     "n": field(st.just(1), ints),
     "seed": field(st.integers(-(2**63), 2**63 - 1), ints),
-    "stop": field(st.one_of(st.text(min_size=1, max_size=8), st.lists(st.text(min_size=1, max_size=8), max_size=4)),
-                  st.one_of(texts, st.lists(texts, max_size=20), st.just(["x"] * 1000))),
-    "stop_token_ids": field(st.lists(st.integers(0, 383), max_size=4),
-                            st.one_of(st.lists(ints, max_size=6), st.just(list(range(1000))))),
+    "stop": field(
+        st.one_of(st.text(min_size=1, max_size=8), st.lists(st.text(min_size=1, max_size=8), max_size=4)),
+        st.one_of(texts, st.lists(texts, max_size=20), st.just(["x"] * 1000)),
+    ),
+    "stop_token_ids": field(
+        st.lists(st.integers(0, 383), max_size=4), st.one_of(st.lists(ints, max_size=6), st.just(list(range(1000))))
+    ),
     "ignore_eos": field(st.booleans(), wrong),
     "stream": field(st.booleans(), st.booleans()),
     "stream_options": field(st.fixed_dictionaries({"include_usage": st.booleans()}), wrong),
     "presence_penalty": field(st.just(0.0), floats),
     "frequency_penalty": field(st.just(0.0), floats),
     "repetition_penalty": field(st.just(1.0), floats),
-    "logit_bias": field(st.dictionaries(st.integers(0, 383).map(str), st.floats(-100, 100), max_size=4),
-                        st.one_of(st.dictionaries(st.one_of(ints.map(str), texts), floats, max_size=6),
-                                  st.just({str(i): 1.0 for i in range(2000)}))),
+    "logit_bias": field(
+        st.dictionaries(st.integers(0, 383).map(str), st.floats(-100, 100), max_size=4),
+        st.one_of(
+            st.dictionaries(st.one_of(ints.map(str), texts), floats, max_size=6),
+            st.just({str(i): 1.0 for i in range(2000)}),
+        ),
+    ),
     "priority": field(st.integers(-10, 10), ints),
     "user": field(st.text(max_size=8), texts),
 }
 messages = st.lists(
-    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "developer", "tool", "robot"]),
-                           "content": st.one_of(texts, st.none(), st.lists(
-                               st.fixed_dictionaries({"type": st.just("text"), "text": texts}), max_size=2))}),
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "system", "assistant", "developer", "tool", "robot"]),
+            "content": st.one_of(
+                texts, st.none(), st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": texts}), max_size=2)
+            ),
+        }
+    ),
     max_size=3,
 )
 COMPLETION = {
     **COMMON,
-    "prompt": field(st.one_of(st.text(min_size=1, max_size=30), st.lists(st.integers(0, 383), min_size=1, max_size=30)),
-                    st.one_of(texts, token_ids, st.lists(token_ids, max_size=2), st.lists(texts, max_size=2))),
+    "prompt": field(
+        st.one_of(st.text(min_size=1, max_size=30), st.lists(st.integers(0, 383), min_size=1, max_size=30)),
+        st.one_of(texts, token_ids, st.lists(token_ids, max_size=2), st.lists(texts, max_size=2)),
+    ),
     "logprobs": field(st.integers(0, 5), ints),
     "echo": field(st.booleans(), wrong),
     "best_of": field(st.just(1), ints),
@@ -82,8 +119,12 @@ COMPLETION = {
 }
 CHAT = {
     **COMMON,
-    "messages": field(st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": st.text(max_size=30)}),
-                               min_size=1, max_size=2), messages),
+    "messages": field(
+        st.lists(
+            st.fixed_dictionaries({"role": st.just("user"), "content": st.text(max_size=30)}), min_size=1, max_size=2
+        ),
+        messages,
+    ),
     "logprobs": field(st.booleans(), wrong),
     "top_logprobs": field(st.integers(0, 20), ints),
     "max_completion_tokens": field(st.integers(1, 16), ints),
@@ -102,8 +143,10 @@ def bodies(draw: st.DrawFn, fields: dict, required: str) -> dict:
     return body
 
 
-requests = st.one_of(st.tuples(st.just("/v1/completions"), bodies(COMPLETION, "prompt")),
-                     st.tuples(st.just("/v1/chat/completions"), bodies(CHAT, "messages")))
+requests = st.one_of(
+    st.tuples(st.just("/v1/completions"), bodies(COMPLETION, "prompt")),
+    st.tuples(st.just("/v1/chat/completions"), bodies(CHAT, "messages")),
+)
 
 NORMAL = {"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
 
@@ -111,8 +154,9 @@ NORMAL = {"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0, "i
 @pytest.fixture(scope="module")
 def live(module_launcher, tmp_path_factory):
     model_dir = testing.make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-    engine = async_engine.AsyncEngine(EngineConfig(model=str(model_dir), served_model_name="tiny",
-                                                   kv_cache_bytes=4_000_000))
+    engine = async_engine.AsyncEngine(
+        EngineConfig(model=str(model_dir), served_model_name="tiny", kv_cache_bytes=4_000_000)
+    )
     return module_launcher(engine, model="tiny", max_tokens_cap=16)
 
 
@@ -177,8 +221,12 @@ def fuzz(live, client: httpx.Client) -> list[int]:
     """Run the fuzz; the status of every answer."""
     statuses: list[int] = []
 
-    @settings(max_examples=120, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
+    @settings(
+        max_examples=120,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
+    )
     @given(request=requests)
     @example(request=("/v1/completions", {"prompt": "x", "temperature": 1, "seed": 2**64}))  # issue #18
     @example(request=("/v1/completions", {"prompt": "x", "stop_token_ids": [10**6], "min_tokens": 2}))

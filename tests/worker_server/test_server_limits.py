@@ -14,8 +14,9 @@ from worker.server.settings import FaultSettings
 
 def _open_stream(http, prompt: str):
     """Open a streaming completion and return (response context, line iterator) once its headers are in."""
-    ctx = http.stream("POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 4, "stream": True,
-                                                       "temperature": 0})
+    ctx = http.stream(
+        "POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 4, "stream": True, "temperature": 0}
+    )
     response = ctx.__enter__()
     assert response.status_code == 200
     return ctx, response.iter_lines()
@@ -47,12 +48,17 @@ def test_deadline_header_aborts_a_request(start_worker, gated) -> None:
     engine, _gate = gated()  # never opens: the deadline is the only way out
     live = start_worker(engine)
     http = live.http()
-    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 9},
-                  headers={"X-LLMFleet-Timeout-Seconds": "0.2"})
+    r = http.post(
+        "/v1/completions", json={"prompt": "x", "max_tokens": 9}, headers={"X-LLMFleet-Timeout-Seconds": "0.2"}
+    )
     assert r.status_code == 504
     assert r.json()["error"]["code"] == "deadline_exceeded" and "0.2 s" in r.json()["error"]["message"]
-    with http.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 9, "stream": True},
-                     headers={"X-LLMFleet-Timeout-Seconds": "0.2"}) as s:
+    with http.stream(
+        "POST",
+        "/v1/completions",
+        json={"prompt": "x", "max_tokens": 9, "stream": True},
+        headers={"X-LLMFleet-Timeout-Seconds": "0.2"},
+    ) as s:
         events = [line.removeprefix("data: ") for line in s.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     assert json.loads(events[-3])["choices"][0]["finish_reason"] == "abort"
@@ -69,8 +75,12 @@ def test_deadline_setting_and_bad_header(start_worker, gated) -> None:
     http = live.http()
     assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 9}).status_code == 504
     # a header may shorten the deadline but never extend it beyond the setting
-    assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 9},
-                     headers={"X-LLMFleet-Timeout-Seconds": "600"}).status_code == 504
+    assert (
+        http.post(
+            "/v1/completions", json={"prompt": "x", "max_tokens": 9}, headers={"X-LLMFleet-Timeout-Seconds": "600"}
+        ).status_code
+        == 504
+    )
     for bad in ("0", "-1", "soon", "inf", "nan"):
         r = http.post("/v1/completions", json={"prompt": "x"}, headers={"X-LLMFleet-Timeout-Seconds": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "x-llmfleet-timeout-seconds", bad

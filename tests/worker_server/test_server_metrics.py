@@ -80,8 +80,14 @@ def test_error_counter_by_status_code(start_worker) -> None:
 
 
 def test_scrape_time_series_come_from_the_engine_snapshot() -> None:
-    stats = EngineStats(num_running=3, num_waiting=2, kv_cache_usage=0.5, num_preemptions_total=4,
-                        prefix_cache_queries_total=100, prefix_cache_hits_total=64)
+    stats = EngineStats(
+        num_running=3,
+        num_waiting=2,
+        kv_cache_usage=0.5,
+        num_preemptions_total=4,
+        prefix_cache_queries_total=100,
+        prefix_cache_hits_total=64,
+    )
     metrics = WorkerMetrics("m", lambda: stats, lambda: ServerGauges(True, 5, 321))
     text = metrics.render().decode()
     for line in [

@@ -48,9 +48,13 @@ def test_completion_with_token_id_prompt(live) -> None:
 def test_chat_applies_the_template(live) -> None:
     r = live.openai().chat.completions.create(
         model="fake-model",
-        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text",
-                                                                                             "text": "Hi"}]}],
-        max_completion_tokens=5, temperature=0)
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+        ],
+        max_completion_tokens=5,
+        temperature=0,
+    )
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == DEFAULT_SCRIPT[:5]
@@ -67,9 +71,16 @@ def test_chat_without_max_tokens_gets_the_rest_of_the_context(start_worker) -> N
 
 
 def test_streaming_completion_with_usage(live) -> None:
-    chunks = list(live.openai().completions.create(
-        model="fake-model", prompt="Hi", max_tokens=12, temperature=0, stream=True,
-        stream_options={"include_usage": True}))
+    chunks = list(
+        live.openai().completions.create(
+            model="fake-model",
+            prompt="Hi",
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == DEFAULT_SCRIPT[:12]
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
@@ -79,8 +90,11 @@ def test_streaming_completion_with_usage(live) -> None:
 
 
 def test_streaming_chat(live) -> None:
-    chunks = list(live.openai().chat.completions.create(
-        model="fake-model", messages=CHAT, max_tokens=7, temperature=0, stream=True))
+    chunks = list(
+        live.openai().chat.completions.create(
+            model="fake-model", messages=CHAT, max_tokens=7, temperature=0, stream=True
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == DEFAULT_SCRIPT[:7]
     assert chunks[-1].choices[0].finish_reason == "length"
@@ -103,8 +117,11 @@ def test_multibyte_characters_are_never_split(live) -> None:
     start = DEFAULT_SCRIPT.encode().index("Café".encode())
     n = len(DEFAULT_SCRIPT.encode()) - start + 10
     # a script position with multi-byte characters: stream past them byte token by byte token
-    chunks = list(live.openai().completions.create(model="fake-model", prompt="x", max_tokens=start + n,
-                                                   temperature=0, stream=True))
+    chunks = list(
+        live.openai().completions.create(
+            model="fake-model", prompt="x", max_tokens=start + n, temperature=0, stream=True
+        )
+    )
     pieces = [c.choices[0].text for c in chunks]
     assert "\ufffd" not in "".join(pieces)
     assert "".join(pieces).startswith(DEFAULT_SCRIPT)
@@ -115,19 +132,34 @@ def test_stop_strings(live, stop, expected) -> None:
     client = live.openai()
     r = client.completions.create(model="fake-model", prompt="x", max_tokens=40, temperature=0, stop=stop)
     assert (r.choices[0].text, r.choices[0].finish_reason) == (expected, "stop")
-    chunks = list(client.completions.create(model="fake-model", prompt="x", max_tokens=40, temperature=0,
-                                            stop=stop, stream=True))
+    chunks = list(
+        client.completions.create(model="fake-model", prompt="x", max_tokens=40, temperature=0, stop=stop, stream=True)
+    )
     assert "".join(c.choices[0].text for c in chunks) == expected
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_sampling_params_reach_the_engine(live) -> None:
     client = live.openai()
-    client.chat.completions.create(model="fake-model", messages=CHAT, max_tokens=4, temperature=0.7, top_p=0.9,
-                                   seed=123, stop=["\n"], extra_body={"top_k": 5, "min_tokens": 2, "priority": 3})
+    client.chat.completions.create(
+        model="fake-model",
+        messages=CHAT,
+        max_tokens=4,
+        temperature=0.7,
+        top_p=0.9,
+        seed=123,
+        stop=["\n"],
+        extra_body={"top_k": 5, "min_tokens": 2, "priority": 3},
+    )
     _, _, params, priority = live.engine.submitted[-1]
     assert (params.temperature, params.top_p, params.seed, params.stop, params.top_k, params.min_tokens) == (
-        0.7, 0.9, 123, ("\n",), 5, 2)
+        0.7,
+        0.9,
+        123,
+        ("\n",),
+        5,
+        2,
+    )
     assert priority == 3
 
 
@@ -135,8 +167,11 @@ def test_seed_makes_sampling_reproducible(live) -> None:
     client = live.openai()
 
     def sample(seed: int) -> str:
-        return client.completions.create(model="fake-model", prompt="x", max_tokens=20, temperature=1.0,
-                                         seed=seed).choices[0].text
+        return (
+            client.completions.create(model="fake-model", prompt="x", max_tokens=20, temperature=1.0, seed=seed)
+            .choices[0]
+            .text
+        )
 
     assert sample(5) == sample(5)
     assert len({sample(s) for s in range(6)}) > 1
@@ -144,8 +179,7 @@ def test_seed_makes_sampling_reproducible(live) -> None:
 
 def test_logprobs(live) -> None:
     client = live.openai()
-    chat = client.chat.completions.create(model="fake-model", messages=CHAT, max_tokens=4, temperature=0,
-                                          logprobs=True)
+    chat = client.chat.completions.create(model="fake-model", messages=CHAT, max_tokens=4, temperature=0, logprobs=True)
     content = chat.choices[0].logprobs.content
     assert [c.token for c in content] == [f"token_id:{b}" for b in DEFAULT_SCRIPT[:4].encode()]
     assert [c.logprob for c in content] == [-0.5, -0.75, -1.0, -0.25]
@@ -153,10 +187,16 @@ def test_logprobs(live) -> None:
     assert comp.choices[0].logprobs.token_logprobs == [-0.5, -0.75, -1.0]
     plain = client.completions.create(model="fake-model", prompt="x", max_tokens=3, temperature=0)
     assert plain.choices[0].logprobs is None
-    stream = list(client.chat.completions.create(model="fake-model", messages=CHAT, max_tokens=3, temperature=0,
-                                                 logprobs=True, stream=True))
+    stream = list(
+        client.chat.completions.create(
+            model="fake-model", messages=CHAT, max_tokens=3, temperature=0, logprobs=True, stream=True
+        )
+    )
     assert [c.logprob for s in stream if s.choices[0].logprobs for c in s.choices[0].logprobs.content] == [
-        -0.5, -0.75, -1.0]
+        -0.5,
+        -0.75,
+        -1.0,
+    ]
 
 
 def test_top_logprobs(live) -> None:
@@ -166,8 +206,9 @@ def test_top_logprobs(live) -> None:
     script = DEFAULT_SCRIPT[:3].encode()
     assert lp.tokens == [f"token_id:{b}" for b in script]
     assert [list(top) for top in lp.top_logprobs] == [[f"token_id:{b}", f"token_id:{b + 1}"] for b in script]
-    chat = client.chat.completions.create(model="fake-model", messages=CHAT, max_tokens=2, temperature=0,
-                                          logprobs=True, top_logprobs=3)
+    chat = client.chat.completions.create(
+        model="fake-model", messages=CHAT, max_tokens=2, temperature=0, logprobs=True, top_logprobs=3
+    )
     for entry, b in zip(chat.choices[0].logprobs.content, DEFAULT_SCRIPT[:2].encode(), strict=True):
         assert [t.token for t in entry.top_logprobs] == [f"token_id:{b + j}" for j in range(3)]
 
@@ -178,8 +219,9 @@ def test_echo_returns_the_prompt_and_scores_it(live) -> None:
     assert plain.choices[0].text == "Hi there" + DEFAULT_SCRIPT[:3] and plain.choices[0].logprobs is None
     ids = client.completions.create(model="fake-model", prompt=[72, 105], max_tokens=2, temperature=0, echo=True)
     assert ids.choices[0].text == "Hi" + DEFAULT_SCRIPT[:2]
-    scored = client.completions.create(model="fake-model", prompt="Hey", max_tokens=2, temperature=0, echo=True,
-                                       logprobs=1)
+    scored = client.completions.create(
+        model="fake-model", prompt="Hey", max_tokens=2, temperature=0, echo=True, logprobs=1
+    )
     lp = scored.choices[0].logprobs
     prompt, out = list(b"Hey"), list(DEFAULT_SCRIPT[:2].encode())
     assert lp.tokens == [f"token_id:{t}" for t in prompt + out]
@@ -187,8 +229,11 @@ def test_echo_returns_the_prompt_and_scores_it(live) -> None:
     assert lp.token_logprobs[1:3] == pytest.approx([-0.2, -0.3]) and lp.token_logprobs[3:] == [-0.5, -0.75]
     assert [list(top) for top in lp.top_logprobs[1:]] == [[f"token_id:{t}"] for t in prompt[1:] + out]
     assert live.engine.submitted[-1][2].prompt_logprobs == 1
-    stream = list(client.completions.create(model="fake-model", prompt="Hey", max_tokens=2, temperature=0,
-                                            echo=True, logprobs=0, stream=True))
+    stream = list(
+        client.completions.create(
+            model="fake-model", prompt="Hey", max_tokens=2, temperature=0, echo=True, logprobs=0, stream=True
+        )
+    )
     assert stream[0].choices[0].text == "Hey"
     assert stream[0].choices[0].logprobs.token_logprobs == pytest.approx([None, -0.2, -0.3])
     assert "".join(c.choices[0].text for c in stream) == "Hey" + DEFAULT_SCRIPT[:2]
@@ -249,8 +294,9 @@ def test_bad_chat_requests_are_400(live, body, needle) -> None:
     [(b"{not json", "not valid JSON"), (b"[1, 2]", "must be a JSON object"), (b"\xff\xfe", "not valid JSON")],
 )
 def test_malformed_json_is_400(live, content, needle) -> None:
-    r = httpx.post(live.base_url + "/v1/completions", content=content, timeout=30,
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        live.base_url + "/v1/completions", content=content, timeout=30, headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400
     error = r.json()["error"]
     assert error["code"] == "invalid_json" and needle in error["message"]
@@ -258,9 +304,12 @@ def test_malformed_json_is_400(live, content, needle) -> None:
 
 def test_form_encoded_json_body_is_accepted(live) -> None:
     """curl -d sends application/x-www-form-urlencoded; the body is still JSON."""
-    r = httpx.post(live.base_url + "/v1/completions", timeout=30,
-                   content=b'{"prompt": "x", "max_tokens": 2}',
-                   headers={"content-type": "application/x-www-form-urlencoded"})
+    r = httpx.post(
+        live.base_url + "/v1/completions",
+        timeout=30,
+        content=b'{"prompt": "x", "max_tokens": 2}',
+        headers={"content-type": "application/x-www-form-urlencoded"},
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
@@ -297,8 +346,7 @@ def test_prompt_longer_than_the_context_is_400(start_worker) -> None:
 
 def test_engine_failure_mid_stream_is_an_error_event(start_worker) -> None:
     live = start_worker(FakeEngine(fail_after=3))
-    stream = live.openai().completions.create(model="fake-model", prompt="x", max_tokens=10, temperature=0,
-                                              stream=True)
+    stream = live.openai().completions.create(model="fake-model", prompt="x", max_tokens=10, temperature=0, stream=True)
     texts = []
     with pytest.raises(openai.APIError, match="internal server error"):
         for chunk in stream:

@@ -24,8 +24,9 @@ PROMPT = "The quick brown fox"
 @pytest.fixture(scope="module")
 def live(module_launcher, tmp_path_factory):
     model_dir = testing.make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-    engine = async_engine.AsyncEngine(EngineConfig(model=str(model_dir), served_model_name="tiny",
-                                                   kv_cache_bytes=4_000_000))
+    engine = async_engine.AsyncEngine(
+        EngineConfig(model=str(model_dir), served_model_name="tiny", kv_cache_bytes=4_000_000)
+    )
     return module_launcher(engine, model="tiny")
 
 
@@ -39,16 +40,16 @@ def assert_alive(live) -> None:
 
 def post_json(live, path: str, body: dict) -> httpx.Response:
     """POST `body` as ASCII JSON (so lone surrogates travel as escapes, as a client's JSON encoder may send them)."""
-    return httpx.post(live.base_url + path, content=json.dumps(body), headers={"content-type": "application/json"},
-                      timeout=30)
+    return httpx.post(
+        live.base_url + path, content=json.dumps(body), headers={"content-type": "application/json"}, timeout=30
+    )
 
 
 class Stream:
     """A long greedy stream read in a thread: its text and finish reason, to check it was not disturbed."""
 
     def __init__(self, base_url: str, max_tokens: int = 300) -> None:
-        self.body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                     "stream": True}
+        self.body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
         self.chunks: list[dict] = []
         self.first = threading.Event()
         self.thread = threading.Thread(target=self._read, args=(base_url,), daemon=True)
@@ -73,12 +74,17 @@ class Stream:
 def test_a_seed_past_int64_is_a_400_and_a_stream_beside_it_finishes(live) -> None:
     """The reported fault: seed 2**64 used to reach torch's manual_seed in the engine step, the step raised, the
     engine was declared dead (503 engine_dead), and every other stream on the worker ended with `abort`."""
-    expected = httpx.post(live.base_url + "/v1/completions", json={**Stream(live.base_url, 5).body,
-                                                                    "stream": False, "max_tokens": 300},
-                          timeout=60).json()["choices"][0]["text"]
+    expected = httpx.post(
+        live.base_url + "/v1/completions",
+        json={**Stream(live.base_url, 5).body, "stream": False, "max_tokens": 300},
+        timeout=60,
+    ).json()["choices"][0]["text"]
     stream = Stream(live.base_url)
-    r = httpx.post(live.base_url + "/v1/completions",
-                   json={"prompt": PROMPT, "max_tokens": 5, "temperature": 1, "seed": 2**64}, timeout=30)
+    r = httpx.post(
+        live.base_url + "/v1/completions",
+        json={"prompt": PROMPT, "max_tokens": 5, "temperature": 1, "seed": 2**64},
+        timeout=30,
+    )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "seed"
     assert stream.result() == (expected, "length")
@@ -133,23 +139,29 @@ def test_out_of_range_fields_are_400s_naming_the_field(live, fields, param, need
     assert error["param"] == param and needle in error["message"], error
 
 
-@pytest.mark.parametrize("field", ["temperature", "top_p", "presence_penalty", "frequency_penalty",
-                                   "repetition_penalty"])
+@pytest.mark.parametrize(
+    "field", ["temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"]
+)
 @pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity", "1e999"])
 def test_non_finite_floats_are_400s(live, field, value) -> None:
     body = f'{{"prompt": "x", "max_tokens": 2, "{field}": {value}}}'  # json.dumps cannot write these
-    r = httpx.post(live.base_url + "/v1/completions", content=body, headers={"content-type": "application/json"},
-                   timeout=30)
+    r = httpx.post(
+        live.base_url + "/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=30
+    )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field
 
 
 @pytest.mark.parametrize(
     ("fields", "param"),
-    [({"top_logprobs": 21, "logprobs": True}, "top_logprobs"), ({"seed": 2**64}, "seed"),
-     ({"max_completion_tokens": 2**40}, "max_completion_tokens"), ({"stop": ["a"] * 17}, "stop"),
-     ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages.0.content"),
-     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}, "messages.0.content")],
+    [
+        ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+        ({"seed": 2**64}, "seed"),
+        ({"max_completion_tokens": 2**40}, "max_completion_tokens"),
+        ({"stop": ["a"] * 17}, "stop"),
+        ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages.0.content"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}, "messages.0.content"),
+    ],
 )
 def test_chat_fields_are_bounded_too(live, fields, param) -> None:
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, **fields}
@@ -159,9 +171,20 @@ def test_chat_fields_are_bounded_too(live, fields, param) -> None:
 
 
 def test_extreme_but_valid_values_are_served(live) -> None:
-    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 1e-300, "top_p": 1e-300, "top_k": 2**31 - 1,
-            "seed": -(2**63), "stop": ["é" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS, "min_tokens": 4,
-            "stop_token_ids": [VOCAB - 1], "logit_bias": {str(VOCAB - 1): -100}, "logprobs": 5, "priority": -(2**31)}
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": 4,
+        "temperature": 1e-300,
+        "top_p": 1e-300,
+        "top_k": 2**31 - 1,
+        "seed": -(2**63),
+        "stop": ["é" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS,
+        "min_tokens": 4,
+        "stop_token_ids": [VOCAB - 1],
+        "logit_bias": {str(VOCAB - 1): -100},
+        "logprobs": 5,
+        "priority": -(2**31),
+    }
     r = httpx.post(live.base_url + "/v1/completions", json=body, timeout=30)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 4
@@ -169,8 +192,14 @@ def test_extreme_but_valid_values_are_served(live) -> None:
 
 
 def test_logit_bias_forces_a_token(live) -> None:
-    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 0,
-            "logit_bias": {"42": 100}}
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 0,
+        "logit_bias": {"42": 100},
+    }
     r = httpx.post(live.base_url + "/v1/completions", json=body, timeout=30)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["logprobs"]["tokens"] == ["token_id:42"] * 6
@@ -193,8 +222,11 @@ def test_a_request_failing_inside_the_engine_gets_its_own_error(live, monkeypatc
     body = {"prompt": PROMPT, "max_tokens": 5, "temperature": 1, "seed": 4242, "stream": stream}
     r = httpx.post(live.base_url + "/v1/completions", json=body, timeout=30)
     if stream:
-        events = [json.loads(line.removeprefix("data: ")) for line in r.text.splitlines()
-                  if line.startswith("data: ") and line != "data: [DONE]"]
+        events = [
+            json.loads(line.removeprefix("data: "))
+            for line in r.text.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"
+        ]
         error = events[-1]["error"]
     else:
         assert r.status_code == 500, r.text

@@ -28,8 +28,22 @@ def worker(spawn_worker, tmp_path: Path):
 
     def start(*args: str, env: dict[str, str] | None = None):
         gate = tmp_path / "gate"
-        process = spawn_worker([sys.executable, "-m", "llmfleet.cli", "worker", "--model", "fake://proc-model",
-                                "--engine", "fake", "--fake-gate-file", str(gate), *args], env=env)
+        process = spawn_worker(
+            [
+                sys.executable,
+                "-m",
+                "llmfleet.cli",
+                "worker",
+                "--model",
+                "fake://proc-model",
+                "--engine",
+                "fake",
+                "--fake-gate-file",
+                str(gate),
+                *args,
+            ],
+            env=env,
+        )
         process.gate = gate
         return process
 
@@ -54,11 +68,20 @@ def test_sigterm_drains_and_exits_0(worker, wait) -> None:
         refused = http.post("/v1/completions", json={"prompt": "x"})
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
         assert http.get("/drain").json() | {"seconds_left": None} == {
-            "state": "draining", "draining": True, "reason": "SIGTERM", "inflight": 1,
-            "remaining_tokens_estimate": 24, "seconds_left": None, "timed_out": False}
+            "state": "draining",
+            "draining": True,
+            "reason": "SIGTERM",
+            "inflight": 1,
+            "remaining_tokens_estimate": 24,
+            "seconds_left": None,
+            "timed_out": False,
+        }
         w.gate.touch()
-        payloads = [json.loads(line.removeprefix("data: ")) for line in lines
-                    if line.startswith("data: ") and line != "data: [DONE]"]
+        payloads = [
+            json.loads(line.removeprefix("data: "))
+            for line in lines
+            if line.startswith("data: ") and line != "data: [DONE]"
+        ]
     assert "T" + "".join(p["choices"][0]["text"] for p in payloads) == DEFAULT_SCRIPT[:25]
     assert payloads[-1]["choices"][0]["finish_reason"] == "length"
     assert w.wait_exit() == 0
@@ -130,13 +153,24 @@ def test_second_sigterm_aborts_and_exits_0(worker, wait) -> None:
 )
 def test_bad_configuration_exits_2(args, env, message) -> None:
     """In-process (the same command function the process runs): it stops before any server starts."""
-    result = CliRunner().invoke(app, ["worker", "--model", "fake://m", "--engine", "fake", "--host", "127.0.0.1",
-                                      "--port", "0", *args], env=env)
+    result = CliRunner().invoke(
+        app, ["worker", "--model", "fake://m", "--engine", "fake", "--host", "127.0.0.1", "--port", "0", *args], env=env
+    )
     assert result.exit_code == 2 and message in result.output, result.output
 
 
 def test_bad_configuration_exits_2_as_a_process() -> None:
-    cmd = [sys.executable, "-m", "llmfleet.cli", "worker", "--model", "fake://m", "--engine", "fake",
-           "--quantization", "int3"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "llmfleet.cli",
+        "worker",
+        "--model",
+        "fake://m",
+        "--engine",
+        "fake",
+        "--quantization",
+        "int3",
+    ]
     result = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=30)
     assert result.returncode == 2 and "quantization" in result.stderr, result.stderr

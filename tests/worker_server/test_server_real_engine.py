@@ -30,8 +30,9 @@ def offline(model_dir):
 
 
 def make_engine(model_dir):
-    return async_engine.AsyncEngine(EngineConfig(model=str(model_dir), served_model_name="tiny",
-                                                 kv_cache_bytes=KV_BYTES))
+    return async_engine.AsyncEngine(
+        EngineConfig(model=str(model_dir), served_model_name="tiny", kv_cache_bytes=KV_BYTES)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +46,16 @@ def test_completion_matches_the_offline_api(live, offline) -> None:
     assert r.choices[0].text == expected.text
     assert r.usage.prompt_tokens == len(expected.prompt_token_ids)
     assert r.usage.completion_tokens == len(expected.token_ids)
-    chunks = list(live.openai().completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0,
-                                                   stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        live.openai().completions.create(
+            model="tiny",
+            prompt=PROMPT,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
     assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
 
@@ -55,8 +64,9 @@ def test_chat_matches_the_offline_api(live, offline) -> None:
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = offline.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     expected = offline.generate(prompt, SamplingParams(max_tokens=16, temperature=0))[0]
-    r = live.openai().chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0,
-                                              logprobs=True)
+    r = live.openai().chat.completions.create(
+        model="tiny", messages=messages, max_tokens=16, temperature=0, logprobs=True
+    )
     assert r.choices[0].message.content == expected.text
     assert r.choices[0].finish_reason == expected.finish_reason.value
     assert len(r.choices[0].logprobs.content) == len(expected.token_ids)
@@ -68,8 +78,7 @@ def test_echo_scores_the_prompt_like_the_offline_api(live, offline) -> None:
     back with each token's logprob and top alternative, equal to the offline engine's prompt logprobs."""
     ids = offline.tokenizer.encode(PROMPT)
     expected = offline.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))[0]
-    r = live.openai().completions.create(model="tiny", prompt=ids, max_tokens=1, temperature=0, echo=True,
-                                         logprobs=1)
+    r = live.openai().completions.create(model="tiny", prompt=ids, max_tokens=1, temperature=0, echo=True, logprobs=1)
     lp = r.choices[0].logprobs
     assert lp.tokens[: len(ids)] == [f"token_id:{t}" for t in ids]
     assert lp.token_logprobs[0] is None
@@ -83,8 +92,9 @@ def test_echo_scores_the_prompt_like_the_offline_api(live, offline) -> None:
 def test_disconnect_mid_stream_frees_the_kv_cache(live, raw_request, wait) -> None:
     engine = live.engine
     before = live.metric("llmfleet:request_errors_total", code="client_disconnect") or 0
-    sock = raw_request(live.base_url, "/v1/completions",
-                       {"prompt": PROMPT, "max_tokens": 900, "ignore_eos": True, "stream": True})
+    sock = raw_request(
+        live.base_url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 900, "ignore_eos": True, "stream": True}
+    )
     data = b""
     for _ in range(100):
         data += sock.recv(65536)
@@ -94,8 +104,10 @@ def test_disconnect_mid_stream_frees_the_kv_cache(live, raw_request, wait) -> No
     wait(lambda: engine.stats().kv_cache_usage > 0, "KV blocks in use")
     sock.close()
     wait(lambda: engine.stats().num_running == 0 and engine.stats().kv_cache_usage == 0, "KV usage back to 0")
-    wait(lambda: live.metric("llmfleet:request_errors_total", code="client_disconnect") == before + 1,
-         "the disconnect to be counted")
+    wait(
+        lambda: live.metric("llmfleet:request_errors_total", code="client_disconnect") == before + 1,
+        "the disconnect to be counted",
+    )
     assert live.metric("vllm:kv_cache_usage_perc") == 0
     assert live.metric("llmfleet:inflight_requests") == 0
 
@@ -122,8 +134,11 @@ def test_drain_lets_a_real_stream_finish(start_worker, model_dir, offline, wait)
         drain = http.post("/drain", headers={"Authorization": "Bearer tok"})
         assert drain.status_code == 202 and drain.json()["inflight"] == 1
         assert http.post("/v1/completions", json={"prompt": "x"}).status_code == 503
-        rest = [json.loads(line.removeprefix("data: ")) for line in lines
-                if line.startswith("data: ") and line != "data: [DONE]"]
+        rest = [
+            json.loads(line.removeprefix("data: "))
+            for line in lines
+            if line.startswith("data: ") and line != "data: [DONE]"
+        ]
     text = first["choices"][0]["text"] + "".join(p["choices"][0]["text"] for p in rest)
     assert text == expected.text and rest[-1]["choices"][0]["finish_reason"] == "length"
     wait(lambda: http.get("/drain").json()["state"] == "drained", "the drain to finish")
@@ -137,8 +152,22 @@ def test_cli_serves_a_model_folder_with_the_builtin_engine(spawn_worker, model_d
     import signal
     import sys
 
-    worker = spawn_worker([sys.executable, "-m", "llmfleet.cli", "worker", "--model", str(model_dir),
-                           "--served-model-name", "tiny", "--kv-cache-bytes", str(KV_BYTES), "--max-num-seqs", "4"])
+    worker = spawn_worker(
+        [
+            sys.executable,
+            "-m",
+            "llmfleet.cli",
+            "worker",
+            "--model",
+            str(model_dir),
+            "--served-model-name",
+            "tiny",
+            "--kv-cache-bytes",
+            str(KV_BYTES),
+            "--max-num-seqs",
+            "4",
+        ]
+    )
     http = httpx.Client(base_url=worker.base_url, timeout=60)
     wait(lambda: http.get("/ready").status_code == 200, "the model to load", timeout_s=60, poll_s=0.1)
     r = http.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 5})

@@ -42,8 +42,9 @@ def test_missing_token_file_is_an_error(tmp_path: Path) -> None:
 
 def test_fault_settings_from_env() -> None:
     assert not FaultSettings.from_env({"PATH": "/bin"}).enabled
-    faults = FaultSettings.from_env({"LLMFLEET_FAULT_TTFT_DELAY_MS": "250", "LLMFLEET_FAULT_ERROR_RATE": "0.5",
-                                     "LLMFLEET_FAULT_SEED": "7"})
+    faults = FaultSettings.from_env(
+        {"LLMFLEET_FAULT_TTFT_DELAY_MS": "250", "LLMFLEET_FAULT_ERROR_RATE": "0.5", "LLMFLEET_FAULT_SEED": "7"}
+    )
     assert (faults.ttft_delay_ms, faults.itl_delay_ms, faults.error_rate, faults.seed) == (250, 0, 0.5, 7)
     assert faults.enabled
 

@@ -28,8 +28,12 @@ from worker.server.admission import check_prompt_bytes
 from worker.server.errors import ApiError
 from worker.server.fake_engine import FakeEngine
 
-CORPUS = ["The quick brown fox jumps over the lazy dog. 0 1 2 42 2024.", "def f(a):\n    return a + 1\n\n",
-          "Ünïcödé: café, naïve, 東京, 😀 emoji.", "        indented\n            more\n"] * 4
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. 0 1 2 42 2024.",
+    "def f(a):\n    return a + 1\n\n",
+    "Ünïcödé: café, naïve, 東京, 😀 emoji.",
+    "        indented\n            more\n",
+] * 4
 
 
 # ---- the pure check --------------------------------------------------------------------------------------------
@@ -65,8 +69,12 @@ def _byte_level_bpe(**post: Any) -> Tokenizer:
     tok = Tokenizer(models.BPE(**post.pop("model", {})))
     tok.pre_tokenizer = post.pop("pre", pre_tokenizers.ByteLevel(add_prefix_space=False))
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(CORPUS, trainer=trainer)
     for key, value in post.items():
         setattr(tok, key, value)
@@ -106,13 +114,23 @@ def _with(spec: dict[str, Any], **changes: Any) -> dict[str, Any]:
     [
         ({"normalizer": {"type": "NFKC"}}, "a normalizer may shrink text (NFKC composes)"),
         ({"normalizer": {"type": "Lowercase"}}, "lowercasing can shrink a character's bytes"),
-        ({"truncation": {"max_length": 8, "strategy": "LongestFirst", "stride": 0, "direction": "Right"}},
-         "truncation drops tokens"),
+        (
+            {"truncation": {"max_length": 8, "strategy": "LongestFirst", "stride": 0, "direction": "Right"}},
+            "truncation drops tokens",
+        ),
         ({"pre_tokenizer": {"type": "Whitespace"}}, "drops whitespace"),
-        ({"pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"String": " "}, "behavior": "Removed", "invert": False},
-            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]}},
-         "a Removed split drops its matches"),
+        (
+            {
+                "pre_tokenizer": {
+                    "type": "Sequence",
+                    "pretokenizers": [
+                        {"type": "Split", "pattern": {"String": " "}, "behavior": "Removed", "invert": False},
+                        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+                    ],
+                }
+            },
+            "a Removed split drops its matches",
+        ),
         ({"model__type": "WordPiece"}, "one [UNK] may stand for a whole word"),
         ({"model__unk_token": "<unk>", "model__fuse_unk": True}, "fused unknowns have no length bound"),
         ({"added_tokens__0__lstrip": True}, "an lstrip token swallows any run of spaces"),
@@ -123,15 +141,37 @@ def test_no_bound_where_text_can_vanish(tiny: Tokenizer, change: dict[str, Any],
 
 
 def test_unknowns_not_fused_cost_at_most_4_bytes(tiny: Tokenizer) -> None:
-    spec = _with(_spec(tiny), model__unk_token="<unk>", model__fuse_unk=False, model__vocab={"a": 0, "<unk>": 1},
-                 pre_tokenizer={"type": "Digits", "individual_digits": True}, added_tokens=[])
+    spec = _with(
+        _spec(tiny),
+        model__unk_token="<unk>",
+        model__fuse_unk=False,
+        model__vocab={"a": 0, "<unk>": 1},
+        pre_tokenizer={"type": "Digits", "individual_digits": True},
+        added_tokens=[],
+    )
     assert max_bytes_per_token(spec) == len(b"<unk>")  # not byte-level: UTF-8 length of the entries
 
 
 TEXTS = [
-    "", "a", "hello world", " " * 500, "\n" + " " * 80, ("\n" + " " * 80) * 7, "\t" * 100 + "x", "0123456789" * 9,
-    "<|im_start|>" * 5, "<|im_start|>user\nhi<|im_end|>", "東京" * 30, "😀" * 40, "é" * 33, "\u0301" * 20,
-    "ab" * 200, "-" * 300, "=" * 257, "\x00\x01\x02\x7f", "A" * 1000,
+    "",
+    "a",
+    "hello world",
+    " " * 500,
+    "\n" + " " * 80,
+    ("\n" + " " * 80) * 7,
+    "\t" * 100 + "x",
+    "0123456789" * 9,
+    "<|im_start|>" * 5,
+    "<|im_start|>user\nhi<|im_end|>",
+    "東京" * 30,
+    "😀" * 40,
+    "é" * 33,
+    "\u0301" * 20,
+    "ab" * 200,
+    "-" * 300,
+    "=" * 257,
+    "\x00\x01\x02\x7f",
+    "A" * 1000,
 ]
 
 
@@ -242,8 +282,12 @@ def test_health_and_other_requests_answer_while_a_prompt_is_tokenized(start_work
     engine.hold.clear()  # the next tokenize blocks until the test lets it go
     live = start_worker(engine)
     results: list[httpx.Response] = []
-    slow = threading.Thread(target=lambda: results.append(live.http().post(
-        "/v1/completions", json={"prompt": "a big prompt", "max_tokens": 2})), daemon=True)
+    slow = threading.Thread(
+        target=lambda: results.append(
+            live.http().post("/v1/completions", json={"prompt": "a big prompt", "max_tokens": 2})
+        ),
+        daemon=True,
+    )
     slow.start()
     try:
         assert engine.entered.wait(timeout=10), "the tokenization never started"
@@ -266,8 +310,12 @@ def test_tokenization_is_bounded_and_excess_gets_429(start_worker, wait) -> None
     results: list[httpx.Response] = []
 
     def post(prompt: str) -> threading.Thread:
-        thread = threading.Thread(target=lambda: results.append(live.http().post(
-            "/v1/completions", json={"prompt": prompt, "max_tokens": 2})), daemon=True)
+        thread = threading.Thread(
+            target=lambda: results.append(
+                live.http().post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+            ),
+            daemon=True,
+        )
         thread.start()
         return thread
 

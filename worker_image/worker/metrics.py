@@ -24,12 +24,77 @@ from worker.core.request import FinishReason
 from worker.engine.protocol import EngineStats
 
 # vLLM v1's buckets (vllm/v1/metrics/loggers.py); ITL gains three finer buckets for fast CPU decode steps.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
-               7.5, 10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-               480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
@@ -70,17 +135,23 @@ class _EngineCollector:
 
     def collect(self) -> Iterator[Metric]:
         stats, m = self._engine_stats(), self._model
-        yield _Family.gauge("vllm:num_requests_running", "Requests in the engine's running batch.", m,
-                            stats.num_running)
-        yield _Family.gauge("vllm:num_requests_waiting", "Requests waiting in the engine's queue.", m,
-                            stats.num_waiting)
-        yield _Family.gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0 to 1 (1 = full).", m,
-                            stats.kv_cache_usage)
+        yield _Family.gauge(
+            "vllm:num_requests_running", "Requests in the engine's running batch.", m, stats.num_running
+        )
+        yield _Family.gauge(
+            "vllm:num_requests_waiting", "Requests waiting in the engine's queue.", m, stats.num_waiting
+        )
+        yield _Family.gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0 to 1 (1 = full).", m, stats.kv_cache_usage)
         yield _Family.counter("vllm:num_preemptions", "Cumulative preemptions.", m, stats.num_preemptions_total)
-        yield _Family.counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", m,
-                              stats.prefix_cache_queries_total)
-        yield _Family.counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", m,
-                              stats.prefix_cache_hits_total)
+        yield _Family.counter(
+            "vllm:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            m,
+            stats.prefix_cache_queries_total,
+        )
+        yield _Family.counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", m, stats.prefix_cache_hits_total
+        )
 
 
 class _ServerCollector:
@@ -92,13 +163,18 @@ class _ServerCollector:
 
     def collect(self) -> Iterator[Metric]:
         server, m = self._server_gauges(), self._model
-        yield _Family.gauge("llmfleet:draining", "1 while the worker drains (lame duck), else 0.", m,
-                            int(server.draining))
-        yield _Family.gauge("llmfleet:inflight_requests", "Generation requests the server is serving.", m,
-                            server.inflight)
-        yield _Family.gauge("llmfleet:remaining_tokens_estimate",
-                            "Sum of the remaining max_tokens of in-flight requests (how long a drain may take).", m,
-                            server.remaining_tokens)
+        yield _Family.gauge(
+            "llmfleet:draining", "1 while the worker drains (lame duck), else 0.", m, int(server.draining)
+        )
+        yield _Family.gauge(
+            "llmfleet:inflight_requests", "Generation requests the server is serving.", m, server.inflight
+        )
+        yield _Family.gauge(
+            "llmfleet:remaining_tokens_estimate",
+            "Sum of the remaining max_tokens of in-flight requests (how long a drain may take).",
+            m,
+            server.remaining_tokens,
+        )
 
 
 class _WithoutCreated:
@@ -119,34 +195,63 @@ class WorkerMetrics:
     then ours under vLLM's names are left out of `/metrics` (one family must not appear twice) and only the
     `llmfleet:*` series are added to the backend's."""
 
-    def __init__(self, model_name: str, engine_stats: Callable[[], EngineStats],
-                 server_gauges: Callable[[], ServerGauges], engine_registry: Collector | None = None) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        engine_stats: Callable[[], EngineStats],
+        server_gauges: Callable[[], ServerGauges],
+        engine_registry: Collector | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()  # llmfleet:*
         self.vllm_registry = CollectorRegistry()  # vllm:* (ours)
         self._engine_registry = engine_registry
         label = ["model_name"]
         reg, vreg = self.registry, self.vllm_registry
-        self._ttft = Histogram("vllm:time_to_first_token_seconds", "Time from request arrival to its first token.",
-                               label, registry=vreg, buckets=TTFT_BUCKETS).labels(model_name)
-        self._itl = Histogram("vllm:inter_token_latency_seconds", "Time between consecutive outputs of a request.",
-                              label, registry=vreg, buckets=ITL_BUCKETS).labels(model_name)
-        self._e2e = Histogram("vllm:e2e_request_latency_seconds", "Time from request arrival to its end.",
-                              label, registry=vreg, buckets=E2E_BUCKETS).labels(model_name)
-        self._prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", label,
-                                      registry=vreg).labels(model_name)
-        self._generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", label,
-                                          registry=vreg).labels(model_name)
-        success = Counter("vllm:request_success", "Finished requests by finish reason.",
-                          ["model_name", "finished_reason"], registry=vreg)
+        self._ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time from request arrival to its first token.",
+            label,
+            registry=vreg,
+            buckets=TTFT_BUCKETS,
+        ).labels(model_name)
+        self._itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between consecutive outputs of a request.",
+            label,
+            registry=vreg,
+            buckets=ITL_BUCKETS,
+        ).labels(model_name)
+        self._e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Time from request arrival to its end.",
+            label,
+            registry=vreg,
+            buckets=E2E_BUCKETS,
+        ).labels(model_name)
+        self._prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", label, registry=vreg).labels(
+            model_name
+        )
+        self._generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", label, registry=vreg).labels(
+            model_name
+        )
+        success = Counter(
+            "vllm:request_success",
+            "Finished requests by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=vreg,
+        )
         self._success = {r: success.labels(model_name, r.value) for r in FinishReason}
         vreg.register(_EngineCollector(model_name, engine_stats))
-        self._requests = Counter("llmfleet:requests", "Generation requests received (any outcome).", label,
-                                 registry=reg).labels(model_name)
+        self._requests = Counter(
+            "llmfleet:requests", "Generation requests received (any outcome).", label, registry=reg
+        ).labels(model_name)
         self._errors = Counter(
             "llmfleet:request_errors",
             "Failed generation requests by HTTP status code, or stream_aborted / stream_error / client_disconnect "
             "for failures after the response started.",
-            ["model_name", "code"], registry=reg)
+            ["model_name", "code"],
+            registry=reg,
+        )
         self._model = model_name
         reg.register(_ServerCollector(model_name, server_gauges))
 

@@ -42,8 +42,9 @@ class _Snapshot:
     def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
         if scheduler_stats is not None:
             self.num_running = scheduler_stats.num_running_reqs
-            self.num_waiting = scheduler_stats.num_waiting_reqs + getattr(scheduler_stats,
-                                                                          "num_skipped_waiting_reqs", 0)
+            self.num_waiting = scheduler_stats.num_waiting_reqs + getattr(
+                scheduler_stats, "num_skipped_waiting_reqs", 0
+            )
             self.kv_cache_usage = scheduler_stats.kv_cache_usage
             prefix = scheduler_stats.prefix_cache_stats
             if prefix is not None:
@@ -73,8 +74,10 @@ def from_vllm_logprobs(position: Any, token: int, k: int) -> Logprob:
 def vllm_engine_args(settings: WorkerSettings, model_path: str, device_is_cpu: bool) -> dict[str, Any]:
     """AsyncEngineArgs keyword arguments from the worker settings (unset sizing flags keep vLLM's defaults)."""
     if settings.quantization == "int4":
-        raise ValueError("--engine vllm quantizes int4 only from pre-quantized checkpoints (AWQ/GPTQ): point --model "
-                         "at one and leave --quantization none, or use --engine builtin for int4 weight-only")
+        raise ValueError(
+            "--engine vllm quantizes int4 only from pre-quantized checkpoints (AWQ/GPTQ): point --model "
+            "at one and leave --quantization none, or use --engine builtin for int4 weight-only"
+        )
     args: dict[str, Any] = {
         "model": model_path,
         "served_model_name": settings.model_name,
@@ -130,8 +133,9 @@ class VllmEngine:
             def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
                 pass
 
-            def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
-                       engine_idx: int = 0) -> None:
+            def record(
+                self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0
+            ) -> None:
                 snapshot.record(scheduler_stats, iteration_stats)
 
             def log_engine_initialized(self) -> None:
@@ -139,8 +143,9 @@ class VllmEngine:
 
         # Building it starts the engine-core process and waits for the model to load (tens of seconds): off the
         # event loop, so /health keeps answering meanwhile.
-        self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, AsyncEngineArgs(**self.engine_args),
-                                            stat_loggers=[SnapshotLogger])
+        self._llm = await asyncio.to_thread(
+            AsyncLLM.from_engine_args, AsyncEngineArgs(**self.engine_args), stat_loggers=[SnapshotLogger]
+        )
         self._tokenizer = self._llm.get_tokenizer()
         self.max_model_len = self._llm.model_config.max_model_len
 
@@ -156,16 +161,18 @@ class VllmEngine:
         return self._started_tokenizer().decode(list(token_ids), skip_special_tokens=True)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        return self._started_tokenizer().apply_chat_template(messages, tokenize=False,
-                                                             add_generation_prompt=add_generation_prompt)
+        return self._started_tokenizer().apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
 
     def _started_tokenizer(self) -> Any:
         if self._tokenizer is None:
             raise RuntimeError("the vLLM engine is not started: await engine.start() first")
         return self._tokenizer
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
         """Stream DELTA outputs. Leaving the iteration early aborts the request (vLLM's generate does that)."""
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.inputs import TokensPrompt
@@ -202,14 +209,17 @@ class VllmEngine:
             generated += len(new_ids)
             logprobs = tops = prompt_logprobs = None
             if params.logprobs and choice.logprobs is not None:
-                converted = [from_vllm_logprobs(choice.logprobs[i], t, params.top_logprobs)
-                             for i, t in enumerate(new_ids)]
+                converted = [
+                    from_vllm_logprobs(choice.logprobs[i], t, params.top_logprobs) for i, t in enumerate(new_ids)
+                ]
                 logprobs = [lp.logprob for lp in converted]
                 tops = [lp.top for lp in converted] if params.top_logprobs else None
             if params.prompt_logprobs is not None and not prompt_sent and out.prompt_logprobs is not None:
                 # vLLM's list has None for the first prompt token; ours starts at the second
-                prompt_logprobs = [from_vllm_logprobs(out.prompt_logprobs[i], ids[i], params.prompt_logprobs)
-                                   for i in range(1, len(ids))]
+                prompt_logprobs = [
+                    from_vllm_logprobs(out.prompt_logprobs[i], ids[i], params.prompt_logprobs)
+                    for i in range(1, len(ids))
+                ]
                 prompt_sent = True
             yield RequestOutput(
                 request_id=request_id,

@@ -51,7 +51,6 @@ def record_prompt_logprobs(req: Request, seq: ScheduledSeq, values: list[Logprob
     req.prompt_logprobs.extend(values[known - first :])
 
 
-
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
         config.check_max_model_len(max_model_len)

@@ -23,6 +23,7 @@ from worker.engine.protocol import EngineStats, RequestOutput
 
 log = logging.getLogger(__name__)
 
+
 class Runner(Protocol):
     """What the core needs from a model runner (`worker.model.runner.ModelRunner`, or the toy one in tests)."""
 
@@ -38,9 +39,7 @@ class Runner(Protocol):
 class EngineCore:
     def __init__(self, scheduler: Scheduler, runner: Runner) -> None:
         if runner.block_size != scheduler.kv.block_size:
-            raise ValueError(
-                f"runner block_size {runner.block_size} != scheduler block_size {scheduler.kv.block_size}"
-            )
+            raise ValueError(f"runner block_size {runner.block_size} != scheduler block_size {scheduler.kv.block_size}")
         if runner.num_blocks < scheduler.kv.num_blocks:
             raise ValueError(
                 f"the scheduler manages {scheduler.kv.num_blocks} blocks; the runner has {runner.num_blocks}"

@@ -135,8 +135,10 @@ class ToyRunner:
         for seq in scheduler_output.seqs:
             if seq.prompt_targets:
                 k = seq.sampling_params.prompt_logprobs or 0
-                contexts = [self._read_context(seq.req_id, seq.block_ids, seq.start_pos + i + 1)
-                            for i in range(len(seq.prompt_targets))]
+                contexts = [
+                    self._read_context(seq.req_id, seq.block_ids, seq.start_pos + i + 1)
+                    for i in range(len(seq.prompt_targets))
+                ]
                 out.prompt_logprobs[seq.req_id] = [
                     Logprob(toy_logprob([*c, t]), toy_top(c, k)) for c, t in zip(contexts, seq.prompt_targets)
                 ]

@@ -184,7 +184,11 @@ def paged_attention(
             kc = k_cache.index_select(0, chunk.block_idx).view(-1, num_kv_heads, head_dim)[:kv_len]
             vc = v_cache.index_select(0, chunk.block_idx).view(-1, num_kv_heads, head_dim)[:kv_len]
             oc = F.scaled_dot_product_attention(
-                qc, kc.transpose(0, 1)[None], vc.transpose(0, 1)[None], attn_mask=chunk.mask, scale=scale,
+                qc,
+                kc.transpose(0, 1)[None],
+                vc.transpose(0, 1)[None],
+                attn_mask=chunk.mask,
+                scale=scale,
                 enable_gqa=True,
             )
         out[rows] = oc[0].transpose(0, 1).reshape(chunk.q_len, num_heads * head_dim)

@@ -130,4 +130,3 @@ class ModelConfig(BaseModel):
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: a model folder needs an HF config.json")
         return cls.from_dict(json.loads(path.read_text()))
-

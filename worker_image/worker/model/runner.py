@@ -140,8 +140,14 @@ class ModelRunner:
         cfg = self.config
         # Zero-filled: masked-out slots are multiplied by zero weights, and garbage NaNs would poison them.
         self.kv_cache = torch.zeros(
-            cfg.num_hidden_layers, 2, self.num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
-            dtype=self.dtype, device=self.device,
+            cfg.num_hidden_layers,
+            2,
+            self.num_blocks,
+            block_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            dtype=self.dtype,
+            device=self.device,
         )
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_hidden_layers)]
         # Decode attention through the native paged kernel (reads K/V straight from the cache: 3x faster than
@@ -186,8 +192,14 @@ class ModelRunner:
         blocks = -(-num_tokens // self.block_size)
         cfg = self.config
         scratch = torch.zeros(
-            cfg.num_hidden_layers, 2, blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim,
-            dtype=self.dtype, device=self.device,
+            cfg.num_hidden_layers,
+            2,
+            blocks,
+            self.block_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            dtype=self.dtype,
+            device=self.device,
         )
         return list(range(blocks)), [(scratch[i, 0], scratch[i, 1]) for i in range(cfg.num_hidden_layers)]
 

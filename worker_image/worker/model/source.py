@@ -19,9 +19,7 @@ class ModelSourceError(ValueError):
     """The source cannot be turned into a local model folder; the message says why and what to do."""
 
 
-def resolve_model_source(
-    source: str, *, cache_dir: str | Path | None = None, revision: str | None = None
-) -> Path:
+def resolve_model_source(source: str, *, cache_dir: str | Path | None = None, revision: str | None = None) -> Path:
     if not source:
         raise ModelSourceError("model source is empty: use bundled://NAME, hf://ORG/REPO or a local folder path")
     if source.startswith("bundled://"):

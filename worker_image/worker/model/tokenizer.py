@@ -77,8 +77,9 @@ def max_bytes_per_token(spec: dict[str, Any]) -> int | None:
     if spec.get("normalizer") is not None or spec.get("truncation") is not None or model.get("type") != "BPE":
         return None
     pre = _pre_tokenizers(spec.get("pre_tokenizer"))
-    if any(p.get("type") not in _CUTTING_PRE_TOKENIZERS or str(p.get("behavior", "")).lower() == "removed"
-           for p in pre):
+    if any(
+        p.get("type") not in _CUTTING_PRE_TOKENIZERS or str(p.get("behavior", "")).lower() == "removed" for p in pre
+    ):
         return None
     added = spec.get("added_tokens") or []
     if any(token.get("lstrip") or token.get("rstrip") for token in added):

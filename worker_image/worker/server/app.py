@@ -95,9 +95,14 @@ async def parse_body(request: Request, model: type[BodyT]) -> BodyT:
         raise ApiError(400, "request body is nested too deeply", code="invalid_value") from None
 
 
-def create_app(engine: EngineClient, settings: WorkerSettings, *,
-               on_exit: Callable[[int], None] = lambda code: None,
-               clock: Callable[[], float] = time.monotonic, max_bytes_per_token: int | None = None) -> FastAPI:
+def create_app(
+    engine: EngineClient,
+    settings: WorkerSettings,
+    *,
+    on_exit: Callable[[int], None] = lambda code: None,
+    clock: Callable[[], float] = time.monotonic,
+    max_bytes_per_token: int | None = None,
+) -> FastAPI:
     """The worker app around `engine`. `on_exit(code)` is called when the worker wants its process to stop;
     `max_bytes_per_token` is the engine tokenizer's bound (see `admission.check_prompt_bytes`), None if unknown."""
     service = WorkerService(engine, settings, on_exit, clock, max_bytes_per_token)
@@ -111,8 +116,9 @@ def create_app(engine: EngineClient, settings: WorkerSettings, *,
             await service.shutdown()
 
     # No /docs, /redoc, /openapi.json: whoever reaches a worker needs no map of it (the API is OpenAI's).
-    app = FastAPI(title="llmfleet worker", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    app = FastAPI(
+        title="llmfleet worker", version="1", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.state.service = service
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
@@ -156,15 +162,23 @@ def create_app(engine: EngineClient, settings: WorkerSettings, *,
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await parse_body(request, oai.CompletionRequest)
-        return respond(await generation.prepare(service, body, "completion",
-                                                request.headers.get(generation.TIMEOUT_HEADER),
-                                                request_id_of(request.scope)))
+        return respond(
+            await generation.prepare(
+                service,
+                body,
+                "completion",
+                request.headers.get(generation.TIMEOUT_HEADER),
+                request_id_of(request.scope),
+            )
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await parse_body(request, oai.ChatCompletionRequest)
-        return respond(await generation.prepare(service, body, "chat", request.headers.get(generation.TIMEOUT_HEADER),
-                                                request_id_of(request.scope)))
+        return respond(
+            await generation.prepare(
+                service, body, "chat", request.headers.get(generation.TIMEOUT_HEADER), request_id_of(request.scope)
+            )
+        )
 
     return app
-

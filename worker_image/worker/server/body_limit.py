@@ -16,8 +16,12 @@ from worker.server.errors import ApiError
 
 class BodyTooLarge(ApiError):
     def __init__(self, max_bytes: int) -> None:
-        super().__init__(413, f"the request body is larger than this worker's limit of {max_bytes} bytes "
-                         "(--max-body-bytes); send a shorter prompt", code="body_too_large")
+        super().__init__(
+            413,
+            f"the request body is larger than this worker's limit of {max_bytes} bytes "
+            "(--max-body-bytes); send a shorter prompt",
+            code="body_too_large",
+        )
 
     def headers(self) -> dict[str, str]:
         return {**super().headers(), "Connection": "close"}

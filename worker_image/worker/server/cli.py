@@ -128,8 +128,11 @@ def worker_command(
     if settings.drain_token is None:
         logging.getLogger(__name__).warning("no drain token configured: POST /drain is disabled (SIGTERM drains)")
     if built.max_bytes_per_token is None:
-        logging.getLogger(__name__).warning("no bound on bytes per token for this tokenizer: prompts are measured "
-                                            "by tokenizing them (bounded by --max-body-bytes)")
-    server = WorkerServer(built.engine, settings, log_level=log_level.lower(),
-                          max_bytes_per_token=built.max_bytes_per_token)
+        logging.getLogger(__name__).warning(
+            "no bound on bytes per token for this tokenizer: prompts are measured "
+            "by tokenizing them (bounded by --max-body-bytes)"
+        )
+    server = WorkerServer(
+        built.engine, settings, log_level=log_level.lower(), max_bytes_per_token=built.max_bytes_per_token
+    )
     raise typer.Exit(server.run())

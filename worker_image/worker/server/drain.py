@@ -141,8 +141,12 @@ class Drainer:
 
     def _start(self, reason: str) -> None:
         if self._task is None:
-            log.warning("drain started (%s): not ready, refusing new requests, %d in flight, timeout %.1fs",
-                        reason, self._inflight(), self._timeout_s)
+            log.warning(
+                "drain started (%s): not ready, refusing new requests, %d in flight, timeout %.1fs",
+                reason,
+                self._inflight(),
+                self._timeout_s,
+            )
             self._task = asyncio.get_running_loop().create_task(self._run(), name="drain")
 
     def seconds_left(self) -> float | None:
@@ -184,7 +188,10 @@ class Drainer:
             assert self.state.deadline is not None
             await self._sleep(self.state.deadline - self._clock())
         self.state = finish(self.state, timed_out)
-        log.warning("drain finished (%s)%s", "timed out, rest aborted" if timed_out else "idle",
-                    "; exiting" if should_exit(self.state) else "; idle until the pod is deleted (SIGTERM exits)")
+        log.warning(
+            "drain finished (%s)%s",
+            "timed out, rest aborted" if timed_out else "idle",
+            "; exiting" if should_exit(self.state) else "; idle until the pod is deleted (SIGTERM exits)",
+        )
         if should_exit(self.state):
             self._on_exit()

@@ -81,14 +81,17 @@ def build_engine(settings: WorkerSettings, device: str = "auto", fake: FakeOptio
         from worker.server.fake_engine import MAX_BYTES_PER_TOKEN, FakeEngine, file_gate
 
         fake = fake or FakeOptions()
-        return BuiltEngine(FakeEngine(
-            settings.model_name,
-            settings.max_model_len or 2048,
-            ttft_s=fake.ttft_ms / 1000.0,
-            itl_s=fake.itl_ms / 1000.0,
-            max_num_seqs=settings.max_num_seqs or 8,
-            gate=file_gate(fake.gate_file) if fake.gate_file is not None else None,
-        ), MAX_BYTES_PER_TOKEN)
+        return BuiltEngine(
+            FakeEngine(
+                settings.model_name,
+                settings.max_model_len or 2048,
+                ttft_s=fake.ttft_ms / 1000.0,
+                itl_s=fake.itl_ms / 1000.0,
+                max_num_seqs=settings.max_num_seqs or 8,
+                gate=file_gate(fake.gate_file) if fake.gate_file is not None else None,
+            ),
+            MAX_BYTES_PER_TOKEN,
+        )
     model_path = resolve_model_source(settings)
     bound = tokenizer_bytes_bound(model_path)
     if settings.engine == "vllm":

@@ -48,8 +48,14 @@ _TYPES = {
 class ApiError(Exception):
     """An error answer. Raise it from a handler, or return `.response()`."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 retry_after_s: int | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
         super().__init__(status, message)
         self.status = status
         self.message = message
@@ -73,8 +79,9 @@ class ApiError(Exception):
 
 def internal_error(request_id: str, code: str = "internal_error") -> ApiError:
     """The 500 a client sees for any failure of ours: no details, only the id to find them in the log."""
-    return ApiError(500, f"internal server error (request id {request_id}); the details are in the worker's log",
-                    code=code)
+    return ApiError(
+        500, f"internal server error (request id {request_id}); the details are in the worker's log", code=code
+    )
 
 
 def request_id_of(scope: Scope) -> str:

@@ -61,7 +61,9 @@ class _FakeRequest:
 
 def fake_logprob(position: int, token: int, k: int) -> Logprob:
     """A made-up but deterministic logprob for `token` at `position`, with k alternatives (`token` first)."""
-    return Logprob(-0.1 * (position % 5 + 1), tuple(((token + j) % 256, -0.1 * (position % 5 + 1) - j) for j in range(k)))
+    return Logprob(
+        -0.1 * (position % 5 + 1), tuple(((token + j) % 256, -0.1 * (position % 5 + 1) - j) for j in range(k))
+    )
 
 
 class FakeEngine:
@@ -254,7 +256,7 @@ class FakeEngine:
             hits = [text.find(s, max(0, sent - holdback)) for s in params.stop]
             hits = [h for h in hits if h >= 0]
             if hits and req.generated >= params.min_tokens:
-                yield output(text[sent:min(hits)], True, FinishReason.STOP)
+                yield output(text[sent : min(hits)], True, FinishReason.STOP)
                 return
             if req.generated >= params.max_tokens or len(ids) + req.generated >= self.max_model_len:
                 yield output(text[sent:], True, FinishReason.LENGTH)

@@ -30,5 +30,8 @@ class FaultInjector:
         """Raise an injected 500 for a share `error_rate` of calls."""
         rate = self.settings.error_rate
         if rate > 0 and self._rng.random() < rate:
-            raise ApiError(500, "injected fault (LLMFLEET_FAULT_ERROR_RATE): this worker is failing on purpose",
-                           code="injected_fault")
+            raise ApiError(
+                500,
+                "injected fault (LLMFLEET_FAULT_ERROR_RATE): this worker is failing on purpose",
+                code="injected_fault",
+            )

@@ -62,8 +62,12 @@ def parse_timeout_header(value: str | None, setting: float | None) -> float | No
     except ValueError:
         seconds = float("nan")
     if not seconds > 0 or seconds == float("inf"):
-        raise ApiError(400, f"header {TIMEOUT_HEADER} must be a positive number of seconds, got {value!r}",
-                       param=TIMEOUT_HEADER, code="invalid_value")
+        raise ApiError(
+            400,
+            f"header {TIMEOUT_HEADER} must be a positive number of seconds, got {value!r}",
+            param=TIMEOUT_HEADER,
+            code="invalid_value",
+        )
     return seconds if setting is None else min(seconds, setting)
 
 
@@ -73,22 +77,32 @@ def _chat_prompt_ids(service: WorkerService, body: oai.ChatCompletionRequest) ->
     try:
         text = engine.apply_chat_template(body.template_messages(), body.add_generation_prompt)
     except Exception as err:  # a template raising on the given roles/order is the client's problem
-        raise ApiError(400, f"the chat template rejected the messages: {err}", param="messages",
-                       code="invalid_messages") from err
+        raise ApiError(
+            400, f"the chat template rejected the messages: {err}", param="messages", code="invalid_messages"
+        ) from err
     check_prompt_bytes(len(text.encode()), engine.max_model_len, service.max_bytes_per_token)
     return engine.tokenize(text)
 
 
-async def prepare(service: WorkerService, body: oai.CompletionRequest | oai.ChatCompletionRequest, kind: Kind,
-                  timeout_header: str | None, x_request_id: str) -> Prepared:
+async def prepare(
+    service: WorkerService,
+    body: oai.CompletionRequest | oai.ChatCompletionRequest,
+    kind: Kind,
+    timeout_header: str | None,
+    x_request_id: str,
+) -> Prepared:
     """Check that the worker can take the request and that the request is acceptable; raise ApiError if not."""
     arrival = service.clock()
     service.check_accepting()
     service.faults.maybe_fail()
     name = service.model_name
     if body.model is not None and body.model != name:
-        raise ApiError(404, f"The model `{body.model}` does not exist on this worker; it serves `{name}`.",
-                       param="model", code="model_not_found")
+        raise ApiError(
+            404,
+            f"The model `{body.model}` does not exist on this worker; it serves `{name}`.",
+            param="model",
+            code="model_not_found",
+        )
     engine = service.engine
     if isinstance(body, oai.ChatCompletionRequest):
         prompt_ids = await service.tokenizer_pool.run(_chat_prompt_ids, service, body)
@@ -103,8 +117,13 @@ async def prepare(service: WorkerService, body: oai.CompletionRequest | oai.Chat
     service.check_accepting()  # a drain may have started while the prompt was tokenized
     stats = engine.stats()
     settings = service.settings
-    limits = Limits(engine.max_model_len, settings.max_tokens_cap, settings.max_tokens_policy, settings.max_waiting,
-                    settings.retry_after_s)
+    limits = Limits(
+        engine.max_model_len,
+        settings.max_tokens_cap,
+        settings.max_tokens_policy,
+        settings.max_waiting,
+        settings.retry_after_s,
+    )
     load = Load(stats.num_waiting, stats.num_running, len(service.inflight))
     admitted = admit(len(prompt_ids), body.requested_max_tokens(), default_max, limits, load)
     try:
@@ -135,8 +154,9 @@ async def prepare(service: WorkerService, body: oai.CompletionRequest | oai.Chat
 def abort_error(reason: str | None, timeout_s: float | None) -> ApiError:
     """The error of a request the server aborted: its deadline (no reason) or `reason` (a drain timeout)."""
     if reason is None:
-        return ApiError(504, f"the request exceeded its deadline of {timeout_s:g} s and was aborted",
-                        code="deadline_exceeded")
+        return ApiError(
+            504, f"the request exceeded its deadline of {timeout_s:g} s and was aborted", code="deadline_exceeded"
+        )
     return ApiError(503, f"the request was aborted: {reason}", code="aborted")
 
 
@@ -168,18 +188,29 @@ async def drive(service: WorkerService, prep: Prepared, entry: InflightRequest) 
             except TimeoutError:
                 raise abort_error(entry.abort_reason, prep.timeout_s) from None
             except StopAsyncIteration:
-                log.error("request %s (%s): the engine ended the stream without a final output",
-                          prep.x_request_id, prep.request_id)
+                log.error(
+                    "request %s (%s): the engine ended the stream without a final output",
+                    prep.x_request_id,
+                    prep.request_id,
+                )
                 raise internal_error(prep.x_request_id, "engine_error") from None
             except (ApiError, asyncio.CancelledError):
                 raise
             except QueueFullError as err:
-                raise ApiError(429, f"the worker's engine queue is full: {err}; retry later or elsewhere",
-                               code="queue_full", retry_after_s=1) from err
+                raise ApiError(
+                    429,
+                    f"the worker's engine queue is full: {err}; retry later or elsewhere",
+                    code="queue_full",
+                    retry_after_s=1,
+                ) from err
             except EngineDeadError as err:
                 service.engine_died(err)
-                raise ApiError(503, "the engine has failed and the worker is restarting; retry on another worker",
-                               code="engine_dead", retry_after_s=1) from err
+                raise ApiError(
+                    503,
+                    "the engine has failed and the worker is restarting; retry on another worker",
+                    code="engine_dead",
+                    retry_after_s=1,
+                ) from err
             except ValueError as err:
                 if not received:
                     raise ApiError(400, f"the engine refused the request: {err}", code="engine_rejected") from err
@@ -253,8 +284,13 @@ def _echo_logprobs(prep: Prepared, out: RequestOutput) -> dict[str, Any] | None:
         return None
     scored: list[Logprob | None] = [None, *(out.prompt_logprobs or [])]
     if len(scored) != len(prep.prompt_ids):
-        log.error("request %s (%s): the engine scored %d of the %d prompt tokens", prep.x_request_id,
-                  prep.request_id, len(scored) - 1, len(prep.prompt_ids) - 1)
+        log.error(
+            "request %s (%s): the engine scored %d of the %d prompt tokens",
+            prep.x_request_id,
+            prep.request_id,
+            len(scored) - 1,
+            len(prep.prompt_ids) - 1,
+        )
         raise internal_error(prep.x_request_id, "engine_error")
     return oai.completion_logprobs(prep.prompt_ids, scored, with_top=prep.params.top_logprobs > 0)
 
@@ -290,8 +326,15 @@ async def complete(service: WorkerService, prep: Prepared) -> tuple[int, dict[st
     assert last is not None
     usage = oai.usage(len(prep.prompt_ids), last.num_output_tokens, last.num_cached_tokens)
     build = oai.chat_response if prep.kind == "chat" else oai.completion_response
-    body = build(prep.request_id, prep.model, prep.created, "".join(texts), last.finish_reason, usage,
-                 _join_logprobs(echoed, _logprobs(prep, ids, lps)))
+    body = build(
+        prep.request_id,
+        prep.model,
+        prep.created,
+        "".join(texts),
+        last.finish_reason,
+        usage,
+        _join_logprobs(echoed, _logprobs(prep, ids, lps)),
+    )
     return 200, body, {}
 
 
@@ -306,8 +349,7 @@ async def stream(service: WorkerService, prep: Prepared) -> AsyncIterator[bytes]
     obj = "chat.completion.chunk" if chat else "text_completion"
     rid, model, created, with_usage = prep.request_id, prep.model, prep.created, prep.include_usage
 
-    def chunk(text: str, reason: FinishReason | None, logprobs: dict[str, Any] | None,
-              first: bool = False) -> bytes:
+    def chunk(text: str, reason: FinishReason | None, logprobs: dict[str, Any] | None, first: bool = False) -> bytes:
         if chat:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
             if reason is not None and not text:
@@ -326,8 +368,11 @@ async def stream(service: WorkerService, prep: Prepared) -> AsyncIterator[bytes]
                         yield chunk(prep.echo_text, None, _echo_logprobs(prep, out))
                     last = out
                     if out.new_text or out.finished or (prep.params.logprobs and out.new_token_ids):
-                        yield chunk(out.new_text, out.finish_reason if out.finished else None,
-                                    _logprobs(prep, out.new_token_ids, token_logprobs(out)))
+                        yield chunk(
+                            out.new_text,
+                            out.finish_reason if out.finished else None,
+                            _logprobs(prep, out.new_token_ids, token_logprobs(out)),
+                        )
         except ApiError as err:
             service.metrics.error(STREAM_ABORTED if err.status in (503, 504) else STREAM_ERROR)
             yield chunk("", FinishReason.ABORT, None)

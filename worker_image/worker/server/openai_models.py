@@ -78,8 +78,9 @@ class _GenerationRequest(BaseModel):
     min_tokens: int = Field(0, ge=0, le=MAX_INT32)
     n: int = 1
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    stop: str | list[str] | None = Field(None, description=f"at most {MAX_STOP_STRINGS} strings of at most "
-                                         f"{MAX_STOP_STRING_CHARS} characters")
+    stop: str | list[str] | None = Field(
+        None, description=f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} characters"
+    )
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     stream: bool = False
@@ -88,19 +89,23 @@ class _GenerationRequest(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
     repetition_penalty: float = Field(1.0, gt=0, le=2, allow_inf_nan=False, description="vLLM extension")
     logit_bias: dict[str, float] | None = Field(
-        None, max_length=MAX_LOGIT_BIAS_ENTRIES,
+        None,
+        max_length=MAX_LOGIT_BIAS_ENTRIES,
         description=f"token id (as a string) -> bias in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]",
     )
     user: Text | None = None
-    priority: int = Field(0, ge=-MAX_INT32 - 1, le=MAX_INT32,
-                          description="lower is served first (vLLM extension; the gateway's tiers)")
+    priority: int = Field(
+        0, ge=-MAX_INT32 - 1, le=MAX_INT32, description="lower is served first (vLLM extension; the gateway's tiers)"
+    )
 
     @field_validator("n")
     @classmethod
     def _one_choice(cls, value: int) -> int:
         if value != 1:
-            raise ValueError(f"n={value} is not supported: this server returns exactly one choice (n=1); "
-                             "send separate requests instead")
+            raise ValueError(
+                f"n={value} is not supported: this server returns exactly one choice (n=1); "
+                "send separate requests instead"
+            )
         return value
 
     @field_validator("presence_penalty", "frequency_penalty")
@@ -126,8 +131,10 @@ class _GenerationRequest(BaseModel):
             if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) <= MAX_TOKEN_ID):
                 raise ValueError(f"logit_bias keys must be token ids (0..{MAX_TOKEN_ID} in decimal), got {key!r}")
             if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:  # NaN fails this too
-                raise ValueError(f"logit_bias values must be in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], "
-                                 f"got {bias} for token {key}")
+                raise ValueError(
+                    f"logit_bias values must be in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], "
+                    f"got {bias} for token {key}"
+                )
         return value
 
     @field_validator("stop")
@@ -196,8 +203,9 @@ class CompletionRequest(_GenerationRequest):
         """One prompt: a string or a list of non-negative token ids (OpenAI's batch forms with one element too)."""
         if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
             if len(value) != 1:
-                raise ValueError(f"batched prompts ({len(value)} prompts) are not supported: send one prompt per "
-                                 "request")
+                raise ValueError(
+                    f"batched prompts ({len(value)} prompts) are not supported: send one prompt per request"
+                )
             value = value[0]
         if isinstance(value, str):
             return unicode_text(value)
@@ -206,8 +214,10 @@ class CompletionRequest(_GenerationRequest):
                 raise ValueError("prompt must not be empty")
             if min(value) < 0 or max(value) > MAX_TOKEN_ID:
                 bad = min(value) if min(value) < 0 else max(value)
-                raise ValueError(f"token ids must be non-negative and at most {MAX_TOKEN_ID} (and in the model's "
-                                 f"vocabulary), got {bad}")
+                raise ValueError(
+                    f"token ids must be non-negative and at most {MAX_TOKEN_ID} (and in the model's "
+                    f"vocabulary), got {bad}"
+                )
             return value
         raise ValueError("prompt must be a string or a list of token ids (non-negative integers)")
 
@@ -411,8 +421,9 @@ def chat_response(
     }
 
 
-def _stream_chunk(request_id: str, obj: str, model: str, created: int, choice: dict[str, Any],
-                  with_usage_field: bool) -> dict[str, Any]:
+def _stream_chunk(
+    request_id: str, obj: str, model: str, created: int, choice: dict[str, Any], with_usage_field: bool
+) -> dict[str, Any]:
     """One streamed chunk with one choice; `usage: null` on every chunk but the last when include_usage is on."""
     chunk: dict[str, Any] = {"id": request_id, "object": obj, "created": created, "model": model, "choices": [choice]}
     if with_usage_field:

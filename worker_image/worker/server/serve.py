@@ -48,9 +48,16 @@ class _DrainingServer(uvicorn.Server):
 class WorkerServer:
     """The app plus its uvicorn server. `run()` blocks and returns the exit code (0 after a drain)."""
 
-    def __init__(self, engine: EngineClient, settings: WorkerSettings, *, configure_logging: bool = True,
-                 log_level: str = "info", graceful_shutdown_s: int = 5,
-                 max_bytes_per_token: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: EngineClient,
+        settings: WorkerSettings,
+        *,
+        configure_logging: bool = True,
+        log_level: str = "info",
+        graceful_shutdown_s: int = 5,
+        max_bytes_per_token: int | None = None,
+    ) -> None:
         self.exit_code = 0
         self.app = create_app(engine, settings, on_exit=self._on_exit, max_bytes_per_token=max_bytes_per_token)
         self.service: WorkerService = self.app.state.service

@@ -30,8 +30,14 @@ log = logging.getLogger(__name__)
 class WorkerService:
     """Everything one worker app knows and decides with; the routes only translate HTTP to calls on it."""
 
-    def __init__(self, engine: EngineClient, settings: WorkerSettings, on_exit: Callable[[int], None],
-                 clock: Callable[[], float] = time.monotonic, max_bytes_per_token: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: EngineClient,
+        settings: WorkerSettings,
+        on_exit: Callable[[int], None],
+        clock: Callable[[], float] = time.monotonic,
+        max_bytes_per_token: int | None = None,
+    ) -> None:
         self.engine = engine
         self.settings = settings
         # The most prompt bytes one token stands for (None: unknown): over-long prompts are refused untokenized.
@@ -43,8 +49,9 @@ class WorkerService:
         self.inflight = InflightTable()
         self.faults = FaultInjector(settings.faults)
         # A backend that exports vLLM's metrics itself offers them as `prometheus_registry` (see WorkerMetrics).
-        self.metrics = WorkerMetrics(self.model_name, engine.stats, self._gauges,
-                                     getattr(engine, "prometheus_registry", None))
+        self.metrics = WorkerMetrics(
+            self.model_name, engine.stats, self._gauges, getattr(engine, "prometheus_registry", None)
+        )
         self.loaded = False
         self.load_error: str | None = None
         self._on_exit = on_exit
@@ -62,8 +69,10 @@ class WorkerService:
         return ServerGauges(self.drainer.state.draining, len(self.inflight), self.inflight.remaining_tokens())
 
     async def _abort_all(self) -> None:
-        self.inflight.abort_all(f"the worker drained and its drain timeout ({self.settings.drain_timeout_s:g} s) "
-                                "passed; retry on another worker")
+        self.inflight.abort_all(
+            f"the worker drained and its drain timeout ({self.settings.drain_timeout_s:g} s) "
+            "passed; retry on another worker"
+        )
 
     # ---- lifecycle ----
     async def startup(self) -> None:
@@ -109,11 +118,16 @@ class WorkerService:
         retry = self.settings.retry_after_s
         if self.drainer.state.draining:
             what = "has drained" if self.drainer.state.phase is Phase.DRAINED else "is draining (lame duck)"
-            return ApiError(503, f"the worker {what} and takes no new requests; retry on another worker",
-                            code="draining", retry_after_s=retry)
+            return ApiError(
+                503,
+                f"the worker {what} and takes no new requests; retry on another worker",
+                code="draining",
+                retry_after_s=retry,
+            )
         if self.load_error is not None:  # the reason is in the log, not in an answer to whoever asks
-            return ApiError(503, "the model failed to load or the engine failed; the worker is exiting",
-                            code="load_failed")
+            return ApiError(
+                503, "the model failed to load or the engine failed; the worker is exiting", code="load_failed"
+            )
         if not self.loaded:
             return ApiError(503, "the model is still loading", code="loading", retry_after_s=retry)
         return None
@@ -138,10 +152,16 @@ class WorkerService:
     def check_drain_token(self, authorization: str | None) -> None:
         token = self.settings.drain_token
         if token is None:
-            raise ApiError(403, "POST /drain is disabled: no drain token is configured (set LLMFLEET_DRAIN_TOKEN or "
-                           "--drain-token-file); SIGTERM still drains", code="drain_disabled")
+            raise ApiError(
+                403,
+                "POST /drain is disabled: no drain token is configured (set LLMFLEET_DRAIN_TOKEN or "
+                "--drain-token-file); SIGTERM still drains",
+                code="drain_disabled",
+            )
         scheme, _, given = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
-                                                                 token.get_secret_value().encode()):
-            raise ApiError(401, "POST /drain needs the header 'Authorization: Bearer <drain token>'",
-                           code="invalid_drain_token")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            given.strip().encode(), token.get_secret_value().encode()
+        ):
+            raise ApiError(
+                401, "POST /drain needs the header 'Authorization: Bearer <drain token>'", code="invalid_drain_token"
+            )

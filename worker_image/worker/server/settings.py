@@ -82,11 +82,15 @@ class WorkerSettings(BaseModel):
     drain_token: SecretStr | None = Field(None, description="bearer token of POST /drain; None disables POST /drain")
     retry_after_s: int = Field(1, ge=1, description="Retry-After of 429 and 503 answers")
     tokenizer_threads: int = Field(
-        2, ge=1, le=64, description="threads that tokenize prompts (and render chat templates) off the event loop; "
+        2,
+        ge=1,
+        le=64,
+        description="threads that tokenize prompts (and render chat templates) off the event loop; "
         "more requests wait for one, up to max_waiting, then get 429",
     )
     max_body_bytes: int = Field(
-        8 * 1024 * 1024, ge=1024,
+        8 * 1024 * 1024,
+        ge=1024,
         description="largest request body in bytes (--max-body-bytes); a larger one gets 413 before it is read whole",
     )
     faults: FaultSettings = FaultSettings()
@@ -100,8 +104,10 @@ class WorkerSettings(BaseModel):
     def _extra_args_need_vllm(self) -> WorkerSettings:
         if self.engine_extra_args and self.engine != "vllm":
             flags = ", ".join(f"--{k.replace('_', '-')}" for k in self.engine_extra_args)
-            raise ValueError(f"unknown flags for the {self.engine} engine: {flags}. Extra engine flags are passed "
-                             "to vLLM only: use --engine vllm, or remove them (spec.engine.extraArgs)")
+            raise ValueError(
+                f"unknown flags for the {self.engine} engine: {flags}. Extra engine flags are passed "
+                "to vLLM only: use --engine vllm, or remove them (spec.engine.extraArgs)"
+            )
         return self
 
     @field_validator("drain_token")

@@ -19,8 +19,9 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 
-async def run_until_disconnect(receive: Receive, work: Callable[[], Awaitable[None]],
-                               finishing: Callable[[], bool]) -> bool:
+async def run_until_disconnect(
+    receive: Receive, work: Callable[[], Awaitable[None]], finishing: Callable[[], bool]
+) -> bool:
     """Run `work` in this task; cancel it if the client disconnects first. True when it did.
 
     `finishing()` tells the watcher the response is complete (a server reports `http.disconnect` once it is),

@@ -32,8 +32,13 @@ class TokenizerPool:
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         if self._slots.locked() and self.waiting >= self._max_waiting:
-            raise ApiError(429, f"the worker is tokenizing {self.running} prompts and {self.waiting} more wait; retry "
-                           "later or on another worker", code="tokenizer_busy", retry_after_s=self._retry_after_s)
+            raise ApiError(
+                429,
+                f"the worker is tokenizing {self.running} prompts and {self.waiting} more wait; retry "
+                "later or on another worker",
+                code="tokenizer_busy",
+                retry_after_s=self._retry_after_s,
+            )
         self.waiting += 1
         try:
             await self._slots.acquire()
