@@ -113,3 +113,12 @@ def test_invalid_settings_name_the_field(fields: dict[str, object], field: str) 
 def test_default_host() -> None:
     assert default_host({"POD_IP": "10.1.2.3"}) == "10.1.2.3"
     assert default_host({}) == "127.0.0.1"
+
+
+def test_the_workers_default_port_is_the_port_the_fleet_expects() -> None:
+    """The worker image imports nothing of the fleet, so the one fact they share is checked here."""
+    from worker.server.settings import DEFAULT_PORT, WorkerSettings
+
+    from crds.pods import WORKER_PORT
+
+    assert DEFAULT_PORT == WORKER_PORT == WorkerSettings(model="fake://m").port

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
-from worker.server.settings import default_host
+from worker.server.settings import DEFAULT_PORT, default_host
 
 _ENGINE_HELP = "builtin (ours), vllm (vLLM AsyncLLM in-process), fake (tests only: no model)"
 
@@ -49,7 +49,7 @@ def worker_command(
     dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")] = "auto",
     device: Annotated[str, typer.Option(help="auto | cpu | cuda (builtin engine)")] = "auto",
     host: Annotated[str | None, typer.Option(help="bind address (default: $POD_IP, else 127.0.0.1)")] = None,
-    port: Annotated[int, typer.Option(help="port (0: any free port)")] = 8000,
+    port: Annotated[int, typer.Option(help="port (0: any free port)")] = DEFAULT_PORT,
     served_model_name: Annotated[str | None, typer.Option(help="the `model` clients send")] = None,
     max_model_len: Annotated[int | None, typer.Option(help="context length (prompt + output)")] = None,
     max_num_seqs: Annotated[int | None, typer.Option(help="requests running at once")] = None,

@@ -23,6 +23,11 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 MaxTokensPolicy = Literal["reject", "clamp"]
 
 
+# The worker's port when none is given. The fleet's side of the contract is `crds.pods.WORKER_PORT` (the worker
+# image imports nothing of the fleet); tests/worker_server/test_server_settings.py checks that the two agree.
+DEFAULT_PORT = 8000
+
+
 class FaultSettings(BaseModel):
     """Fault injection for tests of canary analysis with real pods. Off unless an `LLMFLEET_FAULT_*` variable is set."""
 
@@ -65,7 +70,7 @@ class WorkerSettings(BaseModel):
     quantization: Quantization = "none"
     dtype: DType = "auto"
     host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535, description="0 picks a free port (tests)")
+    port: int = Field(DEFAULT_PORT, ge=0, le=65535, description="0 picks a free port (tests)")
     max_model_len: int | None = Field(None, ge=1)
     max_num_seqs: int | None = Field(None, ge=1)
     max_num_batched_tokens: int | None = Field(None, ge=1)
