@@ -50,6 +50,11 @@ def worker(spawn_worker, tmp_path: Path):
     return start
 
 
+# Greedy: a sampled fake answer starts at a random place in its script, and a start inside a multi-byte character
+# decodes to no text, so the first event would wait behind the gate (which stays shut in these tests) for 60 s.
+GATED_STREAM = {"prompt": "hi", "max_tokens": 25, "stream": True, "temperature": 0}
+
+
 def _first_data_line(lines: Iterator[str]) -> dict:
     line = next(line for line in lines if line.startswith("data: "))
     return json.loads(line.removeprefix("data: "))
@@ -93,7 +98,7 @@ def test_post_drain_with_token_and_timeout(worker, wait, tmp_path: Path) -> None
     w = worker("--drain-timeout", "0.3", "--drain-token-file", str(token_file))
     http = httpx.Client(base_url=w.base_url, timeout=30)
     wait(lambda: http.get("/ready").status_code == 200, "readiness")
-    with http.stream("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 25, "stream": True}) as s:
+    with http.stream("POST", "/v1/completions", json=GATED_STREAM) as s:
         lines = s.iter_lines()
         _first_data_line(lines)
         assert http.post("/drain", headers={"Authorization": "Bearer nope"}).status_code == 401
@@ -129,7 +134,7 @@ def test_second_sigterm_aborts_and_exits_0(worker, wait) -> None:
     w = worker("--drain-timeout", "600")
     http = httpx.Client(base_url=w.base_url, timeout=30)
     wait(lambda: http.get("/ready").status_code == 200, "readiness")
-    with http.stream("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 25, "stream": True}) as s:
+    with http.stream("POST", "/v1/completions", json=GATED_STREAM) as s:
         lines = s.iter_lines()
         _first_data_line(lines)
         w.proc.send_signal(signal.SIGTERM)
