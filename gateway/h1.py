@@ -150,11 +150,14 @@ class H1Connection(asyncio.Protocol):
         assert self._loop is not None
         if self._expiry is not None and self._loop.time() - self._idle_since > self._expiry:
             return True
+        # poll, not select: select() refuses descriptors >= 1024, which a gateway with a thousand streams has
+        poller = select.poll()
         try:
-            readable, _, _ = select.select([self._fd], [], [], 0)
+            poller.register(self._fd, select.POLLIN)
+            events = poller.poll(0)
         except (OSError, ValueError):
             return True
-        return bool(readable)
+        return bool(events)
 
     async def aclose(self) -> None:
         self.close()

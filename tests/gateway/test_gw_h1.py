@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -217,6 +218,24 @@ async def test_an_idle_connection_the_server_closed_reads_as_expired() -> None:
             writer.close()
         await eventually(conn.has_expired, "the closed idle connection reads as expired")
         await eventually(conn.is_closed, "and then as closed")
+
+
+async def test_an_idle_connection_with_a_high_descriptor_is_reused() -> None:
+    """A gateway with a thousand streams has sockets numbered above 1024, where select() refuses to look: the
+    staleness check must still see an idle, healthy connection as reusable."""
+    spare = socket.socket()
+    held = [os.dup(spare.fileno()) for _ in range(1100)]  # push the next descriptors past 1024
+    try:
+        async with stubs(1, tokens=1) as (w,):
+            conn = H1Connection("127.0.0.1", w.port)
+            await body_of(await conn.handle_async_request(request(w.url + "/v1/completions", json={})))
+            assert conn._fd >= 1024
+            assert conn.is_idle() and not conn.has_expired()
+            await conn.aclose()
+    finally:
+        for fd in held:
+            os.close(fd)
+        spare.close()
 
 
 async def test_an_idle_connection_expires_after_keepalive_expiry() -> None:
