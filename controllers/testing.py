@@ -3,7 +3,7 @@
 Why it exists: the controllers' tests and the operator's tests both describe fleets as lists of pod dicts; one
 builder keeps them spelling the labels, the draining marker and the Ready condition as `crds.pods` defines them,
 instead of each test file carrying its own copy. Test support only: no product module imports it. Imports
-`crds.pods` and the standard library.
+`crds.pods`, `controllers.autoscaling_plan` and the standard library.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
+from controllers.autoscaling_plan import ScaleIntent
 from crds.pods import DRAINING, LABEL_DEPLOYMENT, LABEL_REVISION, LABEL_VARIANT
 
 
@@ -51,3 +52,28 @@ def worker_pod(
     if deleting:
         meta["deletionTimestamp"] = iso(now)
     return {"metadata": meta, "status": {"phase": phase, "conditions": [ready], "podIP": f"127.0.9.{len(name)}"}}
+
+
+def scale_intent(
+    alert: str,
+    *,
+    deployment: str,
+    namespace: str | None,
+    at: float,
+    variant: str | None = None,
+    firing: bool = True,
+    step: int = 2,
+) -> ScaleIntent:
+    """An Alertmanager alert as the operator records it: received at `at`, expiring 300 s later."""
+    return ScaleIntent(
+        deployment=deployment,
+        namespace=namespace,
+        variant=variant,
+        alert=alert,
+        fingerprint="fp-" + alert,
+        firing=firing,
+        step=step,
+        received_at=at,
+        expires_at=at + 300,
+        reason="summary of " + alert,
+    )

@@ -27,7 +27,7 @@ from controllers.autoscaling_plan import (
     variants_at_zero,
     wants_autoscaling,
 )
-from controllers.testing import iso, worker_pod
+from controllers.testing import iso, scale_intent, worker_pod
 from crds.helpers import parse_spec
 from crds.models import AutoscalingStatus, DecisionTrigger, Recommendation
 
@@ -80,28 +80,9 @@ def test_only_pods_the_deployment_controls_count():
 # -------------------------------------------------------------------------------------------------- alerts
 
 
-def intent(
-    alert: str = "QueueHigh",
-    *,
-    deployment: str = NAME,
-    namespace: str | None = NS,
-    variant: str | None = None,
-    firing: bool = True,
-    step: int = 2,
-    at: float = T0,
-) -> ScaleIntent:
-    return ScaleIntent(
-        deployment=deployment,
-        namespace=namespace,
-        variant=variant,
-        alert=alert,
-        fingerprint="fp-" + alert,
-        firing=firing,
-        step=step,
-        received_at=at,
-        expires_at=at + 300,
-        reason="summary of " + alert,
-    )
+def intent(alert: str = "QueueHigh", **kwargs: Any) -> ScaleIntent:
+    """An alert for NAME in NS received at T0 (see controllers.testing.scale_intent)."""
+    return scale_intent(alert, **{"deployment": NAME, "namespace": NS, "at": T0, **kwargs})
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ from fleet_operator.operator_metrics import OperatorMetrics
 from fleet_operator.settings import OperatorSettings
 
 from controllers.autoscaling_plan import ScaleIntent
-from controllers.testing import iso, worker_pod
+from controllers.testing import iso, scale_intent, worker_pod
 
 T0 = datetime(2025, 1, 1, 12, 0, tzinfo=UTC).timestamp()
 NS, NAME, UID = "ns", "demo", "uid-demo"
@@ -65,28 +65,9 @@ def test_queued_by_variant_refuses_other_shapes(answer):
 # -------------------------------------------------------------------------------------------------- helpers
 
 
-def intent(
-    alert: str = "QueueHigh",
-    *,
-    deployment: str = NAME,
-    namespace: str | None = NS,
-    variant: str | None = None,
-    firing: bool = True,
-    step: int = 2,
-    at: float = T0,
-) -> ScaleIntent:
-    return ScaleIntent(
-        deployment=deployment,
-        namespace=namespace,
-        variant=variant,
-        alert=alert,
-        fingerprint="fp-" + alert,
-        firing=firing,
-        step=step,
-        received_at=at,
-        expires_at=at + 300,
-        reason="summary of " + alert,
-    )
+def intent(alert: str = "QueueHigh", **kwargs: Any) -> ScaleIntent:
+    """An alert for NAME in NS received at T0 (see controllers.testing.scale_intent)."""
+    return scale_intent(alert, **{"deployment": NAME, "namespace": NS, "at": T0, **kwargs})
 
 
 SPEC = {
