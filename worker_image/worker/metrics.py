@@ -2,7 +2,8 @@
 
 Request-level series (TTFT, inter-token latency, end-to-end latency, token counters, finished reasons) are
 observed by the server as it streams, so they include everything a client sees (queueing, injected faults).
-Engine-level series (queue sizes, KV-cache use, preemptions, prefix-cache counters) are read from
+Engine-level series (queue sizes, KV-cache use, preemptions, prefix-cache and speculative-decoding counters,
+the latter only when the engine speculates) are read from
 `EngineClient.stats()` at scrape time. `llmfleet:*` series carry what the fleet needs beyond vLLM's set:
 drain state, in-flight requests, the remaining-tokens estimate, and request/error counters for canary analysis.
 
@@ -152,6 +153,25 @@ class _EngineCollector:
         yield _Family.counter(
             "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", m, stats.prefix_cache_hits_total
         )
+        spec = stats.spec_decode
+        if spec is not None:  # as vLLM: the spec_decode series exist only when the engine speculates
+            yield _Family.counter(
+                "vllm:spec_decode_num_drafts", "Requests' steps that verified drafts.", m, spec.num_drafts
+            )
+            yield _Family.counter(
+                "vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", m, spec.num_draft_tokens
+            )
+            yield _Family.counter(
+                "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", m, spec.num_accepted_tokens
+            )
+            per_pos = CounterMetricFamily(
+                "vllm:spec_decode_num_accepted_tokens_per_pos",
+                "Draft tokens accepted, by position in the draft.",
+                labels=["model_name", "position"],
+            )
+            for position, value in enumerate(spec.accepted_per_pos):
+                per_pos.add_metric([m, str(position)], value)
+            yield per_pos
 
 
 class _ServerCollector:

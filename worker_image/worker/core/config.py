@@ -13,6 +13,42 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 Quantization = Literal["none", "fp8", "int4"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]  # auto: worker.model.linear.resolve_auto_dtype
 SchedulingPolicy = Literal["fcfs", "priority"]
+MAX_SPECULATIVE_TOKENS = 16  # drafts verified per step and request; more only costs compute on rejected tokens
+MAX_PROMPT_LOOKUP = 32  # longest n-gram matched against the context
+
+
+class SpeculativeConfig(BaseModel):
+    """Speculative decoding by prompt lookup (vLLM's `--speculative-config` with `method: ngram`).
+
+    Each step, a running decode request proposes up to `num_speculative_tokens` drafts: the tokens that followed
+    the earliest earlier occurrence of its longest suffix n-gram (n from `prompt_lookup_max` down to
+    `prompt_lookup_min`, see `worker.core.ngram`). The target model verifies them in the same forward pass.
+    Speculation is skipped for a step in which more than `disable_by_batch_size` requests are decoding: at large
+    batches a CPU is compute-bound and the verified-but-rejected tokens would cost throughput.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: Literal["ngram"] = "ngram"
+    num_speculative_tokens: int = Field(
+        default=4, ge=1, le=MAX_SPECULATIVE_TOKENS, description="draft tokens proposed per step and request"
+    )
+    prompt_lookup_max: int = Field(default=4, ge=1, le=MAX_PROMPT_LOOKUP, description="longest n-gram matched")
+    prompt_lookup_min: int = Field(default=2, ge=1, le=MAX_PROMPT_LOOKUP, description="shortest n-gram matched")
+    disable_by_batch_size: int = Field(
+        default=4,
+        ge=1,
+        description="speculate only in steps where at most this many requests are decoding",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> SpeculativeConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
+                f"({self.prompt_lookup_max}): lower the former or raise the latter"
+            )
+        return self
 
 
 class EngineConfig(BaseModel):
@@ -39,6 +75,9 @@ class EngineConfig(BaseModel):
     max_waiting: int = Field(default=1024, ge=1, description="waiting requests admitted before new ones are refused")
     enforce_eager: bool = Field(
         default=False, description="plain torch attention everywhere: skip building the native CPU decode kernel"
+    )
+    speculative: SpeculativeConfig | None = Field(
+        default=None, description="speculative decoding by prompt lookup; None: off"
     )
 
     @model_validator(mode="after")

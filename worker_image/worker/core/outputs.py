@@ -5,6 +5,11 @@ tokens to compute, their starting position, the full block table and whether to 
 per-request sampling state (seeded generators), dropped when the request id appears in `finished_req_ids`.
 A failure the runner can pin on one request is reported in `ModelRunnerOutput.failed` instead of raised, so one
 request's bad state ends that request and never the whole batch.
+
+Speculative decoding: a `ScheduledSeq` with `draft_token_ids` computes the request's last known token followed by
+the drafts (`token_ids` ends with them) and samples at every one of those positions; the runner verifies them
+(`worker.core.spec_decode`) and reports the tokens the request gains in `ModelRunnerOutput.verified_token_ids`
+instead of `sampled_token_ids`.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ class ScheduledSeq:
     # With `prompt_logprobs`: the prompt tokens that this chunk's positions predict (position start_pos + i
     # predicts prompt_targets[i]); empty otherwise, and once every prompt logprob is known.
     prompt_targets: tuple[int, ...] = ()
+    # Speculative decoding: the last len(draft_token_ids) entries of token_ids are drafts to verify (sample is True)
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -45,7 +52,8 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """Sampled token per request that had `sample=True` (and its logprob when asked)."""
+    """Sampled token per request that had `sample=True` (and its logprob when asked); the tokens gained by
+    requests that verified drafts."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, float] = field(default_factory=dict)
@@ -55,3 +63,6 @@ class ModelRunnerOutput:
     # request -> why the runner could not run or sample it this step (its own parameters or state, e.g. a
     # generator it could not seed): the scheduler ends that request with an error, the rest of the batch goes on
     failed: dict[str, str] = field(default_factory=dict)
+    # request scheduled with drafts -> the tokens it gains: its accepted drafts, then the target's own next token
+    # (1 .. len(drafts) + 1 tokens; `worker.core.spec_decode.accepted_prefix`)
+    verified_token_ids: dict[str, list[int]] = field(default_factory=dict)

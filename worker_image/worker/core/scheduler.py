@@ -14,19 +14,30 @@ While paused (draining) only requests that were already admitted run; new ones w
 `update_from_output` applies the runner's sampled tokens and the stop conditions that need no text (EOS,
 stop token ids, max_tokens, context length), and ends with an error the requests the runner could not run.
 Stop strings need detokenised text; the engine applies them and calls `finish_requests`.
+
+Speculative decoding (`EngineConfig.speculative`): a running request that decodes schedules its last token plus
+the drafts `worker.core.ngram` proposes from its context (bounded by the token budget, its remaining
+`max_tokens` and the context length; never for requests that want logprobs), in steps where at most
+`disable_by_batch_size` requests decode. The runner returns the tokens it verified (`worker.core.spec_decode`);
+each is appended and stop-checked in order, so a request stops exactly where plain decoding stops, and
+`num_computed_tokens` counts only positions whose token is now known: the KV written for rejected drafts lies
+beyond it and is overwritten later. Since blocks enter the prefix cache only below `num_computed_tokens` and are
+hashed from the request's own (verified) tokens, no rejected draft can ever be cached.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from worker.core.config import EngineConfig
 from worker.core.errors import QueueFullError
 from worker.core.kv_cache_manager import KVCacheManager, token_slice
+from worker.core.ngram import propose
 from worker.core.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from worker.core.request import Logprob, Request, RequestStatus
+from worker.core.spec_decode import SpecDecodeStats
 
 
 def prompt_targets(req: Request, start: int, end: int) -> tuple[int, ...]:
@@ -70,6 +81,7 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # ended since the last schedule(): the runner drops their state
         self.paused = False
         self.num_preemptions_total = 0
+        self.spec_decode_stats = SpecDecodeStats()
 
     # ----------------------------------------------------------------------------------------------- admission
     @property
@@ -126,20 +138,32 @@ class Scheduler:
     # ---------------------------------------------------------------------------------------------- scheduling
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        num_new: dict[str, int] = {}  # request id -> tokens scheduled this step
+        num_new: dict[str, int] = {}  # request id -> tokens scheduled this step (drafts included)
+        drafts: dict[str, list[int]] = {}  # request id -> draft tokens to verify this step
         preempted_ids: set[str] = set()
+        speculate = self._speculation_on()
 
         # 1. Running requests, in admission order.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if speculate and n == req.num_tokens - req.num_computed_tokens == 1:
+                draft = self._propose(req, budget)
+                # Drafts only where their slots fit: a draft is never worth a preemption.
+                if draft and self.kv.allocate_slots(req, 1 + len(draft)) is not None:
+                    drafts[req.request_id] = draft
+                    num_new[req.request_id] = 1 + len(draft)
+                    budget -= 1 + len(draft)
+                    i += 1
+                    continue
             while self.kv.allocate_slots(req, n) is None:
                 victim = max(self.running, key=lambda r: self._keys[r.request_id])
                 victim_index = self.running.index(victim)
                 self._preempt(victim, victim_index)
                 preempted_ids.add(victim.request_id)
                 budget += num_new.pop(victim.request_id, 0)
+                drafts.pop(victim.request_id, None)
                 if victim_index < i:
                     i -= 1
                 if victim is req:
@@ -157,7 +181,7 @@ class Scheduler:
         if not num_new and self.requests and not self.paused:
             # Cannot happen: the budget is positive and a lone request always fits. Fail loudly, never spin.
             raise RuntimeError(f"scheduler made no progress with {len(self.requests)} unfinished requests")
-        seqs = [self._scheduled_seq(self.requests[rid], n) for rid, n in num_new.items()]
+        seqs = [self._scheduled_seq(self.requests[rid], n, drafts.get(rid, ())) for rid, n in num_new.items()]
         finished, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(
             seqs=seqs,
@@ -205,12 +229,15 @@ class Scheduler:
             return self._waiting
         return self._preempted if self._preempted[0][0] < self._waiting[0][0] else self._waiting
 
-    def _scheduled_seq(self, req: Request, n: int) -> ScheduledSeq:
+    def _scheduled_seq(self, req: Request, n: int, draft: Sequence[int] = ()) -> ScheduledSeq:
         start = req.num_computed_tokens
-        end = start + n
+        end = start + n - len(draft)  # end of the known tokens this step computes
+        token_ids = token_slice(req, start, end)
+        if draft:
+            token_ids = token_ids + list(draft)
         return ScheduledSeq(
             req_id=req.request_id,
-            token_ids=token_slice(req, start, end),
+            token_ids=token_ids,
             start_pos=start,
             block_ids=list(self.kv.get_block_ids(req.request_id)),
             sample=end == req.num_tokens,
@@ -218,7 +245,33 @@ class Scheduler:
             num_output_tokens=req.num_output_tokens,
             eos_token_id=req.eos_token_id,
             prompt_targets=prompt_targets(req, start, end),
+            draft_token_ids=tuple(draft),
         )
+
+    def _speculation_on(self) -> bool:
+        """Whether this step proposes drafts: speculation is configured and few enough requests decode."""
+        spec = self.config.speculative
+        if spec is None:
+            return False
+        decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        return decoding <= spec.disable_by_batch_size
+
+    def _propose(self, req: Request, budget: int) -> list[int]:
+        """Drafts for a decoding request: at most what the budget, its max_tokens and the context leave room
+        for after the one token every step gains. None for requests that want logprobs (not speculated)."""
+        spec = self.config.speculative
+        params = req.sampling_params
+        if spec is None or params.logprobs or params.prompt_logprobs is not None:
+            return []
+        k = min(
+            spec.num_speculative_tokens,
+            budget - 1,
+            params.max_tokens - req.num_output_tokens - 1,
+            self.max_request_len - req.num_tokens - 1,
+        )
+        if k < 1:
+            return []
+        return propose(req.all_token_ids, k, spec.prompt_lookup_max, spec.prompt_lookup_min)
 
     def _preempt(self, req: Request, index: int) -> None:
         del self.running[index]
@@ -246,6 +299,13 @@ class Scheduler:
                 finished.append(req)
                 updated.append(req)
                 continue
+            if seq.draft_token_ids:
+                status = self._apply_verified(req, seq, runner_output.verified_token_ids.get(seq.req_id))
+                if status is not None:
+                    req.status = status
+                    finished.append(req)
+                updated.append(req)
+                continue
             req.num_computed_tokens += len(seq.token_ids)
             self.kv.cache_computed_blocks(req)
             if seq.prompt_targets:
@@ -269,6 +329,26 @@ class Scheduler:
             for req in finished:
                 self._release(req)
         return updated
+
+    def _apply_verified(self, req: Request, seq: ScheduledSeq, tokens: list[int] | None) -> RequestStatus | None:
+        """Append the tokens a speculative step verified, stop-checking each in order; roll back the rest."""
+        num_drafts = len(seq.draft_token_ids)
+        if not tokens or len(tokens) > num_drafts + 1:
+            raise ValueError(f"{req.request_id}: the runner verified {tokens!r} for {num_drafts} drafts")
+        self.spec_decode_stats.observe(num_drafts, len(tokens) - 1)
+        status = None
+        appended = 0
+        for token in tokens:
+            req.output_token_ids.append(token)
+            appended += 1
+            status = self._check_stop(req, token)
+            if status is not None:
+                break
+        # Positions start_pos .. start_pos + appended - 1 hold the last known token and the accepted drafts: their
+        # KV is right. The KV of rejected drafts (and of drafts after a stop) lies beyond and is never read.
+        req.num_computed_tokens = seq.start_pos + appended
+        self.kv.cache_computed_blocks(req)
+        return status
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params

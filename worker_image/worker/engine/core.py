@@ -153,6 +153,7 @@ class EngineCore:
             num_preemptions_total=s.num_preemptions_total,
             prefix_cache_queries_total=s.kv.prefix_cache_queries,
             prefix_cache_hits_total=s.kv.prefix_cache_hits,
+            spec_decode=s.spec_decode_stats.copy() if s.config.speculative is not None else None,
             extra={"paused": s.paused},
         )
 

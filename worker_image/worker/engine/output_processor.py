@@ -5,6 +5,10 @@ module adds what needs text: incremental detokenisation (never splitting a multi
 strings (never emitting any part of one). A stop string found here ends the request with reason `stop`; the
 caller tells the scheduler (`stop_requests` in the result). A request whose processing raises ends with reason
 `error` (`failed_requests`), and the others in the step are processed as usual.
+
+A step can add several tokens to a request (speculative decoding). When a stop string ends inside them, the
+tokens after the one that completed it are dropped from the request, so it ends with the same tokens as
+decoding one token per step.
 """
 
 from __future__ import annotations
@@ -92,6 +96,7 @@ class OutputProcessor:
                 pieces.append(safe)
                 if stop_str is not None:
                     finished = True
+                    new_ids = _truncate(req, first_index + offset + 1, new_ids)
                     break
             if finished and stop_str is None:
                 if st.stops is not None:
@@ -132,3 +137,14 @@ class OutputProcessor:
             new_logprobs=logprobs,
             error=error if finished else None,
         )
+
+
+def _truncate(req: Request, keep: int, new_ids: list[int]) -> list[int]:
+    """Drop the request's output tokens after the first `keep` (a stop string ended at token `keep`)."""
+    extra = req.num_output_tokens - keep
+    if extra <= 0:
+        return new_ids
+    del req.output_token_ids[keep:]
+    del req.output_logprobs[keep:]
+    del req.output_top_logprobs[keep:]
+    return new_ids[: len(new_ids) - extra]

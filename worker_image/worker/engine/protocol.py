@@ -12,6 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from worker.core.errors import EngineDeadError, QueueFullError
 from worker.core.request import FinishReason, Logprob, SamplingParams
+from worker.core.spec_decode import SpecDecodeStats
 
 __all__ = ["EngineClient", "EngineDeadError", "EngineStats", "QueueFullError", "RequestOutput"]
 
@@ -47,6 +48,8 @@ class EngineStats:
     num_preemptions_total: int = 0
     prefix_cache_queries_total: int = 0  # tokens looked up
     prefix_cache_hits_total: int = 0  # tokens found
+    # Speculative decoding counters (`worker.core.spec_decode`); None when the engine does not speculate
+    spec_decode: SpecDecodeStats | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 

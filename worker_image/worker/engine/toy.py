@@ -5,6 +5,9 @@ into a paged "KV cache" (one slot per token, addressed through the block table l
 sample, reads the whole context back through the block table and derives the next token from it. So a wrong
 block table, a stale or shared-by-mistake block, a wrong start position or a missing recompute changes the
 output or fails loudly, exactly the mistakes a scheduler can make; yet it costs microseconds per token.
+Drafts (speculative decoding) are verified as the torch runner does (`worker.core.spec_decode`): the next token
+is derived at each draft position from the context read back through the block table, drafts included, until the
+first one that differs.
 
 `ByteTokenizer` maps UTF-8 bytes to ids 0..255 (256 is EOS), so multi-byte characters span several tokens.
 """
@@ -15,7 +18,7 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from worker.core.outputs import ModelRunnerOutput, SchedulerOutput
+from worker.core.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from worker.core.request import Logprob, SamplingParams
 
 EOS = 256
@@ -121,6 +124,12 @@ class ToyRunner:
         for seq in scheduler_output.seqs:
             if not seq.sample:
                 continue
+            if seq.draft_token_ids:
+                try:
+                    out.verified_token_ids[seq.req_id] = self._verify(seq)
+                except Exception as exc:  # noqa: BLE001
+                    out.failed[seq.req_id] = f"{type(exc).__name__}: {exc}"
+                continue
             context = self._read_context(seq.req_id, seq.block_ids, seq.start_pos + len(seq.token_ids))
             try:  # like the real runner: a failure in one sequence's sampling ends that sequence only
                 token = self._next_token(context, self._draw(seq.req_id, seq.sampling_params))
@@ -142,6 +151,19 @@ class ToyRunner:
                 out.prompt_logprobs[seq.req_id] = [
                     Logprob(toy_logprob([*c, t]), toy_top(c, k)) for c, t in zip(contexts, seq.prompt_targets)
                 ]
+        return out
+
+    def _verify(self, seq: ScheduledSeq) -> list[int]:
+        """The next token at the last known position and after each draft, until the first draft that differs."""
+        drafts = seq.draft_token_ids
+        known_end = seq.start_pos + len(seq.token_ids) - len(drafts)
+        out: list[int] = []
+        for i in range(len(drafts) + 1):
+            context = self._read_context(seq.req_id, seq.block_ids, known_end + i)
+            token = self._next_token(context, self._draw(seq.req_id, seq.sampling_params))
+            out.append(token)
+            if i == len(drafts) or token != drafts[i]:
+                break
         return out
 
     def _read_context(self, req_id: str, block_ids: list[int], length: int) -> list[int]:
