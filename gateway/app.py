@@ -4,7 +4,8 @@
 the pooled upstream client, starts the internal metrics server (`gateway.metrics_server`: `/metrics` is never on
 this public app), starts discovery (which publishes a first routing table before the app serves), and stops all
 three on shutdown. `gateway.middleware` wraps every route: request ids, the fail-closed API-key gate (503 while
-no key is loaded) and generic 500s.
+no key is loaded) and generic 500s; the proxy's routes are served in front of the FastAPI app (`DirectRoutes`),
+the rest inside it.
 """
 
 from __future__ import annotations
@@ -22,13 +23,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gateway.auth import KeyStore
 from gateway.errors import error_body
 from gateway.metrics_server import MetricsServer
-from gateway.middleware import GatewayMiddleware
+from gateway.middleware import DirectEndpoint, DirectRoutes, GatewayMiddleware, Receive, Scope, Send
 from gateway.proxy import ProxyEndpoint
 from gateway.settings import GatewaySettings
 from gateway.sources import Source
 from gateway.state import GatewayState, make_client
 
 log = logging.getLogger("llmfleet.gateway")
+
+PROXY_PATHS = ("/v1/chat/completions", "/v1/completions")  # served by `ProxyEndpoint`, outside the FastAPI app
 
 OPEN_MODE_WARNING = (
     "INSECURE OPEN MODE (--insecure-open-mode): the gateway accepts every request without authentication "
@@ -37,7 +40,9 @@ OPEN_MODE_WARNING = (
 )
 
 
-def create_app(settings: GatewaySettings, source: Source, keys: KeyStore, rng: random.Random | None = None) -> FastAPI:
+def create_app(
+    settings: GatewaySettings, source: Source, keys: KeyStore, rng: random.Random | None = None
+) -> GatewayApp:
     """A gateway app routing with `source`'s tables and authenticating with `keys`."""
     state = GatewayState(settings=settings, keys=keys, rng=rng if rng is not None else random.Random(settings.seed))
 
@@ -65,8 +70,6 @@ def create_app(settings: GatewaySettings, source: Source, keys: KeyStore, rng: r
             state.client = state.transport = None
 
     app = FastAPI(title="llmfleet gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.gateway = state
-    app.state.metrics_server = metrics_server
     app.add_middleware(GatewayMiddleware, state=state)
 
     @app.exception_handler(StarletteHTTPException)
@@ -79,10 +82,6 @@ def create_app(settings: GatewaySettings, source: Source, keys: KeyStore, rng: r
             media_type="application/json",
             headers=exc.headers,
         )
-
-    # plain ASGI endpoints (Starlette routes a non-function endpoint as an ASGI app; its stubs say Request->Response)
-    app.add_route("/v1/chat/completions", ProxyEndpoint(state, "/v1/chat/completions"))  # type: ignore[arg-type]
-    app.add_route("/v1/completions", ProxyEndpoint(state, "/v1/completions"))  # type: ignore[arg-type]
 
     def unauthorized(request: Request) -> Response | None:
         """A 401 unless the request carries a valid API key (every request passes in explicit open mode; while no
@@ -132,4 +131,21 @@ def create_app(settings: GatewaySettings, source: Source, keys: KeyStore, rng: r
         ]
         return {"queued": rows}
 
-    return app
+    proxies: dict[str, DirectEndpoint] = {path: ProxyEndpoint(state, path) for path in PROXY_PATHS}
+    return GatewayApp(DirectRoutes(app, state, proxies), app, state, metrics_server)
+
+
+class GatewayApp:
+    """The ASGI app a server runs: the proxy's direct routes in front of the FastAPI app (`api`, which owns the
+    lifespan and every other route); `gateway` is its live state."""
+
+    def __init__(
+        self, front: DirectRoutes, api: FastAPI, gateway: GatewayState, metrics_server: MetricsServer | None
+    ) -> None:
+        self.front = front
+        self.api = api
+        self.gateway = gateway
+        self.metrics_server = metrics_server
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.front(scope, receive, send)

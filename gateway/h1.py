@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import select
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 import httptools
@@ -46,6 +46,52 @@ _HIGH_WATER = 256 * 1024  # unread body bytes above which reading from the socke
 
 _NEW, _ACTIVE, _IDLE, _CLOSED = range(4)
 _NO_BODY_STATUS = frozenset({204, 304})
+
+
+async def _collect(stream: Any) -> bytes:
+    """The whole body of an httpx request stream (bytes given as content, or a sync/async iterable)."""
+    if isinstance(stream, httpx.ByteStream):  # content given as bytes
+        return b"".join(stream)
+    if hasattr(stream, "__aiter__"):
+        return b"".join([part async for part in stream])
+    return b"".join(stream)
+
+
+def encode_request(
+    method: bytes, target: bytes, netloc: bytes, headers: Iterable[tuple[bytes, bytes]], body: bytes
+) -> tuple[bytes, bool]:
+    """A request's head and body as one buffer, and whether it asked for `connection: close`.
+
+    A `Host` header is added when `headers` has none (`netloc`); the body is sent with its `content-length`, or
+    chunk-encoded when the headers say `transfer-encoding: chunked`. A header holding CR or LF is refused
+    (`httpx.LocalProtocolError`): it would split the request."""
+    out = [method, b" ", target, b" HTTP/1.1\r\n"]
+    has_host = chunked = close_after = False
+    length: bytes | None = None
+    for name, value in headers:
+        if b"\n" in value or b"\r" in value or b"\n" in name or b"\r" in name:
+            raise httpx.LocalProtocolError(f"invalid character in the header {name!r}")
+        lower = name.lower()
+        if lower == b"host":
+            has_host = True
+        elif lower == b"content-length":
+            length = value
+        elif lower == b"transfer-encoding":
+            chunked = value.lower() == b"chunked"
+        elif lower == b"connection" and value.lower() == b"close":
+            close_after = True
+        out += (name, b": ", value, b"\r\n")
+    if not has_host:
+        out[4:4] = (b"Host: ", netloc, b"\r\n")
+    if chunked:
+        body = (b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)) if body else b"0\r\n\r\n"
+    elif length is not None:
+        if length.strip() != str(len(body)).encode():
+            raise httpx.LocalProtocolError("content-length does not match the body")
+    elif body or method in (b"POST", b"PUT", b"PATCH"):
+        out += (b"Content-Length: ", str(len(body)).encode(), b"\r\n")
+    out += (b"\r\n", body)
+    return b"".join(out), close_after
 
 
 class H1Response:
@@ -178,24 +224,65 @@ class H1Connection(asyncio.Protocol):
     async def handle_async_request(
         self, request: httpx.Request, on_close: Callable[[], None] | None = None
     ) -> H1Response:
-        """Send `request` and read the response head; `on_close` runs once when the response is closed."""
+        """Send an `httpx.Request` and read the response head; `on_close` runs once when the response is closed."""
+        timeouts = request.extensions.get("timeout") or {}
+        try:
+            data, close_after = encode_request(
+                request.method.encode("ascii"),
+                request.url.raw_path or b"/",
+                request.url.netloc,
+                request.headers.raw,
+                await _collect(request.stream),
+            )
+        except httpx.LocalProtocolError as e:
+            e.request = request
+            raise
+        try:
+            return await self.request(
+                data,
+                head=request.method == "HEAD",
+                close_after=close_after,
+                connect=timeouts.get("connect"),
+                read=timeouts.get("read"),
+                write=timeouts.get("write"),
+                on_close=on_close,
+            )
+        except httpx.HTTPError as e:
+            e.request = request
+            raise
+
+    async def request(
+        self,
+        data: bytes,
+        *,
+        head: bool = False,
+        close_after: bool = False,
+        connect: float | None = None,
+        read: float | None = None,
+        write: float | None = None,
+        on_close: Callable[[], None] | None = None,
+    ) -> H1Response:
+        """Send an encoded request (`encode_request`) and read the response head: the proxy's path, with no
+        `httpx.Request` to build. `head`: it is a HEAD request (no body follows the head); `close_after`: it asked
+        for `connection: close`. Timeouts in seconds (None: none); `on_close` runs once when the response is
+        closed."""
         if self._state == _ACTIVE or self._state == _CLOSED:
             raise RuntimeError(f"an HTTP/1.1 connection in state {self._state} cannot take a request")
-        timeouts = request.extensions.get("timeout") or {}
-        data = await self._encode(request)
+        self._head_request = head
+        self._close_after = close_after
         try:
             if self._transport is None:
-                await self._connect(timeouts.get("connect"))
+                await self._connect(connect)
             transport = self._transport
             assert transport is not None
             if self._state == _CLOSED or transport.is_closing():
-                raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
-            self._start_response(request, timeouts.get("read"))
+                raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+            self._start_response(read)
             transport.write(data)
             if self._write_paused:
-                await self._drained(timeouts.get("write"), request)
+                await self._drained(write)
             while not self._head_done:
-                await self._wait(request)
+                await self._wait()
         except BaseException:
             self.close()
             raise
@@ -215,58 +302,18 @@ class H1Connection(asyncio.Protocol):
         except OSError as e:
             raise httpx.ConnectError(str(e) or type(e).__name__) from None
 
-    async def _encode(self, request: httpx.Request) -> bytes:
-        """The request head and body as one buffer."""
-        stream = request.stream
-        if isinstance(stream, httpx.ByteStream):  # content given as bytes: the proxy's case
-            body = b"".join(stream)
-        elif hasattr(stream, "__aiter__"):
-            body = b"".join([part async for part in stream])
-        else:
-            body = b"".join(stream)
-        url = request.url
-        method = request.method.encode("ascii")
-        out = [method, b" ", url.raw_path or b"/", b" HTTP/1.1\r\n"]
-        has_host = chunked = False
-        length: bytes | None = None
-        for name, value in request.headers.raw:
-            if b"\n" in value or b"\r" in value or b"\n" in name or b"\r" in name:
-                raise httpx.LocalProtocolError(f"invalid character in the header {name!r}", request=request)
-            lower = name.lower()
-            if lower == b"host":
-                has_host = True
-            elif lower == b"content-length":
-                length = value
-            elif lower == b"transfer-encoding":
-                chunked = value.lower() == b"chunked"
-            elif lower == b"connection" and value.lower() == b"close":
-                self._close_after = True
-            out += (name, b": ", value, b"\r\n")
-        if not has_host:
-            out[4:4] = (b"Host: ", url.netloc, b"\r\n")
-        if chunked:
-            body = (b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)) if body else b"0\r\n\r\n"
-        elif length is not None:
-            if length.strip() != str(len(body)).encode():
-                raise httpx.LocalProtocolError("content-length does not match the body", request=request)
-        elif body or method in (b"POST", b"PUT", b"PATCH"):
-            out += (b"Content-Length: ", str(len(body)).encode(), b"\r\n")
-        self._head_request = method == b"HEAD"
-        out += (b"\r\n", body)
-        return b"".join(out)
-
-    async def _drained(self, timeout: float | None, request: httpx.Request) -> None:
+    async def _drained(self, timeout: float | None) -> None:
         assert self._loop is not None
         self._drain = self._loop.create_future()
         try:
             async with asyncio.timeout(timeout):
                 await self._drain
         except TimeoutError:
-            raise httpx.WriteTimeout("sending the request timed out", request=request) from None
+            raise httpx.WriteTimeout("sending the request timed out") from None
         finally:
             self._drain = None
         if self._state == _CLOSED:
-            raise httpx.WriteError("the connection was closed while sending the request", request=request)
+            raise httpx.WriteError("the connection was closed while sending the request")
 
     def _wake_drain(self) -> None:
         if self._drain is not None and not self._drain.done():
@@ -274,7 +321,7 @@ class H1Connection(asyncio.Protocol):
 
     # -- reading ------------------------------------------------------------------------------------------
 
-    def _start_response(self, request: httpx.Request, read_timeout: float | None) -> None:
+    def _start_response(self, read_timeout: float | None) -> None:
         self._state = _ACTIVE
         self._status = 0
         self._reason = b""
@@ -286,7 +333,7 @@ class H1Connection(asyncio.Protocol):
         self._error = None
         self._read_timeout = read_timeout
 
-    async def _wait(self, request: httpx.Request | None = None) -> None:
+    async def _wait(self) -> None:
         """Wait until the parser delivers something; raise the response's error if it failed."""
         if self._error is None:
             loop = self._loop
@@ -301,10 +348,7 @@ class H1Connection(asyncio.Protocol):
             finally:
                 self._waiter = None
         if self._error is not None and not self._chunks:
-            error = type(self._error)(str(self._error))  # a fresh one per raise
-            if request is not None:
-                error.request = request
-            raise error
+            raise type(self._error)(str(self._error))  # a fresh one per raise
 
     def _wake(self) -> None:
         fut = self._waiter

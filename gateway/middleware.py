@@ -1,7 +1,14 @@
-"""The ASGI wrapper around every request of the gateway's public app: request ids, the API-key gate, generic 500s.
+"""The front of the gateway's public app: request ids, the API-key gate, generic 500s, and the proxy's direct routes.
 
 Why it exists: these hold for every route alike (the proxy, `/v1/models`, `/internal/*`, unknown paths), so they
 live once in front of them rather than in each handler.
+
+`DirectRoutes` is the outermost ASGI app: the proxy's routes (every token of every stream passes through them) go
+straight to their endpoints, skipping the ~15 layers of FastAPI/Starlette routing and middleware that each
+streamed chunk would otherwise cross (the larger part of the gateway's CPU per token that was not the wire
+itself, in `bench/gateway_vs_router.py`'s profiles); everything else enters the FastAPI app, where
+`GatewayMiddleware` does the same work for its routes. A direct endpoint gets the request id and puts it on its
+responses, and answers its own unexpected exceptions with the generic 500 (`internal_error_message`).
 
 - Request id: a caller's `x-request-id` (1-128 of `A-Za-z0-9._:-`) is kept, any other value is replaced by a new
   one; the id is put into the request's headers (the proxy forwards it to the worker) and onto every response.
@@ -36,6 +43,8 @@ Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+# A route served outside the FastAPI app: called with the request id (see the module docstring).
+DirectEndpoint = Callable[[Scope, Receive, Send, bytes], Awaitable[None]]
 
 
 def request_id(presented: bytes | None) -> bytes:
@@ -47,6 +56,42 @@ def request_id(presented: bytes | None) -> bytes:
 
 def internal_error_message(rid: str) -> str:
     return f"internal error in the gateway (request id {rid}); the details are in the gateway's log"
+
+
+def presented_request_id(scope: Scope) -> bytes | None:
+    for name, value in scope["headers"]:
+        if name == REQUEST_ID_HEADER:
+            return value
+    return None
+
+
+async def refused_without_keys(state: GatewayState, path: str, send: Send, rid: bytes) -> bool:
+    """Answer 503 (and return True) while no API key is loaded, unless `path` is a probe."""
+    reason = state.keys.unavailable
+    if reason is None or path in PROBE_PATHS:
+        return False
+    retry = str(state.settings.retry_after_seconds).encode()
+    body = error_body(503, reason, "api_keys_not_loaded")
+    await _send_error(send, 503, body, [(b"retry-after", retry), (REQUEST_ID_HEADER, rid)])
+    return True
+
+
+class DirectRoutes:
+    """The outermost app: `routes` (path -> endpoint) served directly, everything else by `app`."""
+
+    def __init__(self, app: ASGIApp, state: GatewayState, routes: dict[str, DirectEndpoint]) -> None:
+        self.app = app
+        self.state = state
+        self.routes = routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        endpoint = self.routes.get(scope["path"]) if scope["type"] == "http" else None
+        if endpoint is None:
+            await self.app(scope, receive, send)
+            return
+        rid = request_id(presented_request_id(scope))
+        if not await refused_without_keys(self.state, scope["path"], send, rid):
+            await endpoint(scope, receive, send, rid)
 
 
 async def _send_error(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
@@ -88,12 +133,7 @@ class GatewayMiddleware:
                 message = {**message, "headers": out}
             await send(message)
 
-        reason = self.state.keys.unavailable
-        if reason is not None and scope["path"] not in PROBE_PATHS:
-            retry = str(self.state.settings.retry_after_seconds).encode()
-            await _send_error(
-                send_with_id, 503, error_body(503, reason, "api_keys_not_loaded"), [(b"retry-after", retry)]
-            )
+        if await refused_without_keys(self.state, scope["path"], send_with_id, rid):
             return
         try:
             await self.app(scope, receive, send_with_id)

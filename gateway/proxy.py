@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, MutableMapping
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
@@ -35,6 +35,7 @@ import httpx
 from gateway.admission import Rejected
 from gateway.auth import Principal
 from gateway.errors import error_body, sse_error_event
+from gateway.middleware import internal_error_message
 from gateway.ratelimit import CONCURRENCY, CostError, Reservation, request_cost
 from gateway.routing import (
     DeploymentRoute,
@@ -51,6 +52,7 @@ from gateway.routing import (
 from gateway.settings import TierSettings
 from gateway.state import GatewayState
 from gateway.tiers import TierError, resolve_tier
+from gateway.transport import PooledTransport, UpstreamResponse, header, read_all
 from gateway.usage import (
     ask_for_usage,
     has_usage,
@@ -63,6 +65,8 @@ Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
+
+log = logging.getLogger("llmfleet.gateway")
 
 _FORWARD_REQUEST_HEADERS = (b"content-type", b"accept", b"traceparent", b"tracestate")
 # Never delivered: always safe to try elsewhere.
@@ -190,7 +194,7 @@ class _StallTimer:
 class _Upstream:
     """A committed upstream response: the pod it came from and, for streams, its first chunk."""
 
-    response: httpx.Response
+    response: UpstreamResponse
     url: str
     variant: str
     revision: str
@@ -226,36 +230,64 @@ async def _read_body(receive: Receive) -> bytes:
 
 
 class ProxyEndpoint:
-    """ASGI app forwarding one OpenAI route (`/v1/chat/completions` or `/v1/completions`) to the workers."""
+    """Forwards one OpenAI route (`/v1/chat/completions` or `/v1/completions`) to the workers.
+
+    Called by `gateway.middleware.DirectRoutes` with the request's id, outside the FastAPI app and its middleware
+    (see the module docstring), so it does for itself what `GatewayMiddleware` does for the other routes: every
+    response carries `x-request-id`, and an unexpected exception is logged and answered with a generic 500 (or,
+    after the response started, propagates so that the server cuts the connection)."""
 
     def __init__(self, state: GatewayState, path: str) -> None:
         self.state = state
         self.path = path
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["method"] != "POST":
-            await send_error(send, 405, f"{self.path} accepts POST only", "method_not_allowed", {"allow": "POST"})
-            return
-        arrival = time.perf_counter()
-        headers = {k: v for k, v in scope["headers"] if k in (b"authorization", b"x-llmfleet-tier", b"x-request-id")}
+    async def __call__(self, scope: Scope, receive: Receive, send: Send, rid: bytes) -> None:
+        request: _Request | None = None
+        try:
+            request = await self._request(scope, receive, send, rid)
+            if request is not None:
+                await self._serve(request, receive, send)
+        except Exception:
+            log.exception("%s %s failed (request id %s)", scope.get("method"), scope.get("path"), rid.decode())
+            if request is not None and request.started:
+                raise
+            body = error_body(500, internal_error_message(rid.decode()), "internal_error")
+            await send_bytes(send, 500, body, [(b"content-type", b"application/json"), (b"x-request-id", rid)])
+
+    async def _request(self, scope: Scope, receive: Receive, send: Send, rid: bytes) -> _Request | None:
+        """Authenticate and read the request; None when it was answered already (405, 401, 413, a disconnect)."""
         state = self.state
+        id_header = {"x-request-id": rid.decode("latin-1")}
+        if scope["method"] != "POST":
+            await send_error(
+                send, 405, f"{self.path} accepts POST only", "method_not_allowed", {"allow": "POST", **id_header}
+            )
+            return None
+        arrival = time.perf_counter()
+        headers = {k: v for k, v in scope["headers"] if k in (b"authorization", b"x-llmfleet-tier")}
         auth = headers.get(b"authorization")
         principal = state.keys.authenticate(auth.decode("latin-1") if auth else None)
         if principal is None:
             state.metrics.requests.labels("unknown", "401").inc()
             await send_error(
-                send, 401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.", "invalid_api_key"
+                send,
+                401,
+                "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
+                "invalid_api_key",
+                id_header,
             )
-            return
+            return None
         try:
             raw = await _read_body(receive)
         except _Disconnected:
-            return
+            return None
         except _Failure as f:
             state.metrics.requests.labels("unknown", str(f.status)).inc()
-            await send_error(send, f.status, f.message, f.code)
-            return
-        request = _Request(state, self.path, scope, principal, raw, headers, arrival)
+            await send_error(send, f.status, f.message, f.code, id_header)
+            return None
+        return _Request(state, self.path, scope, principal, raw, headers, arrival, id_header["x-request-id"])
+
+    async def _serve(self, request: _Request, receive: Receive, send: Send) -> None:
         watch = _DisconnectWatch(receive)
         try:
             await request.serve(send, watch)
@@ -265,7 +297,7 @@ class ProxyEndpoint:
             task = asyncio.current_task()
             if task is not None:
                 task.uncancel()
-            state.metrics.errors.labels(request.model_label, "client_disconnect").inc()
+            self.state.metrics.errors.labels(request.model_label, "client_disconnect").inc()
         finally:
             watch.stop()
 
@@ -282,6 +314,7 @@ class _Request:
         raw: bytes,
         headers: dict[bytes, bytes],
         arrival: float,
+        request_id: str,
     ) -> None:
         self.state = state
         self.path = path
@@ -291,8 +324,9 @@ class _Request:
         self.headers = headers
         self.arrival = arrival
         self.model_label = "unknown"
-        self.request_id = (headers.get(b"x-request-id") or uuid.uuid4().hex.encode()).decode("latin-1")
-        self.response_headers: dict[str, str] = {}
+        self.request_id = request_id
+        self.response_headers: dict[str, str] = {"x-request-id": request_id}
+        self.started = False  # the response has started: an error can no longer become an error response
         self.upstream_raw = raw  # the body sent upstream (streams: with stream_options.include_usage)
         self.client_wants_usage = True
         # Tokens to settle the reservation with: 0 until a worker answers 200 (nothing generated), then None
@@ -307,6 +341,7 @@ class _Request:
         except _Failure as f:
             status = f.status
             watch.finished = True
+            self.started = True
             await send_error(send, f.status, f.message, f.code, {**self.response_headers, **f.headers})
         metrics.requests.labels(self.model_label, str(status)).inc()
 
@@ -445,8 +480,8 @@ class _Request:
         Each attempt leases its pod (`state.outstanding`) for exactly as long as the `with self._lease` block, so
         the lease is released in one place whatever the attempt's outcome."""
         state, s = self.state, self.state.settings
-        client = state.client
-        assert client is not None, "the app's lifespan creates the upstream client"
+        transport = state.transport
+        assert transport is not None, "the app's lifespan creates the upstream transport"
         tried: set[str] = set()
         last: _Failure | None = None
         maybe_delivered = 0  # attempts that failed after the worker may have read the request
@@ -458,12 +493,12 @@ class _Request:
                 break
             tried.add(ep.url)
             with self._lease(ep.url):
-                outcome = await self._attempt(client, ep, forward, model, stream)
+                outcome = await self._attempt(transport, ep, forward, model, stream)
                 if isinstance(outcome, _Upstream):
                     try:
                         yield outcome
                     finally:
-                        await outcome.response.aclose()
+                        await outcome.response.stream.aclose()
                     return
             last = outcome.failure
             if outcome.maybe_delivered:
@@ -497,14 +532,13 @@ class _Request:
             self.state.release_pod(url)
 
     async def _attempt(
-        self, client: httpx.AsyncClient, ep: Endpoint, forward: list[tuple[bytes, bytes]], model: str, stream: bool
+        self, transport: PooledTransport, ep: Endpoint, forward: list[tuple[bytes, bytes]], model: str, stream: bool
     ) -> _Upstream | _Retry:
         """One attempt on one pod: the upstream to commit, or why to try another pod; raises `_Failure` for what
         must not be retried."""
         state, s = self.state, self.state.settings
         try:
-            request = client.build_request("POST", ep.url + self.path, content=self.upstream_raw, headers=forward)
-            response = await client.send(request, stream=True)
+            response = await transport.open(ep.url + self.path, forward, self.upstream_raw, state.upstream_timeouts)
         except httpx.PoolTimeout:
             state.metrics.errors.labels(self.model_label, "pool_timeout").inc()
             raise _Failure(
@@ -531,20 +565,20 @@ class _Request:
             return outcome
         finally:
             if not committed:
-                await response.aclose()
+                await response.stream.aclose()
 
-    async def _first_answer(self, response: httpx.Response, ep: Endpoint, stream: bool) -> _Upstream | _Retry:
+    async def _first_answer(self, response: UpstreamResponse, ep: Endpoint, stream: bool) -> _Upstream | _Retry:
         """Reads a pod's answer up to its first body byte (a whole body when it is not a stream)."""
         state = self.state
-        status = response.status_code
-        chunks = response.aiter_raw()
+        status = response.status
+        chunks = aiter(response.stream)
         try:
             if status in (429, 503):
-                body = await response.aread()
+                body = await read_all(response)
                 code = _upstream_code(body)
                 if not retry_elsewhere(status, code):  # passed through as the worker said it
                     return _Upstream(response, ep.url, ep.variant, ep.revision, None, body, None, code)
-                retry_after = response.headers.get("retry-after")
+                retry_after = header(response, b"retry-after")
                 failure = _Failure(
                     status,
                     _upstream_message(body, f"backend answered {status}"),
@@ -557,7 +591,7 @@ class _Request:
                 while not first:  # skip empty reads; an ended body yields StopAsyncIteration
                     first = await anext(chunks)
                 return _Upstream(response, ep.url, ep.variant, ep.revision, first, None, chunks)
-            body = await response.aread()
+            body = await read_all(response)
             return _Upstream(response, ep.url, ep.variant, ep.revision, None, body, None)
         except StopAsyncIteration:  # a stream that ended without a byte: passed through as it is
             return _Upstream(response, ep.url, ep.variant, ep.revision, b"", None, chunks)
@@ -586,17 +620,23 @@ class _Request:
             metrics.errors.labels(self.model_label, "upstream_status").inc()
         return last
 
-    def _client_headers(self, response: httpx.Response) -> list[tuple[bytes, bytes]]:
-        hdrs = [(b"content-type", response.headers.get("content-type", "application/json").encode())]
-        for name in ("cache-control", "retry-after"):
-            if response.headers.get(name):
-                hdrs.append((name.encode(), response.headers[name].encode()))
+    def _client_headers(self, response: UpstreamResponse) -> list[tuple[bytes, bytes]]:
+        """The upstream's content-type, cache-control and retry-after, then the gateway's own headers."""
+        content_type = b"application/json"
+        hdrs: list[tuple[bytes, bytes]] = []
+        for name, value in response.headers:
+            lower = name.lower()
+            if lower == b"content-type":
+                content_type = value
+            elif lower in (b"cache-control", b"retry-after") and value:
+                hdrs.append((lower, value))
+        hdrs.insert(0, (b"content-type", content_type))
         hdrs += [(k.encode(), v.encode()) for k, v in self.response_headers.items()]
         return hdrs
 
     async def _send_whole(self, send: Send, watch: _DisconnectWatch, up: _Upstream) -> int:
         body = up.body or b""
-        status = up.response.status_code
+        status = up.response.status
         if status == 200:
             usage = usage_of_body(body)
             self.used = usage.total if usage is not None else None
@@ -605,6 +645,7 @@ class _Request:
         else:
             self.state.metrics.errors.labels(self.model_label, "upstream_status").inc()
         watch.finished = True
+        self.started = True
         await send_bytes(send, status, body, self._client_headers(up.response))
         return status
 
@@ -641,7 +682,8 @@ class _Request:
         read_timeout = state.settings.timeouts.read
         strip = not self.client_wants_usage
         chunks = up.chunks
-        status = up.response.status_code
+        status = up.response.status
+        self.started = True
         await send({"type": "http.response.start", "status": status, "headers": self._client_headers(up.response)})
         chunk = up.first_chunk or b""
         first = time.perf_counter()

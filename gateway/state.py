@@ -20,7 +20,7 @@ from gateway.metrics import GatewayMetrics, LiveGauges
 from gateway.ratelimit import RateLimiter
 from gateway.routing import RoutingTable
 from gateway.settings import GatewaySettings
-from gateway.transport import PooledTransport
+from gateway.transport import PooledTransport, Timeouts
 
 
 def make_client(settings: GatewaySettings) -> tuple[httpx.AsyncClient, PooledTransport]:
@@ -55,8 +55,11 @@ class GatewayState:
     admission: Admission = field(init=False)
     hold: ZeroHold = field(init=False)
     metrics: GatewayMetrics = field(init=False)
+    upstream_timeouts: Timeouts = field(init=False)  # the proxy's, from `settings.timeouts`
 
     def __post_init__(self) -> None:
+        t = self.settings.timeouts
+        self.upstream_timeouts = Timeouts(connect=t.connect, read=t.first_byte, write=t.write, pool=t.pool)
         self.admission = Admission(self.settings)
         self.hold = ZeroHold(self.settings)
         self.metrics = GatewayMetrics(

@@ -78,9 +78,10 @@ async def run_gateway(
         task.cancel()
         raise RuntimeError("the gateway did not start")
     port = server.servers[0].sockets[0].getsockname()[1]
+    assert app.metrics_server is not None, "run_gateway always sets a metrics port"
     try:
         yield RunningGateway(
-            f"http://127.0.0.1:{port}", app.state.gateway, server, f"http://127.0.0.1:{app.state.metrics_server.port}"
+            f"http://127.0.0.1:{port}", app.gateway, server, f"http://127.0.0.1:{app.metrics_server.port}"
         )
     finally:
         server.should_exit = True

@@ -24,12 +24,14 @@ import asyncio
 import contextlib
 import ssl
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 import httpcore
 import httpx
 
-from gateway.h1 import H1Connection
+from gateway.h1 import H1Connection, encode_request
 
 # Most specific first: the first match wins.
 _EXCEPTIONS: tuple[tuple[type[Exception], type[httpx.HTTPError]], ...] = (
@@ -50,6 +52,62 @@ _EXCEPTIONS: tuple[tuple[type[Exception], type[httpx.HTTPError]], ...] = (
 
 Origin = tuple[bytes, bytes, int]
 Connection = httpcore.AsyncHTTPConnection | H1Connection
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """Upstream timeouts in seconds, httpx's four (None: no limit); `read` bounds each wait for data."""
+
+    connect: float | None
+    read: float | None
+    write: float | None
+    pool: float | None
+
+    def as_extension(self) -> dict[str, float | None]:
+        return {"connect": self.connect, "read": self.read, "write": self.write, "pool": self.pool}
+
+
+class UpstreamStream(Protocol):
+    """A response body: raw chunks as they arrive; `aclose` ends the response and frees its connection."""
+
+    def __aiter__(self) -> AsyncIterator[bytes]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class UpstreamResponse(Protocol):
+    """What `PooledTransport.open` returns: the status, the raw header list and the body stream."""
+
+    @property
+    def status(self) -> int: ...
+
+    @property
+    def headers(self) -> list[tuple[bytes, bytes]]: ...
+
+    @property
+    def stream(self) -> UpstreamStream: ...
+
+
+@dataclass(frozen=True, slots=True)
+class CoreResponse:
+    """An https response (httpcore) in `UpstreamResponse`'s shape."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    stream: UpstreamStream
+
+
+def header(response: UpstreamResponse, name: bytes) -> str | None:
+    """The first value of header `name` (lowercase) in `response`, None when it has none."""
+    for key, value in response.headers:
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+async def read_all(response: UpstreamResponse) -> bytes:
+    """The whole body of `response` (the caller still closes it)."""
+    return b"".join([chunk async for chunk in response.stream])
 
 
 @contextlib.contextmanager
@@ -138,16 +196,93 @@ class PooledTransport(httpx.AsyncBaseTransport):
         elif not conn.is_closed():
             self._close_later(conn)
 
+    async def _acquire(self, timeout: float | None) -> None:
+        """Take a connection slot, waiting at most `timeout` seconds (`httpx.PoolTimeout`)."""
+        if self._slots.locked():
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._slots.acquire()
+            except TimeoutError:
+                raise httpx.PoolTimeout("no upstream connection slot became free in time") from None
+        else:  # a free slot: no timer to set up
+            await self._slots.acquire()
+        self._in_use += 1
+
+    async def open(
+        self, url: str, headers: list[tuple[bytes, bytes]], body: bytes, timeouts: Timeouts
+    ) -> UpstreamResponse:
+        """POST `body` to `url` and read the response head: the proxy's path, with no `httpx.Request` to build.
+
+        The response's stream yields the raw body chunks; closing it returns the connection to the pool (or
+        closes it when the body was not read to its end). Errors are httpx's, as for `handle_async_request`."""
+        parts = urlsplit(url)
+        scheme = parts.scheme.encode("ascii")
+        host = (parts.hostname or "").encode("ascii")
+        port = parts.port or (443 if scheme == b"https" else 80)
+        origin: Origin = (scheme, host, port)
+        target = (parts.path or "/") + ("?" + parts.query if parts.query else "")
+        await self._acquire(timeouts.pool)
+        conn = self._checkout(origin)
+        if scheme != b"http":
+            return await self._core_open(origin, conn, target.encode("ascii"), headers, body, timeouts)
+        if not isinstance(conn, H1Connection):
+            conn = H1Connection(parts.hostname or "", port, keepalive_expiry=self._expiry)
+        h1 = conn
+        try:
+            data, close_after = encode_request(b"POST", target.encode("ascii"), parts.netloc.encode(), headers, body)
+            return await h1.request(
+                data,
+                close_after=close_after,
+                connect=timeouts.connect,
+                read=timeouts.read,
+                write=timeouts.write,
+                on_close=lambda: self._checkin(origin, h1),
+            )
+        except BaseException:
+            h1.close()
+            self._checkin(origin, h1)
+            raise
+
+    async def _core_open(
+        self,
+        origin: Origin,
+        conn: Connection | None,
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        timeouts: Timeouts,
+    ) -> UpstreamResponse:
+        """`open` for an https origin, on httpcore."""
+        if not isinstance(conn, httpcore.AsyncHTTPConnection):
+            conn = httpcore.AsyncHTTPConnection(
+                origin=httpcore.Origin(*origin), keepalive_expiry=self._expiry, ssl_context=self._ssl
+            )
+        core = conn
+        netloc = origin[1] if origin[2] == 443 else b"%s:%d" % (origin[1], origin[2])
+        if not any(name.lower() == b"host" for name, _ in headers):
+            headers = [(b"host", netloc), *headers]
+        request = httpcore.Request(
+            method=b"POST",
+            url=httpcore.URL(scheme=origin[0], host=origin[1], port=origin[2], target=target),
+            headers=headers,
+            content=body,
+            extensions={"timeout": timeouts.as_extension()},
+        )
+        try:
+            with _mapped():
+                response = await core.handle_async_request(request)
+        except BaseException:
+            await core.aclose()
+            self._checkin(origin, core)
+            raise
+        stream = _ResponseStream(response.stream, lambda: self._checkin(origin, core))
+        return CoreResponse(response.status, response.headers, stream)
+
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         url = request.url
         origin: Origin = (url.raw_scheme, url.raw_host, url.port or (443 if url.raw_scheme == b"https" else 80))
         timeouts = request.extensions.get("timeout", {})
-        try:
-            async with asyncio.timeout(timeouts.get("pool")):
-                await self._slots.acquire()
-        except TimeoutError:
-            raise httpx.PoolTimeout("no upstream connection slot became free in time") from None
-        self._in_use += 1
+        await self._acquire(timeouts.get("pool"))
         conn = self._checkout(origin)
         if origin[0] == b"http":
             return await self._h1_request(request, origin, conn)
