@@ -7,7 +7,9 @@ dropped when their id shows up in `finished_req_ids`. A preempted request keeps 
 re-derives only the KV cache, so its next draw continues the same random stream as if never interrupted.
 
 Each step is one flattened batch: single-token sequences first (they attend in one batched call), then
-multi-token chunks; logits are computed only for the rows that sample.
+multi-token chunks; logits are computed only for the rows that sample. A sequence with draft tokens (speculative
+decoding) samples at its last known token and at every draft; the sampler verifies the drafts
+(`Sampler.verify`) and the tokens the request gains go to `ModelRunnerOutput.verified_token_ids`.
 """
 
 from __future__ import annotations
@@ -287,8 +289,29 @@ class ModelRunner:
         sampled = [entry for entry in sampled if entry[0].req_id not in out.failed]
         if not sampled:
             return out
-        rows = torch.tensor([row for _, row, _ in sampled], device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        # Rows to score: one per plain sequence (first), then 1 + len(drafts) per speculating one.
+        plain = [entry for entry in sampled if not entry[0].draft_token_ids]
+        speculating = [entry for entry in sampled if entry[0].draft_token_ids]
+        row_ids = [row for _, row, _ in plain]
+        for seq, last_row, _ in speculating:
+            k = len(seq.draft_token_ids)
+            row_ids.extend(range(last_row - k, last_row + 1))
+        logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(row_ids, device=self.device)))
+        first = len(plain)
+        for seq, _, request in speculating:
+            k = len(seq.draft_token_ids)
+            try:
+                out.verified_token_ids[seq.req_id] = self.sampler.verify(
+                    logits[first : first + k + 1], seq.draft_token_ids, request
+                )
+            except Exception as exc:  # noqa: BLE001 - this sequence's alone
+                out.failed[seq.req_id] = failure(exc)
+            first += k + 1
+        if not plain:
+            return out
+        sampled = plain
+        if speculating:
+            logits = logits[: len(plain)]
         tokens, logprobs, errors = self.sampler(logits, [request for _, _, request in sampled])
         for i, (seq, _, _) in enumerate(sampled):
             if i in errors:

@@ -9,17 +9,25 @@ alternatives) under the raw model distribution (before temperature/top-k/top-p),
 
 A row whose own parameters make a torch op fail (a token id out of range, a generator that cannot draw) is reported
 in `SamplerOutput.errors` with its exception; the other rows are sampled as if it were not there.
+
+`verify` checks a request's draft tokens (speculative decoding, `worker.core.spec_decode`): it samples each
+position exactly as `__call__` would sample a request that had already produced the tokens before it (its own
+`min_tokens` state, the same random stream), in order, until a sample differs from the draft. For a point-mass
+draft this is rejection sampling: the draft is kept with probability p(draft), and a rejected position yields a
+token from p with the draft removed, renormalised; and a request's generator is drawn once per produced token,
+with or without drafts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
 
 from worker.core.request import Logprob, SamplingParams
+from worker.core.spec_decode import accepted_prefix
 
 
 @dataclass(frozen=True)
@@ -116,6 +124,26 @@ class Sampler:
                 except Exception as exc:  # noqa: BLE001
                     errors[i] = exc
         return SamplerOutput(tokens, logprobs, errors)
+
+    def verify(self, logits: torch.Tensor, drafts: Sequence[int], req: SampleRequest) -> list[int]:
+        """The tokens a request gains from its drafts: `logits` [len(drafts) + 1, vocab] (fp32) are the target's at
+        the last known position and after each draft. Raises when the row's parameters make a torch op fail."""
+        params = req.params
+        if logits.shape[0] != len(drafts) + 1:
+            raise ValueError(f"{logits.shape[0]} rows of logits for {len(drafts)} drafts")
+        rows = [replace(req, num_output_tokens=req.num_output_tokens + i) for i in range(len(drafts) + 1)]
+        for i, row in enumerate(rows):
+            if params.logit_bias or row.num_output_tokens < params.min_tokens:
+                adjust_row(logits, i, row)
+        if params.greedy:
+            return accepted_prefix(drafts, logits.argmax(dim=-1).tolist())
+        out: list[int] = []
+        for i, row in enumerate(rows):  # one draw per produced token, stopping at the first mismatch
+            token = self._sample_row(logits[i], row)
+            out.append(token)
+            if i == len(drafts) or token != drafts[i]:
+                break
+        return out
 
     def _sample_row(self, row: torch.Tensor, req: SampleRequest) -> int:
         p = req.params
