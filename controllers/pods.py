@@ -35,6 +35,7 @@ from crds.models import (
     OPERATOR_VOLUME_NAMES,
     TMP_MOUNT,
     InferenceDeploymentSpec,
+    SpeculativeSpec,
     VariantSpec,
 )
 from crds.pods import (
@@ -154,9 +155,25 @@ def worker_args(spec: InferenceDeploymentSpec, variant: VariantSpec, defaults: P
         args += ["--kv-cache-bytes", str(int(parse_quantity(engine.kv_cache_bytes)))]
     args.append("--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching")
     args.append("--enable-chunked-prefill" if engine.enable_chunked_prefill else "--no-enable-chunked-prefill")
+    if engine.speculative is not None:
+        args += ["--speculative-config", speculative_config(engine.speculative)]
     args += ["--drain-timeout", str(spec.drain.timeout_seconds)]
     args += extra_engine_args({**_normalised(engine.extra_args), **_normalised(variant.extra_args)})
     return args + list(defaults.extra_args)
+
+
+def speculative_config(spec: SpeculativeSpec) -> str:
+    """`engine.speculative` as the worker's `--speculative-config` JSON, in vLLM's spelling (the worker maps it
+    to either engine; `disable_by_batch_size` only when set)."""
+    config: dict[str, Any] = {
+        "method": spec.method.value,
+        "num_speculative_tokens": spec.num_tokens,
+        "prompt_lookup_max": spec.prompt_lookup_max,
+        "prompt_lookup_min": spec.prompt_lookup_min,
+    }
+    if spec.disable_by_batch_size is not None:
+        config["disable_by_batch_size"] = spec.disable_by_batch_size
+    return json.dumps(config, separators=(",", ":"))
 
 
 def extra_engine_args(extra: Mapping[str, Any]) -> list[str]:

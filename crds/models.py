@@ -107,6 +107,8 @@ from crds.spec import (
     Quantization,
     Resources,
     RolloutSpec,
+    SpeculativeMethod,
+    SpeculativeSpec,
     VariantSpec,
 )
 from crds.status import (
@@ -218,6 +220,8 @@ __all__ = [
     "ScaleDecision",
     "SecretProjection",
     "SecretVolumeSource",
+    "SpeculativeMethod",
+    "SpeculativeSpec",
     "StorageMedium",
     "TaintEffect",
     "Toleration",

@@ -73,6 +73,42 @@ class ModelSpec(SpecModel):
     )
 
 
+class SpeculativeMethod(StrEnum):
+    """How draft tokens are proposed."""
+
+    NGRAM = "ngram"
+
+
+class SpeculativeSpec(SpecModel):
+    """Speculative decoding by prompt lookup: draft tokens copied from earlier in the context, verified by the model
+    in one forward pass. Greedy output is unchanged and sampling keeps its distribution; it pays off when outputs
+    copy from the prompt (RAG answers, code edits, summaries, "repeat this passage")."""
+
+    method: SpeculativeMethod = Field(
+        SpeculativeMethod.NGRAM,
+        strict=False,
+        description="`ngram`: prompt lookup (the only method; it needs no draft model).",
+    )
+    num_tokens: int = Field(
+        4,
+        ge=1,
+        le=16,
+        description="Draft tokens proposed per step and request (vLLM's `num_speculative_tokens`).",
+    )
+    prompt_lookup_max: int = Field(
+        4, ge=1, le=32, description="Longest n-gram at the end of the context looked up earlier in it."
+    )
+    prompt_lookup_min: int = Field(2, ge=1, le=32, description="Shortest such n-gram; at most `promptLookupMax`.")
+    disable_by_batch_size: int | None = Field(
+        None,
+        ge=1,
+        le=4096,
+        description="Builtin engine: speculate only in steps where at most this many requests decode (large "
+        "batches are compute-bound, where rejected drafts cost throughput); unset means the engine default (4). "
+        "vLLM has no such knob and ignores it.",
+    )
+
+
 class EngineSpec(SpecModel):
     """The inference engine and its knobs; the same names map to both engines' flags."""
 
@@ -97,6 +133,11 @@ class EngineSpec(SpecModel):
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prompt prefixes.")
     enable_chunked_prefill: bool = Field(
         True, description="Split long prompts into chunks that share steps with decodes."
+    )
+    speculative: SpeculativeSpec | None = Field(
+        None,
+        description="Speculative decoding by prompt lookup (n-gram drafts); unset means off. Requests that ask "
+        "for logprobs are decoded without it.",
     )
     extra_args: FreeForm = Field(
         default_factory=dict,

@@ -76,6 +76,7 @@ _RESERVED_ENGINE_ARGS: Mapping[str, str] = {
     "no-enable-prefix-caching": "set spec.engine.enablePrefixCaching",
     "enable-chunked-prefill": "set spec.engine.enableChunkedPrefill",
     "no-enable-chunked-prefill": "set spec.engine.enableChunkedPrefill",
+    "speculative-config": "set spec.engine.speculative",
 }
 
 # Why a pod field is not in `template.podSpec` and what to do instead. Fields not listed here get the allow-list.
@@ -389,6 +390,17 @@ def _engine_budget(spec: InferenceDeploymentSpec) -> Iterator[Problem]:
         )
 
 
+def _speculative(spec: InferenceDeploymentSpec) -> Iterator[Problem]:
+    speculative = spec.engine.speculative
+    if speculative is not None and speculative.prompt_lookup_min > speculative.prompt_lookup_max:
+        yield Problem(
+            "spec.engine.speculative.promptLookupMin",
+            f"promptLookupMin ({speculative.prompt_lookup_min}) is greater than promptLookupMax "
+            f"({speculative.prompt_lookup_max})",
+            "lower promptLookupMin or raise promptLookupMax (e.g. `promptLookupMin: 2, promptLookupMax: 4`)",
+        )
+
+
 def _normalise_flag(name: str) -> str:
     return name.lstrip("-").replace("_", "-").lower()
 
@@ -506,6 +518,7 @@ _RULES: tuple[Callable[[InferenceDeploymentSpec], Iterable[Problem]], ...] = (
     _canary,
     _quantization,
     _engine_budget,
+    _speculative,
     _engine_args,
     _pod_spec,
     _env,

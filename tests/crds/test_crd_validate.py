@@ -68,6 +68,11 @@ VALID = {
     "one weight-0 variant beside a weighted one": _set(
         "variants", [{"name": "a", "weight": 0, "tiers": ["batch"]}, {"name": "b"}]
     ),
+    "speculative decoding, defaults": _set("engine.speculative", {}),
+    "speculative decoding, every field": _set(
+        "engine.speculative",
+        {"method": "ngram", "numTokens": 8, "promptLookupMax": 3, "promptLookupMin": 3, "disableByBatchSize": 2},
+    ),
     "budget covers max len": _all(
         _set("model.maxModelLen", 1024),
         _set("engine", {"maxNumBatchedTokens": 1024, "enableChunkedPrefill": False}),
@@ -142,6 +147,26 @@ INVALID: dict[str, tuple[Callable[[dict[str, Any]], None], list[tuple[str, str]]
     "every weight 0": (
         _set("variants", [{"name": "a", "weight": 0}, {"name": "b", "weight": 0}]),
         [("spec.variants", "every variant has weight 0")],
+    ),
+    "speculative lookup min above max": (
+        _set("engine.speculative", {"promptLookupMax": 2, "promptLookupMin": 3}),
+        [("spec.engine.speculative.promptLookupMin", "promptLookupMin (3) is greater than promptLookupMax (2)")],
+    ),
+    "speculative method unknown": (
+        _set("engine.speculative", {"method": "eagle"}),
+        [("spec.engine.speculative.method", "'ngram'")],
+    ),
+    "speculative zero draft tokens": (
+        _set("engine.speculative", {"numTokens": 0}),
+        [("spec.engine.speculative.numTokens", "greater than or equal to 1")],
+    ),
+    "speculative too many draft tokens": (
+        _set("engine.speculative", {"numTokens": 17}),
+        [("spec.engine.speculative.numTokens", "less than or equal to 16")],
+    ),
+    "speculative config as an extra arg": (
+        _set("engine.extraArgs", {"speculative-config": "{}"}),
+        [("spec.engine.extraArgs.speculative-config", "managed by llmfleet")],
     ),
     "step budget below max sequences": (
         _set("engine", {"maxNumSeqs": 64, "maxNumBatchedTokens": 32}),

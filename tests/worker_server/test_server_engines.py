@@ -98,3 +98,45 @@ def test_build_fake_engine(tmp_path: Path) -> None:
 def test_unknown_model_source_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="does not exist"):
         build_engine(WorkerSettings(model=str(tmp_path / "absent")))
+
+
+def test_speculative_settings_map_to_both_engines() -> None:
+    from worker.core.config import SpeculativeConfig
+
+    plain = WorkerSettings(model="m")
+    assert "speculative_config" not in vllm_engine_args(plain, "/m", device_is_cpu=True)
+    assert "speculative" not in builtin_engine_kwargs(plain, "/m", "cpu")
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1)
+    settings = WorkerSettings(model="m", speculative=spec)
+    assert builtin_engine_kwargs(settings, "/m", "cpu")["speculative"] == spec
+    assert vllm_engine_args(settings, "/m", device_is_cpu=True)["speculative_config"] == {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1,
+    }
+    with pytest.raises(ValueError, match="set by the worker itself"):
+        vllm_engine_args(
+            WorkerSettings(model="m", engine="vllm", speculative=spec, engine_extra_args={"speculative_config": "{}"}),
+            "/m",
+            device_is_cpu=True,
+        )
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{not json", "is not JSON"),
+        ("[1, 2]", "must be a JSON object"),
+        ('{"method": "eagle"}', "'ngram'"),
+        ('{"num_speculative_tokens": 0}', "greater than or equal to 1"),
+        ('{"prompt_lookup_max": 2, "prompt_lookup_min": 3}', "must not exceed prompt_lookup_max"),
+        ('{"draft_model": "x"}', "Extra inputs are not permitted"),
+    ],
+)
+def test_bad_speculative_config_fails_at_start_up(text: str, message: str) -> None:
+    from pydantic import ValidationError
+    from worker.server.cli import parse_speculative_config
+
+    with pytest.raises((ValueError, ValidationError), match=message):
+        WorkerSettings(model="m", speculative=parse_speculative_config(text))

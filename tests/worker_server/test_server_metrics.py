@@ -125,3 +125,24 @@ def test_a_backend_registry_replaces_our_vllm_series() -> None:
     assert not any(line.startswith("vllm:generation_tokens") for line in lines)
     assert sum(line.startswith("# TYPE vllm:num_requests_running ") for line in lines) == 1
     assert 'llmfleet:draining{model_name="m"} 1.0' in lines
+
+
+def test_spec_decode_counters_only_when_the_engine_speculates() -> None:
+    from worker.core.spec_decode import SpecDecodeStats
+
+    spec = SpecDecodeStats()
+    spec.observe(4, 3)
+    spec.observe(4, 1)
+    metrics = WorkerMetrics("m", lambda: EngineStats(spec_decode=spec), lambda: ServerGauges(False, 0, 0))
+    lines = metrics.render().decode().splitlines()
+    for line in [
+        'vllm:spec_decode_num_drafts_total{model_name="m"} 2.0',
+        'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 8.0',
+        'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 4.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 2.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 1.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="3"} 0.0',
+    ]:
+        assert line in lines, line
+    plain = WorkerMetrics("m", EngineStats, lambda: ServerGauges(False, 0, 0)).render().decode()
+    assert "spec_decode" not in plain

@@ -71,6 +71,20 @@ def from_vllm_logprobs(position: Any, token: int, k: int) -> Logprob:
     return Logprob(position[token].logprob, tuple((tid, value) for _, tid, value in top[:k]))
 
 
+def vllm_speculative_config(settings: WorkerSettings) -> dict[str, Any] | None:
+    """Our speculative settings as vLLM's `speculative_config` (its n-gram proposer). `disable_by_batch_size` is
+    ours alone: vLLM 0.32 has no such field, so it is left out (vLLM speculates at every batch size)."""
+    spec = settings.speculative
+    if spec is None:
+        return None
+    return {
+        "method": spec.method,
+        "num_speculative_tokens": spec.num_speculative_tokens,
+        "prompt_lookup_max": spec.prompt_lookup_max,
+        "prompt_lookup_min": spec.prompt_lookup_min,
+    }
+
+
 def vllm_engine_args(settings: WorkerSettings, model_path: str, device_is_cpu: bool) -> dict[str, Any]:
     """AsyncEngineArgs keyword arguments from the worker settings (unset sizing flags keep vLLM's defaults)."""
     if settings.quantization == "int4":
@@ -93,6 +107,7 @@ def vllm_engine_args(settings: WorkerSettings, model_path: str, device_is_cpu: b
         "max_num_seqs": settings.max_num_seqs,
         "max_num_batched_tokens": settings.max_num_batched_tokens,
         "kv_cache_memory_bytes": settings.kv_cache_bytes,
+        "speculative_config": vllm_speculative_config(settings),
     }
     args.update({k: v for k, v in optional.items() if v is not None})
     clash = sorted(set(settings.engine_extra_args) & set(args))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -40,6 +41,19 @@ def parse_extra_flags(argv: list[str]) -> dict[str, Any]:
     return flags
 
 
+def parse_speculative_config(text: str | None) -> dict[str, Any] | None:
+    """The JSON object of --speculative-config (validated by the settings), or None when not given."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f'--speculative-config is not JSON ({err.msg}): give e.g. \'{{"method": "ngram"}}\'') from err
+    if not isinstance(value, dict):
+        raise ValueError('--speculative-config must be a JSON object, e.g. \'{"method": "ngram"}\'')
+    return value
+
+
 def worker_command(
     ctx: typer.Context,
     model: Annotated[str, typer.Option("--model", help="bundled://NAME, a model folder or hf://ORG/REPO")],
@@ -57,6 +71,14 @@ def worker_command(
     kv_cache_bytes: Annotated[int | None, typer.Option(help="KV-cache size in bytes")] = None,
     enable_prefix_caching: Annotated[bool, typer.Option(help="reuse KV of shared prompt prefixes")] = True,
     enable_chunked_prefill: Annotated[bool, typer.Option(help="split long prompts over several steps")] = True,
+    speculative_config: Annotated[
+        str | None,
+        typer.Option(
+            help='speculative decoding by prompt lookup, as vLLM\'s JSON: {"method": "ngram", '
+            '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} '
+            '(+ "disable_by_batch_size", builtin engine only)'
+        ),
+    ] = None,
     max_waiting: Annotated[int, typer.Option(help="waiting requests before new ones get 429")] = 256,
     max_tokens_cap: Annotated[int | None, typer.Option(help="largest max_tokens a request may ask for")] = None,
     max_tokens_policy: Annotated[str, typer.Option(help="reject (400) | clamp, above the cap/context")] = "reject",
@@ -104,6 +126,7 @@ def worker_command(
             kv_cache_bytes=kv_cache_bytes,
             enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill,
+            speculative=parse_speculative_config(speculative_config),
             max_waiting=max_waiting,
             max_tokens_cap=max_tokens_cap,
             max_tokens_policy=max_tokens_policy,

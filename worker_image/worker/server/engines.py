@@ -71,6 +71,7 @@ def builtin_engine_kwargs(settings: WorkerSettings, model_path: str, device: str
         "max_num_seqs": settings.max_num_seqs,
         "max_num_batched_tokens": settings.max_num_batched_tokens,
         "kv_cache_bytes": settings.kv_cache_bytes,
+        "speculative": settings.speculative,
     }
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     return kwargs

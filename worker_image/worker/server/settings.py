@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from worker.core.config import SpeculativeConfig
+
 DRAIN_TOKEN_ENV = "LLMFLEET_DRAIN_TOKEN"
 FAULT_ENV_PREFIX = "LLMFLEET_FAULT_"
 
@@ -77,6 +79,9 @@ class WorkerSettings(BaseModel):
     kv_cache_bytes: int | None = Field(None, ge=1)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    speculative: SpeculativeConfig | None = Field(
+        None, description="speculative decoding by prompt lookup (--speculative-config, vLLM's JSON); None: off"
+    )
     max_waiting: int = Field(256, ge=1, description="requests allowed to wait for a running slot before 429")
     max_tokens_cap: int | None = Field(None, ge=1, description="largest max_tokens a request may ask for")
     max_tokens_policy: MaxTokensPolicy = Field(
