@@ -13,14 +13,17 @@ than folklore. Paths:
 * `bf16_onednn`: `_linear_pointwise` in bf16 with the weight reordered once (AVX512-BF16 / AMX);
 * `int8_dyn`: `quantize_dynamic` (W8A8, activations quantized per call; x86 engine = fbgemm/oneDNN, VNNI);
 * `int8_wo_bf16`: `aten._weight_int8pack_mm` (int8 weights, bf16 activations);
-* `int4_wo_bf16`: `aten._weight_int4pack_mm_for_cpu` (int4 groups of 32, bf16 activations: today's int4 path).
+* `int4_wo_bf16`: `aten._weight_int4pack_mm_for_cpu` (int4 groups of 32, bf16 activations: today's int4 path);
+* `fp8_wo_fp32`: the engine's `quant.Fp8Linear` (fp8 weights re-biased to fp16 per call, fp32 activations).
 
-Prints GFLOP/s (2*M*N*K per call) per (path, M) for the layer and for the head, the ratio to `fp32_mkl`, and
-as its LAST line one JSON object. Each cell is the best of a few short timing rounds (~0.1 s each), so a full
-run takes under a minute.
+Prints GFLOP/s (2*M*N*K per call) per (path, M) for the layer (fused projections as the engine runs them, and
+unfused: q/k/v and gate/up as separate calls) and for the head, the ratio to `fp32_mkl`, what fusing saves per
+path (unfused time / fused time), and as its LAST line one JSON object. Each cell is the best of a few short
+timing rounds (`--rounds`, ~0.1 s each: raise it on a shared machine), so a full run takes about a minute.
 
     .venv/bin/python bench/linear_kernels.py
     .venv/bin/python bench/linear_kernels.py --rows 1,64 --paths fp32_mkl,bf16_onednn
+    .venv/bin/python bench/linear_kernels.py --groups layer,layer_unfused   # what fusing QKV and gate+up saves
 """
 
 from __future__ import annotations
@@ -35,9 +38,19 @@ import torch
 import torch.nn.functional as F
 
 HIDDEN, INTER, VOCAB, Q, KV = 576, 1536, 49152, 576, 192
-# [N, K] of one decoder layer's linears as the engine runs them (QKV and gate+up fused) and of the output head.
+# [N, K] of one decoder layer's linears as the engine runs them (QKV and gate+up fused), of the same layer with
+# every projection on its own (what fusing saves: `layer` vs `layer_unfused`, same FLOPs), and of the output head.
 GROUPS: dict[str, list[tuple[int, int]]] = {
     "layer": [(Q + 2 * KV, HIDDEN), (HIDDEN, Q), (2 * INTER, HIDDEN), (HIDDEN, INTER)],
+    "layer_unfused": [
+        (Q, HIDDEN),
+        (KV, HIDDEN),
+        (KV, HIDDEN),
+        (HIDDEN, Q),
+        (INTER, HIDDEN),
+        (INTER, HIDDEN),
+        (HIDDEN, INTER),
+    ],
     "head": [(VOCAB, HIDDEN)],
 }
 ROWS = (1, 16, 64, 256, 512)
@@ -73,6 +86,12 @@ def _int4_wo(w: torch.Tensor) -> tuple[Call, torch.dtype]:
     return (lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, g, sz)), torch.bfloat16
 
 
+def _fp8_wo(w: torch.Tensor) -> tuple[Call, torch.dtype]:
+    from worker.model.quant import Fp8Linear
+
+    return Fp8Linear(w, None, torch.float32), torch.float32
+
+
 def _onednn(w: torch.Tensor, dtype: torch.dtype) -> tuple[Call, torch.dtype]:
     packed = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), None)
     return (lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")), dtype
@@ -97,6 +116,7 @@ PATHS: dict[str, Callable[[torch.Tensor], tuple[Call, torch.dtype]]] = {
     "int8_dyn": _int8_dyn,
     "int8_wo_bf16": _int8_wo,
     "int4_wo_bf16": _int4_wo,
+    "fp8_wo_fp32": _fp8_wo,
 }
 
 
@@ -117,11 +137,14 @@ def time_calls(calls: list[tuple[Call, torch.Tensor]], rounds: int = 3, round_s:
     return best
 
 
-def measure(paths: list[str], rows: list[int]) -> dict[str, dict[str, dict[int, float]]]:
+def measure(
+    paths: list[str], rows: list[int], groups: list[str], rounds: int = 3
+) -> dict[str, dict[str, dict[int, float]]]:
     """GFLOP/s per group, path and row count."""
     torch.manual_seed(0)
     out: dict[str, dict[str, dict[int, float]]] = {}
-    for group, shapes in GROUPS.items():
+    for group in groups:
+        shapes = GROUPS[group]
         weights = [torch.randn(n, k) * k**-0.5 for n, k in shapes]
         out[group] = {}
         for path in paths:
@@ -133,7 +156,7 @@ def measure(paths: list[str], rows: list[int]) -> dict[str, dict[str, dict[int, 
             out[group][path] = {}
             for m in rows:
                 calls = [(fn, torch.randn(m, k).to(dt)) for (fn, dt), (_, k) in zip(built, shapes)]
-                secs = time_calls(calls)
+                secs = time_calls(calls, rounds)
                 flops = sum(2 * m * n * k for n, k in shapes)
                 out[group][path][m] = flops / secs / 1e9
     return out
@@ -143,17 +166,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma-separated row counts M")
     ap.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated: {','.join(PATHS)}")
+    ap.add_argument("--rounds", type=int, default=3, help="timing rounds per cell (best is kept)")
+    ap.add_argument("--groups", default=",".join(GROUPS), help=f"comma-separated: {','.join(GROUPS)}")
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     paths = [p for p in args.paths.split(",") if p]
     unknown = [p for p in paths if p not in PATHS]
     if unknown:
         ap.error(f"unknown paths {unknown}; choose from {list(PATHS)}")
+    groups = [g for g in args.groups.split(",") if g]
+    if any(g not in GROUPS for g in groups):
+        ap.error(f"unknown groups {[g for g in groups if g not in GROUPS]}; choose from {list(GROUPS)}")
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu capability "
         f"{torch.backends.cpu.get_cpu_capability()}, mkldnn bf16 {torch.ops.mkldnn._is_mkldnn_bf16_supported()}"
     )
-    res = measure(paths, rows)
+    res = measure(paths, rows, groups, args.rounds)
     for group, by_path in res.items():
         base = by_path.get("fp32_mkl", {})
         print(f"\n{group}: GFLOP/s (x fp32_mkl)")
@@ -161,6 +189,12 @@ def main() -> None:
         for path, by_m in by_path.items():
             cells = [f"{by_m[m]:7.1f} ({by_m[m] / base[m]:4.2f}x)" if m in base else f"{by_m[m]:7.1f}" for m in rows]
             print(f"{path:16s}" + "".join(f"{c:>16s}" for c in cells))
+    fused, unfused = res.get("layer", {}), res.get("layer_unfused", {})
+    if fused and unfused:
+        print("\nfused projections: layer time unfused / fused (same FLOPs; >1 means fusing is faster)")
+        print(f"{'path':16s}" + "".join(f"{'M=' + str(m):>16s}" for m in rows))
+        for path in [p for p in fused if p in unfused]:
+            print(f"{path:16s}" + "".join(f"{fused[path][m] / unfused[path][m]:16.2f}" for m in rows))
     print(
         json.dumps(
             {g: {p: {str(m): round(v, 1) for m, v in bm.items()} for p, bm in bp.items()} for g, bp in res.items()}

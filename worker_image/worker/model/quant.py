@@ -17,6 +17,11 @@ quality, this docstring records the speed probe for SmolLM2's linear shapes, sum
   bf16 rounding of activations is far below int4's own error, and the weights stay packed (0.5 byte/weight +
   bf16 scales/zeros), which is the sure win on CPU.
 
+Both formats quantize per output row (fp8: one scale per row; int4: groups along the input dim of a row), so
+quantizing the fused q/k/v or gate/up weight (llama.py concatenates them along the output dim once at load) is
+exactly the concatenation of the per-projection layers: fusing changes no weight (tests/worker_model/
+test_model_fused.py). A per-tensor scale would not have that property.
+
 The dequantization conventions are tested against a reference: fp8 `w = fp8 * scale`; int4
 `w = (q - 8) * scale + zero` (torch's tinygemm convention, `zero` in the float domain).
 
