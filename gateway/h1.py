@@ -120,6 +120,11 @@ class _Body(httpx.AsyncByteStream):
     def __aiter__(self) -> _Body:
         return self
 
+    def set_read_timeout(self, seconds: float | None) -> None:
+        """From now on each wait for the next chunk ends in `httpx.ReadTimeout` after `seconds` (the connection's
+        one lazily re-armed timer: no timer per chunk)."""
+        self._conn.set_read_timeout(seconds)
+
     async def __anext__(self) -> bytes:
         if self._closed:
             raise StopAsyncIteration
@@ -349,6 +354,14 @@ class H1Connection(asyncio.Protocol):
                 self._waiter = None
         if self._error is not None and not self._chunks:
             raise type(self._error)(str(self._error))  # a fresh one per raise
+
+    def set_read_timeout(self, seconds: float | None) -> None:
+        """The read timeout from now on; a timer armed with the old one is re-armed with the new."""
+        self._read_timeout = seconds
+        self._cancel_timer()
+        fut = self._waiter
+        if seconds is not None and fut is not None and not fut.done() and self._loop is not None:
+            self._timer = self._loop.call_at(self._since + seconds, self._check_timeout)
 
     def _wake(self) -> None:
         fut = self._waiter

@@ -54,10 +54,10 @@ from gateway.state import GatewayState
 from gateway.tiers import TierError, resolve_tier
 from gateway.transport import PooledTransport, UpstreamResponse, header, read_all
 from gateway.usage import (
-    ask_for_usage,
     has_usage,
     strip_null_usage,
     take_usage,
+    upstream_body,
     usage_of_body,
 )
 
@@ -128,7 +128,7 @@ class _DisconnectWatch:
     """Cancels the request's task when the client disconnects before the response is complete."""
 
     def __init__(self, receive: Receive) -> None:
-        self._task = asyncio.current_task()
+        self.task = asyncio.current_task()
         self.disconnected = False
         self.finished = False
         self._listener = asyncio.create_task(self._listen(receive))
@@ -137,57 +137,14 @@ class _DisconnectWatch:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                if not self.finished and self._task is not None:
+                if not self.finished and self.task is not None:
                     self.disconnected = True
-                    self._task.cancel()
+                    self.task.cancel()
                 return
 
     def stop(self) -> None:
         self.finished = True
         self._listener.cancel()
-
-
-class _StallTimer:
-    """Cancels the current task when one upstream read has waited `timeout` seconds.
-
-    One timer per stream, re-armed lazily from the time of the latest read, instead of a timeout context per
-    chunk (which costs a timer handle per token on the hot path). Only reads are timed, never the client's
-    side: a slow client is backpressure, not a stalled backend.
-    """
-
-    def __init__(self, timeout: float) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._task = asyncio.current_task()
-        self._timeout = timeout
-        self._since = 0.0
-        self._armed = False
-        self.fired = False
-        self._handle: asyncio.TimerHandle | None = None
-
-    def arm(self) -> None:
-        self._since = self._loop.time()
-        self._armed = True
-        if self._handle is None:
-            self._handle = self._loop.call_at(self._since + self._timeout, self._check)
-
-    def disarm(self) -> None:
-        self._armed = False
-
-    def _check(self) -> None:
-        self._handle = None
-        if not self._armed:
-            return
-        due = self._since + self._timeout
-        if self._loop.time() >= due and self._task is not None:
-            self.fired = True
-            self._task.cancel()
-        else:
-            self._handle = self._loop.call_at(due, self._check)
-
-    def stop(self) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
 
 
 @dataclass
@@ -402,9 +359,7 @@ class _Request:
                 {"retry-after": retry},
             )
         try:
-            upstream_body, self.client_wants_usage = ask_for_usage(body)
-            if upstream_body is not body:
-                self.upstream_raw = json.dumps(upstream_body, separators=(",", ":"), ensure_ascii=False).encode()
+            self.upstream_raw, self.client_wants_usage = upstream_body(self.raw, body)
             return await self._admitted(send, watch, dep, suffix, tier, stream, prompt)
         finally:
             self._settle(verdict.reservation)
@@ -692,7 +647,8 @@ class _Request:
         reads = 0
         pending = b""
         ended_clean = True
-        stall = _StallTimer(read_timeout)
+        if chunks is not None:  # from here on, each read waits `read` seconds at most (the first waited first_byte)
+            up.response.stream.set_read_timeout(read_timeout)
         try:
             while True:
                 if pending:
@@ -708,28 +664,20 @@ class _Request:
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
                         ended_clean = chunk.endswith(b"\n\n")
                 failure: str | None = None
-                stall.arm()
                 try:
                     chunk = await anext(chunks)  # type: ignore[arg-type]
                 except StopAsyncIteration:
                     if not pending:
                         break
                     chunk, pending = pending, b""  # an unterminated last line: passed on as it is
-                    stall.disarm()
                     if _USAGE_KEY in chunk:
                         chunk = self._usage_from(chunk, strip)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     break
+                except httpx.ReadTimeout:
+                    failure = f"no data for {read_timeout:g} s"
                 except httpx.HTTPError as e:
                     failure = type(e).__name__
-                except asyncio.CancelledError:
-                    if watch.disconnected or not stall.fired:
-                        raise
-                    task = asyncio.current_task()
-                    if task is not None:
-                        task.uncancel()
-                    failure = f"no data for {read_timeout:g} s"
-                stall.disarm()
                 if failure is not None:
                     metrics.errors.labels(self.model_label, "midstream").inc()
                     msg = f"the backend failed mid-stream ({failure}); the response is incomplete"
@@ -740,7 +688,6 @@ class _Request:
                     return 502
                 reads += 1
         finally:
-            stall.stop()
             self._observe_itl(first, reads)
         watch.finished = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -72,6 +72,9 @@ class UpstreamStream(Protocol):
 
     def __aiter__(self) -> AsyncIterator[bytes]: ...
 
+    def set_read_timeout(self, seconds: float | None) -> None:
+        """From now on a wait for the next chunk ends in `httpx.ReadTimeout` after `seconds`."""
+
     async def aclose(self) -> None: ...
 
 
@@ -129,10 +132,22 @@ class _ResponseStream(httpx.AsyncByteStream):
         self._stream = stream
         self._release = release
         self._released = False
+        self._read_timeout: float | None = None  # on top of httpcore's own, which stays the request's
+
+    def set_read_timeout(self, seconds: float | None) -> None:
+        self._read_timeout = seconds
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         with _mapped():
-            async for part in self._stream:
+            parts = aiter(self._stream)
+            while True:
+                try:
+                    async with asyncio.timeout(self._read_timeout):
+                        part = await anext(parts)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    raise httpx.ReadTimeout(f"no data for {self._read_timeout:g} s") from None
                 yield part
 
     async def aclose(self) -> None:
@@ -259,8 +274,11 @@ class PooledTransport(httpx.AsyncBaseTransport):
             )
         core = conn
         netloc = origin[1] if origin[2] == 443 else b"%s:%d" % (origin[1], origin[2])
-        if not any(name.lower() == b"host" for name, _ in headers):
+        names = {name.lower() for name, _ in headers}
+        if b"host" not in names:  # httpcore sends the headers it is given, nothing more
             headers = [(b"host", netloc), *headers]
+        if b"content-length" not in names and b"transfer-encoding" not in names:
+            headers = [*headers, (b"content-length", str(len(body)).encode())]
         request = httpcore.Request(
             method=b"POST",
             url=httpcore.URL(scheme=origin[0], host=origin[1], port=origin[2], target=target),

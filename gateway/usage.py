@@ -21,6 +21,7 @@ from typing import Any
 
 USAGE_MARKERS = (b'"usage":{', b'"usage": {')
 _NULL_USAGE = b',"usage":null'  # what the worker adds to every chunk while include_usage is on
+_INCLUDE_USAGE = b',"stream_options":{"include_usage":true}'
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +45,24 @@ def ask_for_usage(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         return body, True
     merged = {**options, "include_usage": True} if isinstance(options, dict) else {"include_usage": True}
     return {**body, "stream_options": merged}, False
+
+
+def upstream_body(raw: bytes, body: dict[str, Any]) -> tuple[bytes, bool]:
+    """The bytes to send upstream for a request whose bytes are `raw` and parsed body `body`, and whether the
+    client asked for usage itself (`ask_for_usage`).
+
+    A stream without `stream_options` (the common case) gets the option spliced in before its closing brace, so
+    the body is not serialized again (a `json.dumps` per request was the gateway's largest per-request cost after
+    parsing); any other change re-serializes the merged body. Only a UTF-8 object is spliced (`json.loads` also
+    reads UTF-16/32)."""
+    sent, client_asked = ask_for_usage(body)
+    if sent is body:
+        return raw, client_asked
+    if "stream_options" not in body:
+        stripped = raw.rstrip()
+        if stripped.endswith(b"}") and raw.lstrip().startswith(b"{"):
+            return stripped[:-1] + _INCLUDE_USAGE + b"}", client_asked
+    return json.dumps(sent, separators=(",", ":"), ensure_ascii=False).encode(), client_asked
 
 
 def parse_usage(value: object) -> Usage | None:

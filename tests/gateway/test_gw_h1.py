@@ -334,6 +334,37 @@ async def test_a_head_that_never_comes_is_a_read_timeout() -> None:
         await eventually(lambda: w.stats.connections == 0, "the server saw the close")
 
 
+@pytest.mark.parametrize("while_waiting", [False, True], ids=["before-the-wait", "during-the-wait"])
+async def test_a_shorter_read_timeout_set_after_the_head_applies_to_the_body(while_waiting: bool) -> None:
+    """The proxy waits long for the first byte (queue + TTFT), then switches to the shorter between-chunks timeout:
+    the timer armed with the long one must not decide when a stalled body fails."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n")
+        await reader.read()
+
+    async with server(handler) as port:
+        conn = H1Connection("127.0.0.1", port)
+        r = await conn.handle_async_request(request(f"http://127.0.0.1:{port}/", read=3600, content=b"x"))
+        chunks = aiter(r.stream)
+        assert await anext(chunks) == b"ok"
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        if while_waiting:
+            waiting = asyncio.ensure_future(anext(chunks))
+            await asyncio.sleep(0.05)
+            assert not waiting.done()
+            r.stream.set_read_timeout(0.1)
+        else:
+            r.stream.set_read_timeout(0.1)
+            waiting = asyncio.ensure_future(anext(chunks))
+        with pytest.raises(httpx.ReadTimeout):
+            await asyncio.wait_for(waiting, 60)  # the old timer would fire after an hour
+        assert loop.time() - started < 30
+        assert conn.is_closed()
+
+
 async def test_a_stalled_body_is_a_read_timeout() -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_head(reader)
