@@ -13,6 +13,7 @@ inside the command so `llmfleet --help` stays fast.
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 from pathlib import Path
@@ -120,6 +121,7 @@ def gateway_command(
             raise fail(f"{api_keys_file} holds no key: add `KEY [TIER]` lines")
         keys = KeyStore(loaded, settings.default_tier)
     app = create_app(settings, source, keys)
+    tune_garbage_collector()
     uvicorn.run(
         app,
         host=settings.host,
@@ -132,3 +134,28 @@ def gateway_command(
         loop=loop,
         http=http,
     )
+
+
+GC_THRESHOLD_YOUNG = 20_000  # net allocations between young-generation collections (see tune_garbage_collector)
+
+
+def tune_garbage_collector() -> None:
+    """Freeze what start-up created and collect the young generation less often.
+
+    Why: the cyclic garbage collector cost the gateway 11-14% of its CPU in a native profile at 512 streams
+    (py-spy --native: `gc_collect_main`), for two reasons:
+    - Every full collection walked the ~90k objects alive after start-up (modules, FastAPI, pydantic, the
+      Kubernetes client): 18 ms each here. `gc.freeze` moves them out of the collector's reach; they live as long
+      as the process anyway.
+    - Each request holds ~100 tracked objects for its lifetime, so at the default threshold (700 net allocations)
+      the young generation was collected every few requests, and each collection walked the live objects of all
+      the streams in flight again (395 young and 35 middle collections in a 2,048-request run). At 20,000
+      (`GC_THRESHOLD_YOUNG`) the same run does 13; each pause is longer (~10 ms with 512 streams in flight), the
+      total time in the collector ~40% lower.
+    What requests create is still collected, cycles included (the proxy leaves none per request:
+    tests/gateway/test_gw_gc.py). Process-wide, so the gateway's entry point does it once the app is built, not
+    the app factory (tests run several gateways in one process)."""
+    gc.collect()
+    gc.freeze()
+    _, middle, old = gc.get_threshold()
+    gc.set_threshold(GC_THRESHOLD_YOUNG, middle, old)

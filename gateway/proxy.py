@@ -143,8 +143,18 @@ class _DisconnectWatch:
                 return
 
     def stop(self) -> None:
+        """The response is over: the listener ends by itself (a server wakes a pending `receive` with
+        `http.disconnect` once the response is complete, as uvicorn does); one still waiting after the callbacks
+        already due have run (the response did not complete) is cancelled. Not cancelling it in the common case
+        matters: a cancelled task keeps its CancelledError, whose traceback holds the task's frame, a reference
+        cycle per request that only the garbage collector frees."""
         self.finished = True
-        self._listener.cancel()
+        if not self._listener.done():
+            asyncio.get_running_loop().call_soon(self._cancel_pending)
+
+    def _cancel_pending(self) -> None:
+        if not self._listener.done():
+            self._listener.cancel()
 
 
 @dataclass
