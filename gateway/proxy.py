@@ -131,7 +131,8 @@ class _DisconnectWatch:
         self.task = asyncio.current_task()
         self.disconnected = False
         self.finished = False
-        self._listener = asyncio.create_task(self._listen(receive))
+        self._loop = self.task.get_loop() if self.task is not None else asyncio.get_running_loop()
+        self._listener = self._loop.create_task(self._listen(receive))
 
     async def _listen(self, receive: Receive) -> None:
         while True:
@@ -150,7 +151,7 @@ class _DisconnectWatch:
         cycle per request that only the garbage collector frees."""
         self.finished = True
         if not self._listener.done():
-            asyncio.get_running_loop().call_soon(self._cancel_pending)
+            self._loop.call_soon(self._cancel_pending)
 
     def _cancel_pending(self) -> None:
         if not self._listener.done():
@@ -332,11 +333,10 @@ class _Request:
         key_tier = s.tier(self.principal.tier)
         header_tier = self.headers.get(b"x-llmfleet-tier")
         try:
-            tier = resolve_tier(
-                s.tiers,
-                key_tier.name,
-                header_tier.decode("latin-1") if header_tier else None,
-                may_raise=self.principal.open_mode,
+            tier = (
+                resolve_tier(s.tiers, key_tier.name, header_tier.decode("latin-1"), may_raise=self.principal.open_mode)
+                if header_tier
+                else key_tier
             )
             dep, suffix = resolve_model(state.table, model)
         except (TierError, RoutingError) as e:
