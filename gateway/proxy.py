@@ -158,6 +158,18 @@ class _DisconnectWatch:
             self._listener.cancel()
 
 
+@dataclass(frozen=True, slots=True)
+class _Routed:
+    """What a request's body and key decided before admission: its deployment (and variant suffix), its tier,
+    whether it streams, and its prompt text (for prefix affinity)."""
+
+    dep: DeploymentRoute
+    suffix: str | None
+    tier: TierSettings
+    stream: bool
+    prompt: str
+
+
 @dataclass
 class _Upstream:
     """A committed upstream response: the pod it came from and, for streams, its first chunk."""
@@ -370,47 +382,30 @@ class _Request:
             )
         try:
             self.upstream_raw, self.client_wants_usage = upstream_body(self.raw, body)
-            return await self._admitted(send, watch, dep, suffix, tier, stream, prompt)
+            return await self._admitted(send, watch, _Routed(dep, suffix, tier, stream, prompt))
         finally:
             self._settle(verdict.reservation)
 
     def _settle(self, reservation: Reservation) -> None:
         self.state.limiter.settle(reservation, self.used, self.state.clock())
 
-    async def _admitted(
-        self,
-        send: Send,
-        watch: _DisconnectWatch,
-        dep: DeploymentRoute,
-        suffix: str | None,
-        tier: TierSettings,
-        stream: bool,
-        prompt: str,
-    ) -> int:
+    async def _admitted(self, send: Send, watch: _DisconnectWatch, routed: _Routed) -> int:
         state, s = self.state, self.state.settings
         try:
-            await state.admission.acquire(tier)
+            await state.admission.acquire(routed.tier)
         except Rejected as r:
-            state.metrics.shed.labels(tier.name, r.reason).inc()
+            state.metrics.shed.labels(routed.tier.name, r.reason).inc()
             raise _Failure(503, r.message, "overloaded", {"retry-after": str(s.retry_after_seconds)}) from None
         try:
-            return await self._route_and_proxy(send, watch, dep, suffix, tier, stream, prompt)
+            return await self._route_and_proxy(send, watch, routed)
         finally:
             state.admission.release()
 
-    async def _route_and_proxy(
-        self,
-        send: Send,
-        watch: _DisconnectWatch,
-        dep: DeploymentRoute,
-        suffix: str | None,
-        tier: TierSettings,
-        stream: bool,
-        prompt: str,
-    ) -> int:
+    async def _route_and_proxy(self, send: Send, watch: _DisconnectWatch, routed: _Routed) -> int:
         state, s = self.state, self.state.settings
+        dep, tier = routed.dep, routed.tier
         try:
-            variant = choose_variant(dep, suffix, tier.name, state.rng)
+            variant = choose_variant(dep, routed.suffix, tier.name, state.rng)
         except RoutingError as e:
             raise _Failure(e.status, e.message, e.code) from None
         if not variant.ready:
@@ -423,8 +418,8 @@ class _Request:
                 raise _Failure(
                     503, r.message, "no_ready_backend", {"retry-after": str(s.retry_after_seconds)}
                 ) from None
-        key = affinity_key(prompt, s.affinity_prefix_chars)
-        async with self._open(dep.model, variant.name, key, stream) as upstream:
+        key = affinity_key(routed.prompt, s.affinity_prefix_chars)
+        async with self._open(dep.model, variant.name, key, routed.stream) as upstream:
             self.response_headers["x-llmfleet-variant"] = upstream.variant
             self.response_headers["x-llmfleet-revision"] = upstream.revision
             if upstream.first_chunk is None:
