@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,82 +145,80 @@ async def load(urls: list[str], streams: int, per_stream: int, tokens: int, head
     return run
 
 
-async def bench(args: argparse.Namespace) -> list[dict[str, object]]:
-    stub_args = [
-        "-m",
-        "gateway.stub",
-        "--count",
-        str(args.workers),
-        "--delay",
-        str(args.delay),
-        "--tokens",
-        str(args.tokens),
-    ]
-    rows: list[dict[str, object]] = []
+@contextlib.asynccontextmanager
+async def stub_workers(count: int, delay: float, tokens: int) -> AsyncIterator[list[str]]:
+    """`count` stub workers (one process, `gateway.stub`); yields their base URLs."""
+    args = ["-m", "gateway.stub", "--count", str(count), "--delay", str(delay), "--tokens", str(tokens)]
+    async with spawn(sys.executable, *args, ready_prefix="listening on") as stub:
+        yield stub.first_line.removeprefix("listening on ").split()
+
+
+@contextlib.asynccontextmanager
+async def gateway_process(urls: list[str], streams: int, extra: Sequence[str] = ()) -> AsyncIterator[Gateway]:
+    """`llmfleet gateway` in its own process routing model `bench` to `urls`, with one premium key (`KEY`) and
+    limits sized for `streams` (`gateway_config`); yields it once `/ready` answers."""
     with tempfile.TemporaryDirectory() as tmp:
         keys, config = Path(tmp) / "keys.txt", Path(tmp) / "gateway.json"
         keys.write_text(f"{KEY} premium\n")
-        gateway_config(config, max(args.streams))
-        async with spawn(sys.executable, *stub_args, ready_prefix="listening on") as stub:
-            urls = stub.first_line.removeprefix("listening on ").split()
-            for stack in args.stacks:
-                rows += await bench_gateway(args, urls, keys, config, stack)
+        gateway_config(config, streams)
+        port = free_port()
+        gw_args = [
+            *("-m", "llmfleet.cli", "gateway", "--port", str(port), "--backend", "bench=" + ",".join(urls)),
+            *("--api-keys-file", str(keys), "--config", str(config), "--log-level", "warning"),
+            *("--metrics-port", str(free_port()), *extra),
+        ]
+        async with spawn(sys.executable, *gw_args) as proc:
+            url = f"http://127.0.0.1:{port}"
+            await wait_http_ok(url + "/ready")
+            yield Gateway(url, proc.proc.pid, {"authorization": f"Bearer {KEY}"})
+
+
+@dataclass(frozen=True)
+class Gateway:
+    """A running gateway process: its URL, its pid (for CPU time) and the headers that authenticate."""
+
+    url: str
+    pid: int
+    auth: dict[str, str]
+
+
+async def bench(args: argparse.Namespace) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    async with stub_workers(args.workers, args.delay, args.tokens) as urls:
+        for stack in args.stacks:
+            async with gateway_process(urls, max(args.streams), STACKS[stack]) as gw:
+                rows += await bench_gateway(args, urls, gw, stack)
     return rows
 
 
-async def bench_gateway(
-    args: argparse.Namespace, urls: list[str], keys: Path, config: Path, stack: str
-) -> list[dict[str, object]]:
+async def bench_gateway(args: argparse.Namespace, urls: list[str], gw: Gateway, stack: str) -> list[dict[str, object]]:
     """The load levels against one gateway process running on `stack` (see STACKS), each also run direct."""
     rows: list[dict[str, object]] = []
-    port = free_port()
-    gw_args = [
-        "-m",
-        "llmfleet.cli",
-        "gateway",
-        "--port",
-        str(port),
-        "--backend",
-        "bench=" + ",".join(urls),
-        "--api-keys-file",
-        str(keys),
-        "--config",
-        str(config),
-        "--log-level",
-        "warning",
-        "--metrics-port",
-        str(free_port()),
-        *STACKS[stack],
-    ]
-    async with spawn(sys.executable, *gw_args) as gw_proc:
-        gateway = f"http://127.0.0.1:{port}"
-        await wait_http_ok(gateway + "/ready")
-        auth = {"authorization": f"Bearer {KEY}"}
-        await load([gateway], 1, 2, args.tokens, auth)  # warm up both paths
-        await load(urls, 1, 2, args.tokens, {})
-        for streams in args.streams:
-            per_stream = min(args.max_per_stream, max(1, args.requests // streams))
-            direct = (await load(urls, streams, per_stream, args.tokens, {})).summary()
-            cpu0 = cpu_seconds(gw_proc.proc.pid)
-            through_run = await load([gateway], streams, per_stream, args.tokens, auth)
-            cpu = cpu_seconds(gw_proc.proc.pid) - cpu0
-            through = through_run.summary()
-            rows.append(
-                {
-                    "stack": stack,
-                    "streams": streams,
-                    "requests": streams * per_stream,
-                    "direct": direct,
-                    "gateway": through,
-                    "ttft_added_ms": through["ttft_p50_ms"] - direct["ttft_p50_ms"],
-                    "ttft_ratio": through["ttft_p50_ms"] / direct["ttft_p50_ms"],
-                    "itl_added_ms": through["itl_p50_ms"] - direct["itl_p50_ms"],
-                    "itl_ratio": through["itl_p50_ms"] / direct["itl_p50_ms"],
-                    "throughput_ratio": through["tokens_per_s"] / direct["tokens_per_s"],
-                    "gateway_cpu_ms_per_request": 1000 * cpu / (streams * per_stream),
-                    "gateway_cpu_us_per_token": 1e6 * cpu / max(1, through_run.tokens),
-                }
-            )
+    await load([gw.url], 1, 2, args.tokens, gw.auth)  # warm up both paths
+    await load(urls, 1, 2, args.tokens, {})
+    for streams in args.streams:
+        per_stream = min(args.max_per_stream, max(1, args.requests // streams))
+        direct = (await load(urls, streams, per_stream, args.tokens, {})).summary()
+        cpu0 = cpu_seconds(gw.pid)
+        through_run = await load([gw.url], streams, per_stream, args.tokens, gw.auth)
+        cpu = cpu_seconds(gw.pid) - cpu0
+        through = through_run.summary()
+        rows.append(
+            {
+                "stack": stack,
+                "streams": streams,
+                "requests": streams * per_stream,
+                "direct": direct,
+                "gateway": through,
+                "ttft_added_ms": through["ttft_p50_ms"] - direct["ttft_p50_ms"],
+                "ttft_ratio": through["ttft_p50_ms"] / direct["ttft_p50_ms"],
+                "itl_added_ms": through["itl_p50_ms"] - direct["itl_p50_ms"],
+                "itl_ratio": through["itl_p50_ms"] / direct["itl_p50_ms"],
+                "throughput_ratio": through["tokens_per_s"] / direct["tokens_per_s"],
+                "gateway_cpu_ms_per_request": 1000 * cpu / (streams * per_stream),
+                "gateway_cpu_us_per_token": 1e6 * cpu / max(1, through_run.tokens),
+            }
+        )
     return rows
 
 

@@ -25,18 +25,16 @@ import json
 import os
 import statistics
 import subprocess
-import sys
-import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
-from gateway_proxy import Run, cpu_seconds, gateway_config, load
+from gateway_proxy import Gateway, Run, cpu_seconds, gateway_process, load, stub_workers
 
 from gateway.testing import spawn, wait_http_ok
 from llmfleet.processes import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 ROUTER_VENV = ROOT / ".venv-router"
-KEY = "sk-bench-router-comparison"
 
 
 def ensure_router() -> Path:
@@ -73,95 +71,55 @@ async def measure(
 
 async def bench(args: argparse.Namespace) -> list[dict[str, float]]:
     router = ensure_router()
-    stub_args = [
-        "-m",
-        "gateway.stub",
-        "--count",
-        str(args.workers),
-        "--delay",
-        str(args.delay),
-        "--tokens",
-        str(args.tokens),
-    ]
+    async with (
+        stub_workers(args.workers, args.delay, args.tokens) as urls,
+        gateway_process(urls, max(args.streams)) as gw,
+    ):
+        rt_port = free_port()
+        rt_args = [
+            *("--host", "127.0.0.1", "--port", str(rt_port), "--worker-urls", *urls, "--policy", "round_robin"),
+            *("--max-concurrent-requests", str(4 * max(args.streams)), "--queue-size", str(4 * max(args.streams))),
+            *("--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warning"),
+        ]
+        async with spawn(str(router), *rt_args, env={**os.environ, "RUST_LOG": "warn"}) as rt:
+            routed = f"http://127.0.0.1:{rt_port}"
+            await wait_http_ok(routed + "/health")
+            return await compare(args, urls, gw, Proxy(routed, rt.proc.pid))
+
+
+@dataclass(frozen=True)
+class Proxy:
+    url: str
+    pid: int
+
+
+async def compare(args: argparse.Namespace, urls: list[str], gw: Gateway, rt: Proxy) -> list[dict[str, float]]:
+    """Each concurrency: `--repeat` rounds of direct, router, gateway; the medians and the ratios."""
     rows: list[dict[str, float]] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        keys, config = Path(tmp) / "keys.txt", Path(tmp) / "gateway.json"
-        keys.write_text(f"{KEY} premium\n")
-        gateway_config(config, max(args.streams))
-        async with spawn(sys.executable, *stub_args, ready_prefix="listening on") as stub:
-            urls = stub.first_line.removeprefix("listening on ").split()
-            gw_port, rt_port = free_port(), free_port()
-            gw_args = [
-                "-m",
-                "llmfleet.cli",
-                "gateway",
-                "--port",
-                str(gw_port),
-                "--backend",
-                "bench=" + ",".join(urls),
-                "--api-keys-file",
-                str(keys),
-                "--config",
-                str(config),
-                "--log-level",
-                "warning",
-                "--metrics-port",
-                str(free_port()),
-            ]
-            rt_args = [
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(rt_port),
-                "--worker-urls",
-                *urls,
-                "--policy",
-                "round_robin",
-                "--max-concurrent-requests",
-                str(4 * max(args.streams)),
-                "--queue-size",
-                str(4 * max(args.streams)),
-                "--prometheus-host",
-                "127.0.0.1",
-                "--prometheus-port",
-                str(free_port()),
-                "--log-level",
-                "warning",
-            ]
-            env = {**os.environ, "RUST_LOG": "warn"}
-            async with spawn(sys.executable, *gw_args) as gw, spawn(str(router), *rt_args, env=env) as rt:
-                gateway, routed = f"http://127.0.0.1:{gw_port}", f"http://127.0.0.1:{rt_port}"
-                await wait_http_ok(gateway + "/ready")
-                await wait_http_ok(routed + "/health")
-                auth = {"authorization": f"Bearer {KEY}"}
-                for url, hdrs in ((gateway, auth), (routed, {}), (urls[0], {})):  # warm up every path
-                    await load([url], 4, 2, args.tokens, hdrs)
-                for streams in args.streams:
-                    per_stream = min(args.max_per_stream, max(1, args.requests // streams))
-                    rounds: list[dict[str, float]] = []
-                    for _ in range(args.repeat):  # interleaved, so that a busy spell hits both proxies alike
-                        direct = (await load(urls, streams, per_stream, args.tokens, {})).summary()
-                        one: dict[str, float] = {"direct_ttft_p50_ms": direct["ttft_p50_ms"]}
-                        one |= await measure(
-                            "router", rt.proc.pid, routed, streams, per_stream, args.tokens, {}, direct
-                        )
-                        one |= await measure(
-                            "gateway", gw.proc.pid, gateway, streams, per_stream, args.tokens, auth, direct
-                        )
-                        rounds.append(one)
-                    r: dict[str, float] = {"streams": streams, "requests": streams * per_stream, "rounds": args.repeat}
-                    r |= {k: statistics.median(x[k] for x in rounds) for k in rounds[0]}
-                    r["cpu_per_token_ratio"] = r["gateway_cpu_us_per_token"] / r["router_cpu_us_per_token"]
-                    r["ttft_added_ratio"] = r["gateway_ttft_added_ms"] / max(r["router_ttft_added_ms"], 0.1)
-                    rows.append(r)
-                    print(
-                        f"{streams:>5} streams: CPU/token us gateway {r['gateway_cpu_us_per_token']:.1f} router "
-                        f"{r['router_cpu_us_per_token']:.1f} ratio {r['cpu_per_token_ratio']:.2f} | TTFT p50 added ms "
-                        f"gateway {r['gateway_ttft_added_ms']:.1f} router {r['router_ttft_added_ms']:.1f} | "
-                        f"errors gateway {r['gateway_errors']:.0f} router {r['router_errors']:.0f} | tok/s gateway "
-                        f"{r['gateway_tokens_per_s']:.0f} router {r['router_tokens_per_s']:.0f}",
-                        flush=True,
-                    )
+    for url, hdrs in ((gw.url, gw.auth), (rt.url, {}), (urls[0], {})):  # warm up every path
+        await load([url], 4, 2, args.tokens, hdrs)
+    for streams in args.streams:
+        per_stream = min(args.max_per_stream, max(1, args.requests // streams))
+        rounds: list[dict[str, float]] = []
+        for _ in range(args.repeat):  # interleaved, so that a busy spell hits both proxies alike
+            direct = (await load(urls, streams, per_stream, args.tokens, {})).summary()
+            one: dict[str, float] = {"direct_ttft_p50_ms": direct["ttft_p50_ms"]}
+            one |= await measure("router", rt.pid, rt.url, streams, per_stream, args.tokens, {}, direct)
+            one |= await measure("gateway", gw.pid, gw.url, streams, per_stream, args.tokens, gw.auth, direct)
+            rounds.append(one)
+        r: dict[str, float] = {"streams": streams, "requests": streams * per_stream, "rounds": args.repeat}
+        r |= {k: statistics.median(x[k] for x in rounds) for k in rounds[0]}
+        r["cpu_per_token_ratio"] = r["gateway_cpu_us_per_token"] / r["router_cpu_us_per_token"]
+        r["ttft_added_ratio"] = r["gateway_ttft_added_ms"] / max(r["router_ttft_added_ms"], 0.1)
+        rows.append(r)
+        print(
+            f"{streams:>5} streams: CPU/token us gateway {r['gateway_cpu_us_per_token']:.1f} router "
+            f"{r['router_cpu_us_per_token']:.1f} ratio {r['cpu_per_token_ratio']:.2f} | TTFT p50 added ms "
+            f"gateway {r['gateway_ttft_added_ms']:.1f} router {r['router_ttft_added_ms']:.1f} | "
+            f"errors gateway {r['gateway_errors']:.0f} router {r['router_errors']:.0f} | tok/s gateway "
+            f"{r['gateway_tokens_per_s']:.0f} router {r['router_tokens_per_s']:.0f}",
+            flush=True,
+        )
     return rows
 
 
