@@ -23,14 +23,18 @@ class BlockHash:
     Chaining the parent makes equal keys mean equal whole prefixes, so a block is shared only when everything
     before it matches too. Equality compares the token ids themselves, so a collision of the 64-bit `value`
     alone can never alias two different blocks.
+
+    `extra` keys a first block by what else its KV depends on besides the tokens (the LoRA adapter's id, None for
+    the base model); the chain carries it to every later block.
     """
 
-    __slots__ = ("parent", "token_ids", "value")
+    __slots__ = ("extra", "parent", "token_ids", "value")
 
-    def __init__(self, parent: BlockHash | None, token_ids: Sequence[int]) -> None:
+    def __init__(self, parent: BlockHash | None, token_ids: Sequence[int], extra: int | None = None) -> None:
         self.parent: int | None = None if parent is None else parent.value
         self.token_ids = tuple(token_ids)
-        self.value: int = hash((self.parent, self.token_ids))
+        self.extra = extra
+        self.value: int = hash((self.parent, self.token_ids) if extra is None else (self.parent, self.token_ids, extra))
 
     def __hash__(self) -> int:
         return self.value
@@ -41,6 +45,7 @@ class BlockHash:
             and self.value == other.value
             and self.parent == other.parent
             and self.token_ids == other.token_ids
+            and self.extra == other.extra
         )
 
     def __repr__(self) -> str:

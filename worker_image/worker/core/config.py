@@ -15,6 +15,8 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]  # auto: worker.model.
 SchedulingPolicy = Literal["fcfs", "priority"]
 MAX_SPECULATIVE_TOKENS = 16  # drafts verified per step and request; more only costs compute on rejected tokens
 MAX_PROMPT_LOOKUP = 32  # longest n-gram matched against the context
+MAX_LORAS = 256  # adapter slots; each costs its adapter's weights in memory
+MAX_LORA_RANK = 512
 
 
 class SpeculativeConfig(BaseModel):
@@ -79,6 +81,9 @@ class EngineConfig(BaseModel):
     speculative: SpeculativeConfig | None = Field(
         default=None, description="speculative decoding by prompt lookup; None: off"
     )
+    enable_lora: bool = Field(default=False, description="serve LoRA adapters of the base model")
+    max_loras: int = Field(default=1, ge=1, le=MAX_LORAS, description="adapters resident at once (slots)")
+    max_lora_rank: int = Field(default=16, ge=1, le=MAX_LORA_RANK, description="largest adapter rank accepted")
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

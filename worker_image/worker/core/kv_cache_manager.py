@@ -5,7 +5,9 @@ The scheduler asks three questions of it: which leading blocks of a new request 
 rather than over-committing), and give back everything a request held (`free`). Full blocks enter the prefix
 cache only after the step that computed their KV (`cache_computed_blocks`), so a hit never reads KV that is
 still being written. Block hashes are computed once per full block and kept for the request's lifetime, so a
-preempted request re-finds its own prefix without re-hashing, and no step re-hashes a whole prompt.
+preempted request re-finds its own prefix without re-hashing, and no step re-hashes a whole prompt. A request
+with a LoRA adapter keys its first block (hence its whole chain) by the adapter's id: KV computed under one
+adapter is never reused for another one or for the base model.
 """
 
 from __future__ import annotations
@@ -61,8 +63,10 @@ class KVCacheManager:
         bs = self.block_size
         num_full = request.num_tokens // bs
         parent = hashes[-1] if hashes else None
+        extra = None if request.lora is None else request.lora.lora_id
         for i in range(len(hashes), num_full):
-            parent = BlockHash(parent, token_slice(request, i * bs, (i + 1) * bs))
+            tokens = token_slice(request, i * bs, (i + 1) * bs)
+            parent = BlockHash(parent, tokens) if i or extra is None else BlockHash(parent, tokens, extra)
             hashes.append(parent)
         return hashes
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from worker.core.lora import LoraSpec
 from worker.core.request import Logprob, SamplingParams
 
 
@@ -36,6 +37,10 @@ class ScheduledSeq:
     prompt_targets: tuple[int, ...] = ()
     # Speculative decoding: the last len(draft_token_ids) entries of token_ids are drafts to verify (sample is True)
     draft_token_ids: tuple[int, ...] = ()
+    # LoRA: the request's adapter and the slot the scheduler gave it (the runner loads the adapter into that slot
+    # when the slot holds another one); None / -1 for the base model
+    lora: LoraSpec | None = None
+    lora_slot: int = -1
 
 
 @dataclass(frozen=True)

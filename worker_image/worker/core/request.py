@@ -11,6 +11,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from worker.core.lora import LoraSpec
+
 
 class FinishReason(str, enum.Enum):  # noqa: UP042 - StrEnum would change str() of a member, which logs rely on
     """Why a request ended. Values are what the OpenAI API reports as `finish_reason`."""
@@ -200,6 +202,8 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None  # why the engine failed this request (status FINISHED_ERROR)
+    lora: LoraSpec | None = None  # the LoRA adapter it runs with; None: the base model
+    lora_slot: int | None = None  # the adapter slot it holds while running (worker.core.lora.LoraSlots)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -23,6 +23,13 @@ each is appended and stop-checked in order, so a request stops exactly where pla
 `num_computed_tokens` counts only positions whose token is now known: the KV written for rejected drafts lies
 beyond it and is overwritten later. Since blocks enter the prefix cache only below `num_computed_tokens` and are
 hashed from the request's own (verified) tokens, no rejected draft can ever be cached.
+
+LoRA (`EngineConfig.enable_lora`): a request with an adapter is admitted only when its adapter gets one of the
+`max_loras` slots (`worker.core.lora.LoraSlots`: the slot it already holds, a free one, or the least recently used
+idle adapter's); otherwise admission passes over it, leaving it at the head of the queue, and admits the requests
+behind it. It holds the slot while running (so its adapter is never evicted under it) and gives it back when it
+ends or is preempted. Its prefix-cache blocks are keyed by its adapter too (`KVCacheManager`), so KV computed
+under one adapter is never reused for another or for the base.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from collections.abc import Iterable, Sequence
 from worker.core.config import EngineConfig
 from worker.core.errors import QueueFullError
 from worker.core.kv_cache_manager import KVCacheManager, token_slice
+from worker.core.lora import LoraSlots, LoraStats
 from worker.core.ngram import propose
 from worker.core.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from worker.core.request import Logprob, Request, RequestStatus
@@ -82,6 +90,7 @@ class Scheduler:
         self.paused = False
         self.num_preemptions_total = 0
         self.spec_decode_stats = SpecDecodeStats()
+        self.lora_slots = LoraSlots(config.max_loras) if config.enable_lora else None
 
     # ----------------------------------------------------------------------------------------------- admission
     @property
@@ -120,6 +129,8 @@ class Scheduler:
         if self._num_waiting >= self.config.max_waiting:
             raise QueueFullError(f"{self._num_waiting} requests are already waiting (max_waiting)")
         self.check_prompt(request.num_prompt_tokens)
+        if request.lora is not None and self.lora_slots is None:
+            raise ValueError("this engine serves no LoRA adapters: start it with enable_lora (--enable-lora)")
         priority = request.priority if self.config.scheduling_policy == "priority" else 0
         key = (priority, next(self._arrivals))
         self._keys[request.request_id] = key
@@ -191,6 +202,20 @@ class Scheduler:
         )
 
     def _admit(self, budget: int, num_new: dict[str, int]) -> int:
+        # Requests whose adapter has no slot now are set aside for this step and put back after it.
+        passed: list[tuple[list[tuple[tuple[int, int], Request]], tuple[tuple[int, int], Request]]] = []
+        try:
+            return self._admit_some(budget, num_new, passed)
+        finally:
+            for heap, entry in passed:
+                heapq.heappush(heap, entry)
+
+    def _admit_some(
+        self,
+        budget: int,
+        num_new: dict[str, int],
+        passed: list[tuple[list[tuple[tuple[int, int], Request]], tuple[tuple[int, int], Request]]],
+    ) -> int:
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             heap = self._next_heap()
             if heap is None:
@@ -199,16 +224,26 @@ class Scheduler:
             if req.is_finished:  # aborted while waiting
                 heapq.heappop(heap)
                 continue
+            slot = None
+            if req.lora is not None:
+                assert self.lora_slots is not None  # add_request refuses adapters otherwise
+                slot = self.lora_slots.acquire(req.lora.lora_id)
+                if slot is None:  # every slot is held by running requests: pass over it this step
+                    passed.append((heap, heapq.heappop(heap)))
+                    continue
             if req.sampling_params.prompt_logprobs is None:
                 hits, num_hit_tokens = self.kv.get_computed_blocks(req)
             else:  # every prompt position needs its logits: no cache hits
                 hits, num_hit_tokens = [], 0
             n = req.num_tokens - num_hit_tokens
-            if n > budget and not self.config.enable_chunked_prefill:
+            if (n > budget and not self.config.enable_chunked_prefill) or self.kv.allocate_slots(
+                req, min(n, budget), hits
+            ) is None:
+                if req.lora is not None and self.lora_slots is not None:
+                    self.lora_slots.release(req.lora.lora_id)
                 break
             n = min(n, budget)
-            if self.kv.allocate_slots(req, n, hits) is None:
-                break
+            req.lora_slot = slot
             heapq.heappop(heap)
             self._num_waiting -= 1
             self.kv.record_lookup(req.num_tokens, num_hit_tokens)
@@ -246,6 +281,8 @@ class Scheduler:
             eos_token_id=req.eos_token_id,
             prompt_targets=prompt_targets(req, start, end),
             draft_token_ids=tuple(draft),
+            lora=req.lora,
+            lora_slot=-1 if req.lora_slot is None else req.lora_slot,
         )
 
     def _speculation_on(self) -> bool:
@@ -273,8 +310,36 @@ class Scheduler:
             return []
         return propose(req.all_token_ids, k, spec.prompt_lookup_max, spec.prompt_lookup_min)
 
+    def _release_lora(self, req: Request) -> None:
+        if req.lora is not None and req.lora_slot is not None and self.lora_slots is not None:
+            self.lora_slots.release(req.lora.lora_id)
+        req.lora_slot = None
+
+    def remove_lora(self, lora_id: int) -> None:
+        """The adapter was unregistered: free its slot (now, or when the last request using it ends)."""
+        if self.lora_slots is not None:
+            self.lora_slots.discard(lora_id)
+
+    def lora_stats(self) -> LoraStats | None:
+        """Adapters of running and waiting requests, slot count, loads and evictions (None without LoRA)."""
+        slots = self.lora_slots
+        if slots is None:
+            return None
+        running = {r.lora.name for r in self.running if r.lora is not None}
+        waiting = {
+            r.lora.name for r in self.requests.values() if r.lora is not None and r.status is not RequestStatus.RUNNING
+        }
+        return LoraStats(
+            max_loras=slots.max_loras,
+            running=tuple(sorted(running)),
+            waiting=tuple(sorted(waiting)),
+            loads_total=slots.loads_total,
+            evictions_total=slots.evictions_total,
+        )
+
     def _preempt(self, req: Request, index: int) -> None:
         del self.running[index]
+        self._release_lora(req)
         self.kv.free(req.request_id, finished=False)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -392,6 +457,7 @@ class Scheduler:
         return ended
 
     def _release(self, req: Request) -> None:
+        self._release_lora(req)
         self.kv.free(req.request_id, finished=True)
         del self.requests[req.request_id]
         del self._keys[req.request_id]

@@ -6,12 +6,18 @@ it commands (add, abort, pause, resume, stop) through a queue, and it hands back
 `call_soon_threadsafe`, which the loop fans out to per-request asyncio queues. A consumer that falls behind
 gets its pending deltas merged into one. Leaving the `generate` iteration early for any reason (client gone,
 cancellation, error) aborts the request, which frees its KV blocks at the next step boundary.
+
+LoRA adapters (vLLM's dynamic API): `load_lora` validates the adapter's files on a worker thread (never on the
+loop, never on the engine thread), then registers it through the command queue, so every request sent after it
+finds it; `unload_lora` unregisters it the same way (requests already added with it finish). The loop keeps its
+own copy of the registered names, which `generate` and the server check.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -24,6 +30,8 @@ from worker.core.errors import EngineDeadError, QueueFullError
 from worker.core.request import SamplingParams
 from worker.engine.core import EngineCore, Runner
 from worker.engine.protocol import EngineStats, RequestOutput
+
+log = logging.getLogger(__name__)
 
 
 def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
@@ -65,6 +73,8 @@ class AsyncEngine:
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}  # event-loop side only
         self._stats = EngineStats()
         self._error: BaseException | None = None
+        self._loras: dict[str, str] = {}  # registered adapters, name -> path (event-loop side)
+        self._lora_lock = asyncio.Lock()
 
     # --------------------------------------------------------------------------------------- EngineClient API
     async def start(self) -> None:
@@ -105,12 +115,40 @@ class AsyncEngine:
             raise ValueError("this engine has no tokenizer, hence no chat template")
         return core.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
 
+    # ------------------------------------------------------------------------------------------- LoRA adapters
+    @property
+    def lora_enabled(self) -> bool:
+        return self.config.enable_lora
+
+    def lora_adapters(self) -> dict[str, str]:
+        """Registered adapters: name -> path."""
+        return dict(self._loras)
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Validate the PEFT adapter folder `path` and serve it as `name` (ValueError saying why it cannot be)."""
+        core = self._started()
+        async with self._lora_lock:
+            if name in self._loras:
+                raise ValueError(f"an adapter named {name!r} is already loaded: unload it first")
+            if name == self.model_name:
+                raise ValueError(f"{name!r} is the base model's name: give the adapter another name")
+            await asyncio.to_thread(core.check_lora, name, path)
+            self._loras[name] = path
+            self._send("add_lora", (name, path))
+
+    async def unload_lora(self, name: str) -> None:
+        """Stop serving adapter `name` (KeyError when unknown); requests already added with it finish."""
+        async with self._lora_lock:
+            del self._loras[name]
+            self._send("remove_lora", name)
+
     async def generate(
         self,
         prompt: str | list[int],
         params: SamplingParams,
         request_id: str,
         priority: int = 0,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream DELTA outputs until one with `finished=True`.
 
@@ -125,6 +163,8 @@ class AsyncEngine:
             raise EngineDeadError("the engine is shut down")
         prompt_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         core.check_request(prompt_ids, params)
+        if lora_name is not None and lora_name not in self._loras:
+            raise ValueError(f"no LoRA adapter named {lora_name!r} is loaded")
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         if len(self._queues) - self._stats.num_running >= self.config.max_waiting:
@@ -133,7 +173,7 @@ class AsyncEngine:
         self._queues[request_id] = queue
         finished = False
         try:
-            self._send("add", (request_id, prompt_ids, params, priority, time.monotonic()))
+            self._send("add", (request_id, prompt_ids, params, priority, time.monotonic(), lora_name))
             while not finished:
                 item = await queue.get()
                 while not isinstance(item, BaseException) and not item.finished and not queue.empty():
@@ -205,13 +245,18 @@ class AsyncEngine:
         while self._commands:
             kind, payload = self._commands.popleft()
             if kind == "add":
-                request_id, prompt_ids, params, priority, arrival = payload
+                request_id, prompt_ids, params, priority, arrival, lora_name = payload
                 try:
-                    core.add_request(request_id, prompt_ids, params, priority, arrival)
+                    core.add_request(request_id, prompt_ids, params, priority, arrival, lora_name)
                 except (ValueError, QueueFullError) as exc:
                     errors.append((request_id, exc))
             elif kind == "abort":
                 outputs += core.abort_requests([payload])
+            elif kind in ("add_lora", "remove_lora"):
+                try:
+                    core.register_lora(*payload) if kind == "add_lora" else core.remove_lora(payload)
+                except (ValueError, KeyError) as exc:  # the loop's registry already said no; never kill the loop
+                    log.warning("%s %r: %s", kind, payload, exc)
             elif kind == "pause":
                 core.pause()
             elif kind == "resume":

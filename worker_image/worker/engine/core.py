@@ -10,11 +10,13 @@ finish reason `error` while the rest of the batch goes on. Only a failure of the
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from typing import Any, Protocol
 
 from worker.core.config import EngineConfig
+from worker.core.lora import LoraSpec
 from worker.core.outputs import ModelRunnerOutput, SchedulerOutput
 from worker.core.request import Request, RequestStatus, SamplingParams
 from worker.core.scheduler import Scheduler
@@ -48,6 +50,8 @@ class EngineCore:
         self.runner = runner
         self.tokenizer = runner.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.loras: dict[str, LoraSpec] = {}  # registered adapters by name
+        self._lora_ids = itertools.count(1)
 
     @classmethod
     def from_config(cls, config: EngineConfig, runner: Runner | None = None) -> EngineCore:
@@ -67,10 +71,17 @@ class EngineCore:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_name: str | None = None,
     ) -> Request:
-        """Queue a request. Raises ValueError (bad prompt or parameters, duplicate id) or QueueFullError (cap)."""
+        """Queue a request (with the registered LoRA adapter `lora_name`, or the base model). Raises ValueError
+        (bad prompt or parameters, duplicate id, unknown adapter) or QueueFullError (cap)."""
         prompt_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self.check_request(prompt_ids, params)
+        lora = None
+        if lora_name is not None:
+            lora = self.loras.get(lora_name)
+            if lora is None:
+                raise ValueError(f"no LoRA adapter named {lora_name!r} is loaded")
         request = Request(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
@@ -78,6 +89,7 @@ class EngineCore:
             eos_token_id=self.runner.eos_token_id,
             priority=priority,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            lora=lora,
         )
         self.scheduler.add_request(request)
         self.output_processor.add_request(request)
@@ -98,6 +110,39 @@ class EngineCore:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this engine has none")
         self.scheduler.check_prompt(len(prompt_ids))
+
+    # ------------------------------------------------------------------------------------------- LoRA adapters
+    def check_lora(self, name: str, path: str) -> None:
+        """Raise ValueError when the adapter cannot be served: LoRA is off, the name is malformed, or the runner
+        refuses its files (`worker.model.lora.LoraError`). Reads only files and the model's config (never the
+        registry), so it may run off the engine thread."""
+        if self.scheduler.lora_slots is None:
+            raise ValueError("this engine serves no LoRA adapters: start it with enable_lora (--enable-lora)")
+        if not name or name != name.strip() or ":" in name:
+            raise ValueError(f"an adapter name must be non-empty, without ':' or surrounding blanks, got {name!r}")
+        load = getattr(self.runner, "load_lora", None)
+        if load is not None:
+            load(path, name)
+
+    def register_lora(self, name: str, path: str) -> LoraSpec:
+        """Register an adapter checked by `check_lora` (no file is read here)."""
+        if name in self.loras:
+            raise ValueError(f"an adapter named {name!r} is already loaded: unload it first")
+        spec = LoraSpec(name=name, lora_id=next(self._lora_ids), path=path)
+        self.loras[name] = spec
+        return spec
+
+    def add_lora(self, name: str, path: str) -> LoraSpec:
+        """Check and register an adapter (raises ValueError saying why it cannot be served)."""
+        if name in self.loras:
+            raise ValueError(f"an adapter named {name!r} is already loaded: unload it first")
+        self.check_lora(name, path)
+        return self.register_lora(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unregister an adapter (KeyError when unknown); running requests with it finish, waiting ones too."""
+        spec = self.loras.pop(name)
+        self.scheduler.remove_lora(spec.lora_id)
 
     def tokenize(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -154,6 +199,7 @@ class EngineCore:
             prefix_cache_queries_total=s.kv.prefix_cache_queries,
             prefix_cache_hits_total=s.kv.prefix_cache_hits,
             spec_decode=s.spec_decode_stats.copy() if s.config.speculative is not None else None,
+            lora=s.lora_stats(),
             extra={"paused": s.paused},
         )
 
@@ -174,4 +220,6 @@ def load_runner(config: EngineConfig) -> Runner:
         kv_cache_bytes=config.kv_cache_bytes,
         max_model_len=config.max_model_len,
         enforce_eager=config.enforce_eager,
+        max_loras=config.max_loras if config.enable_lora else 0,
+        max_lora_rank=config.max_lora_rank,
     )

@@ -53,13 +53,22 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def add_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter folder `path` as `name` (needs enable_lora=True); ValueError if it cannot."""
+        self.engine.add_lora(name, path)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[CompletionOutput]:
-        """One completion per prompt, in prompt order. A prompt is a string or a list of token ids."""
+        """One completion per prompt, in prompt order. A prompt is a string or a list of token ids. `lora`: the
+        adapter (added with `add_lora`) of every prompt, or one per prompt (None: the base model)."""
         prompt_list = _as_prompt_list(prompts)
+        lora_list = [lora] * len(prompt_list) if lora is None or isinstance(lora, str) else list(lora)
+        if len(lora_list) != len(prompt_list):
+            raise ValueError(f"got {len(prompt_list)} prompts but {len(lora_list)} adapters")
         if params is None or isinstance(params, SamplingParams):
             param_list = [params or SamplingParams()] * len(prompt_list)
         else:
@@ -69,9 +78,9 @@ class LLM:
         requests = []
         texts: dict[str, list[str]] = {}
         try:
-            for prompt, p in zip(prompt_list, param_list, strict=True):
+            for prompt, p, name in zip(prompt_list, param_list, lora_list, strict=True):
                 request_id = f"llm-{next(self._ids)}"
-                requests.append(self.engine.add_request(request_id, prompt, p))
+                requests.append(self.engine.add_request(request_id, prompt, p, lora_name=name))
                 texts[request_id] = []
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():

@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from worker.core.errors import EngineDeadError, QueueFullError
+from worker.core.lora import LoraStats
 from worker.core.request import FinishReason, Logprob, SamplingParams
 from worker.core.spec_decode import SpecDecodeStats
 
-__all__ = ["EngineClient", "EngineDeadError", "EngineStats", "QueueFullError", "RequestOutput"]
+__all__ = ["EngineClient", "EngineDeadError", "EngineStats", "LoraEngineClient", "QueueFullError", "RequestOutput"]
 
 
 @dataclass
@@ -50,6 +51,8 @@ class EngineStats:
     prefix_cache_hits_total: int = 0  # tokens found
     # Speculative decoding counters (`worker.core.spec_decode`); None when the engine does not speculate
     spec_decode: SpecDecodeStats | None = None
+    # LoRA adapters of running/waiting requests, slots, loads and evictions; None when the engine serves none
+    lora: LoraStats | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -87,3 +90,33 @@ class EngineClient(Protocol):
         ...
 
     async def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class LoraEngineClient(EngineClient, Protocol):
+    """An engine that serves LoRA adapters of its base model (vLLM's dynamic adapter API): `generate` takes the
+    adapter's name, and adapters are added and removed while it serves."""
+
+    @property
+    def lora_enabled(self) -> bool: ...
+
+    def lora_adapters(self) -> dict[str, str]:
+        """Registered adapters: name -> path."""
+        ...
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Validate and register an adapter (raises ValueError saying why it cannot be served)."""
+        ...
+
+    async def unload_lora(self, name: str) -> None:
+        """Unregister an adapter (KeyError when unknown); requests already running with it finish."""
+        ...
+
+    def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        lora_name: str | None = None,
+    ) -> AsyncIterator[RequestOutput]: ...

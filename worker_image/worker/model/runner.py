@@ -10,6 +10,10 @@ Each step is one flattened batch: single-token sequences first (they attend in o
 multi-token chunks; logits are computed only for the rows that sample. A sequence with draft tokens (speculative
 decoding) samples at its last known token and at every draft; the sampler verifies the drafts
 (`Sampler.verify`) and the tokens the request gains go to `ModelRunnerOutput.verified_token_ids`.
+
+LoRA (`max_loras` > 0): a sequence names its adapter and the slot the scheduler gave it; the runner loads the
+adapter into that slot when the slot holds another one (`lora_slots`), orders the batch so each adapter's rows are
+contiguous, and the model adds each run's deltas (`worker.model.lora`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from worker.model.kernels import load_paged_decode
 from worker.model.linear import available_kernels, read_cpu_flags, resolve_auto_dtype
 from worker.model.llama import LlamaModel
 from worker.model.loader import load_weights
+from worker.model.lora import LoadedLora, LoraBatch, LoraError, load_lora, segments_of
 from worker.model.quant import QUANTIZATIONS
 from worker.model.sampler import Sampler, SampleRequest, top_tokens
 from worker.model.tokenizer import Tokenizer
@@ -103,7 +108,10 @@ class ModelRunner:
         kv_cache_bytes: int | None = None,
         max_model_len: int | None = None,
         enforce_eager: bool = False,
+        max_loras: int = 0,
+        max_lora_rank: int = 16,
     ) -> None:
+        """`max_loras` > 0 serves LoRA adapters (that many resident at once) of rank at most `max_lora_rank`."""
         self.dtype_reason = "asked for"
         if dtype == "auto":
             flags = read_cpu_flags() if torch.device(device).type == "cpu" else frozenset()
@@ -164,6 +172,10 @@ class ModelRunner:
                     f"decode attention runs eagerly: native kernel unavailable ({self.kernel_error})", stacklevel=2
                 )
         self._generators: dict[str, torch.Generator] = {}
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        # slot -> (lora_id, weights) of the adapter resident there; the scheduler decides what goes where
+        self.lora_slots: list[tuple[int, LoadedLora] | None] = [None] * max_loras
         unseeded = torch.Generator(device=self.device).manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
         self.sampler = Sampler(unseeded)
 
@@ -204,6 +216,36 @@ class ModelRunner:
             device=self.device,
         )
         return list(range(blocks)), [(scratch[i, 0], scratch[i, 1]) for i in range(cfg.num_hidden_layers)]
+
+    def load_lora(self, path: str, name: str = "") -> LoadedLora:
+        """Read and validate a PEFT adapter for this model, on its device and dtype (raises LoraError)."""
+        if self.max_loras < 1:
+            raise LoraError("this engine serves no LoRA adapters: start it with enable_lora (--enable-lora)")
+        return load_lora(
+            path, self.config, max_rank=self.max_lora_rank, dtype=self.dtype, device=self.device, name=name
+        )
+
+    def _lora_batch(self, seqs: list[ScheduledSeq], out: ModelRunnerOutput) -> dict[str, int]:
+        """Load the adapters this step's sequences name into their slots (where a slot holds another one); a
+        sequence whose adapter cannot be loaded (its files changed or went away) fails alone. Returns the slot of
+        each remaining adapter sequence."""
+        slots: dict[str, int] = {}
+        for seq in seqs:
+            spec, slot = seq.lora, seq.lora_slot
+            if spec is None or seq.req_id in out.failed:
+                continue
+            try:
+                if not 0 <= slot < self.max_loras:
+                    raise ValueError(f"adapter slot {slot} is outside 0..{self.max_loras - 1}")
+                held = self.lora_slots[slot]
+                if held is None or held[0] != spec.lora_id:
+                    self.lora_slots[slot] = None
+                    self.lora_slots[slot] = (spec.lora_id, self.load_lora(spec.path, spec.name))
+            except Exception as exc:  # noqa: BLE001 - this sequence's alone
+                out.failed[seq.req_id] = failure(exc)
+                continue
+            slots[seq.req_id] = slot
+        return slots
 
     def _check_offline_length(self, n: int) -> None:
         if not 0 < n <= self.max_model_len:
@@ -257,8 +299,11 @@ class ModelRunner:
         for req_id in sched.finished_req_ids:
             self._generators.pop(req_id, None)
         out = ModelRunnerOutput()
-        # Single-token sequences first: they attend together in one batched call.
-        seqs = sorted(sched.seqs, key=lambda s: len(s.token_ids) != 1)
+        # Single-token sequences first: they attend together in one batched call. Within each part, sequences of
+        # one adapter are next to each other, so its rows are one run (base sequences, slot -1, come first).
+        seqs = sorted(sched.seqs, key=lambda s: (len(s.token_ids) != 1, s.lora_slot))
+        lora_slots = self._lora_batch(seqs, out) if self.max_loras else {}
+        row_slots: list[tuple[int, int, int]] = []
         input_ids: list[int] = []
         spans: list[SeqSpan] = []
         sampled: list[tuple[ScheduledSeq, int, SampleRequest]] = []  # (seq, its row, how to sample it)
@@ -270,8 +315,12 @@ class ModelRunner:
             except Exception as exc:  # noqa: BLE001 - this sequence's alone: it leaves the batch
                 out.failed[seq.req_id] = failure(exc)
                 continue
+            if seq.req_id in out.failed:
+                continue
             if seq.prompt_targets:
                 prompt_rows.append((seq, len(input_ids)))
+            if seq.req_id in lora_slots:
+                row_slots.append((len(input_ids), len(input_ids) + len(seq.token_ids), lora_slots[seq.req_id]))
             input_ids.extend(seq.token_ids)
             spans.append(SeqSpan(seq.start_pos, len(seq.token_ids), seq.block_ids))
             if request is not None:
@@ -280,7 +329,10 @@ class ModelRunner:
             return out
         meta = build_metadata(spans, self.block_size, self.device, self.dtype, self.decode_kernel is not None)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-        hidden = self.model.forward(ids, meta, self.kv_caches, self.decode_kernel)
+        lora = None
+        if row_slots:
+            lora = LoraBatch(tuple((start, end, self._resident(slot)) for start, end, slot in segments_of(row_slots)))
+        hidden = self.model.forward(ids, meta, self.kv_caches, self.decode_kernel, lora)
         for seq, first_row in prompt_rows:
             try:
                 out.prompt_logprobs[seq.req_id] = self._prompt_logprobs(hidden, first_row, seq)
@@ -324,6 +376,11 @@ class ModelRunner:
                 if logprob.top:
                     out.top_logprobs[seq.req_id] = logprob.top
         return out
+
+    def _resident(self, slot: int) -> LoadedLora:
+        held = self.lora_slots[slot]
+        assert held is not None  # _lora_batch loaded it
+        return held[1]
 
     def _check_seq(self, seq: ScheduledSeq) -> None:
         n = len(seq.token_ids)

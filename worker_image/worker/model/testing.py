@@ -6,6 +6,10 @@ by the `tokenizers` library on a fixed corpus, so every string is encodable and 
 loads both in our `ModelRunner` and in `transformers.LlamaForCausalLM`, which is what the correctness tests
 compare. Weights are drawn with a fixed seed and a larger spread than real initialisations, so greedy decoding
 has clear winners (fp32 rounding differences between implementations then never flip a token).
+
+`make_random_lora(path, model_dir)` writes a random LoRA adapter in PEFT's format for such a folder (or any
+Llama folder), and `merge_lora_into` merges one into a transformers state dict: the reference an adapter served
+by our engine must equal.
 """
 
 from __future__ import annotations
@@ -142,3 +146,73 @@ def make_tiny_llama(
     (root / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     (root / "generation_config.json").write_text(json.dumps({"bos_token_id": bos, "eos_token_id": eos}, indent=2))
     return root
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_random_lora(
+    path: str | Path,
+    model_dir: str | Path,
+    *,
+    rank: int = 8,
+    alpha: float = 16.0,
+    targets: tuple[str, ...] = LORA_TARGETS,
+    use_rslora: bool = False,
+    init_std: float = 0.1,
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    """Write a random LoRA adapter in PEFT's format (`adapter_config.json`, `adapter_model.safetensors`) for the
+    Llama folder `model_dir`, and return its tensors by PEFT key. Both A and B are random (PEFT starts B at zero;
+    a zero delta would test nothing)."""
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+    q_size, kv_size = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    shapes = {
+        "q_proj": (hidden, q_size),
+        "k_proj": (hidden, kv_size),
+        "v_proj": (hidden, kv_size),
+        "o_proj": (q_size, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for i in range(cfg["num_hidden_layers"]):
+        for proj in targets:
+            fan_in, fan_out = shapes[proj]
+            part = "self_attn" if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            key = f"base_model.model.model.layers.{i}.{part}.{proj}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * init_std
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * init_std
+    save_file(tensors, str(root / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "peft_type": "LORA",
+        "base_model_name_or_path": str(model_dir),
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": 0.0,
+        "target_modules": list(targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": use_rslora,
+        "task_type": "CAUSAL_LM",
+    }
+    (root / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return tensors
+
+
+def merge_lora_into(state: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], scale: float) -> None:
+    """Add `scale * B @ A` of each adapted projection to its weight in a transformers Llama state dict (in place):
+    the merged reference that serving the adapter must equal."""
+    for key, a in tensors.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        base = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+        b = tensors[key.replace("lora_A", "lora_B")]
+        w = state[f"{base}.weight"]
+        w += (scale * (b.double() @ a.double())).to(w.dtype)
