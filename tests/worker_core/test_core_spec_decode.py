@@ -13,6 +13,8 @@ import random
 from collections.abc import Sequence
 
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 from worker.core.config import EngineConfig, SpeculativeConfig
 from worker.core.kv_cache_manager import token_slice
 from worker.core.request import RequestStatus, SamplingParams
@@ -215,3 +217,92 @@ def test_a_runner_answer_that_does_not_fit_the_drafts_is_refused() -> None:
     runner_out.verified_token_ids["a"] = [1] * (len(seq.draft_token_ids) + 2)
     with pytest.raises(ValueError, match="verified"):
         core.scheduler.update_from_output(out, runner_out)
+
+
+def reference(prompt: Sequence[int], params: SamplingParams, max_len: int) -> list[int]:
+    """The copying toy model run alone, one token at a time, with the token-level stop rules."""
+    context, out = list(prompt), []
+    rng = None if params.greedy else random.Random(params.seed)
+    while True:
+        token = copying_next_token(context, 0 if rng is None else rng.randrange(1 << 30))
+        out.append(token)
+        context.append(token)
+        if len(out) >= params.min_tokens and (
+            (token == EOS and not params.ignore_eos) or token in params.stop_token_ids
+        ):
+            return out
+        if len(out) >= params.max_tokens or len(context) >= max_len:
+            return out
+
+
+@st.composite
+def _scenarios(draw):
+    block_size = draw(st.sampled_from([1, 2, 4, 8]))
+    max_num_seqs = draw(st.integers(1, 6))
+    cfg = dict(
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=draw(st.integers(max_num_seqs, 24)),
+        enable_prefix_caching=draw(st.booleans()),
+        num_blocks=draw(st.integers(max(2, 24 // block_size), 80 // block_size + 2)),
+    )
+    spec = SpeculativeConfig(
+        num_speculative_tokens=draw(st.integers(1, 6)),
+        prompt_lookup_max=draw(st.integers(1, 4)),
+        prompt_lookup_min=1,
+        disable_by_batch_size=draw(st.integers(1, 6)),
+    )
+    events = []
+    for i in range(draw(st.integers(1, 8))):
+        unit = draw(st.lists(st.integers(97, 100), min_size=1, max_size=PERIOD))
+        prompt = (unit * 6)[: draw(st.integers(1, 20))]
+        max_tokens = draw(st.integers(1, 24))
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=draw(st.sampled_from([0.0, 0.7])),
+            seed=i,
+            ignore_eos=draw(st.booleans()),
+            min_tokens=draw(st.integers(0, min(3, max_tokens))),
+            stop_token_ids=draw(st.sampled_from([(), (ord("a"),)])),
+        )
+        events.append((draw(st.integers(0, 10)), draw(st.one_of(st.none(), st.integers(0, 20))), prompt, params))
+    pause = draw(st.one_of(st.none(), st.tuples(st.integers(0, 12), st.integers(1, 6))))
+    return cfg, spec, events, pause
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario=_scenarios())
+def test_random_workloads_with_aborts_and_pauses_match_the_reference(scenario) -> None:
+    cfg, spec, events, pause = scenario
+    core = make_core(spec, **cfg)
+    sched = core.scheduler
+    max_len = sched.max_request_len
+    added, aborted = {}, set()
+    for step in range(2000):
+        for i, (arrive, abort, prompt, params) in enumerate(events):
+            if arrive == step and len(prompt) < max_len:
+                added[i] = core.add_request(f"r{i}", prompt, params)
+            if abort == step and i in added and not added[i].is_finished:
+                core.abort_requests([f"r{i}"])
+                aborted.add(i)
+        if pause is not None and step == pause[0]:
+            core.pause()
+        if pause is not None and step == pause[0] + pause[1]:
+            core.resume()
+        if step > 10 and not core.has_unfinished_requests():
+            break
+        if sched.has_schedulable_requests():
+            core.step()
+        assert_consistent(sched)
+    else:
+        pytest.fail("workload did not finish")
+    for i, req in added.items():
+        if i not in aborted:
+            assert req.output_token_ids == reference(events[i][2], events[i][3], max_len), i
+    pool = sched.kv.pool
+    assert pool.num_free_blocks == pool.num_blocks
+    stats = sched.spec_decode_stats
+    event(
+        f"drafts verified: {stats.num_draft_tokens > 0}, some rejected: {stats.num_accepted_tokens < stats.num_draft_tokens}"
+    )
+    event(f"preempted: {sched.num_preemptions_total > 0}")
