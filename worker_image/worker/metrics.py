@@ -6,6 +6,9 @@ Engine-level series (queue sizes, KV-cache use, preemptions, prefix-cache and sp
 the latter only when the engine speculates) are read from
 `EngineClient.stats()` at scrape time. `llmfleet:*` series carry what the fleet needs beyond vLLM's set:
 drain state, in-flight requests, the remaining-tokens estimate, and request/error counters for canary analysis.
+With LoRA adapters, vLLM's `vllm:lora_requests_info` (a gauge whose labels list the adapters of running and
+waiting requests and the slot count; its value is the scrape time, as vLLM sets it) and
+`llmfleet:lora_loads_total` / `llmfleet:lora_evictions_total` (adapters put into / evicted from a slot).
 
 Each `WorkerMetrics` owns its own `CollectorRegistry`: no module-level registry, so tests and several apps in one
 process never collide.
@@ -13,6 +16,7 @@ process never collide.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -172,6 +176,36 @@ class _EngineCollector:
             for position, value in enumerate(spec.accepted_per_pos):
                 per_pos.add_metric([m, str(position)], value)
             yield per_pos
+        lora = stats.lora
+        if lora is not None:  # as vLLM: only when the engine serves adapters
+            info = GaugeMetricFamily(
+                "vllm:lora_requests_info",
+                "Running stats on LoRA requests (labels: adapters of running and waiting requests, slots).",
+                labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+            )
+            info.add_metric([",".join(lora.running), ",".join(lora.waiting), str(lora.max_loras)], time.time())
+            yield info
+
+
+class _LoraCollector:
+    """llmfleet's adapter slot counters, from the engine's snapshot (nothing when it serves no adapters)."""
+
+    def __init__(self, model_name: str, engine_stats: Callable[[], EngineStats]) -> None:
+        self._model = model_name
+        self._engine_stats = engine_stats
+
+    def collect(self) -> Iterator[Metric]:
+        lora = self._engine_stats().lora
+        if lora is None:
+            return
+        m = self._model
+        yield _Family.counter("llmfleet:lora_loads", "LoRA adapters loaded into a slot.", m, lora.loads_total)
+        yield _Family.counter(
+            "llmfleet:lora_evictions",
+            "Idle LoRA adapters evicted from their slot (least recently used) to make room for another.",
+            m,
+            lora.evictions_total,
+        )
 
 
 class _ServerCollector:
@@ -274,6 +308,7 @@ class WorkerMetrics:
         )
         self._model = model_name
         reg.register(_ServerCollector(model_name, server_gauges))
+        reg.register(_LoraCollector(model_name, engine_stats))
 
     def request_received(self) -> None:
         self._requests.inc()

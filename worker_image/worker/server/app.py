@@ -7,7 +7,8 @@ asks its host (the CLI's uvicorn runner) to stop: 0 after a signal-triggered dra
 load. A drain started by `POST /drain` ends with the worker up and idle (not ready, alive) until SIGTERM (see
 drain.py).
 
-Exposure: `POST /drain` needs the drain token; `GET /drain` does not, because the pod's preStop hook polls it
+Exposure: `POST /drain` and the LoRA adapter endpoints (`POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter`)
+need the drain token; `GET /drain` does not, because the pod's preStop hook polls it
 without one, and it reveals nothing more than /metrics does (phase, a fixed reason string, in-flight count,
 remaining-token estimate, seconds left). There are no API docs routes (`/docs`, `/redoc`, `/openapi.json`).
 """
@@ -142,7 +143,21 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return oai.models_list(service.model_name, service.created, engine.max_model_len)
+        return oai.models_list(service.model_name, service.created, engine.max_model_len, service.adapters())
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request, authorization: str | None = Header(None)) -> Response:
+        service.check_drain_token(authorization, "POST /v1/load_lora_adapter")
+        body = await parse_body(request, oai.LoadLoraAdapterRequest)
+        await service.load_adapter(body.lora_name, body.lora_path)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request, authorization: str | None = Header(None)) -> Response:
+        service.check_drain_token(authorization, "POST /v1/unload_lora_adapter")
+        body = await parse_body(request, oai.UnloadLoraAdapterRequest)
+        await service.unload_adapter(body.lora_name)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
     @app.get("/drain")
     async def drain_state() -> dict[str, Any]:

@@ -54,6 +54,27 @@ def parse_speculative_config(text: str | None) -> dict[str, Any] | None:
     return value
 
 
+def parse_lora_modules(values: list[str] | None) -> dict[str, str]:
+    """`--lora-modules name=path` (repeatable; vLLM's spelling, also its JSON `{"name": .., "path": ..}`)."""
+    modules: dict[str, str] = {}
+    for value in values or []:
+        text = value.strip()
+        if text.startswith("{"):
+            try:
+                obj = json.loads(text)
+                name, path = obj["name"], obj["path"]
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise ValueError(f'--lora-modules {value!r}: give name=path or {{"name": .., "path": ..}}') from err
+        else:
+            name, eq, path = text.partition("=")
+            if not eq or not name or not path:
+                raise ValueError(f"--lora-modules {value!r}: give name=path (a PEFT adapter folder)")
+        if name in modules:
+            raise ValueError(f"--lora-modules names the adapter {name!r} twice")
+        modules[str(name)] = str(path)
+    return modules
+
+
 def worker_command(
     ctx: typer.Context,
     model: Annotated[str, typer.Option("--model", help="bundled://NAME, a model folder or hf://ORG/REPO")],
@@ -78,6 +99,13 @@ def worker_command(
             '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} '
             '(+ "disable_by_batch_size", builtin engine only)'
         ),
+    ] = None,
+    enable_lora: Annotated[bool, typer.Option("--enable-lora", help="serve LoRA adapters (builtin engine)")] = False,
+    max_loras: Annotated[int | None, typer.Option(help="LoRA adapters resident at once (default 1)")] = None,
+    max_lora_rank: Annotated[int | None, typer.Option(help="largest LoRA rank accepted (default 16)")] = None,
+    lora_modules: Annotated[
+        list[str] | None,
+        typer.Option(help="adapter to serve from the start, name=path (PEFT folder); repeat for more"),
     ] = None,
     max_waiting: Annotated[int, typer.Option(help="waiting requests before new ones get 429")] = 256,
     max_tokens_cap: Annotated[int | None, typer.Option(help="largest max_tokens a request may ask for")] = None,
@@ -127,6 +155,10 @@ def worker_command(
             enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill,
             speculative=parse_speculative_config(speculative_config),
+            enable_lora=enable_lora,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
+            lora_modules=parse_lora_modules(lora_modules),
             max_waiting=max_waiting,
             max_tokens_cap=max_tokens_cap,
             max_tokens_policy=max_tokens_policy,

@@ -67,6 +67,9 @@ def builtin_engine_kwargs(settings: WorkerSettings, model_path: str, device: str
         "max_waiting": settings.max_waiting,
     }
     optional = {
+        "enable_lora": settings.enable_lora or None,
+        "max_loras": settings.max_loras,
+        "max_lora_rank": settings.max_lora_rank,
         "max_model_len": settings.max_model_len,
         "max_num_seqs": settings.max_num_seqs,
         "max_num_batched_tokens": settings.max_num_batched_tokens,

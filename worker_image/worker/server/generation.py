@@ -51,6 +51,7 @@ class Prepared:
     stream: bool
     include_usage: bool
     echo_text: str | None = None  # completions with `echo`: the prompt text returned before the completion
+    lora_name: str | None = None  # the LoRA adapter `model` selected; None: the base model
 
 
 def parse_timeout_header(value: str | None, setting: float | None) -> float | None:
@@ -95,14 +96,8 @@ async def prepare(
     arrival = service.clock()
     service.check_accepting()
     service.faults.maybe_fail()
-    name = service.model_name
-    if body.model is not None and body.model != name:
-        raise ApiError(
-            404,
-            f"The model `{body.model}` does not exist on this worker; it serves `{name}`.",
-            param="model",
-            code="model_not_found",
-        )
+    lora_name = service.resolve_model(body.model)
+    name = service.model_name if lora_name is None or body.model is None else body.model
     engine = service.engine
     if isinstance(body, oai.ChatCompletionRequest):
         prompt_ids = await service.tokenizer_pool.run(_chat_prompt_ids, service, body)
@@ -148,6 +143,7 @@ async def prepare(
         stream=body.stream,
         include_usage=body.include_usage,
         echo_text=echo_text,
+        lora_name=lora_name,
     )
 
 
@@ -170,7 +166,11 @@ async def drive(service: WorkerService, prep: Prepared, entry: InflightRequest) 
     engine, metrics, faults = service.engine, service.metrics, service.faults
     loop = asyncio.get_running_loop()
     deadline = loop.time() + prep.timeout_s if prep.timeout_s is not None else None
-    stream = engine.generate(prep.prompt_ids, prep.params, prep.request_id, prep.priority)
+    lora_engine = service.lora_engine() if prep.lora_name is not None else None
+    if lora_engine is not None:
+        stream = lora_engine.generate(prep.prompt_ids, prep.params, prep.request_id, prep.priority, prep.lora_name)
+    else:
+        stream = engine.generate(prep.prompt_ids, prep.params, prep.request_id, prep.priority)
     finished = False
     received = False  # any output yet: a ValueError before the first one is the engine refusing the request
     last_token_at: float | None = None

@@ -462,13 +462,43 @@ def usage_chunk(request_id: str, obj: str, model: str, created: int, usage_body:
     return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [], "usage": usage_body}
 
 
-def models_list(model: str, created: int, max_model_len: int) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": [
-            {"id": model, "object": "model", "created": created, "owned_by": "llmfleet", "max_model_len": max_model_len}
-        ],
-    }
+def models_list(model: str, created: int, max_model_len: int, adapters: dict[str, str] | None = None) -> dict[str, Any]:
+    """The base model, then each LoRA adapter (name -> folder) as vLLM lists them: `root` its folder, `parent`
+    the base model."""
+    data = [
+        {"id": model, "object": "model", "created": created, "owned_by": "llmfleet", "max_model_len": max_model_len}
+    ]
+    for name, path in sorted((adapters or {}).items()):
+        data.append(
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "llmfleet",
+                "root": path,
+                "parent": model,
+                "max_model_len": max_model_len,
+            }
+        )
+    return {"object": "list", "data": data}
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    """`POST /v1/load_lora_adapter` (vLLM's body)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """`POST /v1/unload_lora_adapter` (vLLM's body; its optional `lora_int_id` is accepted and ignored)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None
 
 
 def sse(data: dict[str, Any]) -> bytes:

@@ -4,6 +4,12 @@ It holds the engine, settings, metrics, in-flight table, drainer, fault injector
 (`app.py`) builds one per `create_app` and its routes translate HTTP to calls on it; the generation path
 (`generation.py`) and the uvicorn host (`serve.py`) take it as an argument. It lives in its own module so that
 those three import it without importing each other.
+
+LoRA adapters (`--enable-lora`, builtin engine): a request's `model` is the base model's name, `BASE:ADAPTER`, or
+an adapter's own name (as vLLM serves them; `resolve_model`); anything else is a 404 `model_not_found`, decided
+here before the engine sees the request. `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` take the
+same bearer token as `POST /drain` (one control-plane secret, one check); adapters given with `--lora-modules`
+are loaded once the model is, and one that fails is logged and left out while the base serves.
 """
 
 from __future__ import annotations
@@ -12,10 +18,10 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
-from worker.engine.protocol import EngineClient
+from worker.engine.protocol import EngineClient, LoraEngineClient
 from worker.metrics import ServerGauges, WorkerMetrics
 from worker.server.drain import Drainer, Phase
 from worker.server.errors import ApiError
@@ -25,6 +31,26 @@ from worker.server.settings import WorkerSettings
 from worker.server.tokenizing import TokenizerPool
 
 log = logging.getLogger(__name__)
+
+
+def resolve_model(requested: str | None, base: str, adapters: Collection[str]) -> str | None:
+    """The adapter a request's `model` selects (None: the base model); ApiError 404 `model_not_found` if none.
+
+    `None` or the base name select the base; `BASE:ADAPTER` and an adapter's own name select that adapter."""
+    if requested is None or requested == base:
+        return None
+    if requested in adapters:
+        return requested
+    prefix, sep, adapter = requested.partition(":")
+    if sep and prefix == base and adapter in adapters:
+        return adapter
+    served = ", ".join(f"`{name}`" for name in [base, *sorted(adapters)])
+    raise ApiError(
+        404,
+        f"The model `{requested}` does not exist on this worker; it serves {served}.",
+        param="model",
+        code="model_not_found",
+    )
 
 
 class WorkerService:
@@ -88,8 +114,73 @@ class WorkerService:
             self.load_error = f"{type(err).__name__}: {err}"
             self._on_exit(1)
             return
+        await self._load_boot_adapters()
         self.loaded = True
         log.info("model %s loaded (max_model_len %d); ready", self.model_name, self.engine.max_model_len)
+
+    async def _load_boot_adapters(self) -> None:
+        engine = self.lora_engine()
+        for name, path in self.settings.lora_modules.items():
+            if engine is None:
+                log.error("LoRA adapter %s not loaded: this engine serves no adapters", name)
+                continue
+            try:
+                await engine.load_lora(name, path)
+            except ValueError as err:
+                log.error("LoRA adapter %s (%s) not loaded, the base model serves without it: %s", name, path, err)
+            else:
+                log.info("LoRA adapter %s loaded from %s", name, path)
+
+    # ---- LoRA adapters ----
+    def lora_engine(self) -> LoraEngineClient | None:
+        """The engine as an adapter-serving one, or None when it serves no adapters."""
+        engine = self.engine
+        if isinstance(engine, LoraEngineClient) and engine.lora_enabled:
+            return engine
+        return None
+
+    def adapters(self) -> dict[str, str]:
+        engine = self.lora_engine()
+        return engine.lora_adapters() if engine is not None else {}
+
+    def resolve_model(self, requested: str | None) -> str | None:
+        """The adapter a request's `model` selects (None: the base model); ApiError 404 when it names nothing."""
+        return resolve_model(requested, self.model_name, self.adapters())
+
+    def _require_lora_engine(self) -> LoraEngineClient:
+        engine = self.lora_engine()
+        if engine is None:
+            raise ApiError(
+                400,
+                "this worker serves no LoRA adapters: start it with --enable-lora (builtin engine)",
+                code="lora_disabled",
+            )
+        if not self.loaded:
+            raise ApiError(503, "the model is still loading", code="loading", retry_after_s=self.settings.retry_after_s)
+        return engine
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Serve a PEFT adapter folder as `name`; ApiError 400 with the reason when it cannot be served."""
+        engine = self._require_lora_engine()
+        if name == self.model_name:
+            raise ApiError(
+                400, f"{name!r} is the base model's name: give the adapter another name", code="invalid_value"
+            )
+        try:
+            await engine.load_lora(name, path)
+        except ValueError as err:
+            raise ApiError(400, f"cannot load LoRA adapter {name!r}: {err}", code="invalid_lora_adapter") from err
+        log.info("LoRA adapter %s loaded from %s", name, path)
+
+    async def unload_adapter(self, name: str) -> None:
+        engine = self._require_lora_engine()
+        try:
+            await engine.unload_lora(name)
+        except KeyError:
+            raise ApiError(
+                404, f"no LoRA adapter named {name!r} is loaded", param="lora_name", code="model_not_found"
+            ) from None
+        log.info("LoRA adapter %s unloaded", name)
 
     def engine_died(self, err: Exception) -> None:
         """The engine failed for good: stop being ready and exit non-zero so the kubelet restarts the pod."""
@@ -149,13 +240,14 @@ class WorkerService:
             "timed_out": state.timed_out,
         }
 
-    def check_drain_token(self, authorization: str | None) -> None:
+    def check_drain_token(self, authorization: str | None, what: str = "POST /drain") -> None:
+        """The control-plane check (`POST /drain`, adapter load/unload): the drain token as a bearer token."""
         token = self.settings.drain_token
         if token is None:
             raise ApiError(
                 403,
-                "POST /drain is disabled: no drain token is configured (set LLMFLEET_DRAIN_TOKEN or "
-                "--drain-token-file); SIGTERM still drains",
+                f"{what} is disabled: no drain token is configured (set LLMFLEET_DRAIN_TOKEN or "
+                "--drain-token-file)" + ("; SIGTERM still drains" if what == "POST /drain" else ""),
                 code="drain_disabled",
             )
         scheme, _, given = (authorization or "").partition(" ")
@@ -163,5 +255,5 @@ class WorkerService:
             given.strip().encode(), token.get_secret_value().encode()
         ):
             raise ApiError(
-                401, "POST /drain needs the header 'Authorization: Bearer <drain token>'", code="invalid_drain_token"
+                401, f"{what} needs the header 'Authorization: Bearer <drain token>'", code="invalid_drain_token"
             )

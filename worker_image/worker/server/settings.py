@@ -82,6 +82,12 @@ class WorkerSettings(BaseModel):
     speculative: SpeculativeConfig | None = Field(
         None, description="speculative decoding by prompt lookup (--speculative-config, vLLM's JSON); None: off"
     )
+    enable_lora: bool = Field(False, description="serve LoRA adapters of the base model (--enable-lora)")
+    max_loras: int | None = Field(None, ge=1, description="adapters resident at once (--max-loras)")
+    max_lora_rank: int | None = Field(None, ge=1, description="largest adapter rank accepted (--max-lora-rank)")
+    lora_modules: dict[str, str] = Field(
+        default_factory=dict, description="adapters loaded at start-up, name -> PEFT folder (--lora-modules)"
+    )
     max_waiting: int = Field(256, ge=1, description="requests allowed to wait for a running slot before 429")
     max_tokens_cap: int | None = Field(None, ge=1, description="largest max_tokens a request may ask for")
     max_tokens_policy: MaxTokensPolicy = Field(
@@ -118,6 +124,31 @@ class WorkerSettings(BaseModel):
                 f"unknown flags for the {self.engine} engine: {flags}. Extra engine flags are passed "
                 "to vLLM only: use --engine vllm, or remove them (spec.engine.extraArgs)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _lora_needs_enable_lora(self) -> WorkerSettings:
+        given = [
+            flag
+            for flag, value in (
+                ("--max-loras", self.max_loras),
+                ("--max-lora-rank", self.max_lora_rank),
+                ("--lora-modules", self.lora_modules or None),
+            )
+            if value is not None
+        ]
+        if given and not self.enable_lora:
+            raise ValueError(f"{', '.join(given)} need --enable-lora: add it, or remove them")
+        if self.enable_lora and self.engine == "vllm":
+            raise ValueError(
+                "--enable-lora is served by the builtin engine here; the vllm engine takes no adapters yet"
+            )
+        for name in self.lora_modules:
+            if not name or ":" in name or name == self.model_name:
+                raise ValueError(
+                    f"--lora-modules: adapter name {name!r} must be non-empty, without ':', and not the base "
+                    "model's name"
+                )
         return self
 
     @field_validator("drain_token")
