@@ -16,11 +16,12 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from worker.model import quant as quant_module
 from worker.model.config import ModelConfig
 from worker.model.linear import ONEDNN_LINEAR, PackedLinear, available_kernels
 from worker.model.llama import LlamaModel
 from worker.model.loader import load_weights
-from worker.model.quant import Fp8Linear, Int4Linear, make_linear
+from worker.model.quant import Fp8Linear, Int4Linear, fp8_chunk_rows, make_linear
 from worker.model.runner import ModelRunner
 from worker.model.testing import make_tiny_llama
 
@@ -64,6 +65,25 @@ def test_a_fused_linear_is_the_concatenation_of_its_parts(quant, dtype, kernel, 
     got = torch.split(fused(x), list(SIZES), dim=-1)
     for g, p in zip(got, parts):
         torch.testing.assert_close(g, p(x))
+
+
+def test_fp8_tiles_only_big_weights():
+    assert fp8_chunk_rows(3072, 576) == 512  # SmolLM2's fused gate+up: 6 tiles of 512 rows
+    assert fp8_chunk_rows(960, 576) == 960  # its fused q/k/v stays whole
+    assert fp8_chunk_rows(28672, 4096) == 72  # Llama-3-8B's gate+up: same ~295k weights per tile
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tiled_fp8_linear_computes_what_the_whole_one_does(monkeypatch, dtype):
+    ws, bs = _weights(bias=True)
+    w, b = torch.cat(ws), torch.cat(bs).to(dtype)
+    whole = Fp8Linear(w, b, dtype)
+    monkeypatch.setattr(quant_module, "FP8_TILE_WEIGHTS", 24 * IN)  # 24-row tiles: 128 rows = 5 tiles + 8 rows
+    tiled = Fp8Linear(w, b, dtype)
+    assert tiled._chunk_rows == 24 and whole._chunk_rows == len(w)
+    x = torch.randn(7, IN, generator=GEN).to(dtype)
+    torch.testing.assert_close(tiled(x), whole(x))
+    assert tiled(x).shape == (7, len(w))
 
 
 @pytest.mark.parametrize(
