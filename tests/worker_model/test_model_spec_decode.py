@@ -123,3 +123,21 @@ def test_verification_applies_min_tokens_per_position() -> None:
     req = SampleRequest(SamplingParams(temperature=0.0, max_tokens=8, min_tokens=2), None, 1, eos)
     # output index 1 is still banned (1 < 2): token 4; at index 2 EOS is allowed
     assert Sampler(torch.Generator()).verify(logits, [4, 4], req) == [4, eos]
+
+
+def test_speculation_with_lora_adapters_is_exact(tiny_dir, tmp_path) -> None:
+    """Drafts of requests on different adapters (and the base) are verified with each one's own weights."""
+    from worker.model.testing import make_random_lora
+
+    make_random_lora(tmp_path / "a", tiny_dir, rank=4, alpha=8, seed=3)
+    args = dict(enable_lora=True, max_loras=2, block_size=4, num_blocks=256)
+    plain = LLM(str(tiny_dir), **args)
+    spec = LLM(str(tiny_dir), speculative=SPEC, **args)
+    for llm in (plain, spec):
+        llm.add_lora("a", str(tmp_path / "a"))
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    loras = ["a", None, "a", None, "a"]
+    expected = plain.generate(PROMPTS, params, lora=loras)
+    got = spec.generate(PROMPTS, params, lora=loras)
+    assert [g.token_ids for g in got] == [e.token_ids for e in expected]
+    assert spec.engine.stats().spec_decode.num_accepted_tokens > 0
