@@ -129,6 +129,35 @@ def test_segments_merge_touching_runs_of_one_slot():
         assert segments_of(runs) == expected
 
 
+@pytest.mark.parametrize(
+    ("runs", "num_decode", "batched"),
+    [
+        ([(1, 3, 0), (3, 4, 2), (4, 9, 0)], 4, True),  # decodes of slots 0 and 2 (slot 1 empty: padding), a chunk
+        ([(0, 2, 2), (2, 3, 0)], 3, True),
+        ([(0, 2, 2), (5, 9, 2)], 2, False),  # one adapter among the decodes: plain runs
+        ([(2, 6, 0), (6, 9, 2)], 0, False),  # no decodes
+    ],
+)
+def test_batched_and_run_by_run_deltas_equal_a_per_row_reference(tiny_dir, adapters, runs, num_decode, batched):
+    from worker.model.lora import LoraStore, plan_batch
+
+    cfg = ModelConfig.from_dir(tiny_dir)
+    store = LoraStore(cfg, 3, 16, torch.float32, "cpu")
+    store.put(0, load_lora(adapters["a"][0], cfg, max_rank=16))
+    store.put(2, load_lora(adapters["b"][0], cfg, max_rank=16))
+    batch = plan_batch(store, runs, num_decode, torch.float32, "cpu")
+    assert (batch.gather is not None) == batched
+    x = torch.randn(9, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    base = torch.randn(9, cfg.q_size + 2 * cfg.kv_size, generator=torch.Generator().manual_seed(1))
+    out = base.clone()
+    batch.apply(1, "qkv", x, out)
+    expected = base.clone()
+    for start, end, slot in runs:
+        for row in range(start, end):
+            expected[row] += x[row] @ store.a[1]["qkv"][slot] @ store.b[1]["qkv"][slot]
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 # ---- bad adapters ------------------------------------------------------------------------------------------------
 
 

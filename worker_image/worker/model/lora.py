@@ -7,9 +7,16 @@ weight `W + scale * B @ A`. Our Llama fuses q/k/v into one GEMM and gate/up into
 are fused the same way: the A matrices of q, k and v are concatenated (one GEMM for `x @ A^T`) and their B
 matrices laid out block-diagonally over the fused output's column slices (one GEMM adds every sub-projection's
 delta to its own slice; a sub-projection the adapter does not target has zero rows there). The scale is folded
-into B at load. A batch mixes rows of several adapters and of the base: the runner orders sequences so that the
-rows of one adapter are contiguous runs (`LoraBatch.segments`), and each run adds its deltas in place to its rows
-of the projection's output; base rows are untouched, and a batch without adapters takes no extra step at all.
+into B at load.
+
+Resident adapters live in a `LoraStore`: per layer and fused group, one tensor of all slots' A (`[slots, in,
+max_rank * parts]`) and one of their B, zero-padded to the largest rank (vLLM and Punica stack them the same way),
+so a step's adapters need no gathering of weights. A batch mixes rows of several adapters and of the base: the
+runner orders sequences so that the rows of one adapter are contiguous runs. The single-token (decode) rows of all
+adapters go through two batched matmuls per group (`torch.bmm` over the slots, rows gathered into a [slots,
+rows per slot] layout, padding masked to zero, results added back with `index_add_`), a handful of ops whatever the
+number of adapters; each multi-token run (a prefill chunk) adds `(x @ A) @ B` to its rows in place. Base rows are
+untouched, and a batch without adapters takes no extra step at all.
 
 What is checked at load (`load_lora`, errors are `LoraError` saying what is wrong and how to fix it): the folder
 holds `adapter_config.json` and `adapter_model.safetensors`; the config is plain LoRA (no DoRA, no bias, no
@@ -265,19 +272,109 @@ def load_lora(
     return LoadedLora(name=name or folder.name, path=str(folder), rank=r, scale=scale, layers=tuple(layers))
 
 
+class LoraStore:
+    """The weights of the adapters resident in `max_loras` slots, stacked per layer and fused group and padded to
+    `max_rank` (an adapter of lower rank, or without some group, leaves zeros there)."""
+
+    def __init__(
+        self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
+        shapes = projection_shapes(cfg)
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.a: list[dict[str, torch.Tensor]] = []  # layer -> group -> [slots, in, max_rank * parts]
+        self.b: list[dict[str, torch.Tensor]] = []  # layer -> group -> [slots, max_rank * parts, out]
+        for _ in range(cfg.num_hidden_layers):
+            a, b = {}, {}
+            for group, members in GROUPS.items():
+                width = max_rank * len(members)
+                fan_in = shapes[members[0]][0]
+                fan_out = sum(shapes[m][1] for m in members)
+                a[group] = torch.zeros(max_loras, fan_in, width, dtype=dtype, device=device)
+                b[group] = torch.zeros(max_loras, width, fan_out, dtype=dtype, device=device)
+            self.a.append(a)
+            self.b.append(b)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for part in (self.a, self.b) for layer in part for t in layer.values())
+
+    def put(self, slot: int, lora: LoadedLora) -> None:
+        """Copy an adapter's weights into a slot (replacing whatever was there)."""
+        for layer, deltas in enumerate(lora.layers):
+            for group in GROUPS:
+                a, b = self.a[layer][group][slot], self.b[layer][group][slot]
+                a.zero_()
+                b.zero_()
+                delta = deltas.get(group)
+                if delta is not None:
+                    width = delta.a_t.shape[1]
+                    a[:, :width].copy_(delta.a_t)
+                    b[:width].copy_(delta.b_t)
+
+
 @dataclass(frozen=True)
 class LoraBatch:
-    """Which rows of a step's flattened batch belong to which resident adapter: (start, end, adapter) runs.
+    """Which rows of a step's flattened batch use which resident adapter (rows of no run are base rows).
 
-    Rows outside every run are base rows. `apply` adds one fused group's deltas to those rows of its output."""
+    `segments`: (start, end, slot) runs whose deltas are added run by run. `gather`/`mask`: the batched part (the
+    decode rows of several adapters): `gather` lists, for slots lo..lo+n-1 in turn, `width` row indices each (a
+    slot's own rows, then padding that repeats a valid row), `mask` [n, width, 1] is 1 for real rows, 0 for padding.
+    """
 
-    segments: tuple[tuple[int, int, LoadedLora], ...]
+    store: LoraStore
+    segments: tuple[tuple[int, int, int], ...] = ()
+    gather: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    slot_lo: int = 0
+    num_slots: int = 0
+    width: int = 0
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        for start, end, lora in self.segments:
-            delta = lora.layers[layer].get(group)
-            if delta is not None:
-                delta.add_to(x[start:end], out[start:end])
+        a_all, b_all = self.store.a[layer][group], self.store.b[layer][group]
+        if self.gather is not None and self.mask is not None:
+            lo, hi = self.slot_lo, self.slot_lo + self.num_slots
+            xg = x.index_select(0, self.gather).view(self.num_slots, self.width, x.shape[1])
+            xa = torch.bmm(xg, a_all[lo:hi]).mul_(self.mask)
+            out.index_add_(0, self.gather, torch.bmm(xa, b_all[lo:hi]).view(-1, out.shape[1]))
+        for start, end, slot in self.segments:
+            out[start:end].addmm_(x[start:end].mm(a_all[slot]), b_all[slot])
+
+
+def plan_batch(
+    store: LoraStore,
+    runs: list[tuple[int, int, int]],
+    num_decode: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> LoraBatch:
+    """A LoraBatch for (start, end, slot) runs of adapter rows (merged with `segments_of`). Runs inside the first
+    `num_decode` rows (single-token sequences) go through the batched path when they span two slots or more."""
+    runs = segments_of(runs)
+    decode = [r for r in runs if r[1] <= num_decode]
+    if len({slot for _, _, slot in decode}) < 2:
+        return LoraBatch(store, tuple(runs))
+    rows: dict[int, list[int]] = {}
+    for start, end, slot in decode:
+        rows.setdefault(slot, []).extend(range(start, end))
+    lo, hi = min(rows), max(rows) + 1
+    width = max(len(r) for r in rows.values())
+    fill = decode[0][0]
+    gather: list[int] = []
+    mask: list[float] = []
+    for slot in range(lo, hi):
+        mine = rows.get(slot, [])
+        gather.extend(mine + [fill] * (width - len(mine)))
+        mask.extend([1.0] * len(mine) + [0.0] * (width - len(mine)))
+    return LoraBatch(
+        store,
+        tuple(r for r in runs if r[1] > num_decode),
+        gather=torch.tensor(gather, dtype=torch.int64, device=device),
+        mask=torch.tensor(mask, dtype=dtype, device=device).view(hi - lo, width, 1),
+        slot_lo=lo,
+        num_slots=hi - lo,
+        width=width,
+    )
 
 
 def segments_of(row_slots: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:

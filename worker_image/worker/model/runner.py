@@ -35,7 +35,7 @@ from worker.model.kernels import load_paged_decode
 from worker.model.linear import available_kernels, read_cpu_flags, resolve_auto_dtype
 from worker.model.llama import LlamaModel
 from worker.model.loader import load_weights
-from worker.model.lora import LoadedLora, LoraBatch, LoraError, load_lora, segments_of
+from worker.model.lora import LoadedLora, LoraError, LoraStore, load_lora, plan_batch
 from worker.model.quant import QUANTIZATIONS
 from worker.model.sampler import Sampler, SampleRequest, top_tokens
 from worker.model.tokenizer import Tokenizer
@@ -174,8 +174,11 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
-        # slot -> (lora_id, weights) of the adapter resident there; the scheduler decides what goes where
-        self.lora_slots: list[tuple[int, LoadedLora] | None] = [None] * max_loras
+        # slot -> lora_id of the adapter resident there (its weights are in lora_store); the scheduler decides
+        self.lora_slots: list[int | None] = [None] * max_loras
+        self.lora_store = (
+            LoraStore(self.config, max_loras, max_lora_rank, self.dtype, self.device) if max_loras > 0 else None
+        )
         unseeded = torch.Generator(device=self.device).manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
         self.sampler = Sampler(unseeded)
 
@@ -237,10 +240,12 @@ class ModelRunner:
             try:
                 if not 0 <= slot < self.max_loras:
                     raise ValueError(f"adapter slot {slot} is outside 0..{self.max_loras - 1}")
-                held = self.lora_slots[slot]
-                if held is None or held[0] != spec.lora_id:
+                if self.lora_slots[slot] != spec.lora_id:
+                    assert self.lora_store is not None
+                    loaded = self.load_lora(spec.path, spec.name)
                     self.lora_slots[slot] = None
-                    self.lora_slots[slot] = (spec.lora_id, self.load_lora(spec.path, spec.name))
+                    self.lora_store.put(slot, loaded)
+                    self.lora_slots[slot] = spec.lora_id
             except Exception as exc:  # noqa: BLE001 - this sequence's alone
                 out.failed[seq.req_id] = failure(exc)
                 continue
@@ -330,8 +335,8 @@ class ModelRunner:
         meta = build_metadata(spans, self.block_size, self.device, self.dtype, self.decode_kernel is not None)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         lora = None
-        if row_slots:
-            lora = LoraBatch(tuple((start, end, self._resident(slot)) for start, end, slot in segments_of(row_slots)))
+        if row_slots and self.lora_store is not None:
+            lora = plan_batch(self.lora_store, row_slots, meta.num_decode, self.dtype, self.device)
         hidden = self.model.forward(ids, meta, self.kv_caches, self.decode_kernel, lora)
         for seq, first_row in prompt_rows:
             try:
@@ -376,11 +381,6 @@ class ModelRunner:
                 if logprob.top:
                     out.top_logprobs[seq.req_id] = logprob.top
         return out
-
-    def _resident(self, slot: int) -> LoadedLora:
-        held = self.lora_slots[slot]
-        assert held is not None  # _lora_batch loaded it
-        return held[1]
 
     def _check_seq(self, seq: ScheduledSeq) -> None:
         n = len(seq.token_ids)
