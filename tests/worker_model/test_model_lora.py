@@ -74,18 +74,27 @@ def make_llm(tiny_dir, **kwargs) -> LLM:
 
 @pytest.mark.parametrize(
     "engine_args",
-    [{}, {"max_num_batched_tokens": 16, "max_num_seqs": 8}, {"enable_prefix_caching": False, "enforce_eager": True}],
-    ids=["one-step-prefill", "chunked", "eager-no-cache"],
+    [
+        {},
+        {"max_num_batched_tokens": 16, "max_num_seqs": 8},
+        {"enable_prefix_caching": False, "enforce_eager": True},
+        {"speculative": {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 16}},
+    ],
+    ids=["one-step-prefill", "chunked", "eager-no-cache", "speculative"],
 )
 def test_mixed_batch_equals_merged_transformers(tiny_dir, adapters, references, engine_args):
     llm = make_llm(tiny_dir, **engine_args)
     for name, (path, _, _) in adapters.items():
         llm.add_lora(name, str(path))
     ps = prompts(9, llm.engine.runner.vocab_size)
+    if "speculative" in engine_args:  # repeated prompts give the n-gram proposer drafts to verify
+        ps = [p[:6] * 3 for p in ps]
     names = [None, "a", "b"] * 3
     outs = llm.generate(ps, GREEDY, lora=names)
     expected = [hf_greedy(references[name], p) for p, name in zip(ps, names, strict=True)]
     assert [o.token_ids for o in outs] == expected
+    spec = llm.engine.stats().spec_decode
+    assert spec is None or spec.num_draft_tokens > 0  # drafts of adapter requests were verified
     # the adapters change the answers (else this test would prove nothing)
     assert len({tuple(hf_greedy(references[n], ps[0])) for n in (None, "a", "b")}) == 3
 
