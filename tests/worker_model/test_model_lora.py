@@ -99,6 +99,21 @@ def test_mixed_batch_equals_merged_transformers(tiny_dir, adapters, references, 
     assert len({tuple(hf_greedy(references[n], ps[0])) for n in (None, "a", "b")}) == 3
 
 
+@pytest.mark.parametrize(("dtype", "quantization"), [("bfloat16", None), ("float32", "fp8")])
+def test_adapters_on_bf16_and_quantized_bases(tiny_dir, adapters, dtype, quantization):
+    """Adapter weights follow the base's dtype (the activation dtype for weight-only quantization): a mixed batch
+    runs, and the adapters change the answers."""
+    llm = make_llm(tiny_dir, dtype=dtype, quantization=quantization)
+    for name, (path, _, _) in adapters.items():
+        llm.add_lora(name, str(path))
+    store = llm.engine.runner.lora_store
+    assert store is not None and store.a[0]["qkv"].dtype == getattr(torch, dtype)
+    p = prompts(1, llm.engine.runner.vocab_size, seed=4)[0]
+    outs = llm.generate([p, p, p], GREEDY, lora=[None, "a", "b"])
+    assert all(o.finish_reason is not None and o.finish_reason.value == "length" for o in outs)
+    assert outs[1].token_ids != outs[0].token_ids and outs[2].token_ids != outs[0].token_ids
+
+
 def test_one_slot_evicts_and_reloads_and_stays_exact(tiny_dir, adapters, references):
     llm = make_llm(tiny_dir, max_loras=1)
     for name, (path, _, _) in adapters.items():
