@@ -123,7 +123,9 @@ def test_adapter_endpoints_need_the_drain_token(live, adapter_dirs, path, header
 def test_load_answer_and_unload_an_adapter_at_run_time(live, offline, adapter_dirs) -> None:
     url = live.base_url
     r = httpx.post(
-        url + "/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": adapter_dirs["late"]}, headers=AUTH
+        url + "/v1/load_lora_adapter",
+        json={"lora_name": "late", "lora_path": "file://" + adapter_dirs["late"]},
+        headers=AUTH,
     )
     assert r.status_code == 200, r.text
     assert "late" in _models(live)
@@ -149,6 +151,7 @@ def test_load_answer_and_unload_an_adapter_at_run_time(live, offline, adapter_di
         ({"lora_name": "tiny", "lora_path": "SQL"}, "the base model's name"),
         ({"lora_name": "a:b", "lora_path": "SQL"}, "without ':'"),
         ({"lora_name": "x"}, "lora_path: field required"),
+        ({"lora_name": "x", "lora_path": "s3://bucket/adapter"}, "adapter sources are a folder"),
     ],
 )
 def test_a_bad_adapter_is_400_with_the_reason_and_the_base_serves(live, offline, adapter_dirs, body, message) -> None:

@@ -4,10 +4,14 @@
 * `hf://ORG/REPO[@REVISION]` -> a Hugging Face Hub snapshot (config, tokenizer, safetensors only). Clusters
   with a hub use it; here no hub is reachable and the error says so and what to do instead;
 * anything else (optionally `file://`) -> a local or volume-mounted folder, which must hold a `config.json`.
+
+LoRA adapters name their source the same way, without `bundled://` (`resolve_adapter_source`); what the folder
+holds is checked when the engine loads it (`worker.model.lora`).
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from worker.model.bundled import ensure_bundled
@@ -38,6 +42,17 @@ def resolve_model_source(source: str, *, cache_dir: str | Path | None = None, re
     if not (path / "config.json").is_file():
         raise ModelSourceError(f"{path} has no config.json: point the source at an HF model folder")
     return path
+
+
+def resolve_adapter_source(source: str, *, cache_dir: str | Path | None = None) -> Path:
+    """A LoRA adapter's source (a folder, `file://FOLDER` or `hf://ORG/REPO[@REVISION]`) as a local folder."""
+    if not source:
+        raise ModelSourceError("adapter source is empty: use a folder path or hf://ORG/REPO")
+    if source.startswith("hf://"):
+        return _hf_snapshot(source.removeprefix("hf://").strip("/"), cache_dir, None)
+    if re.match(r"[A-Za-z][\w+.-]*://", source) and not source.startswith("file://"):
+        raise ModelSourceError(f"adapter sources are a folder, file://FOLDER or hf://ORG/REPO, got {source!r}")
+    return Path(source.removeprefix("file://")).expanduser()
 
 
 def _hf_snapshot(spec: str, cache_dir: str | Path | None, revision: str | None) -> Path:

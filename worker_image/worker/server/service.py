@@ -33,6 +33,13 @@ from worker.server.tokenizing import TokenizerPool
 log = logging.getLogger(__name__)
 
 
+def local_adapter_folder(source: str) -> str:
+    """An adapter source (folder, file://, hf://) as a local folder; ValueError (ModelSourceError) if it cannot be."""
+    from worker.model.source import resolve_adapter_source
+
+    return str(resolve_adapter_source(source))
+
+
 def resolve_model(requested: str | None, base: str, adapters: Collection[str]) -> str | None:
     """The adapter a request's `model` selects (None: the base model); ApiError 404 `model_not_found` if none.
 
@@ -125,7 +132,7 @@ class WorkerService:
                 log.error("LoRA adapter %s not loaded: this engine serves no adapters", name)
                 continue
             try:
-                await engine.load_lora(name, path)
+                await engine.load_lora(name, await asyncio.to_thread(local_adapter_folder, path))
             except ValueError as err:
                 log.error("LoRA adapter %s (%s) not loaded, the base model serves without it: %s", name, path, err)
             else:
@@ -167,7 +174,7 @@ class WorkerService:
                 400, f"{name!r} is the base model's name: give the adapter another name", code="invalid_value"
             )
         try:
-            await engine.load_lora(name, path)
+            await engine.load_lora(name, await asyncio.to_thread(local_adapter_folder, path))
         except ValueError as err:
             raise ApiError(400, f"cannot load LoRA adapter {name!r}: {err}", code="invalid_lora_adapter") from err
         log.info("LoRA adapter %s loaded from %s", name, path)
