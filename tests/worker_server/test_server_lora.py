@@ -236,3 +236,23 @@ def test_parse_lora_modules(values, expected) -> None:
 def test_settings_rules(fields, message) -> None:
     with pytest.raises(ValidationError, match=message):
         WorkerSettings(**({"model": "/m", "engine": "builtin"} | fields))
+
+
+def test_cli_flags_reach_the_engine_config() -> None:
+    from typer.testing import CliRunner
+    from worker.server.engines import builtin_engine_kwargs
+
+    from llmfleet.cli import app
+
+    args = ["worker", "--model", "fake://m", "--engine", "fake", "--host", "127.0.0.1", "--port", "0"]
+    result = CliRunner().invoke(app, [*args, "--max-loras", "2", "--lora-modules", "a=/x"])
+    assert result.exit_code == 2
+    assert "--max-loras, --lora-modules need --enable-lora" in result.output
+    result = CliRunner().invoke(app, [*args, "--enable-lora", "--lora-modules", "oops"])
+    assert result.exit_code == 2 and "give name=path" in result.output
+    settings = WorkerSettings(model="m", enable_lora=True, max_loras=4, max_lora_rank=32, lora_modules={"a": "/x"})
+    kwargs = builtin_engine_kwargs(settings, "/m", "cpu")
+    assert (kwargs["enable_lora"], kwargs["max_loras"], kwargs["max_lora_rank"]) == (True, 4, 32)
+    config = EngineConfig(**kwargs)
+    assert (config.enable_lora, config.max_loras, config.max_lora_rank) == (True, 4, 32)
+    assert "enable_lora" not in builtin_engine_kwargs(WorkerSettings(model="m"), "/m", "cpu")
