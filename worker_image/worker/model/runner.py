@@ -179,6 +179,13 @@ class ModelRunner:
         self.lora_store = (
             LoraStore(self.config, max_loras, max_lora_rank, self.dtype, self.device) if max_loras > 0 else None
         )
+        if self.lora_store is not None:
+            logging.getLogger(__name__).info(
+                "LoRA: %d adapter slots of rank <= %d hold %.1f MB",
+                max_loras,
+                max_lora_rank,
+                self.lora_store.nbytes / 1e6,
+            )
         unseeded = torch.Generator(device=self.device).manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
         self.sampler = Sampler(unseeded)
 
