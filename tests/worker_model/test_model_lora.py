@@ -167,19 +167,25 @@ def test_batched_and_run_by_run_deltas_equal_a_per_row_reference(tiny_dir, adapt
 
     cfg = ModelConfig.from_dir(tiny_dir)
     store = LoraStore(cfg, 3, 16, torch.float32, "cpu")
-    store.put(0, load_lora(adapters["a"][0], cfg, max_rank=16))
-    store.put(2, load_lora(adapters["b"][0], cfg, max_rank=16))
+    loaded = {0: load_lora(adapters["a"][0], cfg, max_rank=16), 2: load_lora(adapters["b"][0], cfg, max_rank=16)}
+    for slot, lora in loaded.items():
+        store.put(slot, lora)
     batch = plan_batch(store, runs, num_decode, torch.float32, "cpu")
     assert (batch.gather is not None) == batched
-    x = torch.randn(9, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
-    base = torch.randn(9, cfg.q_size + 2 * cfg.kv_size, generator=torch.Generator().manual_seed(1))
-    out = base.clone()
-    batch.apply(1, "qkv", x, out)
-    expected = base.clone()
-    for start, end, slot in runs:
-        for row in range(start, end):
-            expected[row] += x[row] @ store.a[1]["qkv"][slot] @ store.b[1]["qkv"][slot]
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    for group, x_size, out_size in [
+        ("qkv", cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size),
+        ("down", cfg.intermediate_size, cfg.hidden_size),
+    ]:
+        x = torch.randn(9, x_size, generator=torch.Generator().manual_seed(0))
+        base = torch.randn(9, out_size, generator=torch.Generator().manual_seed(1))
+        out = base.clone()
+        batch.apply(1, group, x, out)
+        expected = base.clone()
+        for start, end, slot in runs:
+            delta = loaded[slot].layers[1][group]
+            for row in range(start, end):
+                expected[row] += x[row] @ delta.a_t @ delta.b_t
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
 # ---- bad adapters ------------------------------------------------------------------------------------------------

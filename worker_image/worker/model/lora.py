@@ -10,8 +10,10 @@ delta to its own slice; a sub-projection the adapter does not target has zero ro
 into B at load.
 
 Resident adapters live in a `LoraStore`: per layer and fused group, one tensor of all slots' A (`[slots, in,
-max_rank * parts]`) and one of their B, zero-padded to the largest rank (vLLM and Punica stack them the same way),
-so a step's adapters need no gathering of weights. A batch mixes rows of several adapters and of the base: the
+max_rank * parts]`, sub-projection m in columns m * max_rank ..) and, per sub-projection, one of their B (`[slots,
+max_rank, out]`), zero-padded to the largest rank (vLLM and Punica stack them the same way), so a step's adapters
+need no gathering of weights; B is applied per sub-projection (no block-diagonal zeros: a third of the memory and
+of the B-side FLOPs for q/k/v) and the slices are concatenated into the fused output's layout. A batch mixes rows of several adapters and of the base: the
 runner orders sequences so that the rows of one adapter are contiguous runs. The single-token (decode) rows of all
 adapters go through two batched matmuls per group (`torch.bmm` over the slots, rows gathered into a [slots,
 rows per slot] layout, padding masked to zero, results added back with `index_add_`), a handful of ops whatever the
@@ -156,6 +158,7 @@ class LoraDelta:
 
     a_t: torch.Tensor  # [in, r * parts]
     b_t: torch.Tensor  # [r * parts, out of the fused group]
+    members: tuple[int, ...] = (0,)  # which sub-projections of the group (index in GROUPS) the r-blocks are
 
     def add_to(self, x: torch.Tensor, out: torch.Tensor) -> None:
         out.addmm_(x.mm(self.a_t), self.b_t)
@@ -267,6 +270,7 @@ def load_lora(
             deltas[group] = LoraDelta(
                 a_t=a_cat.t().contiguous().to(device=dev, dtype=dtype),
                 b_t=b_bd.t().contiguous().to(device=dev, dtype=dtype),
+                members=tuple(members.index(p) for p in present),
             )
         layers.append(deltas)
     return LoadedLora(name=name or folder.name, path=str(folder), rank=r, scale=scale, layers=tuple(layers))
@@ -283,34 +287,39 @@ class LoraStore:
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.a: list[dict[str, torch.Tensor]] = []  # layer -> group -> [slots, in, max_rank * parts]
-        self.b: list[dict[str, torch.Tensor]] = []  # layer -> group -> [slots, max_rank * parts, out]
+        self.b: list[dict[str, list[torch.Tensor]]] = []  # layer -> group -> per part [slots, max_rank, out]
+        self.cols = {g: [shapes[m][1] for m in members] for g, members in GROUPS.items()}  # out size of each part
         for _ in range(cfg.num_hidden_layers):
             a, b = {}, {}
             for group, members in GROUPS.items():
-                width = max_rank * len(members)
                 fan_in = shapes[members[0]][0]
-                fan_out = sum(shapes[m][1] for m in members)
-                a[group] = torch.zeros(max_loras, fan_in, width, dtype=dtype, device=device)
-                b[group] = torch.zeros(max_loras, width, fan_out, dtype=dtype, device=device)
+                a[group] = torch.zeros(max_loras, fan_in, max_rank * len(members), dtype=dtype, device=device)
+                b[group] = [torch.zeros(max_loras, max_rank, shapes[m][1], dtype=dtype, device=device) for m in members]
             self.a.append(a)
             self.b.append(b)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for part in (self.a, self.b) for layer in part for t in layer.values())
+        tensors = [t for layer in self.a for t in layer.values()]
+        tensors += [t for layer in self.b for parts in layer.values() for t in parts]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def put(self, slot: int, lora: LoadedLora) -> None:
         """Copy an adapter's weights into a slot (replacing whatever was there)."""
+        rank, width = lora.rank, self.max_rank
         for layer, deltas in enumerate(lora.layers):
-            for group in GROUPS:
-                a, b = self.a[layer][group][slot], self.b[layer][group][slot]
+            for group, sizes in self.cols.items():
+                a, parts = self.a[layer][group][slot], [b[slot] for b in self.b[layer][group]]
                 a.zero_()
-                b.zero_()
+                for b in parts:
+                    b.zero_()
                 delta = deltas.get(group)
-                if delta is not None:
-                    width = delta.a_t.shape[1]
-                    a[:, :width].copy_(delta.a_t)
-                    b[:width].copy_(delta.b_t)
+                if delta is None:
+                    continue
+                for j, m in enumerate(delta.members):
+                    col = sum(sizes[:m])
+                    a[:, m * width : m * width + rank].copy_(delta.a_t[:, j * rank : (j + 1) * rank])
+                    parts[m][:rank].copy_(delta.b_t[j * rank : (j + 1) * rank, col : col + sizes[m]])
 
 
 @dataclass(frozen=True)
@@ -331,14 +340,27 @@ class LoraBatch:
     width: int = 0
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        a_all, b_all = self.store.a[layer][group], self.store.b[layer][group]
+        a_all, b_parts = self.store.a[layer][group], self.store.b[layer][group]
+        rank = self.store.max_rank
         if self.gather is not None and self.mask is not None:
             lo, hi = self.slot_lo, self.slot_lo + self.num_slots
             xg = x.index_select(0, self.gather).view(self.num_slots, self.width, x.shape[1])
             xa = torch.bmm(xg, a_all[lo:hi]).mul_(self.mask)
-            out.index_add_(0, self.gather, torch.bmm(xa, b_all[lo:hi]).view(-1, out.shape[1]))
+            if len(b_parts) == 1:
+                y = torch.bmm(xa, b_parts[0][lo:hi])
+            else:
+                y = torch.cat(
+                    [torch.bmm(xa[:, :, m * rank : (m + 1) * rank], b[lo:hi]) for m, b in enumerate(b_parts)], -1
+                )
+            out.index_add_(0, self.gather, y.view(-1, out.shape[1]))
         for start, end, slot in self.segments:
-            out[start:end].addmm_(x[start:end].mm(a_all[slot]), b_all[slot])
+            xa = x[start:end].mm(a_all[slot])
+            if len(b_parts) == 1:
+                out[start:end].addmm_(xa, b_parts[0][slot])
+            else:
+                out[start:end].add_(
+                    torch.cat([xa[:, m * rank : (m + 1) * rank].mm(b[slot]) for m, b in enumerate(b_parts)], -1)
+                )
 
 
 def plan_batch(
