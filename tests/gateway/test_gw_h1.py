@@ -334,17 +334,19 @@ async def test_a_head_that_never_comes_is_a_read_timeout() -> None:
         await eventually(lambda: w.stats.connections == 0, "the server saw the close")
 
 
+async def one_chunk_then_silence(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """A server that sends a response head and one body chunk, then nothing (a stalled stream)."""
+    await read_head(reader)
+    writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n")
+    await reader.read()
+
+
 @pytest.mark.parametrize("while_waiting", [False, True], ids=["before-the-wait", "during-the-wait"])
 async def test_a_shorter_read_timeout_set_after_the_head_applies_to_the_body(while_waiting: bool) -> None:
     """The proxy waits long for the first byte (queue + TTFT), then switches to the shorter between-chunks timeout:
     the timer armed with the long one must not decide when a stalled body fails."""
 
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_head(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n")
-        await reader.read()
-
-    async with server(handler) as port:
+    async with server(one_chunk_then_silence) as port:
         conn = H1Connection("127.0.0.1", port)
         r = await conn.handle_async_request(request(f"http://127.0.0.1:{port}/", read=3600, content=b"x"))
         chunks = aiter(r.stream)
@@ -366,12 +368,7 @@ async def test_a_shorter_read_timeout_set_after_the_head_applies_to_the_body(whi
 
 
 async def test_a_stalled_body_is_a_read_timeout() -> None:
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_head(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n")
-        await reader.read()
-
-    async with server(handler) as port:
+    async with server(one_chunk_then_silence) as port:
         conn = H1Connection("127.0.0.1", port)
         r = await conn.handle_async_request(request(f"http://127.0.0.1:{port}/", read=0.1, content=b"x"))
         with pytest.raises(httpx.ReadTimeout):
