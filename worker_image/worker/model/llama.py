@@ -204,40 +204,8 @@ class LlamaModel:
         decode_kernel: PagedDecode | None = None,
         lora: LoraBatch | None = None,
     ) -> torch.Tensor:
-        """Hidden states of the batch's rows; `lora` adds the deltas of the adapters its rows use (None: base only,
-        the same code path as before adapters existed)."""
-        if lora is not None:
-            return self._forward_lora(input_ids, meta, kv_caches, decode_kernel, lora)
-        cfg = self.cfg
-        t = input_ids.shape[0]
-        heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        q_size, kv_size, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
-        half = head_dim // 2
-        eps = cfg.rms_norm_eps
-        cos, sin = self.rope_tables(meta.positions)
-        h = F.embedding(input_ids, self.embed)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            qkv = layer.qkv(rms_norm(h, layer.input_norm, eps))
-            qk = qkv[:, : q_size + kv_size].view(t, heads + kv_heads, head_dim)
-            qk = qk * cos + qk.roll(half, dims=-1) * sin
-            q = qk[:, :heads]
-            k = qk[:, heads:]
-            v = qkv[:, q_size + kv_size :].view(t, kv_heads, head_dim)
-            h = h + layer.o_proj(paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, decode_kernel))
-            gu = layer.gate_up(rms_norm(h, layer.post_norm, eps))
-            h = h + layer.down(F.silu(gu[:, :inter]) * gu[:, inter:])
-        return rms_norm(h, self.norm, eps)
-
-    def _forward_lora(
-        self,
-        input_ids: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        decode_kernel: PagedDecode | None,
-        lora: LoraBatch,
-    ) -> torch.Tensor:
-        """`forward` with each adapter's deltas added to its rows of every projection's output (worker.model.lora);
-        kept apart so the base path carries no per-layer adapter checks."""
+        """Hidden states of the batch's rows; `lora` adds the deltas of the adapters its rows use to every
+        projection's output (worker.model.lora; None: the base model alone)."""
         cfg = self.cfg
         t = input_ids.shape[0]
         heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -249,7 +217,8 @@ class LlamaModel:
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             x = rms_norm(h, layer.input_norm, eps)
             qkv = layer.qkv(x)
-            lora.apply(i, "qkv", x, qkv)
+            if lora is not None:
+                lora.apply(i, "qkv", x, qkv)
             qk = qkv[:, : q_size + kv_size].view(t, heads + kv_heads, head_dim)
             qk = qk * cos + qk.roll(half, dims=-1) * sin
             q = qk[:, :heads]
@@ -257,14 +226,17 @@ class LlamaModel:
             v = qkv[:, q_size + kv_size :].view(t, kv_heads, head_dim)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, decode_kernel).reshape(t, q_size)
             o = layer.o_proj(attn)
-            lora.apply(i, "o", attn, o)
+            if lora is not None:
+                lora.apply(i, "o", attn, o)
             h = h + o
             x = rms_norm(h, layer.post_norm, eps)
             gu = layer.gate_up(x)
-            lora.apply(i, "gate_up", x, gu)
+            if lora is not None:
+                lora.apply(i, "gate_up", x, gu)
             act = F.silu(gu[:, :inter]) * gu[:, inter:]
             d = layer.down(act)
-            lora.apply(i, "down", act, d)
+            if lora is not None:
+                lora.apply(i, "down", act, d)
             h = h + d
         return rms_norm(h, self.norm, eps)
 
