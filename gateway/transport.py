@@ -223,6 +223,32 @@ class PooledTransport(httpx.AsyncBaseTransport):
             await self._slots.acquire()
         self._in_use += 1
 
+    def _h1(self, origin: Origin, conn: Connection | None) -> H1Connection:
+        """`conn` when it is a plain-http connection (the idle one checked out), else a new one to `origin`."""
+        if isinstance(conn, H1Connection):
+            return conn
+        return H1Connection(origin[1].decode("ascii"), origin[2], keepalive_expiry=self._expiry)
+
+    def _core(self, origin: Origin, conn: Connection | None) -> httpcore.AsyncHTTPConnection:
+        """`conn` when it is an httpcore connection (the idle one checked out), else a new one to `origin`."""
+        if isinstance(conn, httpcore.AsyncHTTPConnection):
+            return conn
+        return httpcore.AsyncHTTPConnection(
+            origin=httpcore.Origin(*origin), keepalive_expiry=self._expiry, ssl_context=self._ssl
+        )
+
+    async def _core_send(
+        self, origin: Origin, core: httpcore.AsyncHTTPConnection, request: httpcore.Request
+    ) -> httpcore.Response:
+        """Send on an httpcore connection with httpx's errors; a failed send closes it and frees its slot."""
+        try:
+            with _mapped():
+                return await core.handle_async_request(request)
+        except BaseException:
+            await core.aclose()
+            self._checkin(origin, core)
+            raise
+
     async def open(
         self, url: str, headers: list[tuple[bytes, bytes]], body: bytes, timeouts: Timeouts
     ) -> UpstreamResponse:
@@ -240,9 +266,7 @@ class PooledTransport(httpx.AsyncBaseTransport):
         conn = self._checkout(origin)
         if scheme != b"http":
             return await self._core_open(origin, conn, target.encode("ascii"), headers, body, timeouts)
-        if not isinstance(conn, H1Connection):
-            conn = H1Connection(parts.hostname or "", port, keepalive_expiry=self._expiry)
-        h1 = conn
+        h1 = self._h1(origin, conn)
         try:
             data, close_after = encode_request(b"POST", target.encode("ascii"), parts.netloc.encode(), headers, body)
             return await h1.request(
@@ -268,11 +292,7 @@ class PooledTransport(httpx.AsyncBaseTransport):
         timeouts: Timeouts,
     ) -> UpstreamResponse:
         """`open` for an https origin, on httpcore."""
-        if not isinstance(conn, httpcore.AsyncHTTPConnection):
-            conn = httpcore.AsyncHTTPConnection(
-                origin=httpcore.Origin(*origin), keepalive_expiry=self._expiry, ssl_context=self._ssl
-            )
-        core = conn
+        core = self._core(origin, conn)
         netloc = origin[1] if origin[2] == 443 else b"%s:%d" % (origin[1], origin[2])
         names = {name.lower() for name, _ in headers}
         if b"host" not in names:  # httpcore sends the headers it is given, nothing more
@@ -286,13 +306,7 @@ class PooledTransport(httpx.AsyncBaseTransport):
             content=body,
             extensions={"timeout": timeouts.as_extension()},
         )
-        try:
-            with _mapped():
-                response = await core.handle_async_request(request)
-        except BaseException:
-            await core.aclose()
-            self._checkin(origin, core)
-            raise
+        response = await self._core_send(origin, core, request)
         stream = _ResponseStream(response.stream, lambda: self._checkin(origin, core))
         return CoreResponse(response.status, response.headers, stream)
 
@@ -304,10 +318,7 @@ class PooledTransport(httpx.AsyncBaseTransport):
         conn = self._checkout(origin)
         if origin[0] == b"http":
             return await self._h1_request(request, origin, conn)
-        if not isinstance(conn, httpcore.AsyncHTTPConnection):
-            conn = httpcore.AsyncHTTPConnection(
-                origin=httpcore.Origin(*origin), keepalive_expiry=self._expiry, ssl_context=self._ssl
-            )
+        core = self._core(origin, conn)
         core_request = httpcore.Request(
             method=request.method,
             url=httpcore.URL(scheme=url.raw_scheme, host=url.raw_host, port=url.port, target=url.raw_path),
@@ -315,24 +326,16 @@ class PooledTransport(httpx.AsyncBaseTransport):
             content=request.stream,
             extensions=request.extensions,
         )
-        try:
-            with _mapped():
-                response = await conn.handle_async_request(core_request)
-        except BaseException:
-            await conn.aclose()
-            self._checkin(origin, conn)
-            raise
+        response = await self._core_send(origin, core, core_request)
         return httpx.Response(
             status_code=response.status,
             headers=response.headers,
-            stream=_ResponseStream(response.stream, lambda: self._checkin(origin, conn)),
+            stream=_ResponseStream(response.stream, lambda: self._checkin(origin, core)),
             extensions=response.extensions,
         )
 
     async def _h1_request(self, request: httpx.Request, origin: Origin, conn: Connection | None) -> httpx.Response:
-        if not isinstance(conn, H1Connection):
-            conn = H1Connection(origin[1].decode("ascii"), origin[2], keepalive_expiry=self._expiry)
-        h1 = conn
+        h1 = self._h1(origin, conn)
         try:
             response = await h1.handle_async_request(request, on_close=lambda: self._checkin(origin, h1))
         except BaseException:
