@@ -175,7 +175,7 @@ async def gateway_process(urls: list[str], streams: int, extra: Sequence[str] = 
 
 @dataclass(frozen=True)
 class Gateway:
-    """A running gateway process: its URL, its pid (for CPU time) and the headers that authenticate."""
+    """A running proxy process: its URL, its pid (for CPU time) and the headers that authenticate to it."""
 
     url: str
     pid: int

@@ -25,7 +25,6 @@ import json
 import os
 import statistics
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 
 from gateway_proxy import Gateway, Run, cpu_seconds, gateway_process, load, stub_workers
@@ -84,16 +83,10 @@ async def bench(args: argparse.Namespace) -> list[dict[str, float]]:
         async with spawn(str(router), *rt_args, env={**os.environ, "RUST_LOG": "warn"}) as rt:
             routed = f"http://127.0.0.1:{rt_port}"
             await wait_http_ok(routed + "/health")
-            return await compare(args, urls, gw, Proxy(routed, rt.proc.pid))
+            return await compare(args, urls, gw, Gateway(routed, rt.proc.pid, {}))  # the router takes no key
 
 
-@dataclass(frozen=True)
-class Proxy:
-    url: str
-    pid: int
-
-
-async def compare(args: argparse.Namespace, urls: list[str], gw: Gateway, rt: Proxy) -> list[dict[str, float]]:
+async def compare(args: argparse.Namespace, urls: list[str], gw: Gateway, rt: Gateway) -> list[dict[str, float]]:
     """Each concurrency: `--repeat` rounds of direct, router, gateway; the medians and the ratios."""
     rows: list[dict[str, float]] = []
     for url, hdrs in ((gw.url, gw.auth), (rt.url, {}), (urls[0], {})):  # warm up every path
@@ -104,7 +97,7 @@ async def compare(args: argparse.Namespace, urls: list[str], gw: Gateway, rt: Pr
         for _ in range(args.repeat):  # interleaved, so that a busy spell hits both proxies alike
             direct = (await load(urls, streams, per_stream, args.tokens, {})).summary()
             one: dict[str, float] = {"direct_ttft_p50_ms": direct["ttft_p50_ms"]}
-            one |= await measure("router", rt.pid, rt.url, streams, per_stream, args.tokens, {}, direct)
+            one |= await measure("router", rt.pid, rt.url, streams, per_stream, args.tokens, rt.auth, direct)
             one |= await measure("gateway", gw.pid, gw.url, streams, per_stream, args.tokens, gw.auth, direct)
             rounds.append(one)
         r: dict[str, float] = {"streams": streams, "requests": streams * per_stream, "rounds": args.repeat}
