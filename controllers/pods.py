@@ -157,6 +157,9 @@ def worker_args(spec: InferenceDeploymentSpec, variant: VariantSpec, defaults: P
     args.append("--enable-chunked-prefill" if engine.enable_chunked_prefill else "--no-enable-chunked-prefill")
     if engine.speculative is not None:
         args += ["--speculative-config", speculative_config(engine.speculative)]
+    if engine.lora is not None:  # the adapters themselves are loaded into running pods (controllers.adapters)
+        args += ["--enable-lora", "--max-loras", str(engine.lora.max_loras)]
+        args += ["--max-lora-rank", str(engine.lora.max_lora_rank)]
     args += ["--drain-timeout", str(spec.drain.timeout_seconds)]
     args += extra_engine_args({**_normalised(engine.extra_args), **_normalised(variant.extra_args)})
     return args + list(defaults.extra_args)

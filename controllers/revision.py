@@ -7,7 +7,7 @@ the revision of a (deployment, variant) hashes the intent instead (`pod_intent`)
 - the CR fields that reach pods: `model`, `engine`, `drain`, `template` and the variant's own pod fields (`name`,
   `quantization`, `source`, `resources`, `extraArgs`), dumped without default values, so a field a newer CRD adds
   with a default changes no revision. Fields that never reach a pod (weights, tiers, replica counts, autoscaling,
-  rollout steps; `NON_POD_FIELDS`, `NON_POD_VARIANT_FIELDS`) cannot change the revision;
+  rollout steps, LoRA adapters: loaded into running pods by `controllers.adapters`; `NON_POD_FIELDS`, `NON_POD_VARIANT_FIELDS`) cannot change the revision;
 - the operator settings that decide which server runs and how it is reached (`worker_identity`): the worker
   image (the CR's, else the operator's default: a new default worker image is a deliberate upgrade of the
   software that serves, so it rolls, drained and canaried like any change), the worker command and extra
@@ -38,7 +38,7 @@ REVISION_LENGTH = 10
 # every deployment, drained, on the operator's upgrade); say so in the release notes. See docs/rollouts.md.
 RENDER_VERSION = 1
 # Spec fields (JSON names) that never reach a pod; `variants` is hashed one variant at a time.
-NON_POD_FIELDS = ("replicas", "rollout")
+NON_POD_FIELDS = ("replicas", "rollout", "adapters")
 NON_POD_VARIANT_FIELDS = ("weight", "tiers", "replicas", "autoscaling")
 
 

@@ -39,6 +39,8 @@ MODEL_SOURCE_PATTERN = (
     r"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?"
     r"|/[^\s]*)$"
 )
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+ADAPTER_SOURCE_PATTERN = r"^(hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9._-]+(@[^\s]+)?|file:///[^\s]*|/[^\s]*)$"
 ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 # Names of Secrets, ConfigMaps, claims, RuntimeClasses, schedulers (Kubernetes' DNS-1123 subdomain).
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"

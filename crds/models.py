@@ -93,6 +93,7 @@ from crds.podtemplate import (
     VolumeProjection,
 )
 from crds.spec import (
+    AdapterSpec,
     AnalysisSpec,
     AutoscalingSpec,
     AutoscalingTargets,
@@ -103,6 +104,7 @@ from crds.spec import (
     Engine,
     EngineSpec,
     InferenceDeploymentSpec,
+    LoraSpec,
     ModelSpec,
     Quantization,
     Resources,
@@ -112,6 +114,9 @@ from crds.spec import (
     VariantSpec,
 )
 from crds.status import (
+    AdapterPodState,
+    AdapterPodStatus,
+    AdapterStatus,
     AlertIntent,
     AnalysisResult,
     AutoscalingStatus,
@@ -161,6 +166,10 @@ __all__ = [
     "TMP_MOUNT",
     "VERSION",
     "VOLUME_SOURCE_FIELDS",
+    "AdapterPodState",
+    "AdapterPodStatus",
+    "AdapterSpec",
+    "AdapterStatus",
     "AlertIntent",
     "AnalysisResult",
     "AnalysisSpec",
@@ -199,6 +208,7 @@ __all__ = [
     "KeySelector",
     "KeyToPath",
     "LocalObjectReference",
+    "LoraSpec",
     "MetricInputs",
     "ModelSpec",
     "ObjectFieldSelector",

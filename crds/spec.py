@@ -9,6 +9,8 @@ from enum import StrEnum
 from pydantic import Field
 
 from crds.base import (
+    ADAPTER_NAME_PATTERN,
+    ADAPTER_SOURCE_PATTERN,
     DNS_LABEL_PATTERN,
     MODEL_NAME_PATTERN,
     MODEL_SOURCE_PATTERN,
@@ -109,6 +111,26 @@ class SpeculativeSpec(SpecModel):
     )
 
 
+class LoraSpec(SpecModel):
+    """LoRA adapter serving in the worker pods (`--enable-lora`). A pod field: turning it on, off or resizing it
+    rolls the pods (once); adding and removing `spec.adapters` afterwards never does."""
+
+    max_loras: int = Field(
+        4,
+        ge=1,
+        le=256,
+        description="Adapters resident in one batch at once (slots; vLLM's `--max-loras`). More adapters than "
+        "slots are served too: the least recently used one is swapped out.",
+    )
+    max_lora_rank: int = Field(
+        16,
+        ge=1,
+        le=512,
+        description="Largest adapter rank served (`--max-lora-rank`); an adapter of higher rank is refused "
+        "(its condition says so) and the base keeps serving.",
+    )
+
+
 class EngineSpec(SpecModel):
     """The inference engine and its knobs; the same names map to both engines' flags."""
 
@@ -138,6 +160,11 @@ class EngineSpec(SpecModel):
         None,
         description="Speculative decoding by prompt lookup (n-gram drafts); unset means off. Requests that ask "
         "for logprobs are decoded without it.",
+    )
+    lora: LoraSpec | None = Field(
+        None,
+        description="Serve LoRA adapters (`spec.adapters`) of the base model; unset means off. Needed by "
+        "`spec.adapters`.",
     )
     extra_args: FreeForm = Field(
         default_factory=dict,
@@ -307,6 +334,35 @@ class DrainSpec(SpecModel):
     )
 
 
+class AdapterSpec(SpecModel):
+    """A LoRA adapter of the base model (PEFT format: `adapter_config.json` + `adapter_model.safetensors`), served
+    by every pod next to the base. The operator loads it into running pods (no restart) and lists where it is
+    ready in `status.adapters`; clients select it with `model: MODEL:ADAPTER` or `model: ADAPTER`."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=64,
+        pattern=ADAPTER_NAME_PATTERN,
+        description="Adapter name, as clients send it (`MODEL:NAME` or `NAME`): letters, digits, '.', '_', '-'. "
+        "Must differ from the model's and the variants' names.",
+    )
+    source: str = Field(
+        max_length=512,
+        pattern=ADAPTER_SOURCE_PATTERN,
+        description="Where the adapter comes from: an absolute folder path in the pods (e.g. on a volume of "
+        "`template.volumes`), `file:///FOLDER`, or `hf://ORG/REPO[@REVISION]` (the cluster must reach a hub). "
+        "Changing it reloads the adapter in place.",
+    )
+    tokens_per_minute: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000_000,
+        description="Gateway limit on this adapter's tokens (prompt + max output, reserved at admission) per minute "
+        "over all API keys, so one busy fine-tune cannot crowd out the base and the other adapters; unset means no "
+        "limit beyond the keys' own. Over it, requests get 429 with Retry-After.",
+    )
+
+
 class InferenceDeploymentSpec(SpecModel):
     """Desired state of an InferenceDeployment: a model served by one or more variants of worker pods."""
 
@@ -328,3 +384,10 @@ class InferenceDeploymentSpec(SpecModel):
     rollout: RolloutSpec | None = Field(None, description="Canary rollout of spec changes; unset = direct replace.")
     drain: DrainSpec = Field(default_factory=DrainSpec, description="Draining of pods that go away.")
     template: PodTemplate = Field(default_factory=PodTemplate, description="Worker pod template.")
+    adapters: list[AdapterSpec] = Field(
+        default_factory=list,
+        max_length=256,
+        description="LoRA adapters served next to the base model (needs `engine.lora`). Adding, changing or "
+        "removing one loads or unloads it in the running pods; no pod restarts.",
+        json_schema_extra=list_map("name"),
+    )

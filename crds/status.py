@@ -35,6 +35,7 @@ class ConditionType(StrEnum):
     READY = "Ready"  # kstatus: the spec's revision serves all its replicas and nothing is pending
     RECONCILING = "Reconciling"  # kstatus, abnormal-true: a rollout, drain or scale is under way
     STALLED = "Stalled"  # kstatus, abnormal-true: no progress without a fix (invalid spec, rollback, stuck pods)
+    ADAPTERS_READY = "AdaptersReady"  # every adapter of the spec is loaded in every pod that serves adapters
 
 
 class ConditionStatus(StrEnum):
@@ -264,6 +265,40 @@ class Endpoint(StatusModel):
     canary: bool = Field(False, description="Whether this is the canary revision.")
 
 
+class AdapterPodState(StrEnum):
+    """Where one adapter stands in one pod."""
+
+    LOADED = "Loaded"  # the worker serves it
+    LOADING = "Loading"  # a load was sent; the worker has not shown it yet
+    FAILED = "Failed"  # the worker refused it (see message); retried with back-off, or at once when the source changes
+
+
+class AdapterPodStatus(StatusModel):
+    """One adapter in one pod."""
+
+    pod: str = Field(min_length=1, max_length=253, description="Pod name.")
+    state: AdapterPodState = Field(description="Loaded, Loading or Failed.")
+    source: str = Field("", max_length=512, description="The source loaded (or tried) in this pod.")
+    message: str = Field("", max_length=4096, description="Why the last load failed.")
+    attempts: int = Field(0, ge=0, description="Loads tried for this source since the last success.")
+    last_attempt_time: AwareDatetime | None = Field(None, description="When the last load was sent.")
+
+
+class AdapterStatus(StatusModel):
+    """Readiness of one adapter of `spec.adapters`, per pod. The gateway routes `MODEL:ADAPTER` to the pods listed
+    here as Loaded."""
+
+    name: str = Field(description="Adapter name.")
+    source: str = Field("", description="Its source in the spec.")
+    ready_replicas: int = Field(0, ge=0, description="Pods that serve it from this source.")
+    pods: list[AdapterPodStatus] = Field(
+        default_factory=list,
+        max_length=1000,
+        description="One entry per pod that serves adapters.",
+        json_schema_extra=list_map("pod"),
+    )
+
+
 class InferenceDeploymentStatus(StatusModel):
     """Observed state, written only by the operator. Autoscaled sizes live here, so GitOps never fights them."""
 
@@ -289,6 +324,12 @@ class InferenceDeploymentStatus(StatusModel):
     )
     endpoints: list[Endpoint] = Field(
         default_factory=list, max_length=64, description="Routing groups and weights for the gateway."
+    )
+    adapters: list[AdapterStatus] = Field(
+        default_factory=list,
+        max_length=256,
+        description="Per adapter of `spec.adapters`: the pods that serve it.",
+        json_schema_extra=list_map("name"),
     )
     last_valid_spec: FreeForm | None = Field(
         None,

@@ -77,6 +77,10 @@ _RESERVED_ENGINE_ARGS: Mapping[str, str] = {
     "enable-chunked-prefill": "set spec.engine.enableChunkedPrefill",
     "no-enable-chunked-prefill": "set spec.engine.enableChunkedPrefill",
     "speculative-config": "set spec.engine.speculative",
+    "enable-lora": "set spec.engine.lora",
+    "max-loras": "set spec.engine.lora.maxLoras",
+    "max-lora-rank": "set spec.engine.lora.maxLoraRank",
+    "lora-modules": "list the adapters in spec.adapters",
 }
 
 # Why a pod field is not in `template.podSpec` and what to do instead. Fields not listed here get the allow-list.
@@ -134,6 +138,8 @@ _FIELD_HINTS: Mapping[str, str] = {
     "variants[].resources.memory": "use a Kubernetes quantity, e.g. `2Gi`",
     "template.env[].name": "use letters, digits, '_', '-', '.' and no leading digit, e.g. `LOG_LEVEL`",
     "template.serviceAccountName": "use lowercase letters, digits and '-'",
+    "adapters[].name": "use letters, digits, '.', '_', '-' (no ':' or '/'), e.g. `sql-expert`",
+    "adapters[].source": "use an absolute folder path, file:///FOLDER or hf://ORG/REPO[@REVISION]",
 }
 _DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
@@ -401,6 +407,31 @@ def _speculative(spec: InferenceDeploymentSpec) -> Iterator[Problem]:
         )
 
 
+def _adapters(spec: InferenceDeploymentSpec) -> Iterator[Problem]:
+    """Adapters need LoRA on in the engine, and their names must say one thing in a request's `model`."""
+    if spec.adapters and spec.engine.lora is None:
+        yield Problem(
+            "spec.adapters",
+            "adapters are listed but the engine serves none (spec.engine.lora is unset)",
+            "add `engine: {lora: {}}` (defaults: maxLoras 4, maxLoraRank 16); turning it on rolls the pods once, "
+            "adapters added later load without restarts",
+        )
+    taken = {spec.model.name: "the model's name", **{v.name: f"the variant {v.name!r}" for v in spec.variants}}
+    seen: set[str] = set()
+    for index, adapter in enumerate(spec.adapters):
+        at = f"spec.adapters[{index}].name"
+        if adapter.name in seen:
+            yield Problem(at, f"adapter name {adapter.name!r} is used twice", "give every adapter its own name")
+        elif adapter.name in taken:
+            yield Problem(
+                at,
+                f"adapter name {adapter.name!r} is {taken[adapter.name]} (a request's `model: "
+                f"{spec.model.name}:{adapter.name}` could not say which it means)",
+                "rename the adapter",
+            )
+        seen.add(adapter.name)
+
+
 def _normalise_flag(name: str) -> str:
     return name.lstrip("-").replace("_", "-").lower()
 
@@ -519,6 +550,7 @@ _RULES: tuple[Callable[[InferenceDeploymentSpec], Iterable[Problem]], ...] = (
     _quantization,
     _engine_budget,
     _speculative,
+    _adapters,
     _engine_args,
     _pod_spec,
     _env,
