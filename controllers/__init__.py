@@ -10,18 +10,22 @@ from controllers.actions import (
     EnsurePdb,
     EnsureService,
     EventType,
+    LoadAdapter,
     PatchStatus,
     Plan,
     RemoveAnnotations,
     StartDrain,
+    UnloadAdapter,
 )
-from controllers.observed import DrainProbe, Observed, PodInfo, ProbeState
+from controllers.observed import AdapterProbe, AdapterResult, DrainProbe, Observed, PodInfo, ProbeState
 from controllers.pods import PodDefaults
 from controllers.reasons import Reason
 from controllers.reconcile import Policy, reconcile
 
 __all__ = [
     "Action",
+    "AdapterProbe",
+    "AdapterResult",
     "CreatePod",
     "DeletePdb",
     "DeletePod",
@@ -31,6 +35,7 @@ __all__ = [
     "EnsurePdb",
     "EnsureService",
     "EventType",
+    "LoadAdapter",
     "Observed",
     "PatchStatus",
     "Plan",
@@ -41,5 +46,6 @@ __all__ = [
     "Reason",
     "RemoveAnnotations",
     "StartDrain",
+    "UnloadAdapter",
     "reconcile",
 ]

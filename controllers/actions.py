@@ -75,6 +75,27 @@ class StartDrain:
 
 
 @dataclass(frozen=True)
+class LoadAdapter:
+    """Load LoRA adapter `adapter` from `source` into the worker at `address` (`replace`: unload the old copy
+    first); the worker's answer reaches the next pass as an `AdapterResult` (see `controllers.adapters`)."""
+
+    pod: str
+    address: str
+    adapter: str
+    source: str
+    replace: bool = False
+
+
+@dataclass(frozen=True)
+class UnloadAdapter:
+    """Unload LoRA adapter `adapter` from the worker at `address` (one already gone is fine)."""
+
+    pod: str
+    address: str
+    adapter: str
+
+
+@dataclass(frozen=True)
 class EnsurePdb:
     """Create the PodDisruptionBudget of a variant, or update its spec to match `manifest`."""
 
@@ -139,6 +160,8 @@ Action = (
     CreatePod
     | DeletePod
     | StartDrain
+    | LoadAdapter
+    | UnloadAdapter
     | EnsureService
     | EnsureNetworkPolicy
     | EnsurePdb

@@ -148,6 +148,25 @@ class DrainProbe:
 
 
 @dataclass(frozen=True)
+class AdapterProbe:
+    """What a pod's worker said it serves (`GET /v1/models`: the entries with a `parent`)."""
+
+    state: ProbeState
+    adapters: frozenset[str] = frozenset()
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class AdapterResult:
+    """The answer to a load sent last pass: `error` None when the worker accepted it."""
+
+    pod: str
+    adapter: str
+    source: str
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class Observed:
     """Everything observed about one InferenceDeployment's children, plus what went wrong last time."""
 
@@ -159,6 +178,8 @@ class Observed:
     pdbs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # name -> the operator's PodDisruptionBudgets
     analysis: AnalysisResult | None = None  # a canary analysis check the shell ran for this pass, if one was due
     canary_metrics_since: datetime | None = None  # the running canary's metrics series appeared (found this pass)
+    adapter_probes: Mapping[str, AdapterProbe] = field(default_factory=dict)  # pod name -> GET /v1/models
+    adapter_results: tuple[AdapterResult, ...] = ()  # answers to the adapter loads of the previous pass
 
     @classmethod
     def from_objects(

@@ -61,6 +61,10 @@ class Reason(StrEnum):
     INVALID_SPEC = "InvalidSpec"  # also Ready=False and a Warning Event
     PODS_CANNOT_START = "PodsCannotStart"
     NOT_STALLED = "NotStalled"
+    # ---- conditions: AdaptersReady (LoRA adapters in the running pods)
+    ADAPTERS_LOADED = "AdaptersLoaded"
+    ADAPTERS_LOADING = "AdaptersLoading"
+    ADAPTER_LOAD_FAILED = "AdapterLoadFailed"  # also a Warning Event
     # ---- status.rollout.reason: why the rollout phase is what it is
     STABLE = "Stable"
     SPEC_REVERTED = "SpecReverted"

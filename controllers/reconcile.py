@@ -21,6 +21,8 @@ Rules, per variant (sizes from `controllers.sizing`, revisions and canary steps 
   the deployment has a NetworkPolicy admitting only the configured peers to its workers (`controllers.network`,
   unless the policy turns it off), and its pods carry the drain token derived from the operator's key
   (`controllers.drain_token`; in the pod's identity, so never in a revision).
+LoRA adapters (`spec.adapters`) are loaded into and unloaded from the running pods that serve adapters, with
+their per-pod readiness in `status.adapters` and the `AdaptersReady` condition (`controllers.adapters`).
 An invalid spec is reported (InvalidSpec condition, Warning Event) and the last valid one, kept in
 `status.lastValidSpec`, goes on running (`controllers.running_spec`): failed pods are replaced, autoscaled sizes
 and a running canary go on. A deployment that was never valid changes nothing (drains under way finish). A
@@ -52,6 +54,7 @@ from controllers.actions import (
     RemoveAnnotations,
     StartDrain,
 )
+from controllers.adapters import AdapterInput, AdapterPlan, plan_adapters
 from controllers.conditions import (
     Health,
     WantedCondition,
@@ -198,6 +201,7 @@ def _converge(
     decision, revisions = _rollout(meta, spec, previous.rollout, pods, desired, observed, now, policy)
     plans = rollout.variant_rollouts(decision.status, revisions, desired)
     progress = draining.advance(pods, observed.drain_probes, now, timeout_s=timeout, port=port)
+    adapters = _adapters(spec, decision.status, revisions, previous, pods, observed, now, port)
     outcomes = [
         _plan_variant(meta, variant, sizes[variant.name], plans[variant.name], pods, policy, now, timeout)
         for variant in spec.variants
@@ -211,6 +215,7 @@ def _converge(
         if p.variant not in names and not p.deleting and not p.draining
     )
     actions += progress.actions
+    actions += adapters.unloads + adapters.loads
     for outcome in outcomes:
         actions += outcome.removals
     actions += orphans
@@ -248,6 +253,7 @@ def _converge(
     elif was_invalid:
         events.append(EmitEvent(EventType.NORMAL, Reason.SPEC_VALID, "the spec is valid again; reconciling it"))
     events += decision.events
+    events += adapters.events
 
     starts = [a for a in actions if isinstance(a, StartDrain) and a.mark]
     drains = _drains(progress.drains, starts)
@@ -255,6 +261,7 @@ def _converge(
     status = _status(
         name, generation, previous, outcomes, orphans, observed, now, decision.status, drains, running, rejected
     )
+    status = _with_adapters(status, adapters, now, generation)
     patch = _status_patch(previous, status)
     if patch is not None:
         actions.append(PatchStatus(patch))
@@ -265,7 +272,7 @@ def _converge(
     )
     if decision.status.phase != RolloutPhase.STABLE:
         notes += (f"rollout {decision.status.phase.value}: {decision.status.message}",)
-    waits = [w for w in (progress.requeue_after, decision.requeue_after) if w is not None]
+    waits = [w for w in (progress.requeue_after, decision.requeue_after, adapters.requeue_after) if w is not None]
     return Plan(actions=tuple(actions) + tuple(events), requeue_after=min(waits) if waits else None, notes=notes)
 
 
@@ -301,6 +308,47 @@ def _rollout(
         stable = rollout.stable_spec_of(spec, decision.status.stable_spec)
         revisions = rollout.variant_revisions(name, spec, stable, policy.defaults)
     return decision, revisions
+
+
+def _adapters(
+    spec: InferenceDeploymentSpec,
+    rollout_status: RolloutStatus,
+    revisions: Mapping[str, rollout.VariantRevisions],
+    previous: InferenceDeploymentStatus,
+    pods: Sequence[PodInfo],
+    observed: Observed,
+    now: datetime,
+    port: int,
+) -> AdapterPlan:
+    """Adapter loads and unloads for the pods that serve adapters: live, ready, reachable, of a revision whose spec
+    turns LoRA on (during a rollout that turns it on, only the canary's pods)."""
+    stable = rollout.stable_spec_of(spec, rollout_status.stable_spec)
+    lora_revisions = {r.target for r in revisions.values() if spec.engine.lora is not None}
+    lora_revisions |= {r.stable for r in revisions.values() if stable.engine.lora is not None}
+    eligible = [p for p in pods if p.live and p.ready and p.ip and p.revision in lora_revisions]
+    return plan_adapters(
+        AdapterInput(
+            adapters=spec.adapters,
+            lora=spec.engine.lora is not None,
+            eligible=eligible,
+            addresses={p.name: draining.address(p, port) or "" for p in eligible},
+            previous=previous.adapters,
+            now=now,
+            probes=observed.adapter_probes,
+            results=observed.adapter_results,
+        )
+    )
+
+
+def _with_adapters(
+    status: InferenceDeploymentStatus, adapters: AdapterPlan, now: datetime, generation: int | None
+) -> InferenceDeploymentStatus:
+    """The status with `adapters` and the AdaptersReady condition (dropped when the deployment serves none)."""
+    kept = [c for c in status.conditions if c.type != ConditionType.ADAPTERS_READY]
+    previous = [c for c in status.conditions if c.type == ConditionType.ADAPTERS_READY]
+    wanted = [adapters.condition] if adapters.condition is not None else []
+    conditions = kept + merge_conditions(previous, wanted, now, generation)
+    return status.model_copy(update={"adapters": list(adapters.status), "conditions": conditions})
 
 
 def _pdb_actions(meta: Mapping[str, Any], spec: InferenceDeploymentSpec, observed: Observed) -> list[Action]:

@@ -1,0 +1,245 @@
+"""LoRA adapters in running pods: which to load or unload where, and how `status.adapters` reads. Pure.
+
+Why it exists: `spec.adapters` is not a pod field (adding an adapter must not roll a GPU fleet), so no pod template
+carries it; the operator instead tells each running worker to load or unload adapters over the worker's
+authenticated control API (`POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter`, the drain token), and the
+gateway routes `MODEL:ADAPTER` only to pods listed here as `Loaded`. This module decides, from
+- the spec's adapters (name -> source),
+- the pods that serve adapters (`eligible`: live, ready, with an IP, of a revision whose spec has `engine.lora`),
+- what each of those pods said it serves this pass (`AdapterProbe`, the shell's `GET /v1/models`),
+- what the loads sent last pass answered (`AdapterResult`, kept in memory by the shell for one pass),
+- and `status.adapters` as last written (the durable part: per pod, the source loaded or tried, attempts, time),
+which `LoadAdapter`/`UnloadAdapter` actions to run, the new `status.adapters`, the `AdaptersReady` condition and
+the Warning Events of new failures.
+
+Rules, per adapter A (source S) and eligible pod P:
+- P serves A, from S (by the record of the load; a load nobody recorded counts as S): Loaded.
+- P serves A from another source (the spec changed it): reload in place (`replace`: unload, then load S).
+- P does not serve A: load it, unless the last load of S failed and its back-off has not run out (10 s, doubling
+  per failed attempt, at most 5 min; a changed source is tried at once). A refused load is `Failed` with the
+  worker's message, one Warning Event per new failure; the base model keeps serving and other adapters load.
+- P serves an adapter that is not in the spec: unload it.
+- P did not answer the probe: its entry stays as it was and nothing is sent to it.
+Pods that are not eligible (starting, draining, gone, or of a revision without `engine.lora`) get no entries.
+
+May import crds, controllers.actions, controllers.conditions, controllers.observed, controllers.reasons.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from controllers.actions import EmitEvent, EventType, LoadAdapter, UnloadAdapter
+from controllers.conditions import WantedCondition
+from controllers.observed import AdapterProbe, AdapterResult, PodInfo, ProbeState
+from controllers.reasons import Reason
+from crds.models import (
+    AdapterPodState,
+    AdapterPodStatus,
+    AdapterSpec,
+    AdapterStatus,
+    ConditionStatus,
+    ConditionType,
+)
+
+RETRY_FIRST_S = 10.0
+RETRY_MAX_S = 300.0
+# After sending loads, look again this soon: the gateway routes to a pod only once status says Loaded.
+CONFIRM_AFTER_S = 1.0
+
+
+@dataclass(frozen=True)
+class AdapterPlan:
+    """The outcome for one pass: calls to workers, the new `status.adapters`, the condition (None: the deployment
+    serves no adapters, the condition is dropped), Events, and when to look again."""
+
+    loads: tuple[LoadAdapter, ...] = ()
+    unloads: tuple[UnloadAdapter, ...] = ()
+    status: tuple[AdapterStatus, ...] = ()
+    condition: WantedCondition | None = None
+    events: tuple[EmitEvent, ...] = ()
+    requeue_after: float | None = None
+
+
+@dataclass(frozen=True)
+class AdapterInput:
+    """Everything `plan_adapters` reads."""
+
+    adapters: Sequence[AdapterSpec]
+    lora: bool  # the spec turns LoRA on (`engine.lora`)
+    eligible: Sequence[PodInfo]
+    addresses: Mapping[str, str]  # pod name -> host:port of its worker
+    previous: Sequence[AdapterStatus]
+    now: datetime
+    probes: Mapping[str, AdapterProbe] = field(default_factory=dict)
+    results: Sequence[AdapterResult] = ()
+
+
+def retry_delay(attempts: int) -> float:
+    """Seconds to wait before trying a source again after `attempts` failed loads of it."""
+    return float(min(RETRY_MAX_S, RETRY_FIRST_S * 2.0 ** max(0, attempts - 1)))
+
+
+def plan_adapters(given: AdapterInput) -> AdapterPlan:
+    """Plan adapter loads and unloads and the status (see the module docstring for the rules)."""
+    if not given.lora and not given.adapters:
+        return AdapterPlan()
+    previous = {a.name: {p.pod: p for p in a.pods} for a in given.previous}
+    results = {(r.pod, r.adapter, r.source): r for r in given.results}
+    wanted = {a.name for a in given.adapters}
+    loads: list[LoadAdapter] = []
+    statuses: list[AdapterStatus] = []
+    failures: dict[str, list[AdapterPodStatus]] = {}
+    waits: list[float] = []
+    new_failures: list[tuple[AdapterSpec, AdapterPodStatus]] = []
+    for adapter in given.adapters:
+        entries: list[AdapterPodStatus] = []
+        for pod in sorted(given.eligible, key=lambda p: p.name):
+            before = previous.get(adapter.name, {}).get(pod.name)
+            probe = given.probes.get(pod.name)
+            entry, load = _pod_entry(adapter, pod, before, probe, results, given.now)
+            if entry is None:
+                continue
+            entries.append(entry)
+            if load:
+                loads.append(
+                    LoadAdapter(
+                        pod.name,
+                        given.addresses[pod.name],
+                        adapter.name,
+                        adapter.source,
+                        replace=probe is not None and adapter.name in probe.adapters,
+                    )
+                )
+            if entry.state == AdapterPodState.FAILED:
+                failures.setdefault(adapter.name, []).append(entry)
+                if before is None or before.state != AdapterPodState.FAILED or before.message != entry.message:
+                    new_failures.append((adapter, entry))
+                if entry.last_attempt_time is not None:
+                    due = entry.last_attempt_time + timedelta(seconds=retry_delay(entry.attempts))
+                    waits.append(max(1.0, (due - given.now).total_seconds()))
+        ready = sum(1 for e in entries if e.state == AdapterPodState.LOADED)
+        statuses.append(AdapterStatus(name=adapter.name, source=adapter.source, ready_replicas=ready, pods=entries))
+    unloads = [
+        UnloadAdapter(pod.name, given.addresses[pod.name], name)
+        for pod in sorted(given.eligible, key=lambda p: p.name)
+        if (probe := given.probes.get(pod.name)) is not None and probe.state == ProbeState.ANSWERED
+        for name in sorted(probe.adapters - wanted)
+    ]
+    if loads or unloads:
+        waits.append(CONFIRM_AFTER_S)
+    return AdapterPlan(
+        loads=tuple(loads),
+        unloads=tuple(unloads),
+        status=tuple(statuses),
+        condition=_condition(statuses, failures, len(given.eligible)),
+        events=tuple(_failure_events(new_failures)),
+        requeue_after=min(waits) if waits else None,
+    )
+
+
+def _pod_entry(
+    adapter: AdapterSpec,
+    pod: PodInfo,
+    before: AdapterPodStatus | None,
+    probe: AdapterProbe | None,
+    results: Mapping[tuple[str, str, str], AdapterResult],
+    now: datetime,
+) -> tuple[AdapterPodStatus | None, bool]:
+    """The pod's entry for this adapter after this pass, and whether to send it a load now."""
+    if probe is None or probe.state != ProbeState.ANSWERED:
+        return before, False  # unknown this pass: keep what we knew, send nothing
+    source = adapter.source
+    result = results.get((pod.name, adapter.name, source))
+    if adapter.name in probe.adapters:
+        loaded_from = _loaded_source(before, result, source)
+        if loaded_from == source:
+            return AdapterPodStatus(pod=pod.name, state=AdapterPodState.LOADED, source=source), False
+        return _attempt(pod.name, source, 1, now), True  # the spec points it elsewhere: reload in place
+    if result is not None and result.error is not None:
+        attempts = before.attempts if before is not None and before.source == source else 1
+        return (
+            AdapterPodStatus(
+                pod=pod.name,
+                state=AdapterPodState.FAILED,
+                source=source,
+                message=result.error[:4096],
+                attempts=attempts,
+                last_attempt_time=before.last_attempt_time if before is not None else now,
+            ),
+            False,
+        )
+    same = before is not None and before.source == source
+    if same and before is not None and before.state == AdapterPodState.FAILED and before.last_attempt_time:
+        due = before.last_attempt_time + timedelta(seconds=retry_delay(before.attempts))
+        if now < due:
+            return before, False
+    attempts = (before.attempts if same and before is not None else 0) + 1
+    return _attempt(pod.name, source, attempts, now), True
+
+
+def _loaded_source(before: AdapterPodStatus | None, result: AdapterResult | None, spec_source: str) -> str:
+    """The source the pod's copy of the adapter came from, as far as the records tell."""
+    if result is not None and result.error is None:
+        return result.source
+    if before is not None and before.state in (AdapterPodState.LOADED, AdapterPodState.LOADING) and before.source:
+        return before.source
+    return spec_source  # loaded by nobody we recorded (e.g. at the worker's start): take it as the spec's
+
+
+def _attempt(pod: str, source: str, attempts: int, now: datetime) -> AdapterPodStatus:
+    return AdapterPodStatus(
+        pod=pod, state=AdapterPodState.LOADING, source=source, attempts=attempts, last_attempt_time=now
+    )
+
+
+def _condition(
+    statuses: Sequence[AdapterStatus], failures: Mapping[str, Sequence[AdapterPodStatus]], eligible: int
+) -> WantedCondition:
+    kind = ConditionType.ADAPTERS_READY
+    if failures:
+        message = "; ".join(
+            f"adapter {name} failed in {', '.join(e.pod for e in entries)}: {entries[0].message}"
+            for name, entries in sorted(failures.items())
+        )
+        return WantedCondition(
+            kind,
+            ConditionStatus.FALSE,
+            Reason.ADAPTER_LOAD_FAILED,
+            message + " (the base model and the other adapters keep serving; fix the adapter or its source)",
+        )
+    if not statuses:
+        return WantedCondition(kind, ConditionStatus.TRUE, Reason.ADAPTERS_LOADED, "no adapters in the spec")
+    if eligible == 0:
+        return WantedCondition(kind, ConditionStatus.FALSE, Reason.ADAPTERS_LOADING, "no ready pod serves adapters yet")
+    pending = [s.name for s in statuses if s.ready_replicas < eligible]
+    if pending:
+        return WantedCondition(
+            kind,
+            ConditionStatus.FALSE,
+            Reason.ADAPTERS_LOADING,
+            "loading "
+            + ", ".join(f"{s.name} ({s.ready_replicas}/{eligible} pods)" for s in statuses if s.name in pending),
+        )
+    return WantedCondition(
+        kind, ConditionStatus.TRUE, Reason.ADAPTERS_LOADED, f"{len(statuses)} adapter(s) loaded in {eligible} pod(s)"
+    )
+
+
+def _failure_events(new: Sequence[tuple[AdapterSpec, AdapterPodStatus]]) -> list[EmitEvent]:
+    by_adapter: dict[str, list[AdapterPodStatus]] = {}
+    sources: dict[str, str] = {}
+    for adapter, entry in new:
+        by_adapter.setdefault(adapter.name, []).append(entry)
+        sources[adapter.name] = adapter.source
+    return [
+        EmitEvent(
+            EventType.WARNING,
+            Reason.ADAPTER_LOAD_FAILED,
+            f"adapter {name} ({sources[name]}) could not be loaded in {', '.join(e.pod for e in entries)}: "
+            f"{entries[0].message}. The base model keeps serving; fix the adapter or its source in spec.adapters",
+        )
+        for name, entries in sorted(by_adapter.items())
+    ]
