@@ -121,6 +121,7 @@ OWNED_STATUS_FIELDS = (
     "rollout",
     "drains",
     "lastValidSpec",
+    "adapters",
 )
 MAX_REVISIONS_PER_VARIANT = 8
 MAX_ENDPOINTS = 64

@@ -12,6 +12,10 @@ and the drain survives an operator restart), then `POST /drain` to the worker wi
 (derived from the operator's key by `drains`, the same token the pods were created with; no Secret is read).
 A failed POST is not an API error: it is logged, and the drain machine sees on its next probe whether the worker
 drains, asks again, or deletes a worker that no longer answers.
+
+`LoadAdapter`/`UnloadAdapter` go to the workers through `adapters` (`adapter_client`), alongside the drains; a
+refused load is not an API error either: the worker's reason is kept for the next pass, which puts it in
+`status.adapters` (and a Warning Event) through the planner.
 """
 
 from __future__ import annotations
@@ -33,14 +37,17 @@ from controllers import (
     EnsurePdb,
     EnsureService,
     EventType,
+    LoadAdapter,
     PatchStatus,
     Plan,
     RemoveAnnotations,
     StartDrain,
+    UnloadAdapter,
 )
 from controllers.draining import mark_patch
 from controllers.pods import MANAGED_BY
 from controllers.reasons import Reason
+from fleet_operator.adapter_client import WorkerAdapters
 from fleet_operator.drain_client import WorkerDrains
 from fleet_operator.kube import ApiError, KubeApi, namespaced, with_retries
 from fleet_operator.observe import deployment_path, network_policies_path, pdbs_path
@@ -51,10 +58,15 @@ MAX_EVENT_MESSAGE = 1024
 
 
 async def execute(
-    api: KubeApi, plan: Plan, resource: Mapping[str, Any], drains: WorkerDrains | None = None
+    api: KubeApi,
+    plan: Plan,
+    resource: Mapping[str, Any],
+    drains: WorkerDrains | None = None,
+    adapters: WorkerAdapters | None = None,
 ) -> list[str]:
     """Run the plan's actions; returns the errors, empty if none. Without `drains` no `POST /drain` is sent (the
-    pods are still marked; their preStop hook drains them when they are deleted).
+    pods are still marked; their preStop hook drains them when they are deleted); without `adapters` no adapter
+    is loaded or unloaded.
 
     Order: the Service, the NetworkPolicy and the budgets together; then pod deletes, drains and pod creates
     together; then the status patch, annotation removals and the Events together (an Event per successful create, delete
@@ -100,10 +112,19 @@ async def execute(
     done = outcomes[: len(deletes)]
     marked = outcomes[len(deletes) : len(deletes) + len(starts)]
     made = outcomes[len(deletes) + len(starts) :]
-    if drains is not None:
-        await asyncio.gather(
-            *(_post_drain(drains, s, token, namespace) for s, ok in zip(starts, marked, strict=True) if ok)
-        )
+    loads, unloads = plan.of_type(LoadAdapter), plan.of_type(UnloadAdapter)
+    await asyncio.gather(
+        *(
+            _post_drain(drains, s, token, namespace)
+            for s, ok in zip(starts, marked, strict=True)
+            if ok and drains is not None
+        ),
+        *(
+            [adapters.run((namespace, meta["name"]), meta, loads, unloads)]
+            if adapters is not None and (loads or unloads)
+            else []
+        ),
+    )
     events: list[EmitEvent] = [
         EmitEvent(EventType.NORMAL, Reason.DELETED_POD, f"deleted pod {d.name} ({d.reason}): {d.message}")
         for d, ok in zip(deletes, done, strict=True)

@@ -2,7 +2,8 @@
 
 A pass observes the CR and its children (asking draining pods how their drain goes), reads the CR once into a
 `controllers.running_spec.DeploymentView` (its status and the spec it runs), runs the canary analysis check when
-one is due (`analysis_runner`), plans, and executes the plan (marking and draining pods included).
+one is due (`analysis_runner`), plans, and executes the plan (marking and draining pods, and loading LoRA adapters
+into them, included).
 
 `Fleet.run` is the body of the per-deployment kopf daemon: it makes one pass, then sleeps until something
 changes (a watch event on the CR or one of its pods calls `wake`), until the plan asks to look again, or until
@@ -25,6 +26,7 @@ from typing import Any
 
 from controllers import Plan, Policy, reconcile
 from controllers.running_spec import DeploymentView
+from fleet_operator.adapter_client import WorkerAdapters
 from fleet_operator.analysis_runner import AnalysisObservation, AnalysisRunner
 from fleet_operator.drain_client import WorkerDrains
 from fleet_operator.execute import execute
@@ -54,6 +56,7 @@ class Fleet:
     policy: Policy
     settings: OperatorSettings
     drains: WorkerDrains | None = None  # None: pods are marked but not sent POST /drain, nor probed
+    adapters: WorkerAdapters | None = None  # None: LoRA adapters are neither probed nor loaded
     analysis: AnalysisRunner | None = None  # None: no canary analysis (a canary then waits for a manual promote)
     on_pass: Callable[[Mapping[str, Any], Plan], None] | None = None  # sees each executed plan (operator metrics)
     _wakeups: dict[Key, set[asyncio.Event]] = field(default_factory=dict)  # one per loop of that deployment
@@ -77,6 +80,7 @@ class Fleet:
                     name,
                     self._errors.get(key, ()),
                     drains=self.drains,
+                    adapters=self.adapters,
                     port=self.policy.defaults.port,
                     network_policies=self.policy.network.enabled,
                 )
@@ -99,7 +103,7 @@ class Fleet:
                     log.info("%s/%s: canary analysis: %s", namespace, name, found.result.message)
                 observed = replace(observed, analysis=found.result, canary_metrics_since=found.metrics_since)
             plan = reconcile(view, observed, now, self.policy)
-            errors = tuple(await execute(self.api, plan, resource, self.drains))
+            errors = tuple(await execute(self.api, plan, resource, self.drains, self.adapters))
             if self.on_pass is not None:
                 self.on_pass(resource, plan)
             if plan.actions:
@@ -167,6 +171,8 @@ class Fleet:
 
     def _forget(self, key: Key) -> None:
         self._errors.pop(key, None)
+        if self.adapters is not None:
+            self.adapters.forget(key)
         lock = self._locks.get(key)
         if lock is not None and not lock.locked():
             del self._locks[key]

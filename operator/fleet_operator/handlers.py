@@ -26,6 +26,7 @@ import kopf
 
 from crds.models import GROUP, PLURAL, VERSION
 from crds.pods import LABEL_DEPLOYMENT
+from fleet_operator.adapter_client import WorkerAdapters
 from fleet_operator.analysis_runner import AnalysisRunner, metrics_source
 from fleet_operator.autoscaler import register_autoscaling
 from fleet_operator.drain_client import WorkerDrains
@@ -56,11 +57,13 @@ def build_registry(
         settings.peering.lifetime = operator_settings.peering_lifetime_seconds
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per drain probe and scrape otherwise
         policy = replace(operator_settings.policy(), drain_key=drain_key)
+        drains = WorkerDrains(key=drain_key)
         memo.fleet = Fleet(
             KubeApi(credentials, timeout=operator_settings.api_timeout_seconds),
             policy,
             operator_settings,
-            drains=WorkerDrains(key=drain_key),
+            drains=drains,
+            adapters=WorkerAdapters(drains.token),
             analysis=AnalysisRunner(metrics_source(operator_settings.prometheus_url), policy.defaults),
         )
 
@@ -71,6 +74,8 @@ def build_registry(
             await fleet.api.aclose()
             if fleet.drains is not None:
                 await fleet.drains.aclose()
+            if fleet.adapters is not None:
+                await fleet.adapters.aclose()
             if fleet.analysis is not None:
                 await fleet.analysis.aclose()
 

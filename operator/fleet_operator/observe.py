@@ -4,7 +4,9 @@ Every pass reads the CR, its pods (by the `llmfleet.io/deployment` label), its S
 operator manages them) and its PodDisruptionBudgets directly (in parallel) instead of trusting a watch cache: a list from the API server
 already shows the pods the previous pass created, so the planner never creates a pod twice because its view was
 stale, and an operator restart needs no warm-up. Pods marked draining are then asked how their drain goes
-(`GET /drain`, see `drain_client`). No Secret is read: drain tokens are derived from the operator's key
+(`GET /drain`, see `drain_client`). When the deployment serves LoRA adapters, its ready pods are asked which
+adapters they serve (`GET /v1/models`) and the answers to the previous pass's loads are picked up
+(`adapter_client`). No Secret is read: drain tokens are derived from the operator's key
 (`controllers.drain_token`).
 """
 
@@ -20,6 +22,7 @@ from controllers.network import network_policy_name
 from controllers.pods import label_selector, service_name
 from crds.models import GROUP, PLURAL, VERSION
 from crds.pods import WORKER_PORT
+from fleet_operator.adapter_client import WorkerAdapters, serves_adapters
 from fleet_operator.drain_client import WorkerDrains
 from fleet_operator.kube import KubeApi, namespaced
 
@@ -52,11 +55,13 @@ async def observe(
     errors: Iterable[str] = (),
     *,
     drains: WorkerDrains | None = None,
+    adapters: WorkerAdapters | None = None,
     port: int = WORKER_PORT,
     network_policies: bool = True,
 ) -> Observation:
     """The CR and what exists of its pods, Service, NetworkPolicy (only with `network_policies`: without them
-    the operator neither reads nor writes NetworkPolicies) and budgets; with `drains`, the draining pods' state."""
+    the operator neither reads nor writes NetworkPolicies) and budgets; with `drains`, the draining pods' state;
+    with `adapters` (and a spec that serves adapters), what the ready pods serve and the last loads' answers."""
     resource, pods, service, network_policy, pdbs = await asyncio.gather(
         api.get(deployment_path(namespace, name)),
         api.list(namespaced(namespace, "pods"), label_selector(name)),
@@ -67,6 +72,12 @@ async def observe(
     observed = Observed.from_objects(pods, service, network_policy, errors, pdbs=pdbs)
     if drains is not None and resource is not None:
         observed = replace(observed, drain_probes=await drains.probe_all(observed.pods, port))
+    if adapters is not None and resource is not None and serves_adapters(resource.get("spec")):
+        observed = replace(
+            observed,
+            adapter_probes=await adapters.probe_all(observed.pods, port),
+            adapter_results=adapters.take_results((namespace, name)),
+        )
     return Observation(resource, observed, pods)
 
 
