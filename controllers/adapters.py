@@ -14,12 +14,13 @@ the Warning Events of new failures.
 
 Rules, per adapter A (source S) and eligible pod P:
 - P serves A, from S (by the record of the load; a load nobody recorded counts as S): Loaded.
-- P serves A from another source (the spec changed it): reload in place (`replace`: unload, then load S).
+- P serves A from another source (the spec changed it, or the last load of S failed while an older copy stayed):
+  reload in place (`replace`: unload, then load S), with the same back-off as a failed load.
 - P does not serve A: load it, unless the last load of S failed and its back-off has not run out (10 s, doubling
   per failed attempt, at most 5 min; a changed source is tried at once). A refused load is `Failed` with the
   worker's message, one Warning Event per new failure; the base model keeps serving and other adapters load.
 - P serves an adapter that is not in the spec: unload it.
-- P did not answer the probe: its entry stays as it was and nothing is sent to it.
+- P did not answer the probe: its entry stays as it was, nothing is sent to it, and it is asked again in 5 s.
 Pods that are not eligible (starting, draining, gone, or of a revision without `engine.lora`) get no entries.
 
 May import crds, controllers.actions, controllers.conditions, controllers.observed, controllers.reasons.
@@ -48,6 +49,7 @@ RETRY_FIRST_S = 10.0
 RETRY_MAX_S = 300.0
 # After sending loads, look again this soon: the gateway routes to a pod only once status says Loaded.
 CONFIRM_AFTER_S = 1.0
+UNANSWERED_RETRY_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,10 @@ def plan_adapters(given: AdapterInput) -> AdapterPlan:
     ]
     if loads or unloads:
         waits.append(CONFIRM_AFTER_S)
+    if given.adapters and any(
+        (probe := given.probes.get(p.name)) is not None and probe.state != ProbeState.ANSWERED for p in given.eligible
+    ):
+        waits.append(UNANSWERED_RETRY_S)  # ask a pod that did not answer again soon, not at the next resync
     return AdapterPlan(
         loads=tuple(loads),
         unloads=tuple(unloads),
@@ -153,40 +159,43 @@ def _pod_entry(
         return before, False  # unknown this pass: keep what we knew, send nothing
     source = adapter.source
     result = results.get((pod.name, adapter.name, source))
-    if adapter.name in probe.adapters:
-        loaded_from = _loaded_source(before, result, source)
-        if loaded_from == source:
-            return AdapterPodStatus(pod=pod.name, state=AdapterPodState.LOADED, source=source), False
-        return _attempt(pod.name, source, 1, now), True  # the spec points it elsewhere: reload in place
-    if result is not None and result.error is not None:
-        attempts = before.attempts if before is not None and before.source == source else 1
-        return (
-            AdapterPodStatus(
-                pod=pod.name,
-                state=AdapterPodState.FAILED,
-                source=source,
-                message=result.error[:4096],
-                attempts=attempts,
-                last_attempt_time=before.last_attempt_time if before is not None else now,
-            ),
-            False,
-        )
     same = before is not None and before.source == source
+    if result is not None and result.error is not None:
+        # refused; when the pod still serves the adapter, that is its old copy (a reload in place failed)
+        attempts = before.attempts if same and before is not None else 1
+        tried = before.last_attempt_time if before is not None and before.last_attempt_time else now
+        return _failed(pod.name, source, result.error, attempts, tried), False
+    if adapter.name in probe.adapters and _loaded_source(before, result, source) == source:
+        return AdapterPodStatus(pod=pod.name, state=AdapterPodState.LOADED, source=source), False
     if same and before is not None and before.state == AdapterPodState.FAILED and before.last_attempt_time:
         due = before.last_attempt_time + timedelta(seconds=retry_delay(before.attempts))
         if now < due:
             return before, False
     attempts = (before.attempts if same and before is not None else 0) + 1
-    return _attempt(pod.name, source, attempts, now), True
+    return _attempt(pod.name, source, attempts, now), True  # a load, or a reload in place (`replace`)
 
 
-def _loaded_source(before: AdapterPodStatus | None, result: AdapterResult | None, spec_source: str) -> str:
-    """The source the pod's copy of the adapter came from, as far as the records tell."""
+def _loaded_source(before: AdapterPodStatus | None, result: AdapterResult | None, spec_source: str) -> str | None:
+    """The source the pod's copy of the adapter came from, as far as the records tell (None: not a source we know
+    of: the last load of the recorded source failed, so the copy served is an older one)."""
     if result is not None and result.error is None:
         return result.source
-    if before is not None and before.state in (AdapterPodState.LOADED, AdapterPodState.LOADING) and before.source:
+    if before is None:
+        return spec_source  # loaded by nobody we recorded (e.g. at the worker's start): take it as the spec's
+    if before.state in (AdapterPodState.LOADED, AdapterPodState.LOADING) and before.source:
         return before.source
-    return spec_source  # loaded by nobody we recorded (e.g. at the worker's start): take it as the spec's
+    return None
+
+
+def _failed(pod: str, source: str, error: str, attempts: int, tried: datetime) -> AdapterPodStatus:
+    return AdapterPodStatus(
+        pod=pod,
+        state=AdapterPodState.FAILED,
+        source=source,
+        message=error[:4096],
+        attempts=attempts,
+        last_attempt_time=tried,
+    )
 
 
 def _attempt(pod: str, source: str, attempts: int, now: datetime) -> AdapterPodStatus:

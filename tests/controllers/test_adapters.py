@@ -13,6 +13,7 @@ from controllers.adapters import (
     CONFIRM_AFTER_S,
     RETRY_FIRST_S,
     RETRY_MAX_S,
+    UNANSWERED_RETRY_S,
     AdapterInput,
     AdapterPlan,
     plan_adapters,
@@ -189,11 +190,6 @@ def test_a_changed_source_reloads_in_place(before, results):
     assert plan.requeue_after == CONFIRM_AFTER_S
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="controllers/adapters.py _loaded_source: with a failed result for the spec source it falls back to the "
-    "Loading record's source, so a failed replace (the old copy still served) reads as Loaded from the new source",
-)
 def test_a_failed_reload_in_place_is_not_loaded_from_the_new_source():
     # Pass N sent LoadAdapter(replace=True) for the new source; the executor's unload of the old copy (or the load)
     # failed, so the worker still serves the OLD copy of a1 and the result for the new source is an error.
@@ -437,3 +433,14 @@ def test_condition_with_lora_on(adapters, eligible, expected, message):
     assert plan.loads == () and plan.unloads == () and plan.events == ()
     assert [(s.name, s.pods) for s in plan.status] == [(a.name, []) for a in adapters]
     assert plan.requeue_after is None
+
+
+@pytest.mark.parametrize(
+    ("state", "requeue"),
+    [(ProbeState.FAILED, UNANSWERED_RETRY_S), (ProbeState.UNREACHABLE, UNANSWERED_RETRY_S), (None, None)],
+)
+def test_a_pod_that_did_not_answer_is_asked_again_soon(state, requeue):
+    previous = _status(A1, _entry(P0, AdapterPodState.LOADED))
+    probes = {P0: AdapterProbe(state)} if state is not None else {}
+    plan = plan_adapters(_given(eligible=PODS[:1], probes=probes, previous=previous))
+    assert plan.requeue_after == requeue and not plan.loads
