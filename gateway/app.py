@@ -1,4 +1,5 @@
-"""The gateway's ASGI app factory: proxy routes, model list, health and the scale-from-zero queue view.
+"""The gateway's ASGI app factory: proxy routes, model list (models, variants and LoRA adapters), health and the
+scale-from-zero queue view.
 
 `create_app` wires one `GatewayState` (no module-level state) to a discovery source; the app's lifespan opens
 the pooled upstream client, starts the internal metrics server (`gateway.metrics_server`: `/metrics` is never on
@@ -98,10 +99,23 @@ def create_app(
     async def models(request: Request) -> Response:
         if (refused := unauthorized(request)) is not None:
             return refused
+        """Every served model (and `MODEL:VARIANT` where it has several), then each LoRA adapter as vLLM lists
+        one: `root` its source, `parent` the base model (`RoutingTable.adapter_entries` for its id)."""
         created = int(time.time())
-        data = [
-            {"id": name, "object": "model", "created": created, "owned_by": "llmfleet"}
-            for name in state.table.model_names()
+        table = state.table
+        data: list[dict[str, object]] = [
+            {"id": name, "object": "model", "created": created, "owned_by": "llmfleet"} for name in table.model_names()
+        ]
+        data += [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "llmfleet",
+                "root": adapter.source,
+                "parent": dep.model,
+            }
+            for name, dep, adapter in table.adapter_entries()
         ]
         return JSONResponse({"object": "list", "data": data})
 

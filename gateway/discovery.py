@@ -12,11 +12,18 @@ Two sources feed the gateway (their I/O lives in `gateway.sources`):
   is not marked draining; its URL is `http://{podIP}:{port}` with the container port named `http` (default
   8000). The labels, the draining marker and the port are the fleet's worker-pod facts (`crds.pods`). When two deployments serve the same model name, the first by
   (namespace, name) wins.
+  LoRA adapters: each of `spec.adapters` (name, source, `tokensPerMinute`) of a CR with `spec.engine.lora` becomes
+  an `AdapterRoute` whose pods are the routable pods that `status.adapters[].pods` (written by the operator) lists
+  as `Loaded`. When every entry of the routable pods (of all pods, when none is routable) says `Failed`, their
+  messages say why no pod serves it. An adapter only in the status (being removed) is not routed, nor are the
+  adapters of a CR without `engine.lora` (an invalid spec: no pod serves them). Static mode has no adapters.
+
+Imports `crds.pods` (the worker-pod facts) and `gateway.routing` (the table's shapes), nothing else of ours.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -32,6 +39,7 @@ from crds.pods import (
     named_port,
 )
 from gateway.routing import (
+    AdapterRoute,
     DeploymentRoute,
     Endpoint,
     RevisionRoute,
@@ -41,6 +49,9 @@ from gateway.routing import (
 
 STATIC_REVISION = "static"
 DEFAULT_VARIANT = "default"
+ADAPTER_LOADED = "Loaded"  # crds.status.AdapterPodState.LOADED
+ADAPTER_FAILED = "Failed"  # crds.status.AdapterPodState.FAILED
+_MAX_FAILED_MESSAGE = 500  # characters of the pods' failure messages an adapter's 503 carries
 
 
 # ------------------------------------------------------------------------------------------------- static mode
@@ -218,13 +229,55 @@ def deployment_route(cr: Mapping[str, Any], pods: Iterable[Mapping[str, Any]]) -
         for v in order
     )
     max_len = ((cr.get("spec") or {}).get("model") or {}).get("maxModelLen")
+    routable = {e.name for eps in ready.values() for e in eps}
     return DeploymentRoute(
         model=model,
         name=str(meta.get("name", "")),
         namespace=str(meta.get("namespace", "")),
         variants=variants,
-        max_model_len=max_len if isinstance(max_len, int) and not isinstance(max_len, bool) and max_len > 0 else None,
+        max_model_len=_positive(max_len),
+        adapters=adapter_routes(cr, routable),
     )
+
+
+def _positive(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def adapter_routes(cr: Mapping[str, Any], routable: Collection[str]) -> dict[str, AdapterRoute]:
+    """The adapters of `spec.adapters`, each with the routable pods (names in `routable`) that `status.adapters`
+    lists as Loaded (see the module docstring)."""
+    spec = cr.get("spec") or {}
+    if not isinstance((spec.get("engine") or {}).get("lora"), Mapping):
+        return {}
+    status = cr.get("status") or {}
+    statuses = (status.get("adapters") if isinstance(status, Mapping) else None) or []
+    entries: dict[str, list[Mapping[str, Any]]] = {}
+    for a in statuses:
+        if isinstance(a, Mapping) and isinstance(a.get("name"), str):
+            entries[a["name"]] = [
+                p for p in a.get("pods") or [] if isinstance(p, Mapping) and isinstance(p.get("pod"), str)
+            ]
+    routes: dict[str, AdapterRoute] = {}
+    for a in spec.get("adapters") or []:
+        name = a.get("name") if isinstance(a, Mapping) else None
+        if not isinstance(name, str) or not name or name in routes:
+            continue
+        pods = entries.get(name, [])
+        loaded = frozenset(p["pod"] for p in pods if p.get("state") == ADAPTER_LOADED and p.get("pod") in routable)
+        relevant = [p for p in pods if p.get("pod") in routable] or pods
+        failed = None
+        if relevant and all(p.get("state") == ADAPTER_FAILED for p in relevant):
+            reasons = dict.fromkeys(str(p.get("message") or "no reason given") for p in relevant)
+            failed = "; ".join(reasons)[:_MAX_FAILED_MESSAGE]
+        routes[name] = AdapterRoute(
+            name=name,
+            source=str(a.get("source") or ""),
+            tokens_per_minute=_positive(a.get("tokensPerMinute")),
+            pods=loaded,
+            failed=failed,
+        )
+    return routes
 
 
 def _spec_weight(cr: Mapping[str, Any], variant: str) -> float:

@@ -3,6 +3,11 @@
 Counters and histograms are updated on the request path; live gauges (per-backend outstanding, requests held
 at zero, in-flight, admission queue, asyncio tasks, upstream connections) are read from the app's state at scrape
 time by a custom collector, so a pod that disappears leaves no stale series behind.
+
+Labels stay bounded: `model` is a served model name (or `unknown` before one is resolved), never the client's raw
+`model` string; `adapter` (requests and output tokens only) is a LoRA adapter the deployment declares in
+`spec.adapters` (at most 256 per deployment), "" for the base model. The latency histograms carry no adapter label:
+their buckets times every adapter would be the one series explosion here.
 """
 
 from __future__ import annotations
@@ -79,22 +84,25 @@ class GatewayMetrics:
     def __init__(self, live: LiveGauges) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
+        # `adapter` (requests and output tokens): a LoRA adapter the deployment declares, "" for the base model;
+        # never the client's raw `model` (bounded by spec.adapters).
         self.requests = Counter(
             "llmfleet_gateway_requests",
-            "Requests answered, by served model and HTTP status.",
-            ["model", "status"],
+            'Requests answered, by served model, LoRA adapter ("" for the base model) and HTTP status.',
+            ["model", "adapter", "status"],
             registry=r,
         )
         self.errors = Counter(
             "llmfleet_gateway_errors",
             "Requests that failed at or behind the gateway, by kind "
-            "(connect, upstream_status, timeout, midstream, no_backend, client_disconnect).",
+            "(connect, upstream_status, timeout, midstream, no_backend, adapter_not_ready, client_disconnect).",
             ["model", "kind"],
             registry=r,
         )
         self.retries = Counter(
             "llmfleet_gateway_retries",
-            "Upstream attempts retried on another pod (before the first byte).",
+            "Upstream attempts retried on another pod (before the first byte), by reason (connect, reset, 429, 503, "
+            "adapter_missing).",
             ["model", "reason"],
             registry=r,
         )
@@ -115,7 +123,7 @@ class GatewayMetrics:
         )
         self.rate_limited = Counter(
             "llmfleet_gateway_rate_limit_rejections",
-            "Requests rejected with 429 by per-key limits.",
+            'Requests rejected with 429 by per-key limits or a LoRA adapter\'s shared limit (limit="adapter tokens").',
             ["tier", "limit"],
             registry=r,
         )
@@ -127,8 +135,9 @@ class GatewayMetrics:
         )
         self.output_tokens = Counter(
             "llmfleet_gateway_output_tokens",
-            "Output tokens the workers reported (usage) for answers passed to clients.",
-            ["model"],
+            "Output tokens the workers reported (usage) for answers passed to clients, by served model and LoRA "
+            'adapter ("" for the base model).',
+            ["model", "adapter"],
             registry=r,
         )
         r.register(_LiveCollector(live))

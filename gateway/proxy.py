@@ -4,14 +4,21 @@ Why raw ASGI rather than a FastAPI route: the proxy must own the whole life of a
 before the response starts) to propagate a client disconnect at any moment, and it sits on the hot path of
 thousands of concurrent streams, where every per-chunk layer costs.
 
-Life of a request: authenticate -> parse -> tier -> resolve model -> per-key limits (a slot, one request and a
-token reservation of the prompt estimate plus max_tokens: `gateway.ratelimit`) -> admission (priority queue)
--> choose variant (hold while it has no ready pod) -> attempts: choose pod, send (streams ask for usage:
-`gateway.usage`), and before the first response body byte retry another pod only where a retry cannot repeat
-harm (`retry_elsewhere`: connection refused, a worker draining or loading, a full queue; never a dead engine,
-never another 4xx, a reset once at most) -> commit: stream chunks through as they arrive (each `send` waits for
-the client socket to drain: backpressure), picking the worker's usage out of the last events -> release, and
-settle the reservation from the usage (no usage: the reservation stands).
+Life of a request: authenticate -> parse -> tier -> resolve model (a deployment, and the variant or LoRA adapter
+it names: `gateway.routing.resolve_model`) -> per-key limits (a slot, one request and a token reservation of the
+prompt estimate plus max_tokens: `gateway.ratelimit`; an adapter's shared `tokensPerMinute` bucket too) ->
+admission (priority queue) -> choose variant (hold while it has no ready pod) -> attempts: choose pod (an adapter
+request only among pods with the adapter Loaded: `gateway.routing.adapter_endpoints`; none: 503
+`adapter_not_ready`), send (streams ask for usage: `gateway.usage`), and before the first response body byte
+retry another pod only where a retry cannot repeat harm (`retry_elsewhere`: connection refused, a worker draining
+or loading, a full queue, a pod that no longer has the adapter; never a dead engine, never another 4xx, a reset
+once at most) -> commit: stream chunks through as they arrive (each `send` waits for the client socket to drain:
+backpressure), picking the worker's usage out of the last events -> release, and settle the reservation from
+the usage (no usage: the reservation stands).
+
+The body goes upstream as the client sent it (plus `stream_options.include_usage` on streams), with one change:
+`MODEL:VARIANT` becomes `MODEL`, since a worker serves its model under the base name and knows nothing of
+variants. `MODEL:ADAPTER` and `ADAPTER` go as they are: the worker resolves both to the adapter (vLLM's naming).
 
 A watcher task waits for `http.disconnect`; when the client leaves before the response completes it cancels the
 request's task, and the `finally` blocks close the upstream response, which closes its connection, which the
@@ -25,7 +32,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, MutableMapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -36,18 +43,22 @@ from gateway.admission import Rejected
 from gateway.auth import Principal
 from gateway.errors import error_body, sse_error_event
 from gateway.middleware import internal_error_message
-from gateway.ratelimit import CONCURRENCY, CostError, Reservation, request_cost
+from gateway.ratelimit import ADAPTER_TOKENS, CONCURRENCY, CostError, Reservation, TokenBucket, request_cost
 from gateway.routing import (
+    AdapterRoute,
     DeploymentRoute,
     Endpoint,
     RoutingError,
     VariantRoute,
+    adapter_endpoints,
+    adapter_not_ready,
     affinity_key,
     choose_endpoint,
     choose_revision,
     choose_variant,
     prompt_text,
     resolve_model,
+    serving_variants,
 )
 from gateway.settings import TierSettings
 from gateway.state import GatewayState
@@ -82,6 +93,9 @@ _USAGE_KEY = b'"usage"'  # the one substring scan each streamed chunk gets (see 
 # `engine_dead` is absent on purpose: the request may be what killed the engine, and a retry would kill the next.
 _RETRY_503_UNLESS = frozenset({"engine_dead"})
 _RETRY_429_CODES = frozenset({"queue_full", "tokenizer_busy"})
+# Retry-After of an adapter that failed on every pod: the operator's first retry comes after 10 s
+# (controllers/adapters.py RETRY_FIRST_S), so asking sooner only repeats the 503.
+_ADAPTER_FAILED_RETRY_AFTER_S = 10
 
 
 def retry_elsewhere(status: int, code: str | None) -> bool:
@@ -160,8 +174,8 @@ class _DisconnectWatch:
 
 @dataclass(frozen=True, slots=True)
 class _Routed:
-    """What a request's body and key decided before admission: its deployment (and variant suffix), its tier,
-    whether it streams, and its prompt text (for prefix affinity)."""
+    """What a request's body and key decided before admission: its deployment (and variant suffix; its LoRA
+    adapter is `_Request.adapter`), its tier, whether it streams, and its prompt text (for prefix affinity)."""
 
     dep: DeploymentRoute
     suffix: str | None
@@ -248,7 +262,7 @@ class ProxyEndpoint:
         auth = headers.get(b"authorization")
         principal = state.keys.authenticate(auth.decode("latin-1") if auth else None)
         if principal is None:
-            state.metrics.requests.labels("unknown", "401").inc()
+            state.metrics.requests.labels("unknown", "", "401").inc()
             await send_error(
                 send,
                 401,
@@ -262,7 +276,7 @@ class ProxyEndpoint:
         except _Disconnected:
             return None
         except _Failure as f:
-            state.metrics.requests.labels("unknown", str(f.status)).inc()
+            state.metrics.requests.labels("unknown", "", str(f.status)).inc()
             await send_error(send, f.status, f.message, f.code, id_header)
             return None
         return _Request(state, self.path, scope, principal, raw, headers, arrival, id_header["x-request-id"])
@@ -304,6 +318,8 @@ class _Request:
         self.headers = headers
         self.arrival = arrival
         self.model_label = "unknown"
+        self.adapter_label = ""  # the LoRA adapter's name once resolved ("" for the base model)
+        self.adapter: AdapterRoute | None = None
         self.request_id = request_id
         self.response_headers: dict[str, str] = {"x-request-id": request_id}
         self.started = False  # the response has started: an error can no longer become an error response
@@ -323,7 +339,7 @@ class _Request:
             watch.finished = True
             self.started = True
             await send_error(send, f.status, f.message, f.code, {**self.response_headers, **f.headers})
-        metrics.requests.labels(self.model_label, str(status)).inc()
+        metrics.requests.labels(self.model_label, self.adapter_label, str(status)).inc()
 
     def _parse(self) -> tuple[dict[str, Any], str, bool]:
         try:
@@ -350,16 +366,21 @@ class _Request:
                 if header_tier
                 else key_tier
             )
-            dep, suffix = resolve_model(state.table, model)
+            dep, suffix, adapter = resolve_model(state.table, model)
         except (TierError, RoutingError) as e:
             raise _Failure(e.status, e.message, getattr(e, "code", "invalid_tier")) from None
         self.model_label = dep.model
+        if adapter is not None:
+            self.adapter, self.adapter_label = adapter, adapter.name
+            if not adapter.pods and any(v.ready for v in serving_variants(dep, tier.name)):
+                raise self._adapter_not_ready(dep, adapter)  # pods serve the request's tier, none has it: no wait
         prompt = prompt_text(body)
         try:
             cost = request_cost(body, prompt, dep.max_model_len or s.default_max_model_len)
         except CostError as e:
             raise _Failure(400, str(e), "invalid_request") from None
-        verdict = state.limiter.admit(self.principal.key_id, key_tier, cost.total, state.clock())
+        shared = self._adapter_bucket(dep, adapter)
+        verdict = state.limiter.admit(self.principal.key_id, key_tier, cost.total, state.clock(), shared)
         self.response_headers = {**verdict.headers, "x-request-id": self.request_id}
         if verdict.reservation is None:
             state.metrics.rate_limited.labels(key_tier.name, verdict.limit or "").inc()
@@ -372,19 +393,46 @@ class _Request:
                     "too_many_concurrent_requests",
                     {"retry-after": retry},
                 )
+            reserves = (
+                f"this request reserves {cost.total} tokens: its prompt estimate plus max_tokens, or the rest of the "
+                "context when max_tokens is absent"
+            )
+            if verdict.limit == ADAPTER_TOKENS and adapter is not None:
+                raise _Failure(
+                    429,
+                    f"rate limit reached for tokens per minute of LoRA adapter {adapter.name!r} of model {dep.model!r} "
+                    f"({adapter.tokens_per_minute}, shared by all API keys; {reserves}); retry after {retry}s",
+                    "rate_limit_exceeded",
+                    {"retry-after": retry},
+                )
             raise _Failure(
                 429,
-                f"rate limit reached for {verdict.limit} per minute on this API key (this request reserves "
-                f"{cost.total} tokens: its prompt estimate plus max_tokens, or the rest of the context when max_tokens "
-                f"is absent); retry after {retry}s",
+                f"rate limit reached for {verdict.limit} per minute on this API key ({reserves}); retry after {retry}s",
                 "rate_limit_exceeded",
                 {"retry-after": retry},
             )
         try:
-            self.upstream_raw, self.client_wants_usage = upstream_body(self.raw, body)
+            raw = self.raw
+            if suffix is not None:  # the worker serves the base name only (see the module docstring)
+                body = {**body, "model": dep.model}
+                raw = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+            self.upstream_raw, self.client_wants_usage = upstream_body(raw, body)
             return await self._admitted(send, watch, _Routed(dep, suffix, tier, stream, prompt))
         finally:
             self._settle(verdict.reservation)
+
+    def _adapter_bucket(self, dep: DeploymentRoute, adapter: AdapterRoute | None) -> TokenBucket | None:
+        """The shared token bucket of the request's adapter (None: base model, or no `tokensPerMinute`)."""
+        if adapter is None or adapter.tokens_per_minute is None:
+            return None
+        return self.state.limiter.adapters.get((dep.namespace, dep.name, adapter.name))
+
+    def _adapter_not_ready(self, dep: DeploymentRoute, adapter: AdapterRoute) -> _Failure:
+        """The 503 of an adapter that no pod the request may go to has loaded, with Retry-After."""
+        self.state.metrics.errors.labels(self.model_label, "adapter_not_ready").inc()
+        e = adapter_not_ready(dep, adapter)
+        retry = _ADAPTER_FAILED_RETRY_AFTER_S if adapter.failed is not None else self.state.settings.retry_after_seconds
+        return _Failure(e.status, e.message, e.code, {"retry-after": str(retry)})
 
     def _settle(self, reservation: Reservation) -> None:
         self.state.limiter.settle(reservation, self.used, self.state.clock())
@@ -411,15 +459,17 @@ class _Request:
         if not variant.ready:
             hold_key = (dep.namespace, dep.name, variant.name)
             try:
-                await state.hold.wait(hold_key, lambda: self._variant(dep.model, variant.name).ready, state.clock)
+                await state.hold.wait(hold_key, lambda: self._servable(dep.model, variant.name, tier.name), state.clock)
             except Rejected as r:
                 state.metrics.shed.labels(tier.name, r.reason).inc()
+                if self.adapter is not None and self._variant(dep.model, variant.name).ready:
+                    raise self._adapter_not_ready(dep, self._adapter(dep.model) or self.adapter) from None
                 state.metrics.errors.labels(self.model_label, "no_backend").inc()
                 raise _Failure(
                     503, r.message, "no_ready_backend", {"retry-after": str(s.retry_after_seconds)}
                 ) from None
         key = affinity_key(routed.prompt, s.affinity_prefix_chars)
-        async with self._open(dep.model, variant.name, key, routed.stream) as upstream:
+        async with self._open(dep.model, variant.name, tier.name, key, routed.stream) as upstream:
             self.response_headers["x-llmfleet-variant"] = upstream.variant
             self.response_headers["x-llmfleet-revision"] = upstream.revision
             if upstream.first_chunk is None:
@@ -432,8 +482,28 @@ class _Request:
         v = dep.variant(variant) if dep is not None else None
         return v if v is not None else VariantRoute(name=variant, weight=0)
 
+    def _adapter(self, model: str) -> AdapterRoute | None:
+        """The request's adapter as the routing table has it now (None: a base request, or it left the spec)."""
+        if self.adapter is None:
+            return None
+        dep = self.state.table.deployments.get(model)
+        return dep.adapters.get(self.adapter.name) if dep is not None else None
+
+    def _servable(self, model: str, variant_name: str, tier: str) -> bool:
+        """Whether a request held for a variant with no ready pod may go on: the variant has one, and for an adapter
+        request, a pod it may go to has the adapter or nothing is left to wait for (it failed, or left the spec)."""
+        variant = self._variant(model, variant_name)
+        if not variant.ready or self.adapter is None:
+            return variant.ready
+        dep, adapter = self.state.table.deployments.get(model), self._adapter(model)
+        if dep is None or adapter is None or adapter.failed is not None:
+            return True
+        return bool(adapter_endpoints(dep, variant, None, adapter, tier))
+
     @asynccontextmanager
-    async def _open(self, model: str, variant_name: str, key: str | None, stream: bool) -> AsyncIterator[_Upstream]:
+    async def _open(
+        self, model: str, variant_name: str, tier: str, key: str | None, stream: bool
+    ) -> AsyncIterator[_Upstream]:
         """Attempts until one pod answers with a first body byte; retries only what is safe to retry.
 
         Yields the committed upstream; its pod's lease and its response are held until the caller's block ends.
@@ -448,7 +518,7 @@ class _Request:
         forward = [(k, v) for k, v in self.scope["headers"] if k in _FORWARD_REQUEST_HEADERS]
         forward.append((b"x-request-id", self.request_id.encode()))
         for attempt in range(s.max_attempts):
-            ep = self._choose_endpoint(model, variant_name, key, tried, first=attempt == 0)
+            ep = self._choose_endpoint(model, variant_name, tier, key, tried, first=attempt == 0)
             if ep is None:
                 break
             tried.add(ep.url)
@@ -469,14 +539,21 @@ class _Request:
         raise self._no_answer(last, model, variant_name)
 
     def _choose_endpoint(
-        self, model: str, variant_name: str, key: str | None, tried: set[str], *, first: bool
+        self, model: str, variant_name: str, tier: str, key: str | None, tried: set[str], *, first: bool
     ) -> Endpoint | None:
         """The pod of the next attempt, from the routing table as it is now: the first attempt keeps to the
-        revision chosen by weight, a retry may take any ready pod of the variant not tried yet."""
+        revision chosen by weight, a retry may take any ready pod of the variant not tried yet. An adapter request
+        keeps to the pods with its adapter loaded (`adapter_endpoints`)."""
         state, s = self.state, self.state.settings
         variant = self._variant(model, variant_name)
-        if first:
-            revision = choose_revision(variant, state.rng)
+        revision = choose_revision(variant, state.rng) if first else None
+        endpoints: Sequence[Endpoint]
+        if self.adapter is not None:
+            dep, adapter = self.state.table.deployments.get(model), self._adapter(model)
+            if dep is None or adapter is None:
+                return None
+            endpoints = adapter_endpoints(dep, variant, revision, adapter, tier, exclude=tried)
+        elif first:
             endpoints = revision.endpoints if revision is not None else ()
         else:
             endpoints = variant.endpoints
@@ -533,6 +610,21 @@ class _Request:
         status = response.status
         chunks = aiter(response.stream)
         try:
+            if status == 404 and self.adapter is not None:
+                body = await read_all(response)
+                code = _upstream_code(body)
+                if code != "model_not_found":
+                    return _Upstream(response, ep.url, ep.variant, ep.revision, None, body, None, code)
+                # The status said this pod has the adapter, the worker says not (it restarted, or unloaded it since):
+                # refused before its engine saw the request, so another pod may take it.
+                failure = _Failure(
+                    503,
+                    f"LoRA adapter {self.adapter.name!r} is not loaded on the pod chosen for it (the operator is "
+                    "updating its status), retry shortly",
+                    "adapter_not_ready",
+                    {"retry-after": str(state.settings.retry_after_seconds)},
+                )
+                return _Retry(failure, "adapter_missing", maybe_delivered=False)
             if status in (429, 503):
                 body = await read_all(response)
                 code = _upstream_code(body)
@@ -566,8 +658,13 @@ class _Request:
             ) from None
 
     def _no_answer(self, last: _Failure | None, model: str, variant_name: str) -> _Failure:
-        """The failure of a request no attempt got an answer for: the last attempt's, or "no ready backend"."""
+        """The failure of a request no attempt got an answer for: the last attempt's, or "no ready backend" (for an
+        adapter request: `adapter_not_ready`)."""
         metrics, s = self.state.metrics, self.state.settings
+        if last is None and self.adapter is not None:
+            dep = self.state.table.deployments.get(model)
+            if dep is not None:
+                return self._adapter_not_ready(dep, self._adapter(model) or self.adapter)
         if last is None:
             metrics.errors.labels(self.model_label, "no_backend").inc()
             return _Failure(
@@ -601,7 +698,9 @@ class _Request:
             usage = usage_of_body(body)
             self.used = usage.total if usage is not None else None
             if usage is not None:
-                self.state.metrics.output_tokens.labels(self.model_label).inc(usage.completion_tokens)
+                self.state.metrics.output_tokens.labels(self.model_label, self.adapter_label).inc(
+                    usage.completion_tokens
+                )
         else:
             self.state.metrics.errors.labels(self.model_label, "upstream_status").inc()
         watch.finished = True
@@ -620,7 +719,7 @@ class _Request:
         if usage is not None:
             self.used = usage.total
             self.completion_tokens = usage.completion_tokens
-            self.state.metrics.output_tokens.labels(self.model_label).inc(usage.completion_tokens)
+            self.state.metrics.output_tokens.labels(self.model_label, self.adapter_label).inc(usage.completion_tokens)
         return chunk
 
     def _observe_itl(self, first: float, reads: int) -> None:

@@ -15,6 +15,12 @@ key's other requests wait until the debt is paid.
 
 The 429 answer carries `Retry-After` (whole seconds) and OpenAI's `x-ratelimit-*` headers; admitted answers carry
 the same headers (after the reservation) so clients can pace themselves.
+
+A LoRA adapter's `tokensPerMinute` is one more token bucket, shared by every key that calls that adapter of that
+deployment (`RateLimiter.adapters`, by (namespace, deployment, adapter)): the same reservation is taken from it at
+admission and settled with the key's, so one busy fine-tune cannot crowd out the base model and the other adapters.
+`sync_adapters` follows the routing table: a new limit gets a full bucket, a changed one applies to the bucket in
+place (its level capped at the new size), an unchanged one keeps its level, a removed one goes.
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ from typing import Any
 from gateway.settings import TierSettings
 
 CONCURRENCY = "concurrent requests"  # Verdict.limit when the key's cap on requests at a time is reached
+ADAPTER_TOKENS = "adapter tokens"  # Verdict.limit when the adapter's shared token bucket is short
+
+AdapterKey = tuple[str, str, str]  # (namespace, deployment, adapter)
 
 
 def estimate_prompt_tokens(prompt: str) -> int:
@@ -140,6 +149,12 @@ class TokenBucket:
         self.refill(now)
         return max(0.0, (self.capacity - self.level) / self.rate)
 
+    def resize(self, limit: float, now: float) -> None:
+        """A new per-minute limit, in place (reservations hold the bucket): the level is kept, capped at it."""
+        self.refill(now)
+        self.capacity, self.rate = limit, limit / 60.0
+        self.level = min(self.level, limit)
+
 
 @dataclass(slots=True)
 class KeyBuckets:
@@ -152,10 +167,13 @@ class KeyBuckets:
 
 @dataclass(slots=True)
 class Reservation:
-    """What an admitted request holds until `RateLimiter.settle`: a slot of its key and `tokens` of its bucket."""
+    """What an admitted request holds until `RateLimiter.settle`: a slot of its key, `tokens` of its bucket and
+    `shared_tokens` of its adapter's shared bucket (None: no adapter limit)."""
 
     buckets: KeyBuckets
     tokens: int
+    shared: TokenBucket | None = None
+    shared_tokens: int = 0
     settled: bool = False
 
 
@@ -164,7 +182,7 @@ class Verdict:
     """Outcome of admission: allowed (with the reservation to settle) or not, what ran out, when to retry, headers."""
 
     allowed: bool
-    limit: str | None  # "requests", "tokens" or CONCURRENCY when rejected
+    limit: str | None  # "requests", "tokens", ADAPTER_TOKENS or CONCURRENCY when rejected
     retry_after: float
     headers: dict[str, str]
     reservation: Reservation | None = None
@@ -182,9 +200,11 @@ def _headers(b: KeyBuckets, now: float) -> dict[str, str]:
 
 @dataclass
 class RateLimiter:
-    """All keys' buckets. One instance per gateway app (no module state); keys are bounded by the key store."""
+    """All keys' buckets and the adapters' shared ones. One instance per gateway app (no module state); keys are
+    bounded by the key store, adapters by the routing table (`sync_adapters`)."""
 
     buckets: dict[str, KeyBuckets] = field(default_factory=dict)
+    adapters: dict[AdapterKey, TokenBucket] = field(default_factory=dict)
 
     def _buckets(self, key_id: str, tier: TierSettings, now: float) -> KeyBuckets:
         b = self.buckets.get(key_id)
@@ -196,8 +216,11 @@ class RateLimiter:
             self.buckets[key_id] = b
         return b
 
-    def admit(self, key_id: str, tier: TierSettings, tokens: int, now: float) -> Verdict:
-        """Take a slot, one request and a reservation of `tokens` if all fit; otherwise reject and take nothing."""
+    def admit(
+        self, key_id: str, tier: TierSettings, tokens: int, now: float, shared: TokenBucket | None = None
+    ) -> Verdict:
+        """Take a slot, one request and a reservation of `tokens` (from the key's bucket and from `shared`, the
+        request's adapter bucket, when given) if all fit; otherwise reject and take nothing."""
         b = self._buckets(key_id, tier, now)
         cap = tier.max_concurrent_requests
         if cap is not None and b.in_flight >= cap:
@@ -206,9 +229,10 @@ class RateLimiter:
             return Verdict(False, CONCURRENCY, 1.0, headers)
         wait_req = b.requests.wait_for(1, now) if b.requests else 0.0
         wait_tok = b.tokens.wait_for(tokens, now) if b.tokens else 0.0
-        if wait_req > 0 or wait_tok > 0:
-            limit = "requests" if wait_req >= wait_tok else "tokens"
-            retry = max(wait_req, wait_tok)
+        wait_shared = shared.wait_for(tokens, now) if shared is not None else 0.0
+        if wait_req > 0 or wait_tok > 0 or wait_shared > 0:
+            retry = max(wait_req, wait_tok, wait_shared)  # the longest wait names the limit (ties: in this order)
+            limit = "requests" if wait_req == retry else "tokens" if wait_tok == retry else ADAPTER_TOKENS
             headers = _headers(b, now)
             headers["retry-after"] = str(max(1, math.ceil(retry)))
             return Verdict(False, limit, retry, headers)
@@ -216,8 +240,11 @@ class RateLimiter:
             b.requests.take(1, now)
         if b.tokens:
             b.tokens.take(tokens, now)
+        if shared is not None:
+            shared.take(tokens, now)
         b.in_flight += 1
-        return Verdict(True, None, 0.0, _headers(b, now), Reservation(b, tokens if b.tokens else 0))
+        reservation = Reservation(b, tokens if b.tokens else 0, shared, tokens if shared is not None else 0)
+        return Verdict(True, None, 0.0, _headers(b, now), reservation)
 
     def settle(self, reservation: Reservation, used: int | None, now: float) -> None:
         """End a request: free its slot and charge `used` tokens instead of the reservation (refunding the rest, or
@@ -227,8 +254,23 @@ class RateLimiter:
         reservation.settled = True
         b = reservation.buckets
         b.in_flight -= 1
-        if b.tokens is not None and used is not None:
+        if used is None:
+            return
+        if b.tokens is not None:
             b.tokens.take(used - reservation.tokens, now)
+        if reservation.shared is not None:
+            reservation.shared.take(used - reservation.shared_tokens, now)
+
+    def sync_adapters(self, limits: Mapping[AdapterKey, int], now: float) -> None:
+        """Adapter buckets for exactly `limits` (tokens per minute by adapter; see the module docstring)."""
+        for key in [k for k in self.adapters if k not in limits]:
+            del self.adapters[key]
+        for key, limit in limits.items():
+            bucket = self.adapters.get(key)
+            if bucket is None:
+                self.adapters[key] = TokenBucket.per_minute(limit, now)
+            elif bucket.capacity != limit:
+                bucket.resize(limit, now)
 
     def forget_except(self, key_ids: set[str]) -> None:
         """Drop buckets of keys no longer configured (after a key-store reload)."""

@@ -6,7 +6,10 @@ the table; the proxy calls these functions and does the I/O.
 
 Order of decisions for one request:
 1. `resolve_model`: the `model` field names a deployment's served model, optionally with a `:variant` suffix
-   (`smollm2:int4`). A name that exists as-is wins over splitting at the last colon.
+   (`smollm2:int4`) or a `:adapter` suffix (`smollm2:sql`, a LoRA adapter of `spec.adapters`); or it is an
+   adapter's own name (`sql`) when exactly one deployment declares it. A name that exists as-is wins over splitting
+   at the last colon, and a model name wins over an adapter name; an adapter name two deployments declare is a 404
+   that asks for `MODEL:ADAPTER`.
 2. `choose_variant`: an explicit suffix picks that variant. Otherwise the variants that list the request's tier
    serve it; if none lists it, the variants that list no tiers do. Among those, a variant of weight zero gets no
    traffic (unless all are zero: then uniform), and the choice is weighted by the variant weights among the
@@ -17,6 +20,16 @@ Order of decisions for one request:
    pods; the first pod in that order whose outstanding count is <= load_factor * mean outstanding takes the
    request (consistent hashing with bounded loads), so a hot prefix spills to its second-ranked pod instead of
    piling onto one. Without a prefix the least-outstanding pod wins, ties broken at random.
+
+A request for a LoRA adapter (`MODEL:ADAPTER` or `ADAPTER`) goes only to pods that `status.adapters` lists as
+having it `Loaded` (`AdapterRoute.pods`). It chooses its variant and revision by the same weights and tiers, then
+`adapter_endpoints` keeps to the pods with the adapter: the chosen revision's, else the chosen variant's, else those
+of any variant that serves the request's tier (the variants `choose_variant` chose among); step 4's bounded-load
+choice runs among them. While the adapter is loaded everywhere (what the operator does) canary and variant weights
+hold as for the base model; while it is loaded on some pods only, requests fall back to those rather than fail.
+When none of those pods has it, `adapter_not_ready` is the 503 (loading, or failed on every pod with the reason).
+
+Imports nothing of ours: the table's shapes are defined here, `gateway.discovery` fills them.
 """
 
 from __future__ import annotations
@@ -25,7 +38,7 @@ import hashlib
 import random
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +79,18 @@ class VariantRoute:
 
 
 @dataclass(frozen=True, slots=True)
+class AdapterRoute:
+    """A LoRA adapter a deployment declares (`spec.adapters`): its shared token limit and the ready pods (by pod
+    name, `Endpoint.name`) that have it loaded (`status.adapters[].pods[].state == Loaded`)."""
+
+    name: str
+    source: str = ""  # spec.adapters[].source (`/v1/models` lists it as `root`, as vLLM lists the adapter's path)
+    tokens_per_minute: int | None = None  # shared by every API key (`ratelimit`); None: no adapter limit
+    pods: frozenset[str] = frozenset()
+    failed: str | None = None  # every pod entry of the status says Failed: their message(s); None otherwise
+
+
+@dataclass(frozen=True, slots=True)
 class DeploymentRoute:
     """An InferenceDeployment as the gateway sees it."""
 
@@ -74,6 +99,7 @@ class DeploymentRoute:
     namespace: str = ""
     variants: tuple[VariantRoute, ...] = ()
     max_model_len: int | None = None  # spec.model.maxModelLen (None: unknown, the gateway's default applies)
+    adapters: Mapping[str, AdapterRoute] = field(default_factory=dict)  # by adapter name (kube mode only)
 
     def variant(self, name: str) -> VariantRoute | None:
         for v in self.variants:
@@ -81,15 +107,48 @@ class DeploymentRoute:
                 return v
         return None
 
+    @property
+    def endpoints(self) -> tuple[Endpoint, ...]:
+        return tuple(e for v in self.variants for e in v.endpoints)
+
 
 @dataclass(frozen=True, slots=True)
 class RoutingTable:
     """Immutable snapshot of everything routable; replaced as a whole when discovery sees a change."""
 
     deployments: Mapping[str, DeploymentRoute] = field(default_factory=dict)  # by served model name
+    # adapter name -> the served models declaring it (sorted), for `model: ADAPTER`; derived from `deployments`
+    adapter_models: Mapping[str, tuple[str, ...]] = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        owners: dict[str, list[str]] = {}
+        for model, dep in sorted(self.deployments.items()):
+            for name in dep.adapters:
+                owners.setdefault(name, []).append(model)
+        object.__setattr__(self, "adapter_models", {name: tuple(models) for name, models in owners.items()})
+
+    def adapter_entries(self) -> list[tuple[str, DeploymentRoute, AdapterRoute]]:
+        """(id, deployment, adapter) of every declared adapter, as `/v1/models` lists them: the adapter's own name
+        where that name selects it (`resolve_model`), else `MODEL:ADAPTER` (several models declare the name, or a
+        served model has it as its name)."""
+        out: list[tuple[str, DeploymentRoute, AdapterRoute]] = []
+        for model, dep in sorted(self.deployments.items()):
+            for name, adapter in sorted(dep.adapters.items()):
+                bare = len(self.adapter_models[name]) == 1 and name not in self.deployments
+                out.append((name if bare else f"{model}:{name}", dep, adapter))
+        return out
+
+    def adapter_limits(self) -> dict[tuple[str, str, str], int]:
+        """`tokensPerMinute` of every adapter that sets one, by (namespace, deployment, adapter)."""
+        return {
+            (dep.namespace, dep.name, a.name): a.tokens_per_minute
+            for dep in self.deployments.values()
+            for a in dep.adapters.values()
+            if a.tokens_per_minute is not None
+        }
 
     def model_names(self) -> list[str]:
-        """Every name a client may put in `model`: each served model, and `model:variant` where it has several."""
+        """Every served model, and `model:variant` where it has several (adapters: `adapter_entries`)."""
         names: list[str] = []
         for model, dep in sorted(self.deployments.items()):
             names.append(model)
@@ -111,21 +170,47 @@ class RoutingError(Exception):
         self.message = message
 
 
-def resolve_model(table: RoutingTable, model: str) -> tuple[DeploymentRoute, str | None]:
-    """The deployment serving `model` and the variant its suffix names (None when no suffix)."""
+class Resolved(NamedTuple):
+    """What a request's `model` names: a deployment, and the variant or the adapter its suffix or name selects."""
+
+    dep: DeploymentRoute
+    variant: str | None = None  # `MODEL:VARIANT`: pinned to that variant
+    adapter: AdapterRoute | None = None  # `MODEL:ADAPTER` or `ADAPTER`: that LoRA adapter of the model
+
+
+def resolve_model(table: RoutingTable, model: str) -> Resolved:
+    """The deployment serving `model` and the variant or adapter it selects (see the module docstring)."""
     dep = table.deployments.get(model)
     if dep is not None:
-        return dep, None
-    base, sep, variant = model.rpartition(":")
-    if sep and base and variant:
+        return Resolved(dep)
+    base, sep, suffix = model.rpartition(":")
+    if sep and base and suffix:
         dep = table.deployments.get(base)
         if dep is not None:
-            if dep.variant(variant) is None:
-                known = ", ".join(v.name for v in dep.variants) or "none"
-                raise RoutingError(
-                    404, "model_not_found", f"model {base!r} has no variant {variant!r} (variants: {known})"
-                )
-            return dep, variant
+            if dep.variant(suffix) is not None:
+                return Resolved(dep, variant=suffix)
+            adapter = dep.adapters.get(suffix)
+            if adapter is not None:
+                return Resolved(dep, adapter=adapter)
+            variants = ", ".join(v.name for v in dep.variants) or "none"
+            adapters = ", ".join(sorted(dep.adapters)) or "none"
+            raise RoutingError(
+                404,
+                "model_not_found",
+                f"model {base!r} has no variant or adapter {suffix!r} (variants: {variants}; adapters: {adapters})",
+            )
+    owners = table.adapter_models.get(model)
+    if owners:
+        if len(owners) > 1:
+            choices = ", ".join(f"{m}:{model}" for m in owners)
+            raise RoutingError(
+                404,
+                "model_not_found",
+                f"the adapter name {model!r} is ambiguous: models {', '.join(owners)} each declare it; "
+                f"send model MODEL:ADAPTER ({choices})",
+            )
+        dep = table.deployments[owners[0]]
+        return Resolved(dep, adapter=dep.adapters[model])
     raise RoutingError(404, "model_not_found", f"the model {model!r} does not exist")
 
 
@@ -156,6 +241,13 @@ def eligible_variants(dep: DeploymentRoute, tier: str) -> list[VariantRoute]:
     return [v for v in dep.variants if not v.tiers]
 
 
+def serving_variants(dep: DeploymentRoute, tier: str) -> list[VariantRoute]:
+    """The variants a request of `tier` without a suffix may go to: the eligible ones of non-zero weight (all
+    eligible ones when their weights are all zero). Empty when no variant serves the tier."""
+    candidates = eligible_variants(dep, tier)
+    return [v for v in candidates if v.weight > 0] or candidates
+
+
 def choose_variant(dep: DeploymentRoute, suffix: str | None, tier: str, rng: random.Random) -> VariantRoute:
     """The variant for one request (see the module docstring for the rules)."""
     if suffix is not None:
@@ -163,10 +255,9 @@ def choose_variant(dep: DeploymentRoute, suffix: str | None, tier: str, rng: ran
         if variant is None:
             raise RoutingError(404, "model_not_found", f"model {dep.model!r} has no variant {suffix!r}")
         return variant
-    candidates = eligible_variants(dep, tier)
-    if not candidates:
+    weighted = serving_variants(dep, tier)
+    if not weighted:
         raise RoutingError(404, "model_not_found", f"no variant of model {dep.model!r} serves tier {tier!r}")
-    weighted = [v for v in candidates if v.weight > 0] or candidates  # all weights zero: uniform
     pool = [v for v in weighted if v.ready] or weighted
     return weighted_choice(pool, [v.weight for v in pool], rng)
 
@@ -177,6 +268,48 @@ def choose_revision(variant: VariantRoute, rng: random.Random) -> RevisionRoute 
     if not ready:
         return None
     return weighted_choice(ready, [r.weight for r in ready], rng)
+
+
+def adapter_endpoints(
+    dep: DeploymentRoute,
+    variant: VariantRoute,
+    revision: RevisionRoute | None,
+    adapter: AdapterRoute,
+    tier: str,
+    exclude: Collection[str] = (),
+) -> list[Endpoint]:
+    """The pods an adapter request may go to, leaving out URLs in `exclude` (pods already tried): those of the
+    chosen revision (None: none chosen, as on a retry) that have the adapter loaded; when none does, those of the
+    chosen variant; when none does, those of every variant serving `tier` (`serving_variants`). Empty when none
+    of them has it."""
+    pods = adapter.pods
+    if not pods:
+        return []
+    groups: list[Iterable[Endpoint]] = [variant.endpoints]
+    if revision is not None:
+        groups.insert(0, revision.endpoints)
+    groups.append(e for v in serving_variants(dep, tier) for e in v.endpoints)
+    for group in groups:
+        found = [e for e in group if e.name in pods and e.url not in exclude]
+        if found:
+            return found
+    return []
+
+
+def adapter_not_ready(dep: DeploymentRoute, adapter: AdapterRoute) -> RoutingError:
+    """The 503 of an adapter that no pod a request may go to has loaded: it failed on every pod (the message
+    carries the pods' reasons), or it is (still) loading."""
+    if adapter.failed is not None:
+        message = (
+            f"LoRA adapter {adapter.name!r} of model {dep.model!r} failed to load on every pod: {adapter.failed} "
+            "(the operator retries with back-off; fix the adapter or its source in spec.adapters if this persists)"
+        )
+    else:
+        message = (
+            f"LoRA adapter {adapter.name!r} of model {dep.model!r} is not loaded on a ready pod yet (loading); "
+            "retry shortly"
+        )
+    return RoutingError(503, "adapter_not_ready", message)
 
 
 def _digest(data: bytes) -> int:

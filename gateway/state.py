@@ -1,7 +1,8 @@
 """The live state of one gateway app: routing table, per-pod outstanding counts, keys, limits, queues, metrics.
 
 One instance per app (created by `app.create_app`), never module-level, so several gateways can run in one
-process (tests do). Discovery replaces the routing table and key store through `set_table`/`set_keys`.
+process (tests do). Discovery replaces the routing table and key store through `set_table`/`set_keys`; a new
+table also resizes the LoRA adapters' shared token buckets to its `tokensPerMinute` (`RateLimiter.sync_adapters`).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class GatewayState:
     def set_table(self, table: RoutingTable) -> None:
         if table != self.table:
             self.table = table
+            self.limiter.sync_adapters(table.adapter_limits(), self.clock())
             self.hold.table_changed()
         self.ready = True
 

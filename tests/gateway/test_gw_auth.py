@@ -272,7 +272,7 @@ async def test_metrics_are_served_on_the_internal_port_only() -> None:
             other = await m.get("/v1/models")
     assert public.status_code == 404 and public.json()["error"]["code"] == "not_found"
     assert ws[0].url not in public.text
-    assert 'llmfleet_gateway_requests_total{model="m",status="200"} 1.0' in text and ws[0].url in text
+    assert 'llmfleet_gateway_requests_total{adapter="",model="m",status="200"} 1.0' in text and ws[0].url in text
     assert other.status_code == 404
 
 

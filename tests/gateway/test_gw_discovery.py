@@ -1,4 +1,5 @@
-"""Routing tables from static backends and from InferenceDeployments + pods (pure functions, as tables)."""
+"""Routing tables from static backends and from InferenceDeployments + pods (pure functions, as tables),
+LoRA adapters included (`spec.adapters` and the operator's `status.adapters`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from typing import Any
 
 import pytest
 
+from crds.models import AdapterPodState, AdapterPodStatus, AdapterSpec, AdapterStatus
+from crds.pods import DRAINING
 from gateway.discovery import StaticBackend, kube_table, parse_backend, pod_is_routable, pod_url, static_table
 
 
@@ -232,3 +235,89 @@ def test_kube_table_endpoint_urls_and_identity() -> None:
     (e,) = table.endpoints()
     assert (e.url, e.name, e.variant, e.revision) == ("http://10.1.2.3:8080", "p", "full", "r1")
     assert (table.deployments["smollm2"].namespace, table.deployments["smollm2"].name) == ("prod", "smol")
+
+
+# ------------------------------------------------------------------------------------------------- LoRA adapters
+
+
+def adapter_cr(
+    adapters: list[AdapterSpec], statuses: list[AdapterStatus] | None = None, lora: bool = True
+) -> dict[str, Any]:
+    """A CR with `spec.adapters` and `status.adapters` as the API server holds them (dumped from the CRD's models,
+    camelCase, as the operator writes them)."""
+    obj = cr()
+    if lora:
+        obj["spec"]["engine"] = {"type": "builtin", "lora": {}}  # LoRA on with defaults: an empty object
+    obj["spec"]["adapters"] = [a.model_dump(mode="json", by_alias=True, exclude_none=True) for a in adapters]
+    if statuses is not None:
+        obj["status"] = {"adapters": [s.model_dump(mode="json", by_alias=True, exclude_none=True) for s in statuses]}
+    return obj
+
+
+def entry(pod: str, state: AdapterPodState, message: str = "") -> AdapterPodStatus:
+    return AdapterPodStatus(pod=pod, state=state, source="/adapters/sql", message=message, attempts=1)
+
+
+LOADED, LOADING, FAILED = AdapterPodState.LOADED, AdapterPodState.LOADING, AdapterPodState.FAILED
+SQL_SPEC = AdapterSpec(name="sql", source="/adapters/sql", tokens_per_minute=5000)
+POET_SPEC = AdapterSpec(name="poet", source="hf://org/poet@v2")
+PODS = [pod("a"), pod("b"), pod("c", revision="r2"), pod("u", ready="False"), pod("d", annotations={DRAINING: "now"})]
+
+
+@pytest.mark.parametrize(
+    ("entries", "loaded", "failed"),
+    [
+        # Loaded on routable pods only: not on one that is unready or draining
+        (
+            [entry("a", LOADED), entry("c", LOADED), entry("u", LOADED), entry("d", LOADED), entry("b", LOADING)],
+            {"a", "c"},
+            None,
+        ),
+        # loading everywhere, or some failed and some loading: loading
+        ([entry("a", LOADING), entry("b", LOADING)], set(), None),
+        ([entry("a", FAILED, "bad rank"), entry("b", LOADING)], set(), None),
+        # failed on every routable pod: the reasons, each once (an unready pod's Loaded entry does not count)
+        (
+            [entry("a", FAILED, "rank 64 > 16"), entry("b", FAILED, "rank 64 > 16"), entry("u", LOADED)],
+            set(),
+            "rank 64 > 16",
+        ),
+        ([entry("a", FAILED, "x"), entry("b", FAILED, "y"), entry("c", FAILED)], set(), "x; y; no reason given"),
+        # no routable pod has an entry: all entries decide
+        ([entry("u", FAILED, "missing folder")], set(), "missing folder"),
+        ([], set(), None),  # not in the status yet: loading
+    ],
+)
+def test_adapter_routes_from_status(entries: list[AdapterPodStatus], loaded: set[str], failed: str | None) -> None:
+    status = [AdapterStatus(name="sql", source="/adapters/sql", ready_replicas=len(loaded), pods=entries)]
+    table = kube_table([adapter_cr([SQL_SPEC, POET_SPEC], status)], PODS)
+    sql = table.deployments["smollm2"].adapters["sql"]
+    assert (sql.name, sql.source, sql.tokens_per_minute) == ("sql", "/adapters/sql", 5000)
+    assert (set(sql.pods), sql.failed) == (loaded, failed)
+    poet = table.deployments["smollm2"].adapters["poet"]  # in the spec, not (yet) in the status
+    assert (poet.source, poet.tokens_per_minute, poet.pods, poet.failed) == (
+        "hf://org/poet@v2",
+        None,
+        frozenset(),
+        None,
+    )
+
+
+def test_adapters_come_from_the_spec_and_need_engine_lora() -> None:
+    gone = AdapterStatus(name="old", source="/old", ready_replicas=1, pods=[entry("a", LOADED)])
+    table = kube_table([adapter_cr([SQL_SPEC], [gone])], PODS)
+    assert list(table.deployments["smollm2"].adapters) == ["sql"]  # `old` is being unloaded: not routed
+    table = kube_table([adapter_cr([SQL_SPEC], [], lora=False)], PODS)  # an invalid spec: no pod serves adapters
+    assert table.deployments["smollm2"].adapters == {}
+    assert kube_table([cr()], PODS).deployments["smollm2"].adapters == {}
+
+
+def test_a_long_failure_message_is_cut() -> None:
+    status = [AdapterStatus(name="sql", pods=[entry("a", FAILED, "x" * 4000), entry("b", FAILED, "y")])]
+    failed = kube_table([adapter_cr([SQL_SPEC], status)], PODS).deployments["smollm2"].adapters["sql"].failed
+    assert failed is not None and len(failed) == 500 and failed.startswith("xxx")
+
+
+def test_static_mode_has_no_adapters() -> None:
+    table = static_table([StaticBackend("m", "default", ("http://a:1",))], {"http://a:1": True})
+    assert table.deployments["m"].adapters == {} and table.adapter_entries() == []

@@ -20,6 +20,7 @@ from gateway.auth import (
     parse_keys,
 )
 from gateway.ratelimit import (
+    ADAPTER_TOKENS,
     CONCURRENCY,
     CostError,
     RateLimiter,
@@ -222,6 +223,57 @@ def test_unlimited_tier_sends_no_headers() -> None:
 def test_default_tiers_have_limits() -> None:
     for tier in GatewaySettings().tiers:
         assert tier.requests_per_minute and tier.tokens_per_minute and tier.max_concurrent_requests, tier
+
+
+SQL = ("ns", "smol", "sql")
+
+
+def test_adapter_bucket_is_shared_by_every_key_and_checked_with_the_keys_own() -> None:
+    rl = RateLimiter()
+    rl.sync_adapters({SQL: 600}, now=0.0)
+    shared = rl.adapters[SQL]
+    unlimited = TierSettings(name="premium", priority=1, max_concurrent_requests=None)
+    a = rl.admit("a", unlimited, 400, now=0.0, shared=shared)
+    assert a.allowed and a.reservation is not None and shared.remaining(0.0) == 200
+    b = rl.admit("b", unlimited, 300, now=0.0, shared=shared)  # another key: the same bucket is short
+    assert (b.allowed, b.limit, b.headers["retry-after"], b.reservation) == (False, ADAPTER_TOKENS, "10", None)
+    assert b.retry_after == pytest.approx(100 / 10)  # 600/min = 10 tokens/s, 100 missing
+    assert rl.buckets["b"].in_flight == 0  # a rejected request holds no slot
+    assert rl.admit("b", unlimited, 300, now=0.0).allowed  # the base model (no adapter bucket) is not limited
+    rl.settle(a.reservation, 50, now=0.0)  # usage settles the adapter bucket too: 350 refunded
+    assert shared.remaining(0.0) == 550
+    # the key's own limit still applies to adapter requests, and the longest wait names the limit
+    v = rl.admit("k", LIMITED, 200, now=0.0, shared=shared)
+    assert (v.allowed, v.limit) == (True, None)  # a full key bucket admits one oversized request
+    assert shared.remaining(0.0) == 350
+    v = rl.admit("k", LIMITED, 50, now=0.0, shared=shared)
+    assert (v.allowed, v.limit) == (False, "tokens") and shared.remaining(0.0) == 350  # nothing taken
+
+
+def test_adapter_bucket_keeps_the_reservation_without_usage() -> None:
+    rl = RateLimiter()
+    rl.sync_adapters({SQL: 600}, now=0.0)
+    r = rl.admit("k", LIMITED, 100, now=0.0, shared=rl.adapters[SQL]).reservation
+    assert r is not None
+    rl.settle(r, None, now=0.0)
+    assert rl.adapters[SQL].remaining(0.0) == 500
+
+
+def test_sync_adapters_follows_the_routing_table() -> None:
+    rl = RateLimiter()
+    other = ("ns", "smol", "poet")
+    rl.sync_adapters({SQL: 600, other: 60}, now=0.0)
+    sql = rl.adapters[SQL]
+    sql.take(500, 0.0)
+    rl.sync_adapters({SQL: 600, other: 60}, now=0.0)  # unchanged: the same bucket, its level kept
+    assert rl.adapters[SQL] is sql and sql.remaining(0.0) == 100
+    rl.sync_adapters({SQL: 60}, now=0.0)  # changed: resized in place (held reservations settle on it), capped
+    assert rl.adapters[SQL] is sql and (sql.capacity, sql.rate, sql.remaining(0.0)) == (60, 1.0, 60)
+    assert other not in rl.adapters  # removed
+    rl.sync_adapters({SQL: 60, other: 120}, now=0.0)  # new: full
+    assert rl.adapters[other].remaining(0.0) == 120
+    rl.sync_adapters({}, now=0.0)
+    assert rl.adapters == {}
 
 
 @pytest.mark.parametrize(

@@ -423,10 +423,10 @@ async def test_health_ready_and_metrics() -> None:
                 assert (await c.post("/v1/chat/completions", json=chat(stream=stream))).status_code == 200
             text = await gw.metrics_text()
     for needle in (
-        'llmfleet_gateway_requests_total{model="m",status="200"} 2.0',
+        'llmfleet_gateway_requests_total{adapter="",model="m",status="200"} 2.0',
         'llmfleet_gateway_time_to_first_token_seconds_count{model="m"} 1.0',
         'llmfleet_gateway_inter_token_latency_seconds_count{model="m"} 1.0',  # one per stream
-        'llmfleet_gateway_output_tokens_total{model="m"} 4.0',
+        'llmfleet_gateway_output_tokens_total{adapter="",model="m"} 4.0',
         f'llmfleet_gateway_backend_outstanding_requests{{backend="{ws[0].url}",deployment="m",variant="default"}} 0.0',
         "llmfleet_gateway_ready_backends 1.0",
         "llmfleet_gateway_in_flight_requests 0.0",

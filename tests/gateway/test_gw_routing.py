@@ -1,5 +1,6 @@
-"""Routing decisions as tables: model resolution, variants by weight/tier/suffix, canary revisions, pods by
-least outstanding with prefix affinity and a bounded-load cap."""
+"""Routing decisions as tables: model resolution (variants and LoRA adapters), variants by weight/tier/suffix,
+canary revisions, pods by least outstanding with prefix affinity and a bounded-load cap, adapter requests only to
+pods with the adapter Loaded."""
 
 from __future__ import annotations
 
@@ -9,12 +10,15 @@ from collections import Counter
 import pytest
 
 from gateway.routing import (
+    AdapterRoute,
     DeploymentRoute,
     Endpoint,
     RevisionRoute,
     RoutingError,
     RoutingTable,
     VariantRoute,
+    adapter_endpoints,
+    adapter_not_ready,
     affinity_key,
     choose_endpoint,
     choose_revision,
@@ -45,25 +49,85 @@ DEP = DeploymentRoute(model="smollm2", name="smollm2", namespace="ns", variants=
 TABLE = RoutingTable({"smollm2": DEP, "odd:name": DeploymentRoute(model="odd:name", name="odd")})
 
 
+SQL = AdapterRoute("sql", source="/adapters/sql", tokens_per_minute=1000, pods=frozenset({"f1", "q1"}))
+POET = AdapterRoute("poet", source="hf://org/poet", pods=frozenset({"f3"}))
+# smollm2 declares sql, poet and an adapter named like the model `llama`; llama declares sql too (ambiguous bare name)
+A_DEP = DeploymentRoute(
+    model="smollm2",
+    name="smollm2",
+    namespace="ns",
+    variants=(FULL, INT4, BATCH),
+    adapters={"sql": SQL, "poet": POET, "llama": AdapterRoute("llama")},
+)
+LLAMA = DeploymentRoute(
+    model="llama", name="llama", namespace="other", adapters={"sql": AdapterRoute("sql"), "chat": AdapterRoute("chat")}
+)
+A_TABLE = RoutingTable({"smollm2": A_DEP, "llama": LLAMA, "odd:name": DeploymentRoute(model="odd:name", name="odd")})
+
+
 @pytest.mark.parametrize(
-    ("model", "dep", "suffix"),
+    ("table", "model", "dep", "suffix", "adapter"),
     [
-        ("smollm2", "smollm2", None),
-        ("smollm2:int4", "smollm2", "int4"),
-        ("smollm2:batch", "smollm2", "batch"),
-        ("odd:name", "odd", None),  # an exact name wins over splitting at ':'
+        (TABLE, "smollm2", "smollm2", None, None),
+        (TABLE, "smollm2:int4", "smollm2", "int4", None),
+        (TABLE, "smollm2:batch", "smollm2", "batch", None),
+        (TABLE, "odd:name", "odd", None, None),  # an exact name wins over splitting at ':'
+        (A_TABLE, "smollm2", "smollm2", None, None),
+        (A_TABLE, "smollm2:int4", "smollm2", "int4", None),
+        (A_TABLE, "smollm2:sql", "smollm2", None, "sql"),  # MODEL:ADAPTER
+        (A_TABLE, "llama:sql", "llama", None, "sql"),  # the same adapter name in another model
+        (A_TABLE, "poet", "smollm2", None, "poet"),  # an adapter's own name, declared by one model
+        (A_TABLE, "chat", "llama", None, "chat"),
+        (A_TABLE, "llama", "llama", None, None),  # a model name wins over an adapter name
+        (A_TABLE, "smollm2:llama", "smollm2", None, "llama"),  # ... which MODEL:ADAPTER still reaches
+        (A_TABLE, "odd:name", "odd", None, None),
     ],
 )
-def test_resolve_model(model: str, dep: str, suffix: str | None) -> None:
-    got, got_suffix = resolve_model(TABLE, model)
-    assert (got.name, got_suffix) == (dep, suffix)
+def test_resolve_model(table: RoutingTable, model: str, dep: str, suffix: str | None, adapter: str | None) -> None:
+    got = resolve_model(table, model)
+    assert (got.dep.name, got.variant, got.adapter.name if got.adapter else None) == (dep, suffix, adapter)
+    if adapter is not None:
+        assert got.adapter is got.dep.adapters[adapter]
 
 
-@pytest.mark.parametrize("model", ["llama", "smollm2:fp8", ":int4", "smollm2:", ""])
-def test_resolve_unknown_model_is_404(model: str) -> None:
+@pytest.mark.parametrize(
+    ("table", "model", "message"),
+    [
+        (TABLE, "llama", "does not exist"),
+        (TABLE, "smollm2:fp8", "no variant or adapter 'fp8'"),
+        (TABLE, ":int4", "does not exist"),
+        (TABLE, "smollm2:", "does not exist"),
+        (TABLE, "", "does not exist"),
+        (A_TABLE, "smollm2:nope", "(variants: full, int4, batch; adapters: llama, poet, sql)"),  # unknown adapter
+        (A_TABLE, "nope", "does not exist"),
+        (A_TABLE, "llama:poet", "no variant or adapter 'poet'"),  # poet is smollm2's, not llama's
+        (A_TABLE, "odd:sql", "does not exist"),  # `odd` serves nothing: odd:name is the model
+        # a bare name two models declare is ambiguous: it says how to choose
+        (A_TABLE, "sql", "the adapter name 'sql' is ambiguous: models llama, smollm2 each declare it"),
+        (A_TABLE, "sql", "send model MODEL:ADAPTER (llama:sql, smollm2:sql)"),
+    ],
+)
+def test_resolve_unknown_model_is_404(table: RoutingTable, model: str, message: str) -> None:
     with pytest.raises(RoutingError) as e:
-        resolve_model(TABLE, model)
+        resolve_model(table, model)
     assert (e.value.status, e.value.code) == (404, "model_not_found")
+    assert message in e.value.message
+
+
+def test_adapter_entries_name_adapters_as_resolve_model_reads_them() -> None:
+    entries = [(name, dep.model, a.name) for name, dep, a in A_TABLE.adapter_entries()]
+    assert entries == [
+        ("chat", "llama", "chat"),
+        ("llama:sql", "llama", "sql"),  # ambiguous bare name
+        ("smollm2:llama", "smollm2", "llama"),  # `llama` is a model
+        ("poet", "smollm2", "poet"),
+        ("smollm2:sql", "smollm2", "sql"),
+    ]
+    for name, dep, a in A_TABLE.adapter_entries():
+        got = resolve_model(A_TABLE, name)
+        assert (got.dep, got.adapter) == (dep, a)
+    assert A_TABLE.adapter_limits() == {("ns", "smollm2", "sql"): 1000}
+    assert TABLE.adapter_entries() == [] and TABLE.adapter_limits() == {}
 
 
 def shares(fn, n: int = 4000, seed: int = 1) -> dict[str, float]:
@@ -262,3 +326,71 @@ def test_affinity_key(prompt: str, n: int, key: str | None) -> None:
 
 def test_model_names_lists_variants_only_when_several() -> None:
     assert TABLE.model_names() == ["odd:name", "smollm2", "smollm2:full", "smollm2:int4", "smollm2:batch"]
+
+
+def names(endpoints: list[Endpoint]) -> list[str]:
+    return sorted(e.name for e in endpoints)
+
+
+# full: r1 (f1, f2) 90 and canary r2 (f3) 10; int4: q1; batch (tier batch): b1
+@pytest.mark.parametrize(
+    ("pods", "variant_name", "revision", "tier", "exclude", "expected"),
+    [
+        # the chosen revision's pods with the adapter, never one without it
+        ({"f1", "f3", "q1"}, "full", "r1", "standard", (), ["f1"]),
+        ({"f1", "f2", "f3"}, "full", "r2", "standard", (), ["f3"]),
+        # the canary has none: the variant's pods that have it
+        ({"f1", "q1"}, "full", "r2", "standard", (), ["f1"]),
+        # a retry (no revision) takes the variant's pods not tried yet
+        ({"f1", "f2", "f3"}, "full", None, "standard", ("http://f1:8000",), ["f2", "f3"]),
+        # the variant has none: any variant serving the tier (full, int4; batch is the batch tier's)
+        ({"q1", "b1"}, "full", "r1", "standard", (), ["q1"]),
+        ({"b1"}, "full", "r1", "standard", (), []),  # only a variant of another tier has it: none
+        ({"b1"}, "batch", "r1", "batch", (), ["b1"]),
+        ({"f1"}, "full", "r1", "standard", ("http://f1:8000",), []),  # tried already
+        (set(), "full", "r1", "standard", (), []),  # loaded nowhere
+        ({"gone"}, "full", "r1", "standard", (), []),  # a pod the table does not route (not ready, draining)
+    ],
+)
+def test_adapter_endpoints_are_only_pods_with_the_adapter_loaded(
+    pods: set[str], variant_name: str, revision: str | None, tier: str, exclude: tuple[str, ...], expected: list[str]
+) -> None:
+    adapter = AdapterRoute("sql", pods=frozenset(pods))
+    v = A_DEP.variant(variant_name)
+    assert v is not None
+    rev = next(r for r in v.revisions if r.name == revision) if revision else None
+    got = adapter_endpoints(A_DEP, v, rev, adapter, tier, exclude)
+    assert names(got) == expected
+    assert all(e.name in pods for e in got)
+
+
+def test_adapter_requests_keep_canary_weights_where_the_adapter_is_everywhere() -> None:
+    adapter = AdapterRoute("sql", pods=frozenset({"f1", "f2", "f3", "q1"}))
+
+    def pick(rng: random.Random) -> str:
+        v = choose_variant(A_DEP, None, "standard", rng)
+        e = choose_endpoint(
+            adapter_endpoints(A_DEP, v, choose_revision(v, rng), adapter, "standard"), {}, None, 1.25, rng
+        )
+        assert e is not None
+        return e.revision if e.variant == "full" else e.variant
+
+    got = shares(pick)
+    # full 3 : int4 1, and within full the canary's 10 %
+    assert got == pytest.approx({"r1": 0.75 * 0.9, "r2": 0.75 * 0.1, "int4": 0.25}, abs=0.03)
+
+
+@pytest.mark.parametrize(
+    ("adapter", "message"),
+    [
+        (AdapterRoute("sql"), "LoRA adapter 'sql' of model 'smollm2' is not loaded on a ready pod yet (loading)"),
+        (
+            AdapterRoute("sql", failed="adapter_config.json is missing; rank 64 > max-lora-rank 16"),
+            "failed to load on every pod: adapter_config.json is missing; rank 64 > max-lora-rank 16",
+        ),
+    ],
+)
+def test_adapter_not_ready_is_503_saying_why(adapter: AdapterRoute, message: str) -> None:
+    e = adapter_not_ready(A_DEP, adapter)
+    assert (e.status, e.code) == (503, "adapter_not_ready")
+    assert message in e.message

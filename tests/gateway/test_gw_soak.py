@@ -122,7 +122,7 @@ async def test_soak_1000_concurrent_streams(tmp_path: Path) -> None:
             assert all(
                 v == 0 for k, v in after.items() if k.startswith("llmfleet_gateway_backend_outstanding_requests")
             )
-            assert after['llmfleet_gateway_requests_total{model="soak",status="200"}'] == STREAMS + 1
+            assert after['llmfleet_gateway_requests_total{adapter="",model="soak",status="200"}'] == STREAMS + 1
             assert sum(v for k, v in after.items() if k.startswith("llmfleet_gateway_errors_total")) == 0
             stats = await stub_stats(urls)
             assert sum(s["completed"] for s in stats) == STREAMS + 1

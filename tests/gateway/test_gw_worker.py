@@ -1,15 +1,18 @@
 """The gateway in front of the real worker server (around its fake engine): a client disconnect frees the engine's
-request and KV cache, and a draining worker's 503 sends requests to another worker."""
+request and KV cache, a draining worker's 503 sends requests to another worker, `MODEL:VARIANT` and the LoRA
+adapter names reach the worker in a form it serves, and a pod that lacks an adapter the status says it has is
+retried elsewhere."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
 
-from gateway.routing import DeploymentRoute, Endpoint, RevisionRoute, RoutingTable, VariantRoute
+from gateway.routing import AdapterRoute, DeploymentRoute, Endpoint, RevisionRoute, RoutingTable, VariantRoute
 from gateway.sources import StaticSource
 from gateway.testing import FixedSource, StaticBackend, chat, eventually, run_gateway
 
@@ -19,12 +22,13 @@ worker_settings = pytest.importorskip("worker.server.settings")
 
 
 @contextlib.asynccontextmanager
-async def workers(n: int, **engine_kw: object) -> AsyncIterator[list]:
-    """n live workers on 127.0.0.1 in this event loop; yields (server, engine, url) triples."""
+async def workers(n: int, make: Callable[..., Any] | None = None, **engine_kw: object) -> AsyncIterator[list]:
+    """n live workers on 127.0.0.1 in this event loop (engines from `make(i)`, default fake engines); yields
+    (server, engine, url) triples."""
     started = []
     try:
-        for _ in range(n):
-            engine = fake_engine.FakeEngine(**engine_kw)
+        for i in range(n):
+            engine = make(i) if make is not None else fake_engine.FakeEngine(**engine_kw)
             settings = worker_settings.WorkerSettings(
                 model="fake://fake-model", engine="fake", host="127.0.0.1", port=0
             )
@@ -77,3 +81,86 @@ async def test_a_draining_workers_503_is_retried_on_another_worker() -> None:
                 r = await c.post("/v1/chat/completions", json=chat(model="fake-model", stream=i % 2 == 0, max_tokens=4))
                 assert r.status_code == 200, r.text
     assert d_engine.submitted == [] and len(engine.submitted) == 6
+
+
+class LoraFakeEngine(fake_engine.FakeEngine):
+    """The fake engine serving LoRA adapters as the worker's `LoraEngineClient` protocol asks (registered names,
+    `generate(..., lora_name)`), recording the adapter of each request."""
+
+    lora_enabled = True
+
+    def __init__(self, adapters: dict[str, str], **kw: Any) -> None:
+        super().__init__(**kw)
+        self._adapters = dict(adapters)
+        self.lora_requests: list[str | None] = []
+
+    def lora_adapters(self) -> dict[str, str]:
+        return dict(self._adapters)
+
+    async def load_lora(self, name: str, path: str) -> None:
+        self._adapters[name] = path
+
+    async def unload_lora(self, name: str) -> None:
+        del self._adapters[name]
+
+    def generate(
+        self, prompt: Any, params: Any, request_id: str, priority: int = 0, lora_name: str | None = None
+    ) -> AsyncIterator[Any]:
+        self.lora_requests.append(lora_name)
+        return super().generate(prompt, params, request_id, priority)
+
+
+def lora_table(urls: list[str], adapters: dict[str, list[str]]) -> RoutingTable:
+    """Both workers in variant `default` (weight 1) and in variant `cheap` (weight 0: only by suffix)."""
+    routes = {name: AdapterRoute(name, pods=frozenset(pods)) for name, pods in adapters.items()}
+    variants = tuple(
+        VariantRoute(
+            v,
+            w,
+            revisions=(RevisionRoute("r", 1, tuple(Endpoint(url=u, name=u, variant=v, revision="r") for u in urls)),),
+        )
+        for v, w in (("default", 1), ("cheap", 0))
+    )
+    return RoutingTable({"fake-model": DeploymentRoute("fake-model", "fake-model", variants=variants, adapters=routes)})
+
+
+async def test_variants_and_adapters_reach_the_real_worker_in_a_form_it_serves() -> None:
+    """`fake-model:sql` and `sql` select the adapter on the pod that has it; `fake-model:cheap` (a variant) is
+    served as the base model, which is all the worker knows of it."""
+    adapters = [{"sql": "/adapters/sql"}, {}]
+    async with workers(2, make=lambda i: LoraFakeEngine(adapters[i])) as [(_, with_sql, url), (_, plain, url2)]:
+        table = lora_table([url, url2], {"sql": [url]})
+        async with run_gateway(FixedSource(table), open_mode=True) as gw, gw.client() as c:
+            answers = {}
+            for model in ("fake-model:sql", "sql", "fake-model:cheap", "fake-model"):
+                for stream in (False, True):
+                    r = await c.post("/v1/chat/completions", json=chat(model=model, stream=stream, max_tokens=2))
+                    assert r.status_code == 200, (model, r.text)
+                    answers[model, stream] = r
+    assert with_sql.lora_requests.count("sql") == 4 and "sql" not in plain.lora_requests
+    assert answers["fake-model:sql", False].json()["model"] == "fake-model:sql"  # named as asked
+    assert answers["sql", False].json()["model"] == "sql"
+    assert answers["fake-model:cheap", False].headers["x-llmfleet-variant"] == "cheap"
+
+
+async def test_a_pod_without_the_adapter_the_status_lists_is_retried_elsewhere() -> None:
+    """The status is a step behind (the worker restarted, or the adapter was unloaded since): its 404
+    `model_not_found` came before the engine saw the request, so another pod that has it takes it; with none
+    left the answer is 503 `adapter_not_ready`."""
+    adapters = [{"sql": "/adapters/sql"}, {}]
+    async with workers(2, make=lambda i: LoraFakeEngine(adapters[i])) as [(_, with_sql, url), (_, lacking, url2)]:
+        stale = lora_table([url, url2], {"sql": [url, url2]})
+        async with run_gateway(FixedSource(stale), open_mode=True) as gw, gw.client() as c:
+            for i in range(6):
+                body = chat(model="sql", stream=i % 2 == 0, content=f"q{i}", max_tokens=2)
+                r = await c.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+            retries = await gw.metrics_text()
+        assert with_sql.lora_requests == ["sql"] * 6 and lacking.submitted == []
+        assert 'llmfleet_gateway_retries_total{model="fake-model",reason="adapter_missing"}' in retries
+        only_stale = lora_table([url, url2], {"sql": [url2]})
+        async with run_gateway(FixedSource(only_stale), open_mode=True) as gw, gw.client() as c:
+            r = await c.post("/v1/chat/completions", json=chat(model="fake-model:sql"))
+            base = await c.post("/v1/chat/completions", json=chat(model="fake-model", max_tokens=1))
+    assert r.status_code == 503 and r.json()["error"]["code"] == "adapter_not_ready" and r.headers["retry-after"]
+    assert base.status_code == 200
