@@ -15,7 +15,9 @@ the Warning Events of new failures.
 Rules, per adapter A (source S) and eligible pod P:
 - P serves A, from S (by the record of the load; a load nobody recorded counts as S): Loaded.
 - P serves A from another source (the spec changed it, or the last load of S failed while an older copy stayed):
-  reload in place (`replace`: unload, then load S), with the same back-off as a failed load.
+  reload in place (`replace`: unload, then load S), with the same back-off as a failed load; one pod per adapter
+  at a time (a rolling reload: the others keep their `Loaded` entry with the old source and go on serving it, the
+  gateway retries a request that meets a pod mid-reload elsewhere), and `readyReplicas` counts only copies of S.
 - P does not serve A: load it, unless the last load of S failed and its back-off has not run out (10 s, doubling
   per failed attempt, at most 5 min; a changed source is tried at once). A refused load is `Failed` with the
   worker's message, one Warning Event per new failure; the base model keeps serving and other adapters load.
@@ -98,23 +100,21 @@ def plan_adapters(given: AdapterInput) -> AdapterPlan:
     new_failures: list[tuple[AdapterSpec, AdapterPodStatus]] = []
     for adapter in given.adapters:
         entries: list[AdapterPodStatus] = []
+        replacing = False  # one pod of an adapter reloads in place per pass; the others serve the old copy meanwhile
         for pod in sorted(given.eligible, key=lambda p: p.name):
             before = previous.get(adapter.name, {}).get(pod.name)
             probe = given.probes.get(pod.name)
             entry, load = _pod_entry(adapter, pod, before, probe, results, given.now)
             if entry is None:
                 continue
+            replace = load and probe is not None and adapter.name in probe.adapters
+            if replace and replacing and before is not None:
+                entry, load = before, False
+                waits.append(CONFIRM_AFTER_S)
+            replacing |= replace and load
             entries.append(entry)
             if load:
-                loads.append(
-                    LoadAdapter(
-                        pod.name,
-                        given.addresses[pod.name],
-                        adapter.name,
-                        adapter.source,
-                        replace=probe is not None and adapter.name in probe.adapters,
-                    )
-                )
+                loads.append(LoadAdapter(pod.name, given.addresses[pod.name], adapter.name, adapter.source, replace))
             if entry.state == AdapterPodState.FAILED:
                 failures.setdefault(adapter.name, []).append(entry)
                 if before is None or before.state != AdapterPodState.FAILED or before.message != entry.message:
@@ -122,7 +122,7 @@ def plan_adapters(given: AdapterInput) -> AdapterPlan:
                 if entry.last_attempt_time is not None:
                     due = entry.last_attempt_time + timedelta(seconds=retry_delay(entry.attempts))
                     waits.append(max(1.0, (due - given.now).total_seconds()))
-        ready = sum(1 for e in entries if e.state == AdapterPodState.LOADED)
+        ready = sum(1 for e in entries if e.state == AdapterPodState.LOADED and e.source == adapter.source)
         statuses.append(AdapterStatus(name=adapter.name, source=adapter.source, ready_replicas=ready, pods=entries))
     unloads = [
         UnloadAdapter(pod.name, given.addresses[pod.name], name)

@@ -369,7 +369,9 @@ def test_a_pod_that_did_not_answer_keeps_its_entry_and_is_sent_nothing(probe, be
     assert _entries(plan).get(P0) == before
     assert [(a.pod, a.adapter) for a in plan.loads] == [(P1, "a1")]  # the pod that answered is served as usual
     assert [(a.pod, a.adapter) for a in plan.unloads] == [(P1, "stray")]
-    assert _ready(plan) == int(before is not None and before.state == AdapterPodState.LOADED)
+    assert _ready(plan) == int(
+        before is not None and before.state == AdapterPodState.LOADED and before.source == A1.source
+    )
 
 
 # -------------------------------------------------------------------------------------------------------- unloads
@@ -444,3 +446,21 @@ def test_a_pod_that_did_not_answer_is_asked_again_soon(state, requeue):
     probes = {P0: AdapterProbe(state)} if state is not None else {}
     plan = plan_adapters(_given(eligible=PODS[:1], probes=probes, previous=previous))
     assert plan.requeue_after == requeue and not plan.loads
+
+
+def test_a_changed_source_reloads_one_pod_at_a_time_while_the_others_serve_the_old_copy():
+    old = "/adapters/old"
+    previous = _status(
+        A1, _entry(P0, AdapterPodState.LOADED, source=old), _entry(P1, AdapterPodState.LOADED, source=old)
+    )
+    served = {P0: _serves("a1"), P1: _serves("a1")}
+    first = plan_adapters(_given(probes=served, previous=previous))
+    assert [(a.pod, a.replace) for a in first.loads] == [(P0, True)]
+    assert {p: (e.state, e.source) for p, e in _entries(first).items()} == {
+        P0: (AdapterPodState.LOADING, A1.source),
+        P1: (AdapterPodState.LOADED, old),  # still routed: it serves the old copy until its turn
+    }
+    assert _ready(first) == 0 and first.requeue_after == CONFIRM_AFTER_S
+    done = (AdapterResult(P0, "a1", A1.source),)
+    second = plan_adapters(_given(probes=served, previous=first.status, results=done, now=NOW + timedelta(seconds=1)))
+    assert [(a.pod, a.replace) for a in second.loads] == [(P1, True)] and _ready(second) == 1
