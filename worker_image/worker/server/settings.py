@@ -23,6 +23,9 @@ EngineKind = Literal["builtin", "vllm", "fake"]
 Quantization = Literal["none", "fp8", "int4"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 MaxTokensPolicy = Literal["reject", "clamp"]
+# vLLM 0.32's `LoRAConfig.max_lora_rank` takes only these (`vllm.config.lora.MaxLoRARanks`); the builtin engine
+# takes any rank.
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 # The worker's port when none is given. The fleet's side of the contract is `crds.pods.WORKER_PORT` (the worker
@@ -139,9 +142,14 @@ class WorkerSettings(BaseModel):
         ]
         if given and not self.enable_lora:
             raise ValueError(f"{', '.join(given)} need --enable-lora: add it, or remove them")
-        if self.enable_lora and self.engine == "vllm":
+        rank = self.max_lora_rank
+        if self.engine == "vllm" and rank is not None and rank not in VLLM_MAX_LORA_RANKS:
+            allowed = ", ".join(map(str, VLLM_MAX_LORA_RANKS))
+            higher = [r for r in VLLM_MAX_LORA_RANKS if r > rank]
             raise ValueError(
-                "--enable-lora is served by the builtin engine here; the vllm engine takes no adapters yet"
+                f"--max-lora-rank {rank}: the vllm engine takes one of {allowed} (vLLM's max_lora_rank); "
+                + (f"use {higher[0]} (adapters of lower rank are served too)" if higher else "use at most 512")
+                + ", or --engine builtin, which takes any rank"
             )
         for name in self.lora_modules:
             if not name or ":" in name or name == self.model_name:
