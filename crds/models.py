@@ -93,6 +93,7 @@ from crds.podtemplate import (
     VolumeProjection,
 )
 from crds.spec import (
+    VLLM_LORA_RANKS,
     AdapterSpec,
     AnalysisSpec,
     AutoscalingSpec,
@@ -165,6 +166,7 @@ __all__ = [
     "SINGULAR",
     "TMP_MOUNT",
     "VERSION",
+    "VLLM_LORA_RANKS",
     "VOLUME_SOURCE_FIELDS",
     "AdapterPodState",
     "AdapterPodStatus",

@@ -111,6 +111,11 @@ class SpeculativeSpec(SpecModel):
     )
 
 
+# The ranks vLLM 0.32 accepts as `max_lora_rank` (`vllm.config.lora.MaxLoRARanks`); the worker checks the same set
+# (`worker.server.settings.VLLM_MAX_LORA_RANKS`; tests/controllers/test_pods_worker_contract.py keeps them equal).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
 class LoraSpec(SpecModel):
     """LoRA adapter serving in the worker pods (`--enable-lora`). A pod field: turning it on, off or resizing it
     rolls the pods (once); adding and removing `spec.adapters` afterwards never does."""

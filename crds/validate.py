@@ -37,6 +37,7 @@ from crds.models import (
     OPERATOR_MOUNT_PATHS,
     OPERATOR_VOLUME_NAMES,
     PROJECTION_FIELDS,
+    VLLM_LORA_RANKS,
     VOLUME_SOURCE_FIELDS,
     Engine,
     InferenceDeploymentSpec,
@@ -415,6 +416,14 @@ def _adapters(spec: InferenceDeploymentSpec) -> Iterator[Problem]:
             "adapters are listed but the engine serves none (spec.engine.lora is unset)",
             "add `engine: {lora: {}}` (defaults: maxLoras 4, maxLoraRank 16); turning it on rolls the pods once, "
             "adapters added later load without restarts",
+        )
+    lora = spec.engine.lora
+    if lora is not None and spec.engine.type == Engine.VLLM and lora.max_lora_rank not in VLLM_LORA_RANKS:
+        higher = [r for r in VLLM_LORA_RANKS if r >= lora.max_lora_rank]
+        yield Problem(
+            "spec.engine.lora.maxLoraRank",
+            f"the vllm engine takes a maxLoraRank of {', '.join(map(str, VLLM_LORA_RANKS))}, not {lora.max_lora_rank}",
+            f"use {higher[0]}" if higher else "use 512 or less",
         )
     taken = {spec.model.name: "the model's name", **{v.name: f"the variant {v.name!r}" for v in spec.variants}}
     seen: set[str] = set()

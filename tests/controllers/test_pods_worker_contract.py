@@ -86,3 +86,11 @@ def test_without_speculative_no_flag_is_rendered():
     spec = parse_spec({**SPECULATIVE_SPEC, "engine": {}})
     container = pod_template("d", spec, spec.variants[0], PodDefaults())["spec"]["containers"][0]
     assert "--speculative-config" not in container["args"]
+
+
+def test_the_lora_ranks_the_crd_allows_for_vllm_are_the_workers():
+    from worker.server.settings import VLLM_MAX_LORA_RANKS
+
+    from crds.models import VLLM_LORA_RANKS
+
+    assert VLLM_LORA_RANKS == VLLM_MAX_LORA_RANKS

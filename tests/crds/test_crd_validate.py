@@ -45,8 +45,19 @@ def _steps(*weights: int) -> dict[str, Any]:
     return {"canary": {"steps": [{"weight": weight} for weight in weights]}}
 
 
+LORA = _set("engine.lora", {})
+ADAPTERS = _set(
+    "adapters", [{"name": "sql", "source": "/adapters/sql"}, {"name": "poet", "source": "hf://org/poet@v2"}]
+)
+
 VALID = {
     "minimal": None,
+    "lora without adapters": LORA,
+    "lora with adapters": _all(LORA, ADAPTERS),
+    "adapter with a token budget": _all(
+        LORA, _set("adapters", [{"name": "a", "source": "file:///a", "tokensPerMinute": 1000}])
+    ),
+    "vllm with an allowed lora rank": _all(_set("engine.type", "vllm"), _set("engine.lora", {"maxLoraRank": 32})),
     "autoscaling min == max": _set("variants[0].autoscaling", _autoscaling(minReplicas=3, maxReplicas=3)),
     "scale to zero": _set("variants[0].autoscaling", _autoscaling(minReplicas=0, scaleToZeroAfterSeconds=300)),
     "fixed replicas": _set("variants[0].replicas", 0),
@@ -81,6 +92,31 @@ VALID = {
 
 # name -> (mutation, [(path, words in the message)]); each case must yield exactly these problems.
 INVALID: dict[str, tuple[Callable[[dict[str, Any]], None], list[tuple[str, str]]]] = {
+    "adapters without lora": (ADAPTERS, [("spec.adapters", "engine.lora is unset")]),
+    "adapter named twice": (
+        _all(LORA, _set("adapters", [{"name": "a", "source": "/a"}, {"name": "a", "source": "/b"}])),
+        [("spec.adapters[1].name", "used twice")],
+    ),
+    "adapter named like the model": (
+        _all(LORA, _set("adapters", [{"name": "smollm2", "source": "/a"}])),
+        [("spec.adapters[0].name", "the model's name")],
+    ),
+    "adapter named like a variant": (
+        _all(LORA, _set("adapters", [{"name": "default", "source": "/a"}])),
+        [("spec.adapters[0].name", "the variant 'default'")],
+    ),
+    "adapter source from s3": (
+        _all(LORA, _set("adapters", [{"name": "a", "source": "s3://bucket/a"}])),
+        [("spec.adapters[0].source", "match pattern")],
+    ),
+    "vllm with a lora rank it refuses": (
+        _all(_set("engine.type", "vllm"), _set("engine.lora", {"maxLoraRank": 12})),
+        [("spec.engine.lora.maxLoraRank", "not 12")],
+    ),
+    "lora flag in extraArgs": (
+        _all(LORA, _set("engine.extraArgs", {"max-loras": 8})),
+        [("spec.engine.extraArgs.max-loras", "managed by llmfleet")],
+    ),
     "min > max": (
         _set("variants[0].autoscaling", _autoscaling(minReplicas=4, maxReplicas=2)),
         [("spec.variants[0].autoscaling.minReplicas", "minReplicas (4) is greater than maxReplicas (2)")],

@@ -100,7 +100,7 @@ def worker_command(
             '(+ "disable_by_batch_size", builtin engine only)'
         ),
     ] = None,
-    enable_lora: Annotated[bool, typer.Option("--enable-lora", help="serve LoRA adapters (builtin engine)")] = False,
+    enable_lora: Annotated[bool, typer.Option("--enable-lora", help="serve LoRA adapters (either engine)")] = False,
     max_loras: Annotated[int | None, typer.Option(help="LoRA adapters resident at once (default 1)")] = None,
     max_lora_rank: Annotated[int | None, typer.Option(help="largest LoRA rank accepted (default 16)")] = None,
     lora_modules: Annotated[

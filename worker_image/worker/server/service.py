@@ -5,7 +5,7 @@ It holds the engine, settings, metrics, in-flight table, drainer, fault injector
 (`generation.py`) and the uvicorn host (`serve.py`) take it as an argument. It lives in its own module so that
 those three import it without importing each other.
 
-LoRA adapters (`--enable-lora`, builtin engine): a request's `model` is the base model's name, `BASE:ADAPTER`, or
+LoRA adapters (`--enable-lora`, either engine): a request's `model` is the base model's name, `BASE:ADAPTER`, or
 an adapter's own name (as vLLM serves them; `resolve_model`); anything else is a 404 `model_not_found`, decided
 here before the engine sees the request. `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` take the
 same bearer token as `POST /drain` (one control-plane secret, one check); adapters given with `--lora-modules`
@@ -159,7 +159,7 @@ class WorkerService:
         if engine is None:
             raise ApiError(
                 400,
-                "this worker serves no LoRA adapters: start it with --enable-lora (builtin engine)",
+                "this worker serves no LoRA adapters: start it with --enable-lora",
                 code="lora_disabled",
             )
         if not self.loaded:
