@@ -15,7 +15,7 @@ worker's reason for refusing it) is kept per deployment until the next pass take
 how a bad adapter reaches `status.adapters` and a Warning Event. An unload the worker no longer knows (404) is
 done. The results live in this object, which the operator's `Fleet` owns (no module state).
 
-May import controllers (observed, actions) and httpx.
+May import controllers (observed, actions), fleet_operator.drain_client (its GET helper) and httpx.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import httpx
 from controllers import LoadAdapter, UnloadAdapter
 from controllers.draining import address
 from controllers.observed import AdapterProbe, AdapterResult, PodInfo, ProbeState
+from fleet_operator.drain_client import get_json
 
 log = logging.getLogger(__name__)
 Key = tuple[str, str]  # (namespace, name) of an InferenceDeployment
@@ -86,18 +87,12 @@ class WorkerAdapters:
         if worker is None:
             return AdapterProbe(ProbeState.UNREACHABLE, detail="the pod has no IP")
         url = f"http://{worker}/v1/models"
+        state, body, detail = await get_json(self._client, url)
+        if state != ProbeState.ANSWERED:
+            return AdapterProbe(state, detail=detail)
         try:
-            response = await self._client.get(url)
-        except httpx.ConnectError as error:
-            return AdapterProbe(ProbeState.UNREACHABLE, detail=f"GET {url}: {error}")
-        except httpx.HTTPError as error:
-            return AdapterProbe(ProbeState.FAILED, detail=f"GET {url}: {type(error).__name__}: {error}")
-        if response.status_code != 200:
-            return AdapterProbe(ProbeState.FAILED, detail=f"GET {url}: HTTP {response.status_code}")
-        try:
-            entries = response.json()["data"]
-            names = frozenset(str(e["id"]) for e in entries if isinstance(e, Mapping) and e.get("parent"))
-        except (ValueError, KeyError, TypeError) as error:
+            names = frozenset(str(e["id"]) for e in body["data"] if isinstance(e, Mapping) and e.get("parent"))
+        except (KeyError, TypeError) as error:
             return AdapterProbe(ProbeState.FAILED, detail=f"GET {url}: unexpected answer ({error})")
         return AdapterProbe(ProbeState.ANSWERED, adapters=names)
 

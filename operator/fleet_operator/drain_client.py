@@ -65,19 +65,13 @@ class WorkerDrains:
         if worker is None:
             return DrainProbe(ProbeState.UNREACHABLE, detail="the pod has no IP")
         url = f"http://{worker}/drain"
+        state, body, detail = await get_json(self._client, url)
+        if state != ProbeState.ANSWERED:
+            return DrainProbe(state, detail=detail)
         try:
-            response = await self._client.get(url)
-        except httpx.ConnectError as error:
-            return DrainProbe(ProbeState.UNREACHABLE, detail=f"GET {url}: {error}")
-        except httpx.HTTPError as error:
-            return DrainProbe(ProbeState.FAILED, detail=f"GET {url}: {type(error).__name__}: {error}")
-        if response.status_code != 200:
-            return DrainProbe(ProbeState.FAILED, detail=f"GET {url}: HTTP {response.status_code}")
-        try:
-            body = response.json()
             in_flight = int(body["inflight"])
             draining = bool(body.get("draining"))
-        except (ValueError, KeyError, TypeError) as error:
+        except (KeyError, TypeError, ValueError) as error:
             return DrainProbe(ProbeState.FAILED, detail=f"GET {url}: unexpected answer ({error})")
         return DrainProbe(ProbeState.ANSWERED, draining=draining, in_flight=max(0, in_flight))
 
@@ -86,3 +80,20 @@ class WorkerDrains:
         marked = [p for p in pods if p.draining and not p.deleting]
         probes = await asyncio.gather(*(self.probe(address(p, port)) for p in marked))
         return {pod.name: probe for pod, probe in zip(marked, probes, strict=True)}
+
+
+async def get_json(client: httpx.AsyncClient, url: str) -> tuple[ProbeState, Any, str]:
+    """GET a worker's JSON: (ANSWERED, body, "") on 200 with JSON; UNREACHABLE when nothing listens; FAILED on a
+    timeout, another status or a body that is not JSON (with the reason)."""
+    try:
+        response = await client.get(url)
+    except httpx.ConnectError as error:
+        return ProbeState.UNREACHABLE, None, f"GET {url}: {error}"
+    except httpx.HTTPError as error:
+        return ProbeState.FAILED, None, f"GET {url}: {type(error).__name__}: {error}"
+    if response.status_code != 200:
+        return ProbeState.FAILED, None, f"GET {url}: HTTP {response.status_code}"
+    try:
+        return ProbeState.ANSWERED, response.json(), ""
+    except ValueError as error:
+        return ProbeState.FAILED, None, f"GET {url}: unexpected answer ({error})"
