@@ -119,3 +119,25 @@ def test_without_a_tokenizer_only_token_ids_flow() -> None:
     req.output_token_ids.append(104)
     (out,) = proc.process([req]).outputs
     assert (out.new_token_ids, out.new_text) == ([104], "")
+
+
+class _CountingDecoder:
+    """The byte tokenizer, counting how many ids it decodes."""
+
+    def __init__(self) -> None:
+        self.decoded = 0
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        self.decoded += len(ids)
+        return TOK.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+@pytest.mark.parametrize("n", [100, 1000, 4000])
+def test_bytes_that_never_form_a_character_cost_linear_time_and_come_out_as_flush_would(n: int) -> None:
+    # 0x80 is a lone UTF-8 continuation byte: no number of them ever completes a character
+    counting = _CountingDecoder()
+    detok = IncrementalDetokenizer(counting, [])
+    deltas = [detok.add_tokens([0x80]) for _ in range(n)] + [detok.flush()]
+    assert "".join(deltas) == TOK.decode([0x80] * n)  # the same text as holding everything back until the end
+    held = IncrementalDetokenizer.MAX_HELD_TOKENS + IncrementalDetokenizer.CONTEXT_TOKENS
+    assert counting.decoded <= 2 * held * (n + 1), "decoding grew faster than the output"  # n^2/2 without the bound

@@ -185,10 +185,15 @@ class IncrementalDetokenizer:
 
     `prefix_offset..read_offset` are tokens already turned into text, decoded again as left context so that
     tokenizers which change a token's text depending on its neighbours (leading spaces) decode consistently. A
-    delta ending in U+FFFD (an incomplete UTF-8 sequence) is held back until more tokens complete it.
+    delta ending in U+FFFD (an incomplete UTF-8 sequence) is held back until more tokens complete it, but never
+    more than `MAX_HELD_TOKENS`: a stream of bytes that never form a character (a model, or a request's
+    `logit_bias`, choosing lone continuation bytes) would otherwise be decoded again whole at every step, O(n^2)
+    over the output on the engine's thread (2,048 such tokens: 166 ms; with the bound: linear). Past the bound
+    the held text is sent as it decodes, U+FFFD included, as `flush` would; no real character spans 64 tokens.
     """
 
     CONTEXT_TOKENS = 5
+    MAX_HELD_TOKENS = 64
 
     def __init__(
         self, tokenizer: Decoder, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True
@@ -208,10 +213,13 @@ class IncrementalDetokenizer:
         self._ids.extend(new_ids)
         prefix_text = self._decode(self._ids[self.prefix_offset : self.read_offset])
         full_text = self._decode(self._ids[self.prefix_offset :])
-        if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
+        if len(full_text) <= len(prefix_text):
+            return ""
+        if full_text.endswith(REPLACEMENT_CHAR) and len(self._ids) - self.read_offset < self.MAX_HELD_TOKENS:
             return ""
         delta = full_text[len(prefix_text) :]
-        self.prefix_offset = self.read_offset
+        held = len(self._ids) - self.read_offset
+        self.prefix_offset = self.read_offset if held < self.MAX_HELD_TOKENS else len(self._ids) - self.CONTEXT_TOKENS
         self.read_offset = len(self._ids)
         self.text += delta
         return delta
