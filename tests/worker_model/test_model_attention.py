@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from worker.model.attention import SeqSpan, build_metadata, decode_attention_sdpa
-from worker.model.kernels import load_paged_decode
+from worker.model.kernels import load_paged_decode, load_paged_decode_generic, paged_decode_path
 
 
 @pytest.mark.parametrize(
@@ -65,9 +65,10 @@ def kernel():
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (8, 1)])
-def test_native_decode_matches_sdpa(kernel, dtype, tol, heads, kv_heads):
-    gen = torch.Generator().manual_seed(heads * 10 + kv_heads)
-    bs, hd, nb = 16, 32, 40
+@pytest.mark.parametrize("hd", [32, 64, 128])  # 64 and 128 in bf16: the AVX512-BF16 path where the CPU has it
+def test_native_decode_matches_sdpa(kernel, dtype, tol, heads, kv_heads, hd):
+    gen = torch.Generator().manual_seed(heads * 10 + kv_heads + hd)
+    bs, nb = 16, 40
     k_cache = torch.randn(nb, bs, kv_heads, hd, generator=gen).to(dtype)
     v_cache = torch.randn(nb, bs, kv_heads, hd, generator=gen).to(dtype)
     lens = [1, 15, 16, 17, 100, 3]
@@ -125,3 +126,33 @@ def test_loading_twice_reuses_the_build(kernel):
     name = kernels.extension_name()
     _again, why = kernels.load_paged_decode()
     assert why is None and kernels.extension_name() == name  # torch's loader must not alter our flag lists
+
+
+def _has_avx512_bf16() -> bool:
+    from worker.model import kernels
+
+    machine, flags = kernels._cpu_flags()
+    return machine in ("x86_64", "AMD64") and {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= flags
+
+
+@pytest.mark.parametrize(
+    "dtype,hd,fast",
+    [(torch.bfloat16, 64, True), (torch.bfloat16, 128, True), (torch.bfloat16, 32, False), (torch.float32, 64, False)],
+)
+def test_the_path_named_for_the_log_is_the_one_this_cpu_takes(kernel, dtype, hd, fast):
+    path = paged_decode_path(dtype, hd)
+    assert path.startswith("avx512_bf16") == (fast and _has_avx512_bf16()), path
+
+
+@pytest.mark.parametrize("hd", [64, 128])
+def test_the_bf16_paths_agree_to_a_rounding(kernel, hd):
+    generic, why = load_paged_decode_generic()
+    assert generic is not None, why
+    gen = torch.Generator().manual_seed(hd)
+    k = torch.randn(70, 16, 2, hd, generator=gen).bfloat16()
+    v = torch.randn(70, 16, 2, hd, generator=gen).bfloat16()
+    q = torch.randn(6, 8, hd, generator=gen).bfloat16()
+    tables = torch.randperm(70, generator=gen)[:66].view(6, 11)
+    lens = torch.tensor([1, 16, 17, 90, 160, 176])
+    fast, portable = kernel(q, k, v, tables, lens, hd**-0.5), generic(q, k, v, tables, lens, hd**-0.5)
+    assert torch.allclose(fast.float(), portable.float(), atol=4e-3, rtol=1e-2)

@@ -31,7 +31,7 @@ from worker.core.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from worker.core.request import Logprob
 from worker.model.attention import SeqSpan, build_metadata
 from worker.model.config import ModelConfig
-from worker.model.kernels import load_paged_decode
+from worker.model.kernels import load_paged_decode, paged_decode_path
 from worker.model.linear import available_kernels, read_cpu_flags, resolve_auto_dtype
 from worker.model.llama import LlamaModel
 from worker.model.loader import load_weights
@@ -170,6 +170,10 @@ class ModelRunner:
             if self.kernel_error:
                 warnings.warn(
                     f"decode attention runs eagerly: native kernel unavailable ({self.kernel_error})", stacklevel=2
+                )
+            else:
+                logging.getLogger(__name__).info(
+                    "decode attention: native paged kernel, %s", paged_decode_path(self.dtype, cfg.head_dim)
                 )
         self._generators: dict[str, torch.Generator] = {}
         self.max_loras = max_loras
