@@ -98,10 +98,11 @@ def plan_adapters(given: AdapterInput) -> AdapterPlan:
     failures: dict[str, list[AdapterPodStatus]] = {}
     waits: list[float] = []
     new_failures: list[tuple[AdapterSpec, AdapterPodStatus]] = []
+    pods = sorted(given.eligible, key=lambda p: p.name)
     for adapter in given.adapters:
         entries: list[AdapterPodStatus] = []
         replacing = False  # one pod of an adapter reloads in place per pass; the others serve the old copy meanwhile
-        for pod in sorted(given.eligible, key=lambda p: p.name):
+        for pod in pods:
             before = previous.get(adapter.name, {}).get(pod.name)
             probe = given.probes.get(pod.name)
             entry, load = _pod_entry(adapter, pod, before, probe, results, given.now)
@@ -119,21 +120,20 @@ def plan_adapters(given: AdapterInput) -> AdapterPlan:
                 failures.setdefault(adapter.name, []).append(entry)
                 if before is None or before.state != AdapterPodState.FAILED or before.message != entry.message:
                     new_failures.append((adapter, entry))
-                if entry.last_attempt_time is not None:
-                    due = entry.last_attempt_time + timedelta(seconds=retry_delay(entry.attempts))
+                if (due := _retry_due(entry)) is not None:
                     waits.append(max(1.0, (due - given.now).total_seconds()))
         ready = sum(1 for e in entries if e.state == AdapterPodState.LOADED and e.source == adapter.source)
         statuses.append(AdapterStatus(name=adapter.name, source=adapter.source, ready_replicas=ready, pods=entries))
     unloads = [
         UnloadAdapter(pod.name, given.addresses[pod.name], name)
-        for pod in sorted(given.eligible, key=lambda p: p.name)
+        for pod in pods
         if (probe := given.probes.get(pod.name)) is not None and probe.state == ProbeState.ANSWERED
         for name in sorted(probe.adapters - wanted)
     ]
     if loads or unloads:
         waits.append(CONFIRM_AFTER_S)
     if given.adapters and any(
-        (probe := given.probes.get(p.name)) is not None and probe.state != ProbeState.ANSWERED for p in given.eligible
+        (probe := given.probes.get(p.name)) is not None and probe.state != ProbeState.ANSWERED for p in pods
     ):
         waits.append(UNANSWERED_RETRY_S)  # ask a pod that did not answer again soon, not at the next resync
     return AdapterPlan(
@@ -167,12 +167,18 @@ def _pod_entry(
         return _failed(pod.name, source, result.error, attempts, tried), False
     if adapter.name in probe.adapters and _loaded_source(before, result, source) == source:
         return AdapterPodStatus(pod=pod.name, state=AdapterPodState.LOADED, source=source), False
-    if same and before is not None and before.state == AdapterPodState.FAILED and before.last_attempt_time:
-        due = before.last_attempt_time + timedelta(seconds=retry_delay(before.attempts))
-        if now < due:
+    if same and before is not None and before.state == AdapterPodState.FAILED:
+        due = _retry_due(before)
+        if due is not None and now < due:
             return before, False
     attempts = (before.attempts if same and before is not None else 0) + 1
     return _attempt(pod.name, source, attempts, now), True  # a load, or a reload in place (`replace`)
+
+
+def _retry_due(entry: AdapterPodStatus) -> datetime | None:
+    """When an entry's source may be tried again after its last attempt (None: it records no attempt)."""
+    tried = entry.last_attempt_time
+    return None if tried is None else tried + timedelta(seconds=retry_delay(entry.attempts))
 
 
 def _loaded_source(before: AdapterPodStatus | None, result: AdapterResult | None, spec_source: str) -> str | None:
@@ -223,14 +229,13 @@ def _condition(
         return WantedCondition(kind, ConditionStatus.TRUE, Reason.ADAPTERS_LOADED, "no adapters in the spec")
     if eligible == 0:
         return WantedCondition(kind, ConditionStatus.FALSE, Reason.ADAPTERS_LOADING, "no ready pod serves adapters yet")
-    pending = [s.name for s in statuses if s.ready_replicas < eligible]
+    pending = [s for s in statuses if s.ready_replicas < eligible]
     if pending:
         return WantedCondition(
             kind,
             ConditionStatus.FALSE,
             Reason.ADAPTERS_LOADING,
-            "loading "
-            + ", ".join(f"{s.name} ({s.ready_replicas}/{eligible} pods)" for s in statuses if s.name in pending),
+            "loading " + ", ".join(f"{s.name} ({s.ready_replicas}/{eligible} pods)" for s in pending),
         )
     return WantedCondition(
         kind, ConditionStatus.TRUE, Reason.ADAPTERS_LOADED, f"{len(statuses)} adapter(s) loaded in {eligible} pod(s)"
