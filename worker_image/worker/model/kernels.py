@@ -14,7 +14,7 @@ bf16 on CPUs with AVX512-BF16 (head dims 64 and 128) takes its own path, chosen 
 per query head, the query and the output accumulator stay in registers, Q.K runs on vdpbf16ps and V rows are
 widened with a shift. The generic path was no faster in bf16 than in fp32 (converting each K/V element one by
 one, once per query head of a group). `bench/attention_kernel.py` compares the two on one machine: 64 sequences
-of 256 tokens, SmolLM2's 9 query / 3 KV heads of 64: 1.43 -> 0.82 ms per layer (1.75x) on a 2-core Xeon with
+of 256 tokens, SmolLM2's 9 query / 3 KV heads of 64: 1.43 -> 0.80 ms per layer (1.78x) on a 2-core Xeon with
 AVX512-BF16. `paged_decode_path` says which path runs, for the worker's log.
 
 It is built with `torch.utils.cpp_extension.load_inline` (needs a C++ compiler and ninja; ~30-60 s the
@@ -194,6 +194,9 @@ static void paged_decode_bf16_avx512(
   });
 }
 
+// The shapes the AVX512-BF16 path takes (the one rule `paged_decode` and `paged_decode_path` both follow).
+static bool bf16_path_takes(bool bf16, int64_t head_dim) { return bf16 && (head_dim == 64 || head_dim == 128); }
+
 static bool cpu_has_avx512_bf16() {
   static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
@@ -225,7 +228,7 @@ static torch::Tensor paged_decode_any(torch::Tensor q, torch::Tensor k_cache, to
   }
   auto out = torch::empty({S, H * D}, q.options());
 #if defined(__x86_64__)
-  if (fast && q.scalar_type() == at::kBFloat16 && (D == 64 || D == 128) && cpu_has_avx512_bf16()) {
+  if (fast && bf16_path_takes(q.scalar_type() == at::kBFloat16, D) && cpu_has_avx512_bf16()) {
     (D == 64 ? paged_decode_bf16_avx512<64> : paged_decode_bf16_avx512<128>)(
         q.data_ptr<c10::BFloat16>(), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
         tables.data_ptr<int64_t>(), lens_c.data_ptr<int64_t>(), out.data_ptr<c10::BFloat16>(), S, H, KVH, BS,
@@ -255,7 +258,7 @@ torch::Tensor paged_decode_generic(torch::Tensor q, torch::Tensor k_cache, torch
 // Which code `paged_decode` runs for a dtype ("float32", "bfloat16", ...) and head dim, and why: for the log.
 std::string paged_decode_path(std::string dtype, int64_t head_dim) {
 #if defined(__x86_64__)
-  if (dtype == "bfloat16" && (head_dim == 64 || head_dim == 128)) {
+  if (bf16_path_takes(dtype == "bfloat16", head_dim)) {
     if (cpu_has_avx512_bf16()) return "avx512_bf16 (vdpbf16ps, head dim " + std::to_string(head_dim) + ")";
     return "generic (this CPU has no AVX512-BF16)";
   }
