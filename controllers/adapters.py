@@ -81,6 +81,11 @@ class AdapterInput:
     results: Sequence[AdapterResult] = ()
 
 
+def may_serve_adapters(pod: PodInfo) -> bool:
+    """A pod the operator asks about adapters (and, of a LoRA revision, loads them into): live, ready, with an IP."""
+    return pod.live and pod.ready and bool(pod.ip)
+
+
 def retry_delay(attempts: int) -> float:
     """Seconds to wait before trying a source again after `attempts` failed loads of it."""
     return float(min(RETRY_MAX_S, RETRY_FIRST_S * 2.0 ** max(0, attempts - 1)))

@@ -54,7 +54,7 @@ from controllers.actions import (
     RemoveAnnotations,
     StartDrain,
 )
-from controllers.adapters import AdapterInput, AdapterPlan, plan_adapters
+from controllers.adapters import AdapterInput, AdapterPlan, may_serve_adapters, plan_adapters
 from controllers.conditions import (
     Health,
     WantedCondition,
@@ -326,7 +326,7 @@ def _adapters(
     stable = rollout.stable_spec_of(spec, rollout_status.stable_spec)
     lora_revisions = {r.target for r in revisions.values() if spec.engine.lora is not None}
     lora_revisions |= {r.stable for r in revisions.values() if stable.engine.lora is not None}
-    eligible = [p for p in pods if p.live and p.ready and p.ip and p.revision in lora_revisions]
+    eligible = [p for p in pods if may_serve_adapters(p) and p.revision in lora_revisions]
     return plan_adapters(
         AdapterInput(
             adapters=spec.adapters,

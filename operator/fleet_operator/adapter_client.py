@@ -15,7 +15,7 @@ worker's reason for refusing it) is kept per deployment until the next pass take
 how a bad adapter reaches `status.adapters` and a Warning Event. An unload the worker no longer knows (404) is
 done. The results live in this object, which the operator's `Fleet` owns (no module state).
 
-May import controllers (observed, actions), fleet_operator.drain_client (its GET helper) and httpx.
+May import controllers (observed, actions, adapters' pod rule), fleet_operator.drain_client (its GET helper) and httpx.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 
 from controllers import LoadAdapter, UnloadAdapter
+from controllers.adapters import may_serve_adapters
 from controllers.draining import address
 from controllers.observed import AdapterProbe, AdapterResult, PodInfo, ProbeState
 from fleet_operator.drain_client import get_json
@@ -98,7 +99,7 @@ class WorkerAdapters:
 
     async def probe_all(self, pods: Iterable[PodInfo], port: int) -> Mapping[str, AdapterProbe]:
         """Probes of the pods that may serve adapters (live, ready, with an IP), by pod name."""
-        serving = [p for p in pods if p.live and p.ready and p.ip]
+        serving = [p for p in pods if may_serve_adapters(p)]
         probes = await asyncio.gather(*(self.probe(address(p, port)) for p in serving))
         return {pod.name: probe for pod, probe in zip(serving, probes, strict=True)}
 
