@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from worker.core.lora import LoraStats
+from worker.core.lora import LoraStats, check_new_adapter_name
 from worker.core.request import FinishReason, Logprob, SamplingParams
 from worker.engine.protocol import EngineStats, RequestOutput
 from worker.server.settings import WorkerSettings
@@ -435,10 +435,7 @@ class VllmEngine:
 
         llm = self._started_llm()
         async with self._lora_lock:
-            if name in self._loras:
-                raise ValueError(f"an adapter named {name!r} is already loaded: unload it first")
-            if name == self.model_name:
-                raise ValueError(f"{name!r} is the base model's name: give the adapter another name")
+            check_new_adapter_name(name, self._loras, self.model_name)
             if name in self._unloading.values():
                 # vLLM batches adapters as a set of requests equal by name: two registrations of one name in a
                 # step would leave one without a slot

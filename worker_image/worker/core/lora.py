@@ -13,7 +13,17 @@ Imports nothing but the standard library.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Collection
 from dataclasses import dataclass
+
+
+def check_new_adapter_name(name: str, loaded: Collection[str], base: str) -> None:
+    """ValueError when `name` cannot be registered: taken by a loaded adapter, or the base model's name (both
+    engines' `load_lora` apply this one rule, with the same words)."""
+    if name in loaded:
+        raise ValueError(f"an adapter named {name!r} is already loaded: unload it first")
+    if name == base:
+        raise ValueError(f"{name!r} is the base model's name: give the adapter another name")
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from typing import Any
 
 from worker.core.config import EngineConfig
 from worker.core.errors import EngineDeadError, QueueFullError
+from worker.core.lora import check_new_adapter_name
 from worker.core.request import SamplingParams
 from worker.engine.core import EngineCore, Runner
 from worker.engine.protocol import EngineStats, RequestOutput
@@ -128,10 +129,7 @@ class AsyncEngine:
         """Validate the PEFT adapter folder `path` and serve it as `name` (ValueError saying why it cannot be)."""
         core = self._started()
         async with self._lora_lock:
-            if name in self._loras:
-                raise ValueError(f"an adapter named {name!r} is already loaded: unload it first")
-            if name == self.model_name:
-                raise ValueError(f"{name!r} is the base model's name: give the adapter another name")
+            check_new_adapter_name(name, self._loras, self.model_name)
             await asyncio.to_thread(core.check_lora, name, path)
             self._loras[name] = path
             self._send("add_lora", (name, path))
