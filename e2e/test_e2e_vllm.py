@@ -135,12 +135,10 @@ def test_engine_switch_to_vllm_is_a_canary_on_the_same_metrics_and_vllm_pods_dra
         rollout={"canary": {"steps": [{"weight": 50, "pauseSeconds": 5}], "analysis": ANALYSIS}},
     )
     spec["spec"]["model"]["maxModelLen"] = 1024  # vLLM refuses a context its KV cache cannot hold once
-    # A longer drain than the suite's 10 s. With 10 s this test failed 4 of 6 runs on 2026-11-25, both at this
-    # stop's commits and at the previous stop's: the scale-down's vLLM pod reached the deadline with 1 request in
-    # flight. With 60 s it passed 3 of 3, every drain finishing in 1-2 s. The cause is not found yet (see the issue
-    # notes). What is checked is unchanged: the pod drains by acknowledgement (0 in flight), none restarts, no
-    # stream fails.
-    spec["spec"]["drain"] = {"timeoutSeconds": 60, "terminationGracePeriodSeconds": 70}
+    # One CPU per pod, so each worker runs one thread (OMP_NUM_THREADS) on a 2-core machine shared by two pods. The
+    # worker turns off vLLM's own core pinning here (worker/cpu_threads.py): pinned, both vLLM pods' model runners
+    # sat on core 0 and one got no CPU at all for 10-60 s, so its last stream hung through the drain.
+    spec["spec"]["variants"] = [{"name": "default", "resources": {"cpu": "1"}}]
     scene.apply(spec)
     stable = scene.wait_until(lambda: scene.settled("vl", 1), "one ready pod on our engine", timeout_s=180)
     seen: dict[str, set[str]] = {}

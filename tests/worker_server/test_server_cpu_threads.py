@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
-from worker.cpu_threads import cgroup_cpu_limit, cpu_threads
+from worker.cpu_threads import cgroup_cpu_limit, configure_vllm_cpu_env, cpu_threads, vllm_cpu_env
 
 
 def reader(files: dict[str, str]):
@@ -44,3 +45,35 @@ def test_cgroup_cpu_limit(files: dict[str, str], expected: float | None) -> None
 )
 def test_cpu_threads(env: dict[str, str], limit: float | None, available: int, expected: int | None) -> None:
     assert cpu_threads(env, limit, available) == expected
+
+
+@pytest.mark.parametrize(
+    "env,allowed,online,limit,expected",
+    [
+        # every core of the node: vLLM's `auto` would pin each pod to the same first core
+        ({}, 2, 2, None, {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}),
+        ({}, 64, 64, 4.0, {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "4"}),
+        ({"OMP_NUM_THREADS": "3"}, 64, 64, 4.0, {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}),  # the operator's count
+        # a cpuset of its own (static CPU manager): vLLM pins within it, as it chooses
+        ({}, 4, 64, 4.0, {}),
+        # the user's (or the chart's) binding stands
+        ({"VLLM_CPU_OMP_THREADS_BIND": "0-3"}, 64, 64, None, {}),
+        ({"VLLM_CPU_OMP_THREADS_BIND": "auto"}, 2, 2, None, {}),
+    ],
+    ids=["shared 2 cores", "shared, limit 4", "shared, OMP set", "own cpuset", "user list", "user auto"],
+)
+def test_vllm_cpu_env(
+    env: dict[str, str], allowed: int, online: int, limit: float | None, expected: dict[str, str]
+) -> None:
+    assert vllm_cpu_env(env, allowed, online, limit) == expected
+
+
+def test_configure_vllm_cpu_env_sets_what_it_decides() -> None:
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "auto", "PATH": "/bin"}
+    assert configure_vllm_cpu_env(env) == {} and env == {"VLLM_CPU_OMP_THREADS_BIND": "auto", "PATH": "/bin"}
+    env = {"PATH": "/bin"}
+    changed = configure_vllm_cpu_env(env)
+    assert env == {"PATH": "/bin", **changed}
+    # this machine's own cpuset decides; either way what is set is what vllm_cpu_env says
+    allowed = len(os.sched_getaffinity(0))
+    assert changed == vllm_cpu_env({"PATH": "/bin"}, allowed, os.cpu_count() or allowed, cgroup_cpu_limit())

@@ -7,13 +7,22 @@ request (torch honours it by itself); without it, the worker reads the cgroup CP
 `cpu.cfs_quota_us` / `cpu.cfs_period_us`) and uses that many threads, rounded up. With neither, torch's default
 stands. `bench/cpu_threads.py` on 2 cores (SmolLM2-135M, 16 requests): 1 thread 92 tok/s, 2 threads 171 (1.86x),
 so the pool should be as large as the CPU the container may really use, and no larger.
+
+vLLM on CPU (`--engine vllm`) pins its model-runner process to CPU cores by itself (`VLLM_CPU_OMP_THREADS_BIND`,
+default `auto`: the first cores the process may use, keeping one for its scheduler process). That is right for a
+container with its own cpuset (the kubelet's static CPU manager), and wrong where containers share the node's
+cores: every vLLM pod on the node pins to the same first core. Two vLLM pods pinned to core 0 of a 2-core machine
+starved one another: a runnable model runner got no CPU at all for 10-60 s while the other pod's ran (per-process
+CPU ticks sampled each second in the e2e canary test; its streams hung until the gateway's 60 s read timeout).
+`vllm_cpu_bind` therefore turns the pinning off (`nobind`) when the process may run on every core of the node,
+and leaves vLLM's choice when the container has a cpuset of its own or the variable is set.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -55,12 +64,48 @@ def cpu_threads(env: Mapping[str, str], limit: float | None, available: int) -> 
     return wanted if wanted < available else None
 
 
+VLLM_CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def vllm_cpu_bind(env: Mapping[str, str], allowed: int, online: int) -> str | None:
+    """What to set `VLLM_CPU_OMP_THREADS_BIND` to (None: leave vLLM's setting): `nobind` when the process may run
+    on all `online` cores of the node (a shared cpuset, where vLLM's `auto` pins every pod to the same cores),
+    nothing when the container has fewer `allowed` cores of its own or the variable is already set."""
+    if env.get(VLLM_CPU_BIND_ENV):
+        return None
+    return "nobind" if allowed >= online else None
+
+
+def _allowed_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def vllm_cpu_env(env: Mapping[str, str], allowed: int, online: int, limit: float | None) -> dict[str, str]:
+    """The variables to add to `env` before vLLM starts on CPU: `VLLM_CPU_OMP_THREADS_BIND` per `vllm_cpu_bind`
+    and, when vLLM will therefore not pin (nor set `OMP_NUM_THREADS` itself), `OMP_NUM_THREADS` per `cpu_threads`
+    (the container's CPU `limit`)."""
+    bind = vllm_cpu_bind(env, allowed, online)
+    if bind is None:
+        return {}
+    threads = cpu_threads(env, limit, allowed)
+    return {VLLM_CPU_BIND_ENV: bind} | ({"OMP_NUM_THREADS": str(threads)} if threads is not None else {})
+
+
+def configure_vllm_cpu_env(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Apply `vllm_cpu_env` to `environ` (default: this process's environment, which vLLM's processes inherit);
+    call before vLLM starts. Returns what it set."""
+    env = os.environ if environ is None else environ
+    allowed = _allowed_cpus()
+    changes = vllm_cpu_env(env, allowed, os.cpu_count() or allowed, cgroup_cpu_limit())
+    env.update(changes)
+    return changes
+
+
 def configure_torch_threads() -> int | None:
     """Apply `cpu_threads` to torch in this process; returns the thread count set (None: left as is)."""
     import torch
 
-    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    threads = cpu_threads(os.environ, cgroup_cpu_limit(), available)
+    threads = cpu_threads(os.environ, cgroup_cpu_limit(), _allowed_cpus())
     if threads is not None:
         torch.set_num_threads(threads)
     return threads

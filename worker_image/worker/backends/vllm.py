@@ -352,7 +352,14 @@ class VllmEngine:
     def from_settings(cls, settings: WorkerSettings, model_path: str) -> VllmEngine:
         import torch
 
-        return cls(vllm_engine_args(settings, model_path, device_is_cpu=not torch.cuda.is_available()))
+        from worker.cpu_threads import configure_vllm_cpu_env
+
+        device_is_cpu = not torch.cuda.is_available()
+        if device_is_cpu:  # before vLLM starts its processes: they inherit this environment
+            changed = configure_vllm_cpu_env()
+            if changed:
+                log.info("vLLM CPU environment: %s", ", ".join(f"{k}={v}" for k, v in sorted(changed.items())))
+        return cls(vllm_engine_args(settings, model_path, device_is_cpu=device_is_cpu))
 
     async def start(self) -> None:
         if self._llm is not None:

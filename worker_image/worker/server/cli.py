@@ -170,6 +170,8 @@ def worker_command(
             tokenizer_threads=tokenizer_threads,
             faults=FaultSettings.from_env(os.environ),
         )
+        # before the engine is built: what it decides (CPU threads, vLLM's CPU binding) is logged
+        logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         built = build_engine(settings, device, FakeOptions(fake_ttft_ms, fake_itl_ms, fake_gate_file))
     except ValidationError as err:
         for e in err.errors():
@@ -179,7 +181,6 @@ def worker_command(
     except ValueError as err:
         typer.echo(f"llmfleet worker: {err}", err=True)
         raise typer.Exit(2) from None
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.drain_token is None:
         logging.getLogger(__name__).warning("no drain token configured: POST /drain is disabled (SIGTERM drains)")
     if built.max_bytes_per_token is None:
