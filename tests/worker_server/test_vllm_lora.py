@@ -23,9 +23,11 @@ from worker.backends.vllm import (  # noqa: E402
     checked_adapter_folder,
     count_slot_loads,
     vllm_engine_args,
+    vllm_finish_reason,
     vllm_lora_error,
 )
 from worker.core.lora import LoraStats  # noqa: E402
+from worker.core.request import FinishReason  # noqa: E402
 from worker.server.settings import VLLM_MAX_LORA_RANKS, WorkerSettings  # noqa: E402
 
 
@@ -296,3 +298,19 @@ def test_engine_stats_carry_lora_only_when_enabled() -> None:
     assert not plain.lora_enabled and plain.stats().lora is None and plain.lora_adapters() == {}
     engine = VllmEngine(vllm_engine_args(_settings(enable_lora=True, max_loras=3), "/m", True))
     assert engine.lora_enabled and engine.stats().lora == LoraStats(max_loras=3)
+
+
+@pytest.mark.parametrize(
+    "reason,ours",
+    [
+        ("stop", FinishReason.STOP),
+        ("length", FinishReason.LENGTH),
+        ("abort", FinishReason.ABORT),
+        ("error", FinishReason.ERROR),  # vLLM failed this request: the server answers 500, not a finished answer
+        ("repetition", FinishReason.STOP),  # its repeated-pattern detector stopped the answer
+        ("something-new", FinishReason.STOP),
+        (None, FinishReason.STOP),
+    ],
+)
+def test_vllm_finish_reasons_as_ours(reason: str | None, ours: FinishReason) -> None:
+    assert vllm_finish_reason(reason) is ours

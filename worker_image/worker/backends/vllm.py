@@ -45,7 +45,15 @@ from worker.server.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
-_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+# vLLM's finish reasons as ours: "error" is a request-level failure inside vLLM (e.g. a KV load that failed), which
+# the server answers with a 500, never as a completed answer; "repetition" (its repeated-pattern detector) is a stop.
+_FINISH = {
+    "stop": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "abort": FinishReason.ABORT,
+    "error": FinishReason.ERROR,
+    "repetition": FinishReason.STOP,
+}
 
 # vLLM's worker processes resolve this qualified name (`worker_extension_cls`) and add the class to their bases.
 LORA_WORKER_EXTENSION = "worker.backends.vllm.LoraWorkerExtension"
@@ -98,6 +106,11 @@ class _VllmMetrics:
         from vllm.v1.metrics.prometheus import get_prometheus_registry
 
         yield from get_prometheus_registry().collect()
+
+
+def vllm_finish_reason(reason: str | None) -> FinishReason:
+    """A finished vLLM request's finish reason as ours (one vLLM adds later reads as a stop, as it did before)."""
+    return _FINISH.get(reason or "stop", FinishReason.STOP)
 
 
 def from_vllm_logprobs(position: Any, token: int, k: int) -> Logprob:
@@ -609,12 +622,14 @@ class VllmEngine:
                         for i in range(1, len(ids))
                     ]
                     prompt_sent = True
+                finish = vllm_finish_reason(choice.finish_reason) if out.finished else None
                 yield RequestOutput(
                     request_id=request_id,
                     new_token_ids=new_ids,
                     new_text=choice.text,
                     finished=out.finished,
-                    finish_reason=_FINISH.get(choice.finish_reason) if out.finished else None,
+                    finish_reason=finish,
+                    error="vLLM failed this request (finish reason error)" if finish is FinishReason.ERROR else None,
                     num_prompt_tokens=len(ids),
                     num_output_tokens=generated,
                     num_cached_tokens=out.num_cached_tokens or 0,
