@@ -506,13 +506,16 @@ async def test_prometheus_source_against_a_real_prometheus(
 
         async def canary_counted() -> RevisionSample | None:
             sample = await src.revision(canary_sel, [], WINDOW_S)
-            return sample if (sample.requests or 0) >= 32 * 0.99 else None
+            # the request counters and the TTFT histogram are separate series, scraped apart: wait for both
+            done = (sample.requests or 0) >= 32 * 0.99 and sample.ttft_p95_seconds is not None
+            return sample if done else None
 
         c = await _apoll(canary_counted, "canary requests in Prometheus", 30)
 
         async def stable_counted() -> RevisionSample | None:
             sample = await src.revision(stable_sel, [], WINDOW_S)
-            return sample if (sample.requests or 0) >= 40 * 0.99 else None
+            done = (sample.requests or 0) >= 40 * 0.99 and sample.ttft_p95_seconds is not None
+            return sample if done else None
 
         s = await _apoll(stable_counted, "stable requests in Prometheus", 30)
 
