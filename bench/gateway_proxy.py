@@ -35,7 +35,7 @@ import httpx
 
 from gateway.testing import spawn, wait_http_ok
 from gateway.transport import PooledTransport
-from llmfleet.processes import free_port
+from llmfleet.processes import free_ports
 
 KEY = "sk-bench-gateway-key"
 # The gateway's server stacks (`llmfleet gateway --loop/--http`): the default, uvloop + httptools, against plain
@@ -161,11 +161,11 @@ async def gateway_process(urls: list[str], streams: int, extra: Sequence[str] = 
         keys, config = Path(tmp) / "keys.txt", Path(tmp) / "gateway.json"
         keys.write_text(f"{KEY} premium\n")
         gateway_config(config, streams)
-        port = free_port()
+        port, metrics_port = free_ports(2)
         gw_args = [
             *("-m", "llmfleet.cli", "gateway", "--port", str(port), "--backend", "bench=" + ",".join(urls)),
             *("--api-keys-file", str(keys), "--config", str(config), "--log-level", "warning"),
-            *("--metrics-port", str(free_port()), *extra),
+            *("--metrics-port", str(metrics_port), *extra),
         ]
         async with spawn(sys.executable, *gw_args) as proc:
             url = f"http://127.0.0.1:{port}"

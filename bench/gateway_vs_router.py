@@ -30,7 +30,7 @@ from pathlib import Path
 from gateway_proxy import Gateway, Run, cpu_seconds, gateway_process, load, stub_workers
 
 from gateway.testing import spawn, wait_http_ok
-from llmfleet.processes import free_port
+from llmfleet.processes import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 ROUTER_VENV = ROOT / ".venv-router"
@@ -74,11 +74,11 @@ async def bench(args: argparse.Namespace) -> list[dict[str, float]]:
         stub_workers(args.workers, args.delay, args.tokens) as urls,
         gateway_process(urls, max(args.streams)) as gw,
     ):
-        rt_port = free_port()
+        rt_port, rt_metrics_port = free_ports(2)
         rt_args = [
             *("--host", "127.0.0.1", "--port", str(rt_port), "--worker-urls", *urls, "--policy", "round_robin"),
             *("--max-concurrent-requests", str(4 * max(args.streams)), "--queue-size", str(4 * max(args.streams))),
-            *("--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warning"),
+            *("--prometheus-host", "127.0.0.1", "--prometheus-port", str(rt_metrics_port), "--log-level", "warning"),
         ]
         async with spawn(str(router), *rt_args, env={**os.environ, "RUST_LOG": "warn"}) as rt:
             routed = f"http://127.0.0.1:{rt_port}"

@@ -34,7 +34,7 @@ import yaml
 from fleet_operator.kube import KubeApi, load_credentials, namespaced
 
 from crds.models import GROUP, PLURAL, VERSION
-from llmfleet.processes import free_port
+from llmfleet.processes import free_ports
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -144,7 +144,7 @@ def main() -> None:
             "-",
             stdin=yaml.safe_dump({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}),
         )
-        health_port = free_port()
+        health_port, metrics_port = free_ports(2)
         operator_env = {
             **env,
             "LLMFLEET_OPERATOR_LIVENESS_ENDPOINT": f"http://127.0.0.1:{health_port}/healthz",
@@ -152,7 +152,7 @@ def main() -> None:
             "LLMFLEET_OPERATOR_WORKER_CACHE_DIR": "",
             "LLMFLEET_OPERATOR_DELETION_RETRY_SECONDS": "0.5",
             "LLMFLEET_OPERATOR_INSECURE_EPHEMERAL_DRAIN_KEY": "true",  # a benchmark: no drain-key file to manage
-            "LLMFLEET_OPERATOR_METRICS_PORT": str(free_port()),
+            "LLMFLEET_OPERATOR_METRICS_PORT": str(metrics_port),
         }
         with open(workdir / "operator.log", "wb") as log:
             operator = subprocess.Popen(

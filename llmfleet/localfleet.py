@@ -36,7 +36,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from llmfleet.kube import Kube, load_manifests
-from llmfleet.processes import ManagedProcess, ProcessError, free_port
+from llmfleet.processes import ManagedProcess, ProcessError, free_port, free_ports
 from llmfleet.scrape_sync import ScrapeTargetSync
 
 KEYS_SECRET = "llmfleet-api-keys"
@@ -148,7 +148,7 @@ class LocalFleet:
 
     def start(self) -> LocalFleet:
         try:
-            self._gateway_port, self._gateway_metrics_port = free_port(), free_port()
+            self._gateway_port, self._gateway_metrics_port = free_ports(2)
             self.gateway_metrics_url = f"http://127.0.0.1:{self._gateway_metrics_port}/metrics"
             self._prepare_work_dir()
             self._start_localkube()
@@ -323,12 +323,11 @@ class LocalFleet:
         self._report(f"Prometheus at {self.prometheus_url} (scraping worker pods every {interval})")
 
     def _start_operator(self) -> None:
-        port = free_port()
+        port, metrics_port, alerts_port = free_ports(3)
         self.operator_health_url = f"http://127.0.0.1:{port}/healthz"
-        metrics_port = free_port()
         self.operator_metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         env = {
-            "LLMFLEET_OPERATOR_HTTP_PORT": str(free_port()),  # /alerts (no token here: off)
+            "LLMFLEET_OPERATOR_HTTP_PORT": str(alerts_port),  # /alerts (no token here: off)
             "LLMFLEET_OPERATOR_METRICS_PORT": str(metrics_port),
             "LLMFLEET_OPERATOR_WORKER_CACHE_DIR": "",  # pods keep the host's HOME and model cache
             "LLMFLEET_OPERATOR_RESYNC_SECONDS": f"{self.settings.operator_resync_s:g}",

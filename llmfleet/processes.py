@@ -9,6 +9,7 @@ the process that started them even if it is SIGKILLed (localkube does the same f
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -28,10 +29,21 @@ class ProcessError(RuntimeError):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on `host` now (the caller binds it soon after; a race is possible but rare)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A TCP port that is free on `host` now (the caller binds it soon after; a race is possible but rare). For
+    several ports use `free_ports`: two calls in a row can return the same port."""
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct TCP ports that are free on `host` now: all are held bound until the last is found (the
+    kernel may hand a port it just released out again, which once gave two operator replicas one port)."""
+    with contextlib.ExitStack() as held:
+        ports = []
+        for _ in range(count):
+            sock = held.enter_context(socket.socket())
+            sock.bind((host, 0))
+            ports.append(int(sock.getsockname()[1]))
+        return ports
 
 
 def _kill_group(pid: int, sig: signal.Signals) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from gateway.testing import parse_metrics, spawn, wait_http_ok
 from gateway.transport import PooledTransport
-from llmfleet.processes import free_port
+from llmfleet.processes import free_ports
 
 STREAMS = 1000
 TOKENS = 20
@@ -47,7 +47,7 @@ async def test_soak_1000_concurrent_streams(tmp_path: Path) -> None:
     }
     config = tmp_path / "gateway.json"
     config.write_text(json.dumps({"tiers": [tier], "default_tier": "soak"}))
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port = free_ports(2)
     metrics_base = f"http://127.0.0.1:{metrics_port}"
     async with spawn(
         sys.executable,

@@ -3,12 +3,13 @@ its log instead of being waited for."""
 
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
 
 import pytest
 
-from llmfleet.processes import ManagedProcess, ProcessError, free_port
+from llmfleet.processes import ManagedProcess, ProcessError, free_port, free_ports
 
 
 def _alive(pid: int) -> bool:
@@ -57,3 +58,11 @@ def test_free_port_is_bindable():
     port = free_port()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
+
+
+def test_free_ports_are_distinct_and_free() -> None:
+    ports = free_ports(64)
+    assert len(set(ports)) == 64
+    for port in ports[:8]:  # each can be bound now
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))

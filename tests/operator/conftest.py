@@ -22,7 +22,7 @@ import httpx
 import pytest
 import yaml
 
-from llmfleet.processes import free_port
+from llmfleet.processes import free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -244,7 +244,7 @@ def kit() -> Any:
 @pytest.fixture
 def gateway(fleet: Any, localkube_cluster: Any, tmp_path: Path) -> Iterator[str]:
     """`llmfleet gateway` in Kubernetes mode for the test's namespace; yields its base URL."""
-    port = free_port()
+    port, metrics_port = free_ports(2)
     log = open(tmp_path / "gateway.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
         [
@@ -259,7 +259,7 @@ def gateway(fleet: Any, localkube_cluster: Any, tmp_path: Path) -> Iterator[str]
             "--log-level",
             "warning",
             "--metrics-port",
-            str(free_port()),
+            str(metrics_port),
             "--insecure-open-mode",
         ],  # these tests send no API key
         env={**os.environ},

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from llmfleet.processes import free_port
+from llmfleet.processes import free_ports
 from llmfleet.traffic import classify_stream
 
 pytestmark = pytest.mark.slow
@@ -34,11 +34,11 @@ MAX_TOKENS = 8
 def operator_http(monkeypatch: pytest.MonkeyPatch) -> str:
     """Settings for the operator the `fleet` fixture starts (it passes the environment through): a 1 s
     autoscaling tick, short start-up expectations, and the HTTP server on a free port with an alerts token."""
-    port = free_port()
+    port, metrics_port = free_ports(2)
     monkeypatch.setenv("LLMFLEET_OPERATOR_AUTOSCALE_INTERVAL_SECONDS", "1")
     monkeypatch.setenv("LLMFLEET_OPERATOR_EXPECTED_STARTUP_SECONDS", "30")
     monkeypatch.setenv("LLMFLEET_OPERATOR_HTTP_PORT", str(port))
-    monkeypatch.setenv("LLMFLEET_OPERATOR_METRICS_PORT", str(free_port()))  # /metrics is on its own internal port
+    monkeypatch.setenv("LLMFLEET_OPERATOR_METRICS_PORT", str(metrics_port))  # /metrics is on its own internal port
     monkeypatch.setenv("LLMFLEET_OPERATOR_ALERTS_TOKEN", TOKEN)
     return f"http://127.0.0.1:{port}"
 

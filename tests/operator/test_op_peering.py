@@ -20,7 +20,7 @@ import httpx
 import pytest
 import yaml
 
-from llmfleet.processes import free_port
+from llmfleet.processes import free_ports
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -96,8 +96,9 @@ def test_one_replica_works_the_standby_takes_over_when_it_dies(localkube_cluster
             (doc["metadata"].get("annotations") or {}).pop(key, None)
         kube.apply(doc)
     peering_env = {"LLMFLEET_OPERATOR_PEERING": PEERING, "LLMFLEET_OPERATOR_PEERING_LIFETIME_SECONDS": str(LIFETIME_S)}
-    ports = {"active": free_port(), "standby": free_port()}
-    metrics_ports = {"active": free_port(), "standby": free_port()}
+    active_port, standby_port, active_metrics, standby_metrics = free_ports(4)
+    ports = {"active": active_port, "standby": standby_port}
+    metrics_ports = {"active": active_metrics, "standby": standby_metrics}
     active = kit.OperatorProcess(
         localkube_cluster.kubeconfig,
         namespace,
