@@ -12,9 +12,9 @@ vLLM on CPU (`--engine vllm`) pins its model-runner process to CPU cores by itse
 default `auto`: the first cores the process may use, keeping one for its scheduler process). That is right for a
 container with its own cpuset (the kubelet's static CPU manager), and wrong where containers share the node's
 cores: every vLLM pod on the node pins to the same first core. Two vLLM pods pinned to core 0 of a 2-core machine
-starved one another: a runnable model runner got no CPU at all for 10-60 s while the other pod's ran (per-process
-CPU ticks sampled each second in the e2e canary test; its streams hung until the gateway's 60 s read timeout).
-`vllm_cpu_bind` therefore turns the pinning off (`nobind`) when the process may run on every core of the node,
+starved one another: a runnable model runner got 30 ms of CPU in a 59 s drain while the other pod's ran (per-process
+CPU ticks sampled each second in the e2e canary test; its stream hung until the gateway's 60 s read timeout).
+`vllm_cpu_env` therefore turns the pinning off (`nobind`) when the process may run on every core of the node,
 and leaves vLLM's choice when the container has a cpuset of its own or the variable is set.
 """
 
@@ -67,28 +67,19 @@ def cpu_threads(env: Mapping[str, str], limit: float | None, available: int) -> 
 VLLM_CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 
-def vllm_cpu_bind(env: Mapping[str, str], allowed: int, online: int) -> str | None:
-    """What to set `VLLM_CPU_OMP_THREADS_BIND` to (None: leave vLLM's setting): `nobind` when the process may run
-    on all `online` cores of the node (a shared cpuset, where vLLM's `auto` pins every pod to the same cores),
-    nothing when the container has fewer `allowed` cores of its own or the variable is already set."""
-    if env.get(VLLM_CPU_BIND_ENV):
-        return None
-    return "nobind" if allowed >= online else None
-
-
 def _allowed_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def vllm_cpu_env(env: Mapping[str, str], allowed: int, online: int, limit: float | None) -> dict[str, str]:
-    """The variables to add to `env` before vLLM starts on CPU: `VLLM_CPU_OMP_THREADS_BIND` per `vllm_cpu_bind`
-    and, when vLLM will therefore not pin (nor set `OMP_NUM_THREADS` itself), `OMP_NUM_THREADS` per `cpu_threads`
-    (the container's CPU `limit`)."""
-    bind = vllm_cpu_bind(env, allowed, online)
-    if bind is None:
+    """The variables to add to `env` before vLLM starts on CPU. Where the process may run on all `online` cores of
+    the node (a shared cpuset, where vLLM's `auto` pins every pod to the same cores): `VLLM_CPU_OMP_THREADS_BIND=
+    nobind` and, since vLLM then sets no `OMP_NUM_THREADS` itself, that per `cpu_threads` (the container's CPU
+    `limit`). Nothing when the container has fewer `allowed` cores of its own or the binding is already set."""
+    if env.get(VLLM_CPU_BIND_ENV) or allowed < online:
         return {}
     threads = cpu_threads(env, limit, allowed)
-    return {VLLM_CPU_BIND_ENV: bind} | ({"OMP_NUM_THREADS": str(threads)} if threads is not None else {})
+    return {VLLM_CPU_BIND_ENV: "nobind"} | ({"OMP_NUM_THREADS": str(threads)} if threads is not None else {})
 
 
 def configure_vllm_cpu_env(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
