@@ -3,7 +3,8 @@
 Why: a Python proxy on the hot path of every token must not cost much more than the router people would put
 there instead. Both proxies forward to the same stub workers (`gateway.stub`, one process: one SSE event per
 token, `--delay` seconds apart) and take the same streamed chat load, one after the other; a direct run (no proxy)
-gives the baseline TTFT. Our gateway keeps its whole request path on: API-key auth, per-key limits (a token
+gives the baseline TTFT. A third proxy, `bench/null_proxy.py`, is the Python floor: our gateway's server stack and
+upstream transport with none of its features (`--floor-spin-us` adds CPU per request to it). Our gateway keeps its whole request path on: API-key auth, per-key limits (a token
 reservation per request, settled from the worker's usage, a concurrency cap) and its metrics; vllm-router runs
 round-robin with its defaults otherwise (it authenticates nobody).
 
@@ -15,6 +16,12 @@ PyPI). Figures per proxy: CPU time per streamed token (Linux /proc: the figure l
 generator and workers sharing the machine) and TTFT p50 added over direct; then our/router ratios. Each
 concurrency runs `--repeat` interleaved rounds (direct, router, gateway) and reports each figure's median over
 them: on a shared machine one busy spell otherwise decides a ratio. The last line printed is one JSON object. Targets: CPU per token <= 1.2x the router's, added TTFT p50 within 2x at 512 streams.
+
+What the floor showed (2 shared cores, 512 streams, 2 tokens per answer so that set-up dominates): the floor spends
+~107 us CPU per request and adds no TTFT that can be told from noise, as the router (~156-186 us, on its own
+threads) does not; the same floor burning 40, 80 or 150 us more per request adds ~32, ~52 and ~83 ms. Under a
+burst, every microsecond of per-request work on the one event loop delays the streams behind it, so the TTFT target
+asks for the gateway's auth, limits, routing and metrics to cost ~10 us per request.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 from pathlib import Path
 
 from gateway_proxy import Gateway, Run, cpu_seconds, gateway_process, load, stub_workers
@@ -34,6 +42,7 @@ from llmfleet.processes import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 ROUTER_VENV = ROOT / ".venv-router"
+NULL_PROXY = Path(__file__).resolve().parent / "null_proxy.py"
 
 
 def ensure_router() -> Path:
@@ -74,22 +83,33 @@ async def bench(args: argparse.Namespace) -> list[dict[str, float]]:
         stub_workers(args.workers, args.delay, args.tokens) as urls,
         gateway_process(urls, max(args.streams)) as gw,
     ):
-        rt_port, rt_metrics_port = free_ports(2)
+        rt_port, rt_metrics_port, floor_port = free_ports(3)
         rt_args = [
             *("--host", "127.0.0.1", "--port", str(rt_port), "--worker-urls", *urls, "--policy", "round_robin"),
             *("--max-concurrent-requests", str(4 * max(args.streams)), "--queue-size", str(4 * max(args.streams))),
             *("--prometheus-host", "127.0.0.1", "--prometheus-port", str(rt_metrics_port), "--log-level", "warning"),
         ]
-        async with spawn(str(router), *rt_args, env={**os.environ, "RUST_LOG": "warn"}) as rt:
-            routed = f"http://127.0.0.1:{rt_port}"
+        floor_args = [str(NULL_PROXY), "--port", str(floor_port), "--spin-us", str(args.floor_spin_us), *urls]
+        async with (
+            spawn(str(router), *rt_args, env={**os.environ, "RUST_LOG": "warn"}) as rt,
+            spawn(sys.executable, *floor_args) as floor,
+        ):
+            routed, floored = f"http://127.0.0.1:{rt_port}", f"http://127.0.0.1:{floor_port}"
             await wait_http_ok(routed + "/health")
-            return await compare(args, urls, gw, Gateway(routed, rt.proc.pid, {}))  # the router takes no key
+            await wait_http_ok(floored + "/ready")
+            proxies = {  # the router and the floor take no key
+                "router": Gateway(routed, rt.proc.pid, {}),
+                "floor": Gateway(floored, floor.proc.pid, {}),
+                "gateway": gw,
+            }
+            return await compare(args, urls, proxies)
 
 
-async def compare(args: argparse.Namespace, urls: list[str], gw: Gateway, rt: Gateway) -> list[dict[str, float]]:
-    """Each concurrency: `--repeat` rounds of direct, router, gateway; the medians and the ratios."""
+async def compare(args: argparse.Namespace, urls: list[str], proxies: dict[str, Gateway]) -> list[dict[str, float]]:
+    """Each concurrency: `--repeat` rounds of direct, then each proxy (router, floor, gateway); the medians and the
+    ratios."""
     rows: list[dict[str, float]] = []
-    for url, hdrs in ((gw.url, gw.auth), (rt.url, {}), (urls[0], {})):  # warm up every path
+    for url, hdrs in [*((p.url, p.auth) for p in proxies.values()), (urls[0], {})]:  # warm up every path
         await load([url], 4, 2, args.tokens, hdrs)
     for streams in args.streams:
         per_stream = min(args.max_per_stream, max(1, args.requests // streams))
@@ -97,8 +117,8 @@ async def compare(args: argparse.Namespace, urls: list[str], gw: Gateway, rt: Ga
         for _ in range(args.repeat):  # interleaved, so that a busy spell hits both proxies alike
             direct = (await load(urls, streams, per_stream, args.tokens, {})).summary()
             one: dict[str, float] = {"direct_ttft_p50_ms": direct["ttft_p50_ms"]}
-            one |= await measure("router", rt.pid, rt.url, streams, per_stream, args.tokens, rt.auth, direct)
-            one |= await measure("gateway", gw.pid, gw.url, streams, per_stream, args.tokens, gw.auth, direct)
+            for name, p in proxies.items():
+                one |= await measure(name, p.pid, p.url, streams, per_stream, args.tokens, p.auth, direct)
             rounds.append(one)
         r: dict[str, float] = {"streams": streams, "requests": streams * per_stream, "rounds": args.repeat}
         r |= {k: statistics.median(x[k] for x in rounds) for k in rounds[0]}
@@ -107,8 +127,9 @@ async def compare(args: argparse.Namespace, urls: list[str], gw: Gateway, rt: Ga
         rows.append(r)
         print(
             f"{streams:>5} streams: CPU/token us gateway {r['gateway_cpu_us_per_token']:.1f} router "
-            f"{r['router_cpu_us_per_token']:.1f} ratio {r['cpu_per_token_ratio']:.2f} | TTFT p50 added ms "
-            f"gateway {r['gateway_ttft_added_ms']:.1f} router {r['router_ttft_added_ms']:.1f} | "
+            f"{r['router_cpu_us_per_token']:.1f} floor {r['floor_cpu_us_per_token']:.1f} ratio "
+            f"{r['cpu_per_token_ratio']:.2f} | TTFT p50 added ms gateway {r['gateway_ttft_added_ms']:.1f} router "
+            f"{r['router_ttft_added_ms']:.1f} floor {r['floor_ttft_added_ms']:.1f} | "
             f"errors gateway {r['gateway_errors']:.0f} router {r['router_errors']:.0f} | tok/s gateway "
             f"{r['gateway_tokens_per_s']:.0f} router {r['router_tokens_per_s']:.0f}",
             flush=True,
@@ -126,6 +147,9 @@ def main() -> None:
     ap.add_argument("--max-per-stream", type=int, default=16, help="most requests one stream sends in a run")
     ap.add_argument(
         "--repeat", type=int, default=3, help="interleaved rounds per concurrency; each figure is their median"
+    )
+    ap.add_argument(
+        "--floor-spin-us", type=float, default=0.0, help="CPU microseconds the floor proxy burns per request"
     )
     args = ap.parse_args()
     args.streams = [int(s) for s in args.streams.split(",") if s.strip()]

@@ -29,3 +29,25 @@ def test_the_gateway_benchmark_runs_and_reports() -> None:
     for r in report["rows"]:
         assert r["direct"]["errors"] == 0 and r["gateway"]["errors"] == 0
         assert "gateway_cpu_us_per_token" in r  # its value may be 0 on a tiny load (10 ms clock ticks)
+
+
+async def test_the_floor_proxy_streams_every_token_and_spends_the_cpu_it_is_told_to() -> None:
+    """`bench/null_proxy.py` (the Python floor of `bench/gateway_vs_router.py`) forwards streamed answers whole,
+    round-robin over the workers, and `--spin-us` adds CPU per request: 100 requests at 20 ms each must cost the
+    proxy at least 2 s of CPU (a lower bound only: its other work can only add)."""
+    from gateway_proxy import cpu_seconds, load, stub_workers
+
+    from gateway.testing import spawn, wait_http_ok
+    from llmfleet.processes import free_ports
+
+    (port,) = free_ports(1)
+    async with stub_workers(2, 0.0, 3) as urls:
+        args = [str(ROOT / "bench" / "null_proxy.py"), "--port", str(port), "--spin-us", "20000", *urls]
+        async with spawn(sys.executable, *args) as proxy:
+            url = f"http://127.0.0.1:{port}"
+            await wait_http_ok(url + "/ready")
+            cpu0 = cpu_seconds(proxy.proc.pid)
+            run = await load([url], 10, 10, 3, {})
+            spent = cpu_seconds(proxy.proc.pid) - cpu0
+    assert run.errors == 0 and run.tokens == 100 * 3
+    assert spent >= 2.0
