@@ -13,7 +13,8 @@ the gap is CPU and how much is anything else.
 
     python bench/null_proxy.py --port 8081 --spin-us 0 http://127.0.0.1:9001 http://127.0.0.1:9002
 
-Imports: the standard library, uvicorn, and `gateway.transport` / `gateway.cli` (what the gateway itself uses).
+Imports: the standard library, uvicorn, starlette's ASGI types, and `gateway.transport` / `gateway.cli` (what the
+gateway itself uses).
 """
 
 from __future__ import annotations
@@ -21,16 +22,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
 
 import uvicorn
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.cli import tune_garbage_collector
 from gateway.transport import PooledTransport, Timeouts
 
-Message = MutableMapping[str, Any]
-App = Callable[[MutableMapping[str, Any], Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]], Any]
 TIMEOUTS = Timeouts(connect=5.0, read=60.0, write=5.0, pool=5.0)
 
 
@@ -41,12 +39,12 @@ def spin(seconds: float) -> None:
         pass
 
 
-def null_proxy(urls: list[str], spin_s: float = 0.0) -> App:
+def null_proxy(urls: list[str], spin_s: float = 0.0) -> ASGIApp:
     """The ASGI app: `GET /ready` answers 200; any other request is forwarded as a POST to the next worker."""
     workers = itertools.cycle(urls)
     pool: list[PooledTransport] = []  # created in the server's loop (lifespan startup)
 
-    async def app(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             await receive()  # lifespan.startup
             pool.append(PooledTransport(max_keepalive_connections=4096))

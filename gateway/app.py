@@ -20,11 +20,12 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from gateway.auth import KeyStore
 from gateway.errors import error_body
 from gateway.metrics_server import MetricsServer
-from gateway.middleware import DirectEndpoint, DirectRoutes, GatewayMiddleware, Receive, Scope, Send
+from gateway.middleware import DirectEndpoint, DirectRoutes, GatewayMiddleware
 from gateway.proxy import ProxyEndpoint
 from gateway.settings import GatewaySettings
 from gateway.sources import Source

@@ -7,7 +7,7 @@ uvicorn inside the public app's event loop (started and stopped by the app's lif
 app's state on the loop that changes it; the public server owns the process's signals. The socket is bound here, so
 a port already in use fails start-up with a message saying which setting to change.
 
-Imports: prometheus_client, uvicorn and `gateway.errors` only.
+Imports: prometheus_client, uvicorn, starlette's ASGI types and `gateway.errors` only.
 """
 
 from __future__ import annotations
@@ -16,23 +16,19 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Awaitable, Callable, Iterator, MutableMapping
-from typing import Any
+from collections.abc import Iterator
 
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.errors import error_body
 
 log = logging.getLogger("llmfleet.gateway")
 METRICS_PATH = "/metrics"
 
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
-
-def metrics_app(registry: CollectorRegistry) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+def metrics_app(registry: CollectorRegistry) -> ASGIApp:
     """An ASGI app answering `GET /metrics` with `registry`'s exposition and 404 to anything else."""
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:

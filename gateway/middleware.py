@@ -19,7 +19,7 @@ responses, and answers its own unexpected exceptions with the generic 500 (`inte
   500 with a generic message naming the request id, never the exception's text. (After the response has started,
   the exception propagates and the server cuts the connection: a truncated stream must not look complete.)
 
-Imports: `gateway.errors` and `gateway.state` only.
+Imports: starlette's ASGI types, `gateway.errors` and `gateway.state` only.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from starlette.types import ASGIApp, Receive, Scope, Send
+
 from gateway.errors import error_body
 from gateway.state import GatewayState
 
@@ -39,10 +41,6 @@ REQUEST_ID_HEADER = b"x-request-id"
 PROBE_PATHS = frozenset({"/health", "/ready"})
 _REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
 
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 # A route served outside the FastAPI app: called with the request id (see the module docstring).
 DirectEndpoint = Callable[[Scope, Receive, Send, bytes], Awaitable[None]]
 

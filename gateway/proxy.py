@@ -32,12 +32,13 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, MutableMapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from starlette.types import Receive, Scope, Send
 
 from gateway.admission import Rejected
 from gateway.auth import Principal
@@ -71,11 +72,6 @@ from gateway.usage import (
     upstream_body,
     usage_of_body,
 )
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 log = logging.getLogger("llmfleet.gateway")
 
