@@ -50,10 +50,17 @@ SCHEMES: dict[str, dict[str, object]] = {
 }
 
 
-def fake_int8_rows(x: torch.Tensor) -> torch.Tensor:
-    """Symmetric int8 per row (per token of an activation, per output channel of a weight), dequantized."""
+def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row (per token of an activation, per output channel of a weight): the int8 values and
+    each row's scale (shape [..., 1]), `x ~= q * scale`."""
     scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-8) / 127
-    return (x / scale).round().clamp(-127, 127) * scale
+    return (x / scale).round().clamp(-127, 127).to(torch.int8), scale
+
+
+def fake_int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """`int8_rows` dequantized: x with only int8's rounding."""
+    q, scale = int8_rows(x)
+    return q.to(x.dtype) * scale
 
 
 class _Recorder:
@@ -157,8 +164,9 @@ class _W8A8:
         self.mask = torch.ones(w.shape[1])
         self.mask[outliers] = 0
         self.idx = outliers
-        self.sw = w.abs().amax(1).clamp_min(1e-8) / 127
-        self.wq = (w / self.sw[:, None]).round().clamp(-127, 127).to(torch.int8).t().contiguous()
+        wq, scale = int8_rows(w)
+        self.sw = scale.squeeze(1)
+        self.wq = wq.t().contiguous()
         self.wo = w[:, outliers].t().contiguous().bfloat16()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
