@@ -3,10 +3,11 @@
 Why: a Python proxy on the hot path of every token must not cost much more than the router people would put
 there instead. Both proxies forward to the same stub workers (`gateway.stub`, one process: one SSE event per
 token, `--delay` seconds apart) and take the same streamed chat load, one after the other; a direct run (no proxy)
-gives the baseline TTFT. A third proxy, `bench/null_proxy.py`, is the Python floor: our gateway's server stack and
-upstream transport with none of its features (`--floor-spin-us` adds CPU per request to it). Our gateway keeps its whole request path on: API-key auth, per-key limits (a token
+gives the baseline TTFT. Our gateway keeps its whole request path on: API-key auth, per-key limits (a token
 reservation per request, settled from the worker's usage, a concurrency cap) and its metrics; vllm-router runs
-round-robin with its defaults otherwise (it authenticates nobody).
+round-robin with its defaults otherwise (it authenticates nobody). A third proxy, `bench/null_proxy.py`, is the
+Python floor: our gateway's server stack and upstream transport with none of its features (`--floor-spin-us` adds
+CPU per request to it).
 
     .venv/bin/python bench/gateway_vs_router.py                      # 64, 256 and 512 streams, 32 tokens each
     .venv/bin/python bench/gateway_vs_router.py --streams 512 --tokens 64
@@ -14,8 +15,9 @@ round-robin with its defaults otherwise (it authenticates nobody).
 vllm-router lives in its own venv, `.venv-router` (created by `scripts/router-venv.sh` on first use: pip from
 PyPI). Figures per proxy: CPU time per streamed token (Linux /proc: the figure least disturbed by the load
 generator and workers sharing the machine) and TTFT p50 added over direct; then our/router ratios. Each
-concurrency runs `--repeat` interleaved rounds (direct, router, gateway) and reports each figure's median over
-them: on a shared machine one busy spell otherwise decides a ratio. The last line printed is one JSON object. Targets: CPU per token <= 1.2x the router's, added TTFT p50 within 2x at 512 streams.
+concurrency runs `--repeat` interleaved rounds (direct, router, floor, gateway) and reports each figure's median
+over them: on a shared machine one busy spell otherwise decides a ratio. The last line printed is one JSON object.
+Targets: CPU per token <= 1.2x the router's, added TTFT p50 within 2x at 512 streams.
 
 What the floor showed (2 shared cores, 512 streams, 2 tokens per answer so that set-up dominates): the floor spends
 ~107 us CPU per request and adds no TTFT that can be told from noise, as the router (~156-186 us, on its own
@@ -130,7 +132,8 @@ async def compare(args: argparse.Namespace, urls: list[str], proxies: dict[str, 
             f"{r['router_cpu_us_per_token']:.1f} floor {r['floor_cpu_us_per_token']:.1f} ratio "
             f"{r['cpu_per_token_ratio']:.2f} | TTFT p50 added ms gateway {r['gateway_ttft_added_ms']:.1f} router "
             f"{r['router_ttft_added_ms']:.1f} floor {r['floor_ttft_added_ms']:.1f} | "
-            f"errors gateway {r['gateway_errors']:.0f} router {r['router_errors']:.0f} | tok/s gateway "
+            f"errors gateway {r['gateway_errors']:.0f} router {r['router_errors']:.0f} floor {r['floor_errors']:.0f}"
+            f" | tok/s gateway "
             f"{r['gateway_tokens_per_s']:.0f} router {r['router_tokens_per_s']:.0f}",
             flush=True,
         )

@@ -10,6 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from gateway_proxy import cpu_seconds, load, stub_workers
+
+from gateway.testing import spawn, wait_http_ok
+from llmfleet.processes import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,11 +39,6 @@ async def test_the_floor_proxy_streams_every_token_and_spends_the_cpu_it_is_told
     """`bench/null_proxy.py` (the Python floor of `bench/gateway_vs_router.py`) forwards streamed answers whole,
     round-robin over the workers, and `--spin-us` adds CPU per request: 100 requests at 20 ms each must cost the
     proxy at least 2 s of CPU (a lower bound only: its other work can only add)."""
-    from gateway_proxy import cpu_seconds, load, stub_workers
-
-    from gateway.testing import spawn, wait_http_ok
-    from llmfleet.processes import free_ports
-
     (port,) = free_ports(1)
     async with stub_workers(2, 0.0, 3) as urls:
         args = [str(ROOT / "bench" / "null_proxy.py"), "--port", str(port), "--spin-us", "20000", *urls]
