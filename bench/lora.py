@@ -19,6 +19,12 @@ LAST line printed is one JSON object.
     .venv/bin/python bench/lora.py              # 64 requests (~3-6 min on 2 cores)
     .venv/bin/python bench/lora.py --quick      # 16 short requests: a smoke run
     .venv/bin/python bench/lora.py --threads 1  # on a machine shared with other jobs
+    python3 bench/lora.py --device cuda --dtype bfloat16 --random-weights smollm2-135m  # on a GPU machine
+
+`--random-weights SHAPE` serves random weights in the shape of a real model (`SHAPES`) instead of `--model`: the
+throughput of this workload does not depend on the weights' values (EOS is ignored, every system generates the
+same tokens' count), and it lets the bench run where neither the bundled GGUF nor a hub is at hand, such as a GPU
+machine that can reach nothing. It draws them at a realistic scale (std 0.02), so bf16 activations stay finite.
 """
 
 from __future__ import annotations
@@ -34,6 +40,31 @@ from typing import Any
 
 ADAPTERS = 8
 RANKS = (8, 16)
+# config.json shapes of real models (their public configs), for --random-weights
+SHAPES: dict[str, dict[str, Any]] = {
+    "smollm2-135m": {
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "pad_vocab_to": 49152,
+        "tie_word_embeddings": True,
+        "rope_theta": 100000.0,
+        "max_position_embeddings": 8192,
+    },
+    "llama-3.2-1b": {
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "pad_vocab_to": 128256,
+        "tie_word_embeddings": True,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 131072,
+    },
+}
 
 
 def make_workload(n: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab: int, seed: int):
@@ -45,8 +76,8 @@ def make_workload(n: int, prompt_range: tuple[int, int], output_range: tuple[int
     ]
 
 
-def serve(llm: Any, work, loras: list[str | None]) -> tuple[float, int]:
-    """Wall seconds and generated tokens for all of `work` submitted at t=0 to one engine."""
+def serve(llm: Any, work, loras: list[str | None]) -> tuple[float, int, int]:
+    """Wall seconds, generated tokens and engine steps for all of `work` submitted at t=0 to one engine."""
     from worker.core.request import SamplingParams
 
     core = llm.engine
@@ -54,11 +85,12 @@ def serve(llm: Any, work, loras: list[str | None]) -> tuple[float, int]:
     for i, ((prompt, n), lora) in enumerate(zip(work, loras, strict=True)):
         params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         core.add_request(f"r{time.monotonic_ns()}-{i}", prompt, params, lora_name=lora)
-    produced = 0
+    produced = steps = 0
     while core.has_unfinished_requests():
+        steps += 1
         for out in core.step():
             produced += len(out.new_token_ids)
-    return time.perf_counter() - t0, produced
+    return time.perf_counter() - t0, produced, steps
 
 
 def merge(model: Any, lora: Any, sign: float) -> None:
@@ -77,14 +109,25 @@ def merge(model: Any, lora: Any, sign: float) -> None:
                 linear.weight += (sign * w).to(linear.weight.dtype)
 
 
-def result(name: str, wall: float, produced: int, **extra: Any) -> dict[str, Any]:
-    return {"system": name, "wall_s": round(wall, 2), "tokens": produced, "tok_s": round(produced / wall, 2), **extra}
+def result(name: str, wall: float, produced: int, steps: int, **extra: Any) -> dict[str, Any]:
+    """One system's line; `ms_per_step` tells a step-bound device (the same cost at 8 rows as at 64) apart."""
+    return {
+        "system": name,
+        "wall_s": round(wall, 2),
+        "tokens": produced,
+        "tok_s": round(produced / wall, 2),
+        "steps": steps,
+        "ms_per_step": round(1000 * wall / max(steps, 1), 2),
+        **extra,
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="bundled://smollm2-135m-instruct")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    ap.add_argument("--random-weights", choices=sorted(SHAPES), help="random weights in this model's shape")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="16 requests, prompts 16..64, outputs 8..32")
@@ -107,7 +150,13 @@ def main() -> None:
     from worker.model.source import resolve_model_source
     from worker.model.testing import make_random_lora
 
-    path = str(resolve_model_source(args.model))
+    if args.random_weights:
+        from worker.model.testing import make_tiny_llama
+
+        shaped = tempfile.TemporaryDirectory(prefix="lora-bench-model-")
+        path = str(make_tiny_llama(shaped.name, init_std=0.02, **SHAPES[args.random_weights]))
+    else:
+        path = str(resolve_model_source(args.model))
     vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
     n, prange, orange = (
         (min(args.requests, 16), (16, 64), (8, 32)) if args.quick else (args.requests, (32, 256), (16, 128))
@@ -122,6 +171,7 @@ def main() -> None:
         "max_num_batched_tokens": max(args.max_num_batched_tokens, 64),
         "num_blocks": need // 16 + 2 * n + 16,
         "enable_prefix_caching": False,  # random prompts share nothing; keep the comparison about batching
+        "device": args.device,
     }
 
     def progress(what: str) -> None:
@@ -144,17 +194,15 @@ def main() -> None:
         llm.generate([work[0][0][:32]] * 2, warm, lora=[None, names[0]])  # warm-up, both paths
 
         progress("base: all requests without adapters")
-        wall, produced = serve(llm, work, [None] * n)
-        systems.append(result("base", wall, produced))
+        systems.append(result("base", *serve(llm, work, [None] * n)))
 
         progress("multi_lora: every request with its adapter, one engine")
-        wall, produced = serve(llm, work, loras)
+        measured = serve(llm, work, loras)
         stats = llm.engine.stats().lora
         systems.append(
             result(
                 "multi_lora",
-                wall,
-                produced,
+                *measured,
                 adapter_loads=stats.loads_total if stats else None,
                 adapter_evictions=stats.evictions_total if stats else None,
             )
@@ -163,27 +211,32 @@ def main() -> None:
         progress("per_adapter: one engine per adapter (merged weights), one after another")
         runner = llm.engine.runner
         single = LLM(path, runner=runner, **engine_args)
-        total_wall, total_produced = 0.0, 0
+        total_wall, total_produced, total_steps = 0.0, 0, 0
         for name in names:
             adapter = runner.load_lora(str(folders[name]), name)
             mine = [w for w, lora in zip(work, loras, strict=True) if lora == name]
             merge(runner.model, adapter, 1.0)
             try:
-                wall, produced = serve(single, mine, [None] * len(mine))
+                wall, produced, steps = serve(single, mine, [None] * len(mine))
             finally:
                 merge(runner.model, adapter, -1.0)
             total_wall += wall
             total_produced += produced
-        systems.append(result("per_adapter", total_wall, total_produced, model_loads_not_counted=ADAPTERS))
+            total_steps += steps
+        systems.append(
+            result("per_adapter", total_wall, total_produced, total_steps, model_loads_not_counted=ADAPTERS)
+        )
 
     by = {s["system"]: s for s in systems}
     ratios = {
         "multi_lora_vs_base": round(by["multi_lora"]["tok_s"] / by["base"]["tok_s"], 3),
         "multi_lora_vs_per_adapter": round(by["multi_lora"]["tok_s"] / by["per_adapter"]["tok_s"], 3),
     }
-    print(f"{'system':<12} {'wall s':>8} {'tokens':>7} {'tok/s':>8}")
+    print(f"{'system':<12} {'wall s':>8} {'tokens':>7} {'tok/s':>8} {'steps':>6} {'ms/step':>8}")
     for s in systems:
-        print(f"{s['system']:<12} {s['wall_s']:>8} {s['tokens']:>7} {s['tok_s']:>8}")
+        print(
+            f"{s['system']:<12} {s['wall_s']:>8} {s['tokens']:>7} {s['tok_s']:>8} {s['steps']:>6} {s['ms_per_step']:>8}"
+        )
     print(f"multi_lora / base        = {ratios['multi_lora_vs_base']:.3f}  (target >= 0.8)")
     print(f"multi_lora / per_adapter = {ratios['multi_lora_vs_per_adapter']:.3f}  (target >= 4)")
     workload = {"requests": n, "adapters": ADAPTERS, "prompt_range": prange, "output_range": orange}
@@ -193,6 +246,8 @@ def main() -> None:
             {
                 "bench": "lora",
                 "dtype": args.dtype,
+                "device": args.device,
+                "model": args.random_weights and f"random:{args.random_weights}" or args.model,
                 "threads": threads,
                 "workload": workload,
                 "systems": systems,

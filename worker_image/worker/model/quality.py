@@ -53,7 +53,7 @@ def compare(ref: Reference, candidate) -> QualityReport:
     kl_sum = 0.0
     total = 0
     for seq, first, ref_lp in zip(ref.sequences, ref.starts, ref.logprobs):
-        cand = torch.log_softmax(candidate.score(seq)[first:-1], -1)
+        cand = torch.log_softmax(candidate.score(seq)[first:-1].to(ref_lp.device), -1)  # may run elsewhere
         agree += int((ref_lp.argmax(-1) == cand.argmax(-1)).sum())
         kl_sum += float((ref_lp.exp() * (ref_lp - cand)).sum(-1).sum())
         total += ref_lp.shape[0]

@@ -72,12 +72,17 @@ def make_tiny_llama(
     rms_norm_eps: float = 1e-5,
     init_std: float = 0.2,
     seed: int = 0,
+    pad_vocab_to: int | None = None,
 ) -> Path:
-    """Write a tiny random Llama HF folder at `path` (created if needed) and return it."""
+    """Write a tiny random Llama HF folder at `path` (created if needed) and return it.
+
+    `pad_vocab_to` grows the embedding and head (and `vocab_size` in config.json) past the tiny tokenizer's
+    vocabulary, as real models pad theirs: a random model in the shape of a real one for benchmarks that feed
+    token ids, where the hub that holds the real weights is out of reach."""
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     tok = make_tiny_tokenizer(vocab_size)
-    vocab = tok.get_vocab_size(with_added_tokens=True)
+    vocab = max(tok.get_vocab_size(with_added_tokens=True), pad_vocab_to or 0)
     head_dim = head_dim or hidden_size // num_attention_heads
     bos, eos = tok.token_to_id("<|im_start|>"), tok.token_to_id("<|im_end|>")
     config: dict[str, Any] = {
