@@ -223,9 +223,7 @@ def main() -> None:
             total_wall += wall
             total_produced += produced
             total_steps += steps
-        systems.append(
-            result("per_adapter", total_wall, total_produced, total_steps, model_loads_not_counted=ADAPTERS)
-        )
+        systems.append(result("per_adapter", total_wall, total_produced, total_steps, model_loads_not_counted=ADAPTERS))
 
     by = {s["system"]: s for s in systems}
     ratios = {
@@ -247,7 +245,7 @@ def main() -> None:
                 "bench": "lora",
                 "dtype": args.dtype,
                 "device": args.device,
-                "model": args.random_weights and f"random:{args.random_weights}" or args.model,
+                "model": f"random:{args.random_weights}" if args.random_weights else args.model,
                 "threads": threads,
                 "workload": workload,
                 "systems": systems,
