@@ -30,11 +30,13 @@ machine that can reach nothing. It draws them at a realistic scale (std 0.02), s
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -122,12 +124,57 @@ def result(name: str, wall: float, produced: int, steps: int, **extra: Any) -> d
     }
 
 
+def measure(
+    llm: Any, single: Any, folders: dict[str, Path], work, loras: list[str | None], note: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    """The three systems, one after another: `llm` serves base and multi_lora, `single` (sharing its runner) serves
+    each adapter's requests with that adapter merged into the weights."""
+    note("base: all requests without adapters")
+    systems = [result("base", *serve(llm, work, [None] * len(work)))]
+
+    note("multi_lora: every request with its adapter, one engine")
+    measured = serve(llm, work, loras)
+    stats = llm.engine.stats().lora
+    systems.append(
+        result(
+            "multi_lora",
+            *measured,
+            adapter_loads=stats.loads_total if stats else None,
+            adapter_evictions=stats.evictions_total if stats else None,
+        )
+    )
+
+    note("per_adapter: one engine per adapter (merged weights), one after another")
+    runner = single.engine.runner
+    total_wall, total_produced, total_steps = 0.0, 0, 0
+    for name, folder in folders.items():
+        adapter = runner.load_lora(str(folder), name)
+        mine = [w for w, lora in zip(work, loras, strict=True) if lora == name]
+        merge(runner.model, adapter, 1.0)
+        try:
+            wall, produced, steps = serve(single, mine, [None] * len(mine))
+        finally:
+            merge(runner.model, adapter, -1.0)
+        total_wall += wall
+        total_produced += produced
+        total_steps += steps
+    systems.append(result("per_adapter", total_wall, total_produced, total_steps, model_loads_not_counted=ADAPTERS))
+    return systems
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="bundled://smollm2-135m-instruct")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     ap.add_argument("--random-weights", choices=sorted(SHAPES), help="random weights in this model's shape")
+    ap.add_argument(
+        "--warm-round",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the three systems once unreported first (default: on a GPU, whose library picks kernels per shape "
+        "the first time it meets one, which charged the first system up to 4x its steady step time)",
+    )
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="16 requests, prompts 16..64, outputs 8..32")
@@ -140,6 +187,8 @@ def main() -> None:
         "loses a core to another process waits at every barrier (8x slower in one measurement)",
     )
     args = ap.parse_args()
+    if args.warm_round is None:
+        args.warm_round = not args.device.startswith("cpu")
     if args.threads is not None:
         import torch
 
@@ -163,7 +212,7 @@ def main() -> None:
     )
     work = make_workload(n, prange, orange, vocab, args.seed)
     names = [f"adapter{i}" for i in range(ADAPTERS)]
-    loras = [names[i % ADAPTERS] for i in range(n)]
+    loras: list[str | None] = [names[i % ADAPTERS] for i in range(n)]
     need = sum(len(p) + k for p, k in work)
     engine_args = {
         "dtype": args.dtype,
@@ -174,10 +223,9 @@ def main() -> None:
         "device": args.device,
     }
 
-    def progress(what: str) -> None:
-        print(f"[bench] {time.strftime('%H:%M:%S')} {what} ...", file=sys.stderr, flush=True)
+    def progress(what: str, suffix: str = "") -> None:
+        print(f"[bench] {time.strftime('%H:%M:%S')} {what}{suffix} ...", file=sys.stderr, flush=True)
 
-    systems: list[dict[str, Any]] = []
     warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     with tempfile.TemporaryDirectory(prefix="lora-bench-") as tmp:
         progress(f"writing {ADAPTERS} random adapters (ranks {RANKS[0]}..{RANKS[1]}, all projections)")
@@ -193,37 +241,12 @@ def main() -> None:
             llm.add_lora(name, str(folders[name]))
         llm.generate([work[0][0][:32]] * 2, warm, lora=[None, names[0]])  # warm-up, both paths
 
-        progress("base: all requests without adapters")
-        systems.append(result("base", *serve(llm, work, [None] * n)))
-
-        progress("multi_lora: every request with its adapter, one engine")
-        measured = serve(llm, work, loras)
-        stats = llm.engine.stats().lora
-        systems.append(
-            result(
-                "multi_lora",
-                *measured,
-                adapter_loads=stats.loads_total if stats else None,
-                adapter_evictions=stats.evictions_total if stats else None,
-            )
-        )
-
-        progress("per_adapter: one engine per adapter (merged weights), one after another")
         runner = llm.engine.runner
         single = LLM(path, runner=runner, **engine_args)
-        total_wall, total_produced, total_steps = 0.0, 0, 0
-        for name in names:
-            adapter = runner.load_lora(str(folders[name]), name)
-            mine = [w for w, lora in zip(work, loras, strict=True) if lora == name]
-            merge(runner.model, adapter, 1.0)
-            try:
-                wall, produced, steps = serve(single, mine, [None] * len(mine))
-            finally:
-                merge(runner.model, adapter, -1.0)
-            total_wall += wall
-            total_produced += produced
-            total_steps += steps
-        systems.append(result("per_adapter", total_wall, total_produced, total_steps, model_loads_not_counted=ADAPTERS))
+        rounds = 2 if args.warm_round else 1
+        for r in range(rounds):
+            label = " (warm-up round, not reported)" if r < rounds - 1 else ""
+            systems = measure(llm, single, folders, work, loras, functools.partial(progress, suffix=label))
 
     by = {s["system"]: s for s in systems}
     ratios = {
@@ -245,6 +268,7 @@ def main() -> None:
                 "bench": "lora",
                 "dtype": args.dtype,
                 "device": args.device,
+                "warm_round": args.warm_round,
                 "model": f"random:{args.random_weights}" if args.random_weights else args.model,
                 "threads": threads,
                 "workload": workload,

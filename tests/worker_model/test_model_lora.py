@@ -156,10 +156,14 @@ def test_segments_merge_touching_runs_of_one_slot():
 @pytest.mark.parametrize(
     ("runs", "num_decode", "batched"),
     [
-        ([(1, 3, 0), (3, 4, 2), (4, 9, 0)], 4, True),  # decodes of slots 0 and 2 (slot 1 empty: padding), a chunk
+        # decodes of slots 0 and 2 batched (slot 1 empty: padding), the chunk of slot 0 run by run: all at once
+        # would pad 8 rows to 21
+        ([(1, 3, 0), (3, 4, 2), (4, 9, 0)], 4, True),
         ([(0, 2, 2), (2, 3, 0)], 3, True),
-        ([(0, 2, 2), (5, 9, 2)], 2, False),  # one adapter among the decodes: plain runs
-        ([(2, 6, 0), (6, 9, 2)], 0, False),  # no decodes
+        ([(0, 2, 2), (5, 9, 2)], 2, True),  # two runs of one adapter: one gathered pass, no padding
+        ([(2, 6, 0), (6, 9, 2)], 0, True),  # two prefill chunks: 7 rows padded to 12
+        ([(0, 1, 0), (1, 9, 2)], 1, False),  # 9 rows would pad to 24, one adapter among the decodes: run by run
+        ([(2, 9, 2)], 0, False),  # one run
     ],
 )
 def test_batched_and_run_by_run_deltas_equal_a_per_row_reference(tiny_dir, adapters, runs, num_decode, batched):

@@ -17,8 +17,9 @@ of the B-side FLOPs for q/k/v) and the slices are concatenated into the fused ou
 runner orders sequences so that the rows of one adapter are contiguous runs. The single-token (decode) rows of all
 adapters go through two batched matmuls per group (`torch.bmm` over the slots, rows gathered into a [slots,
 rows per slot] layout, padding masked to zero, results added back with `index_add_`), a handful of ops whatever the
-number of adapters; each multi-token run (a prefill chunk) adds `(x @ A) @ B` to its rows in place. Base rows are
-untouched, and a batch without adapters takes no extra step at all.
+number of adapters; so do the prefill chunks of the step with them when the padding stays bounded (`plan_batch`),
+else each multi-token run (a prefill chunk) adds `(x @ A) @ B` to its rows in place. Base rows are untouched, and
+a batch without adapters takes no extra step at all.
 
 What is checked at load (`load_lora`, errors are `LoraError` saying what is wrong and how to fix it): the folder
 holds `adapter_config.json` and `adapter_model.safetensors`; the config is plain LoRA (no DoRA, no bias, no
@@ -363,6 +364,11 @@ class LoraBatch:
                 )
 
 
+# The batched path pads every slot of its range to the rows of the busiest one; it takes a whole step's runs
+# (prefill chunks too) when that padding at most doubles the rows, else only the decode rows.
+MAX_PADDING = 2.0
+
+
 def plan_batch(
     store: LoraStore,
     runs: list[tuple[int, int, int]],
@@ -370,18 +376,47 @@ def plan_batch(
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> LoraBatch:
-    """A LoraBatch for (start, end, slot) runs of adapter rows (merged with `segments_of`). Runs inside the first
-    `num_decode` rows (single-token sequences) go through the batched path when they span two slots or more."""
+    """A LoraBatch for (start, end, slot) runs of adapter rows (merged with `segments_of`).
+
+    Every run goes through the batched path (a handful of ops whatever the number of runs: on a GPU each op is a
+    launch, and a step of 14 prefill chunks would otherwise loop 14 times per projection) when there are two runs
+    or more and padding stays within MAX_PADDING times the rows; otherwise the runs inside the first `num_decode`
+    rows (single-token sequences) do when they span two slots or more, and the rest are added run by run."""
     runs = segments_of(runs)
+    if len(runs) >= 2 and _padded_rows(runs) <= MAX_PADDING * sum(end - start for start, end, _ in runs):
+        return _batched(store, runs, (), dtype, device)
     decode = [r for r in runs if r[1] <= num_decode]
     if len({slot for _, _, slot in decode}) < 2:
         return LoraBatch(store, tuple(runs))
+    return _batched(store, decode, tuple(r for r in runs if r[1] > num_decode), dtype, device)
+
+
+def _rows_by_slot(runs: list[tuple[int, int, int]]) -> dict[int, list[int]]:
     rows: dict[int, list[int]] = {}
-    for start, end, slot in decode:
+    for start, end, slot in runs:
         rows.setdefault(slot, []).extend(range(start, end))
+    return rows
+
+
+def _padded_rows(runs: list[tuple[int, int, int]]) -> int:
+    """Rows the batched path computes for `runs`: every slot from the lowest to the highest, each as wide as the
+    busiest."""
+    rows = _rows_by_slot(runs)
+    return (max(rows) - min(rows) + 1) * max(len(r) for r in rows.values())
+
+
+def _batched(
+    store: LoraStore,
+    runs: list[tuple[int, int, int]],
+    rest: tuple[tuple[int, int, int], ...],
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> LoraBatch:
+    """`runs` through the batched path (rows gathered per slot, padding masked), `rest` run by run."""
+    rows = _rows_by_slot(runs)
     lo, hi = min(rows), max(rows) + 1
     width = max(len(r) for r in rows.values())
-    fill = decode[0][0]
+    fill = runs[0][0]
     gather: list[int] = []
     mask: list[float] = []
     for slot in range(lo, hi):
@@ -390,7 +425,7 @@ def plan_batch(
         mask.extend([1.0] * len(mine) + [0.0] * (width - len(mine)))
     return LoraBatch(
         store,
-        tuple(r for r in runs if r[1] > num_decode),
+        rest,
         gather=torch.tensor(gather, dtype=torch.int64, device=device),
         mask=torch.tensor(mask, dtype=dtype, device=device).view(hi - lo, width, 1),
         slot_lo=lo,
