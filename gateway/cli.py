@@ -30,6 +30,11 @@ def gateway_command(
     metrics_port: int | None = typer.Option(
         None, help="Internal port of /metrics (not the public port) [default: 9090; 0 picks a free one]."
     ),
+    limit_replicas: int | None = typer.Option(
+        None,
+        help="Gateway replicas that share each key's limits: each enforces 1/N of them [default: 1; the chart "
+        "passes gateway.replicaCount].",
+    ),
     insecure_open_mode: bool = typer.Option(
         False, "--insecure-open-mode", help="Accept every request WITHOUT an API key (development only)."
     ),
@@ -75,6 +80,7 @@ def gateway_command(
         "port": port,
         "metrics_host": metrics_host,
         "metrics_port": metrics_port,
+        "limit_replicas": limit_replicas,
         "allow_open_mode": insecure_open_mode or None,
     }
     try:

@@ -21,6 +21,12 @@ deployment (`RateLimiter.adapters`, by (namespace, deployment, adapter)): the sa
 admission and settled with the key's, so one busy fine-tune cannot crowd out the base model and the other adapters.
 `sync_adapters` follows the routing table: a new limit gets a full bucket, a changed one applies to the bucket in
 place (its level capped at the new size), an unchanged one keeps its level, a removed one goes.
+
+Every limit is shared by the gateway's `replicas` (settings `limit_replicas`; the chart passes its replica count):
+each process keeps its own buckets and counts, so each enforces 1/N of every rate (`replica_share`) and of the cap
+on requests at a time (`replica_cap`, at least 1). Together the replicas then never admit more than the limit,
+whichever replica kube-proxy hands each connection; the price is that a client whose requests all reach one
+replica gets 1/N of its limit. Sharing live counts between replicas would lift that and is not built.
 """
 
 from __future__ import annotations
@@ -36,6 +42,17 @@ CONCURRENCY = "concurrent requests"  # Verdict.limit when the key's cap on reque
 ADAPTER_TOKENS = "adapter tokens"  # Verdict.limit when the adapter's shared token bucket is short
 
 AdapterKey = tuple[str, str, str]  # (namespace, deployment, adapter)
+
+
+def replica_share(limit: float, replicas: int) -> float:
+    """One replica's part of a per-minute limit that `replicas` gateway processes enforce together."""
+    return limit / replicas
+
+
+def replica_cap(cap: int, replicas: int) -> int:
+    """One replica's part of a cap on requests at a time: the floor of an even share, but at least 1 (a replica
+    that admitted nothing would refuse the key outright), so a cap below `replicas` holds only to `replicas`."""
+    return max(1, cap // replicas)
 
 
 def estimate_prompt_tokens(prompt: str) -> int:
@@ -205,13 +222,17 @@ class RateLimiter:
 
     buckets: dict[str, KeyBuckets] = field(default_factory=dict)
     adapters: dict[AdapterKey, TokenBucket] = field(default_factory=dict)
+    replicas: int = 1  # gateway processes that enforce every limit together (see the module docstring)
+
+    def _per_minute(self, limit: float | None, now: float) -> TokenBucket | None:
+        return TokenBucket.per_minute(replica_share(limit, self.replicas), now) if limit else None
 
     def _buckets(self, key_id: str, tier: TierSettings, now: float) -> KeyBuckets:
         b = self.buckets.get(key_id)
         if b is None:
             b = KeyBuckets(
-                requests=TokenBucket.per_minute(tier.requests_per_minute, now) if tier.requests_per_minute else None,
-                tokens=TokenBucket.per_minute(tier.tokens_per_minute, now) if tier.tokens_per_minute else None,
+                requests=self._per_minute(tier.requests_per_minute, now),
+                tokens=self._per_minute(tier.tokens_per_minute, now),
             )
             self.buckets[key_id] = b
         return b
@@ -223,7 +244,7 @@ class RateLimiter:
         request's adapter bucket, when given) if all fit; otherwise reject and take nothing."""
         b = self._buckets(key_id, tier, now)
         cap = tier.max_concurrent_requests
-        if cap is not None and b.in_flight >= cap:
+        if cap is not None and b.in_flight >= replica_cap(cap, self.replicas):
             headers = _headers(b, now)
             headers["retry-after"] = "1"
             return Verdict(False, CONCURRENCY, 1.0, headers)
@@ -265,7 +286,8 @@ class RateLimiter:
         """Adapter buckets for exactly `limits` (tokens per minute by adapter; see the module docstring)."""
         for key in [k for k in self.adapters if k not in limits]:
             del self.adapters[key]
-        for key, limit in limits.items():
+        for key, full in limits.items():
+            limit = replica_share(full, self.replicas)
             bucket = self.adapters.get(key)
             if bucket is None:
                 self.adapters[key] = TokenBucket.per_minute(limit, now)

@@ -115,6 +115,16 @@ class GatewaySettings(_Strict):
         description="Accept every request without an API key (one shared identity at the default tier). Only for "
         "a development gateway on a trusted machine; with it, no key source may be given.",
     )
+    limit_replicas: int = Field(
+        default=1,
+        ge=1,
+        le=1024,
+        description="Gateway replicas that share each key's limits (its tier's requests and tokens per minute and "
+        "requests at a time, and adapters' tokensPerMinute). Each replica enforces 1/N of every limit, so together "
+        "they hold it whatever replica a connection lands on; a client on one keep-alive connection then reaches "
+        "1/N of its limit, and a cap on requests at a time below N is 1 per replica. The chart sets it to "
+        "gateway.replicaCount.",
+    )
     timeouts: TimeoutSettings = TimeoutSettings()
     pool: PoolSettings = PoolSettings()
     max_attempts: int = Field(

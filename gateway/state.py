@@ -62,6 +62,7 @@ class GatewayState:
         t = self.settings.timeouts
         self.upstream_timeouts = Timeouts(connect=t.connect, read=t.first_byte, write=t.write, pool=t.pool)
         self.admission = Admission(self.settings)
+        self.limiter.replicas = self.settings.limit_replicas
         self.hold = ZeroHold(self.settings)
         self.metrics = GatewayMetrics(
             LiveGauges(

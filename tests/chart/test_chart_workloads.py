@@ -180,6 +180,8 @@ def test_gateway_flags_are_real_options_and_follow_the_values(rendered_sets, set
     assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in container["env"]
     assert flags["port"] == str(next(p["containerPort"] for p in container["ports"] if p["name"] == "http"))
     assert "insecure-open-mode" not in flags, "the chart never runs the gateway without API keys"
+    replicas = rendered_sets[set_name].get("Deployment", GATEWAY)["spec"]["replicas"]
+    assert flags["limit-replicas"] == str(replicas), "each replica enforces its share of every key's limits"
 
 
 def test_gateway_is_ready_only_with_keys_and_live_without(rendered_sets):

@@ -27,6 +27,7 @@ from gateway.ratelimit import (
     TokenBucket,
     estimate_prompt_tokens,
     format_reset,
+    replica_cap,
     request_cost,
 )
 from gateway.routing import RoutingTable
@@ -212,6 +213,35 @@ def test_limiter_caps_requests_in_progress_per_key() -> None:
     assert held[0] is not None
     rl.settle(held[0], 1, now=0.0)
     assert rl.admit("k", tier, 1, now=0.0).allowed
+
+
+@pytest.mark.parametrize(
+    ("cap", "replicas", "each"),
+    [(8, 1, 8), (8, 2, 4), (9, 2, 4), (3, 3, 1), (1, 2, 1), (64, 5, 12)],
+)
+def test_replica_cap_never_sums_above_the_cap_unless_it_is_below_the_replicas(cap: int, replicas: int, each: int):
+    assert replica_cap(cap, replicas) == each
+    assert each * replicas <= max(cap, replicas)
+
+
+def test_replicas_together_hold_every_limit_of_a_key() -> None:
+    """Two gateway replicas, a key whose requests alternate between them (kube-proxy balances connections): at one
+    instant they admit its requests/minute, tokens/minute and requests at a time once in all, not once each."""
+    replicas = [RateLimiter(replicas=2), RateLimiter(replicas=2)]
+
+    def admitted(tier: TierSettings, tokens: int, n: int) -> int:
+        return sum(replicas[i % 2].admit(tier.name, tier, tokens, now=0.0).allowed for i in range(n))
+
+    assert admitted(TierSettings(name="rpm", priority=1, requests_per_minute=10), 1, 40) == 10
+    assert admitted(TierSettings(name="tpm", priority=1, tokens_per_minute=1000), 100, 40) == 10
+    assert admitted(TierSettings(name="cap", priority=1, max_concurrent_requests=6), 1, 40) == 6
+    alone = TierSettings(name="k", priority=1, requests_per_minute=10)
+    single = RateLimiter()  # one replica: the whole limit
+    assert sum(single.admit("k", alone, 1, now=0.0).allowed for _ in range(40)) == 10
+    v = replicas[0].admit("h", TierSettings(name="h", priority=1, requests_per_minute=10), 1, now=0.0)
+    assert v.headers["x-ratelimit-limit-requests"] == "5"  # what this replica enforces, as Retry-After is
+    replicas[0].sync_adapters({SQL: 600}, now=0.0)
+    assert replicas[0].adapters[SQL].capacity == 300
 
 
 def test_unlimited_tier_sends_no_headers() -> None:
@@ -471,6 +501,21 @@ async def test_max_tokens_is_reserved_at_admission_so_concurrent_requests_cannot
         r.json()["error"]["code"] == "rate_limit_exceeded" and int(r.headers["retry-after"]) >= 1 for r in refused
     )
     assert ws[0].stats.requests == 1
+
+
+async def test_a_gateway_of_two_replicas_enforces_half_of_each_limit() -> None:
+    """`limit_replicas` (the chart passes gateway.replicaCount) reaches the limiter: 4 requests/min over 2
+    replicas admits 2 here, and the 429 says when to come back."""
+    settings = _limited(requests_per_minute=4).model_copy(update={"limit_replicas": 2})
+    async with (
+        stubs(1) as ws,
+        run_gateway(FixedSource(_table(ws)), {LIMIT_KEY: "standard"}, settings) as gw,
+    ):
+        async with gw.client(headers=LIMIT_AUTH) as c:
+            answers = [await c.post("/v1/chat/completions", json=chat(max_tokens=4)) for _ in range(3)]
+    assert [r.status_code for r in answers] == [200, 200, 429]
+    assert answers[0].headers["x-ratelimit-limit-requests"] == "2"
+    assert int(answers[2].headers["retry-after"]) >= 1
 
 
 async def test_streams_are_charged_from_the_workers_usage_not_by_counting_events() -> None:
