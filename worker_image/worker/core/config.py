@@ -76,7 +76,8 @@ class EngineConfig(BaseModel):
     scheduling_policy: SchedulingPolicy = "fcfs"
     max_waiting: int = Field(default=1024, ge=1, description="waiting requests admitted before new ones are refused")
     enforce_eager: bool = Field(
-        default=False, description="plain torch attention everywhere: skip building the native CPU decode kernel"
+        default=False,
+        description="plain torch ops everywhere: skip the native CPU decode kernel and the fused bf16 layer steps",
     )
     speculative: SpeculativeConfig | None = Field(
         default=None, description="speculative decoding by prompt lookup; None: off"

@@ -23,6 +23,14 @@ and the target: `x86-64-v3` (AVX2) on any x86 CPU that has it, so one build serv
 image can prebuild it by calling `load_paged_decode()`; `-march=native` plus this CPU's flags elsewhere).
 `load_paged_decode()` returns None with the reason when building is impossible; the runner then stays on the
 eager gather + SDPA path.
+
+The same build holds the fused elementwise steps of a Llama layer in bf16 (`load_fused_ops`): the residual add
+with the RMSNorm after it, SiLU-and-mul of the fused gate+up output, and RoPE in place on q and k. Each is one
+AVX512 pass over the rows where torch runs 3-9 ops (the bf16 RMSNorm alone widens, squares, averages, scales,
+rounds and multiplies), each with its own dispatch and, for big batches, its own trip through memory. Measured on
+SmolLM2's shapes (2-core Xeon, AVX512-BF16), torch ops -> fused: add + RMSNorm 48 -> 21 us at 64 rows and 4.3 ->
+0.24 ms at 2048; SiLU-and-mul 42 -> 37 us and 1.43 -> 0.68 ms; RoPE 56 -> 11 us and 0.87 -> 0.17 ms. fp32 keeps
+torch's ops (its greedy output stays token-identical to transformers'); bf16 is judged by agreement.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ import platform
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -265,6 +273,163 @@ std::string paged_decode_path(std::string dtype, int64_t head_dim) {
 #endif
   return "generic (the AVX512-BF16 path takes bfloat16 with head dim 64 or 128)";
 }
+
+#if defined(__x86_64__)
+// ---- fused elementwise steps of a Llama layer, bf16 on AVX512-BF16: 16 lanes at a time, rounded with
+// vcvtneps2bf16 (round to nearest even, as torch rounds). exp by the Cephes polynomial (~1 ulp in fp32).
+LLMFLEET_AVX512_BF16 static inline __m512 ld_bf16(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+LLMFLEET_AVX512_BF16 static inline __m512 round_bf16(__m512 v, c10::BFloat16* p) {
+  const __m256i b = (__m256i)_mm512_cvtneps_pbh(v);
+  _mm256_storeu_si256((__m256i*)p, b);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+LLMFLEET_AVX512_BF16 static inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(y, n);
+}
+
+// n % 16 == 0
+LLMFLEET_AVX512_BF16 static void add_rms_norm_row_bf16(c10::BFloat16* h, const c10::BFloat16* d,
+                                                       const c10::BFloat16* w, c10::BFloat16* o, int64_t n,
+                                                       float eps, float* x) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    __m512 v = ld_bf16(h + j);
+    if (d) v = round_bf16(_mm512_add_ps(v, ld_bf16(d + j)), h + j);
+    _mm512_storeu_ps(x + j, v);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  const __m512 rstd = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(n) + eps));
+  for (int64_t j = 0; j < n; j += 16)
+    round_bf16(_mm512_mul_ps(ld_bf16(w + j), _mm512_mul_ps(_mm512_loadu_ps(x + j), rstd)), o + j);
+}
+
+// inter % 16 == 0
+LLMFLEET_AVX512_BF16 static void silu_and_mul_row_bf16(const c10::BFloat16* g, c10::BFloat16* o, int64_t inter) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int64_t j = 0; j < inter; j += 16) {
+    const __m512 x = ld_bf16(g + j);
+    const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+    round_bf16(_mm512_mul_ps(_mm512_mul_ps(x, sig), ld_bf16(g + inter + j)), o + j);
+  }
+}
+
+// half % 16 == 0
+LLMFLEET_AVX512_BF16 static void rope_row_bf16(c10::BFloat16* x, const c10::BFloat16* c, const c10::BFloat16* s,
+                                               int64_t heads, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t hd = 0; hd < heads; ++hd) {
+    c10::BFloat16* v = x + hd * D;
+    for (int64_t j = 0; j < half; j += 16) {
+      const __m512 a = ld_bf16(v + j), b = ld_bf16(v + half + j);
+      round_bf16(_mm512_fmadd_ps(a, ld_bf16(c + j), _mm512_mul_ps(b, ld_bf16(s + j))), v + j);
+      round_bf16(_mm512_fmadd_ps(b, ld_bf16(c + half + j), _mm512_mul_ps(a, ld_bf16(s + half + j))), v + half + j);
+    }
+  }
+}
+#endif
+
+// The wrappers of the fused steps. They take bf16 only, on CPUs with AVX512-BF16 and sizes that are multiples
+// of 16 lanes (`fused_ops_take`, the one rule the Python side asks); elsewhere the model runs torch's ops.
+static bool fused_cpu() {
+#if defined(__x86_64__)
+  return cpu_has_avx512_bf16();
+#else
+  return false;
+#endif
+}
+
+static bool fused_ops_take(bool bf16, int64_t hidden, int64_t inter, int64_t head_dim) {
+  return bf16 && hidden % 16 == 0 && inter % 16 == 0 && head_dim % 32 == 0 && fused_cpu();
+}
+
+bool fused_ops_available(std::string dtype, int64_t hidden, int64_t inter, int64_t head_dim) {
+  return fused_ops_take(dtype == "bfloat16", hidden, inter, head_dim);
+}
+
+// `lanes` is the size the kernel walks 16 at a time
+static void check_bf16(const torch::Tensor& t, int64_t lanes, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 && lanes % 16 == 0 && fused_cpu(), what,
+              ": takes bf16 with a size of 16k on a CPU with AVX512-BF16 (ask fused_ops_available first)");
+}
+
+// h += delta (when given; rounded to bf16 as torch's add rounds), then out = weight * rms_norm(h): a sub-layer's
+// residual add and the RMSNorm that follows it, one pass. h, delta, out: [rows, n] contiguous; weight [n].
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta, torch::Tensor weight,
+                                        double eps) {
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "add_rms_norm: h must be [rows, n] and contiguous");
+  const int64_t rows = h.size(0), n = h.size(1);
+  check_bf16(h, n, "add_rms_norm");
+  TORCH_CHECK(weight.numel() == n && weight.scalar_type() == h.scalar_type(), "add_rms_norm: weight [n] like h");
+  torch::Tensor d;
+  if (delta.has_value()) {
+    d = delta->contiguous();
+    TORCH_CHECK(d.sizes() == h.sizes() && d.scalar_type() == h.scalar_type(), "add_rms_norm: delta like h");
+  }
+  auto w = weight.contiguous();
+  auto out = torch::empty_like(h);
+#if defined(__x86_64__)
+  auto* hp = h.data_ptr<c10::BFloat16>();
+  const auto* dp = d.defined() ? d.data_ptr<c10::BFloat16>() : nullptr;
+  at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
+    std::vector<float> x(n);
+    for (int64_t r = begin; r < end; ++r)
+      add_rms_norm_row_bf16(hp + r * n, dp ? dp + r * n : nullptr, w.data_ptr<c10::BFloat16>(),
+                            out.data_ptr<c10::BFloat16>() + r * n, n, static_cast<float>(eps), x.data());
+  });
+#endif
+  return {h, out};
+}
+
+// out = silu(gu[:, :inter]) * gu[:, inter:], gu: [rows, 2 * inter] contiguous (the fused gate+up output).
+torch::Tensor silu_and_mul(torch::Tensor gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0 && gu.is_contiguous(), "silu_and_mul: gu [rows, 2*inter]");
+  const int64_t inter = gu.size(1) / 2;
+  check_bf16(gu, inter, "silu_and_mul");
+  auto out = torch::empty({gu.size(0), inter}, gu.options());
+#if defined(__x86_64__)
+  const auto* g = gu.data_ptr<c10::BFloat16>();
+  auto* o = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, gu.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) silu_and_mul_row_bf16(g + r * 2 * inter, o + r * inter, inter);
+  });
+#endif
+  return out;
+}
+
+// Rotary embedding in place on the first `heads` head vectors of each row of x ([rows, >= heads * D], any row
+// stride, heads contiguous inside a row): x = x * cos + rotate_half(x) * sin, cos/sin [rows, (1,) D] with sin
+// sign-folded (its first half negated), so rotate_half is a swap of the halves.
+void rope_(torch::Tensor x, int64_t heads, int64_t head_dim, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) >= heads * head_dim, "rope_: x [rows, >= heads*D]");
+  check_bf16(x, head_dim / 2, "rope_");
+  auto c = cos.reshape({x.size(0), head_dim}).contiguous();
+  auto s = sin.reshape({x.size(0), head_dim}).contiguous();
+  TORCH_CHECK(c.scalar_type() == x.scalar_type() && s.scalar_type() == x.scalar_type(), "rope_: cos/sin dtype");
+#if defined(__x86_64__)
+  auto* xp = x.data_ptr<c10::BFloat16>();
+  const auto* cp = c.data_ptr<c10::BFloat16>();
+  const auto* sp = s.data_ptr<c10::BFloat16>();
+  const int64_t stride = x.stride(0);
+  at::parallel_for(0, x.size(0), 128, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      rope_row_bf16(xp + r * stride, cp + r * head_dim, sp + r * head_dim, heads, head_dim);
+  });
+#endif
+}
 """
 
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math")
@@ -277,6 +442,18 @@ X86_64_V3_FLAGS = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm"
 LDFLAGS = ("-fopenmp",)
 
 PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+class FusedOps(Protocol):
+    """The fused elementwise steps of a Llama layer (bf16, AVX512-BF16): see `load_fused_ops`."""
+
+    def add_rms_norm(
+        self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> list[torch.Tensor]: ...
+
+    def silu_and_mul(self, gu: torch.Tensor) -> torch.Tensor: ...
+
+    def rope_(self, x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None: ...
 
 
 def _cpu_flags() -> tuple[str, frozenset[str]]:
@@ -326,7 +503,15 @@ def _load_module() -> tuple[Any, str | None]:
         module = load_inline(
             name=extension_name(),
             cpp_sources=[CPP_SOURCE],
-            functions=["paged_decode", "paged_decode_generic", "paged_decode_path"],
+            functions=[
+                "paged_decode",
+                "paged_decode_generic",
+                "paged_decode_path",
+                "fused_ops_available",
+                "add_rms_norm",
+                "silu_and_mul",
+                "rope_",
+            ],
             # fresh lists: load_inline appends torch's own flags to the lists it is given
             extra_cflags=[*CFLAGS, *arch_flags()[0]],
             extra_ldflags=list(LDFLAGS),
@@ -347,6 +532,18 @@ def load_paged_decode_generic() -> tuple[PagedDecode | None, str | None]:
     """The kernel's portable path alone (no AVX512-BF16 path), for comparing the two."""
     module, why = _load_module()
     return (module.paged_decode_generic, None) if module is not None else (None, why)
+
+
+def load_fused_ops(dtype: torch.dtype, hidden: int, intermediate: int, head_dim: int) -> tuple[FusedOps | None, str]:
+    """(the fused residual-add + RMSNorm, SiLU-and-mul and in-place RoPE, why), or (None, why not): they take bf16
+    on CPUs with AVX512-BF16, sizes in multiples of 16 lanes (head dims of 32k). Elsewhere torch's ops run."""
+    module, why = _load_module()
+    if module is None:
+        return None, f"torch ops: the extension cannot be built here ({why})"
+    name = str(dtype).removeprefix("torch.")
+    if not module.fused_ops_available(name, hidden, intermediate, head_dim):
+        return None, "torch ops: the fused ones take bfloat16 on a CPU with AVX512-BF16, sizes of 16k, head dim 32k"
+    return module, "fused (AVX512-BF16): residual add + RMSNorm, SiLU-and-mul, RoPE in place"
 
 
 def paged_decode_path(dtype: torch.dtype, head_dim: int) -> str:

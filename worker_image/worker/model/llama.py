@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from worker.model.attention import AttentionMetadata, paged_attention
 from worker.model.config import ModelConfig
-from worker.model.kernels import PagedDecode
+from worker.model.kernels import FusedOps, PagedDecode
 from worker.model.linear import (
     DenseLinear,
     LinearKernel,
@@ -137,6 +137,8 @@ class LlamaModel:
             reason = "asked for by the caller"
         self.linear_kernel: LinearKernel = linear_kernel
         self.linear_kernel_reason = reason
+        # the fused elementwise steps (kernels.load_fused_ops), set by the runner where they run; None: torch ops
+        self.fused: FusedOps | None = None
         log.info("dense linears run on %s: %s", linear_kernel, reason)
 
         def take(name: str) -> torch.Tensor:
@@ -213,32 +215,48 @@ class LlamaModel:
         half = head_dim // 2
         eps = cfg.rms_norm_eps
         cos, sin = self.rope_tables(meta.positions)
+        fused = self.fused
         h = F.embedding(input_ids, self.embed)
+        pending: torch.Tensor | None = None  # the last sub-layer's output, not yet added to the residual h
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
-            x = rms_norm(h, layer.input_norm, eps)
+            h, x = self._add_norm(h, pending, layer.input_norm, eps)
             qkv = layer.qkv(x)
             if lora is not None:
                 lora.apply(i, "qkv", x, qkv)
-            qk = qkv[:, : q_size + kv_size].view(t, heads + kv_heads, head_dim)
-            qk = qk * cos + qk.roll(half, dims=-1) * sin
-            q = qk[:, :heads]
-            k = qk[:, heads:]
+            if fused is not None:
+                fused.rope_(qkv, heads + kv_heads, head_dim, cos, sin)
+                q = qkv[:, :q_size].view(t, heads, head_dim)
+                k = qkv[:, q_size : q_size + kv_size].view(t, kv_heads, head_dim)
+            else:
+                qk = qkv[:, : q_size + kv_size].view(t, heads + kv_heads, head_dim)
+                qk = qk * cos + qk.roll(half, dims=-1) * sin
+                q = qk[:, :heads]
+                k = qk[:, heads:]
             v = qkv[:, q_size + kv_size :].view(t, kv_heads, head_dim)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, decode_kernel).reshape(t, q_size)
             o = layer.o_proj(attn)
             if lora is not None:
                 lora.apply(i, "o", attn, o)
-            h = h + o
-            x = rms_norm(h, layer.post_norm, eps)
+            h, x = self._add_norm(h, o, layer.post_norm, eps)
             gu = layer.gate_up(x)
             if lora is not None:
                 lora.apply(i, "gate_up", x, gu)
-            act = F.silu(gu[:, :inter]) * gu[:, inter:]
-            d = layer.down(act)
+            act = fused.silu_and_mul(gu) if fused is not None else F.silu(gu[:, :inter]) * gu[:, inter:]
+            pending = layer.down(act)
             if lora is not None:
-                lora.apply(i, "down", act, d)
-            h = h + d
-        return rms_norm(h, self.norm, eps)
+                lora.apply(i, "down", act, pending)
+        return self._add_norm(h, pending, self.norm, eps)[1]
+
+    def _add_norm(
+        self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta, rms_norm of it): a sub-layer's residual add and the norm after it (fused: h in place)."""
+        if self.fused is not None:
+            h, x = self.fused.add_rms_norm(h, delta, weight, eps)
+            return h, x
+        if delta is not None:
+            h = h + delta
+        return h, rms_norm(h, weight, eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [N, vocab] for the given hidden rows."""

@@ -31,7 +31,7 @@ from worker.core.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from worker.core.request import Logprob
 from worker.model.attention import SeqSpan, build_metadata
 from worker.model.config import ModelConfig
-from worker.model.kernels import load_paged_decode, paged_decode_path
+from worker.model.kernels import load_fused_ops, load_paged_decode, paged_decode_path
 from worker.model.linear import available_kernels, read_cpu_flags, resolve_auto_dtype
 from worker.model.llama import LlamaModel
 from worker.model.loader import load_weights
@@ -165,6 +165,7 @@ class ModelRunner:
         # kernel cannot be built here.
         self.decode_kernel = None
         self.kernel_error: str | None = None
+        self.fused_reason = "torch ops: the fused ones run on CPU, without enforce_eager"
         if not enforce_eager and self.device.type == "cpu":
             self.decode_kernel, self.kernel_error = load_paged_decode()
             if self.kernel_error:
@@ -175,6 +176,10 @@ class ModelRunner:
                 logging.getLogger(__name__).info(
                     "decode attention: native paged kernel, %s", paged_decode_path(self.dtype, cfg.head_dim)
                 )
+            self.model.fused, self.fused_reason = load_fused_ops(
+                self.dtype, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+            )
+            logging.getLogger(__name__).info("layer elementwise steps: %s", self.fused_reason)
         self._generators: dict[str, torch.Generator] = {}
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank

@@ -1,0 +1,113 @@
+"""The fused elementwise steps (`kernels.load_fused_ops`: residual add + RMSNorm, SiLU-and-mul, RoPE in place)
+compute what the model's torch ops compute, to one bf16 rounding, on every size they take; they refuse what they
+do not take; and a bf16 model that uses them scores like the same model on torch ops. Skipped on CPUs without
+AVX512-BF16 (where the model runs torch's ops and nothing here is used)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from worker.model.kernels import load_fused_ops
+from worker.model.llama import rms_norm
+from worker.model.quality import compare, reference
+from worker.model.runner import ModelRunner
+from worker.model.testing import make_tiny_llama
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def ops():
+    fused, why = load_fused_ops(BF16, 64, 64, 64)
+    if fused is None:
+        pytest.skip(why)
+    return fused
+
+
+def close_to_one_rounding(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Within two bf16 steps of the value (torch rounds between its ops, the kernels once at the end)."""
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 * 2**-8, atol=1e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("n", [16, 576, 2048])
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_add_rms_norm(ops, rows: int, n: int, with_delta: bool) -> None:
+    gen = torch.Generator().manual_seed(rows * n)
+    h = (torch.randn(rows, n, generator=gen) * 3).to(BF16)
+    d = torch.randn(rows, n, generator=gen).to(BF16) if with_delta else None
+    w = (1 + 0.2 * torch.randn(n, generator=gen)).to(BF16)
+    want_h = h + d if d is not None else h
+    want = rms_norm(want_h, w, 1e-5)
+    got_h, got = ops.add_rms_norm(h.clone(), d, w, 1e-5)
+    assert torch.equal(got_h, want_h)  # the residual is rounded exactly as torch's add rounds it
+    close_to_one_rounding(got, want)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64, 129])
+@pytest.mark.parametrize("inter", [16, 1536])
+def test_silu_and_mul(ops, rows: int, inter: int) -> None:
+    gu = (torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(inter)) * 4).to(BF16)
+    gu[0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # exp's clamps: silu(-100) = -0, silu(100) = 100
+    close_to_one_rounding(ops.silu_and_mul(gu), F.silu(gu[:, :inter]) * gu[:, inter:])
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
+@pytest.mark.parametrize("rows", [1, 33])
+def test_rope_in_place_on_q_and_k_only(ops, heads: int, kv_heads: int, head_dim: int, rows: int) -> None:
+    gen = torch.Generator().manual_seed(head_dim + rows)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen).to(BF16)
+    angles = torch.rand(rows, head_dim // 2, generator=gen) * 100
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(BF16)[:, None]
+    sin = torch.cat((-angles.sin(), angles.sin()), -1).to(BF16)[:, None]
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(rows, heads + kv_heads, head_dim)
+    want = qk * cos + qk.roll(head_dim // 2, dims=-1) * sin
+    got = qkv.clone()
+    ops.rope_(got, heads + kv_heads, head_dim, cos, sin)
+    close_to_one_rounding(got[:, : want[0].numel()].view_as(want), want)
+    assert torch.equal(got[:, want[0].numel() :], qkv[:, want[0].numel() :])  # v is untouched
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda ops: ops.silu_and_mul(torch.randn(2, 64)), "bf16"),  # fp32
+        (lambda ops: ops.silu_and_mul(torch.randn(2, 40).to(BF16)), "16k"),  # 20 columns a half
+        (lambda ops: ops.add_rms_norm(torch.randn(2, 24).to(BF16), None, torch.ones(24).to(BF16), 1e-5), "16k"),
+        (lambda ops: ops.add_rms_norm(torch.randn(2, 32).to(BF16), None, torch.ones(16).to(BF16), 1e-5), "weight"),
+        (lambda ops: ops.add_rms_norm(torch.randn(2, 32).to(BF16).t(), None, torch.ones(2).to(BF16), 1e-5), "contig"),
+    ],
+)
+def test_refuses_what_it_does_not_take(ops, call, match: str) -> None:
+    with pytest.raises(RuntimeError, match=match):
+        call(ops)
+
+
+def test_loader_says_why_not(ops) -> None:
+    assert load_fused_ops(torch.float32, 64, 64, 64)[0] is None
+    none, why = load_fused_ops(BF16, 72, 100, 12)  # the tiny test model's sizes
+    assert none is None and "16k" in why
+
+
+def test_a_bf16_model_on_fused_ops_scores_like_one_on_torch_ops(ops, tmp_path) -> None:
+    """Same weights, same prompts: the fused model and the torch-ops model agree with the fp32 reference alike."""
+    path = make_tiny_llama(
+        tmp_path,
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_hidden_layers=2,
+        init_std=0.1,
+    )
+    ref = ModelRunner(str(path), num_blocks=32)
+    fused = ModelRunner(str(path), num_blocks=32, dtype="bfloat16")
+    plain = ModelRunner(str(path), num_blocks=32, dtype="bfloat16", enforce_eager=True)
+    assert fused.model.fused is not None and plain.model.fused is None
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, ref.config.vocab_size, (n,), generator=gen).tolist() for n in (4, 19, 40)]
+    base = reference(ref, prompts, max_tokens=12)
+    with_fused, with_torch = compare(base, fused), compare(base, plain)
+    assert with_fused.agreement >= 0.9 and with_torch.agreement >= 0.9
+    assert with_fused.mean_kl <= 2 * with_torch.mean_kl + 1e-4
