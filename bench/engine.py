@@ -20,8 +20,9 @@ it, and the engine's per-step overhead outside the model (scheduler, KV bookkeep
 minus runner time) at the largest batch. The LAST line printed is one JSON object.
 
 `--variants` runs several variants in one process run (so their ratios share the machine's state): fp32 and
-bf16 run every system; int4/fp8 (weights quantized, activations fp32) run `ours` only, and their `x_vllm`
-is against vLLM fp32 and `x_fp32` against our fp32 when those ran.
+bf16 run every system; int4/fp8 (weights quantized, activations fp32) and int4-bf16/fp8-bf16 (bf16 activations)
+run `ours` only, and their `x_vllm` is against vLLM in their activations' dtype and `x_fp32` against our fp32
+when those ran.
 
     .venv/bin/python bench/engine.py                # SmolLM2-135M fp32, full workload (~10-20 min on 2 cores)
     .venv/bin/python bench/engine.py --quick        # 12 short requests: a smoke run in about a minute
@@ -44,12 +45,15 @@ from typing import Any
 
 SYSTEMS = ("ours", "ours_seq1", "hf_static", "vllm")
 HF_BATCH = 8
-# variant -> (dtype, quantization); quantized variants compute in fp32 like `quantization:` in a CR does.
+# variant -> (dtype, quantization): the activations' dtype (a CR's `dtype`) and the weights' format.
 VARIANTS = {
     "fp32": ("float32", None),
     "bf16": ("bfloat16", None),
     "int4": ("float32", "int4"),
     "fp8": ("float32", "fp8"),
+    # quantized weights, bf16 activations: the bf16 GEMM units (and the native fp8 -> bf16 dequantizer) do the work
+    "fp8-bf16": ("bfloat16", "fp8"),
+    "int4-bf16": ("bfloat16", "int4"),
 }
 CEILING_ROWS = 256
 
@@ -292,6 +296,7 @@ def gemm_ceiling(path: str, work, dtype: str, quantization: str | None = None) -
     kernel choice, same library), and the tok/s it allows for this workload."""
     import torch
     from worker.model.config import ModelConfig
+    from worker.model.kernels import load_fused_ops
     from worker.model.linear import (
         available_kernels,
         choose_linear_kernel,
@@ -305,13 +310,14 @@ def gemm_ceiling(path: str, work, dtype: str, quantization: str | None = None) -
     layer_params = sum(n * k for n, k in shapes)
     dt = getattr(torch, dtype)
     kernel, reason = choose_linear_kernel("cpu", dt, read_cpu_flags(), available_kernels())
+    native = load_fused_ops(dt, h, i, cfg.head_dim)[0]  # as the runner builds them (fp8 dequantizes with it)
     rows = CEILING_ROWS
     flops = 0.0
     secs = 0.0
     with torch.inference_mode():
         for n, k in shapes:
             x = torch.randn(rows, k, dtype=dt)
-            lin = make_linear(torch.randn(n, k) * k**-0.5, None, quantization, dt, kernel)
+            lin = make_linear(torch.randn(n, k) * k**-0.5, None, quantization, dt, kernel, native)
             for _ in range(3):
                 lin(x)
             reps = 20
@@ -457,7 +463,7 @@ def main() -> None:
     done = {(r["variant"], r["system"]): r for r in systems if "tok_s" in r}
     for (variant, _), r in done.items():
         dtype, quant = VARIANTS[variant]
-        base = variant if quant is None else "fp32"  # quantized variants compute in fp32
+        base = variant if quant is None else "bf16" if dtype == "bfloat16" else "fp32"  # their activations' dtype
         for ref in ("hf_static", "vllm"):
             if (base, ref) in done:
                 r[f"x_{ref}"] = round(r["tok_s"] / done[(base, ref)]["tok_s"], 3)

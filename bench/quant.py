@@ -28,6 +28,8 @@ VARIANTS = [
     ("bf16", "bfloat16", None),
     ("fp8", "float32", "fp8"),
     ("int4", "float32", "int4"),
+    ("fp8-bf16", "bfloat16", "fp8"),  # fp8 weights, bf16 activations: the bf16 GEMM units do the work
+    ("int4-bf16", "bfloat16", "int4"),
 ]
 
 

@@ -1,6 +1,7 @@
 """The fused elementwise steps (`kernels.load_fused_ops`: residual add + RMSNorm, SiLU-and-mul, RoPE in place)
-compute what the model's torch ops compute, to one bf16 rounding, on every size they take; they refuse what they
-do not take; and a bf16 model that uses them scores like the same model on torch ops. Skipped on CPUs without
+compute what the model's torch ops compute, to one bf16 rounding, on every size they take; the fp8 -> bf16
+dequantizer is torch's conversion bit for bit; they refuse what they do not take; and a bf16 model that uses them
+scores like the same model on torch ops. Skipped on CPUs without
 AVX512-BF16 (where the model runs torch's ops and nothing here is used)."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from worker.model.kernels import load_fused_ops
 from worker.model.llama import rms_norm
 from worker.model.quality import compare, reference
+from worker.model.quant import fp8_to_fp16, make_linear
 from worker.model.runner import ModelRunner
 from worker.model.testing import make_tiny_llama
 
@@ -82,6 +84,26 @@ def test_rope_in_place_on_q_and_k_only(ops, heads: int, kv_heads: int, head_dim:
 def test_refuses_what_it_does_not_take(ops, call, match: str) -> None:
     with pytest.raises(RuntimeError, match=match):
         call(ops)
+    with pytest.raises(RuntimeError, match="e4m3"):
+        ops.fp8_to_bf16(torch.zeros(4, 32, dtype=torch.float8_e4m3fn).t())
+
+
+def test_fp8_to_bf16_is_torchs_conversion_bit_for_bit(ops) -> None:
+    codes = torch.arange(256, dtype=torch.uint8).repeat(4).view(torch.float8_e4m3fn).view(32, 32)
+    got, want = ops.fp8_to_bf16(codes), fp8_to_fp16(codes).to(BF16)
+    assert got.shape == want.shape and got.dtype == BF16
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])  # subnormals and -0 included
+
+
+@pytest.mark.parametrize(("out_features", "rows"), [(96, 1), (3072, 64)])  # 3072 x 576 dequantizes in tiles
+def test_fp8_linear_on_the_native_dequantizer_gives_the_same_output(ops, out_features: int, rows: int) -> None:
+    gen = torch.Generator().manual_seed(out_features)
+    w = torch.randn(out_features, 576, generator=gen) * 0.05
+    x = torch.randn(rows, 576, generator=gen).to(BF16)
+    native, plain = make_linear(w, None, "fp8", BF16, native=ops), make_linear(w, None, "fp8", BF16)
+    assert torch.equal(native(x), plain(x))
 
 
 def test_loader_says_why_not(ops) -> None:

@@ -30,7 +30,8 @@ AVX512 pass over the rows where torch runs 3-9 ops (the bf16 RMSNorm alone widen
 rounds and multiplies), each with its own dispatch and, for big batches, its own trip through memory. Measured on
 SmolLM2's shapes (2-core Xeon, AVX512-BF16), torch ops -> fused: add + RMSNorm 48 -> 21 us at 64 rows and 4.3 ->
 0.24 ms at 2048; SiLU-and-mul 42 -> 37 us and 1.43 -> 0.68 ms; RoPE 56 -> 11 us and 0.87 -> 0.17 ms. fp32 keeps
-torch's ops (its greedy output stays token-identical to transformers'); bf16 is judged by agreement.
+torch's ops (its greedy output stays token-identical to transformers'); bf16 is judged by agreement. The same
+ops include `fp8_to_bf16`, the fp8 variant's dequantizer for bf16 activations (quant.Fp8Linear).
 """
 
 from __future__ import annotations
@@ -340,6 +341,19 @@ LLMFLEET_AVX512_BF16 static void rope_row_bf16(c10::BFloat16* x, const c10::BFlo
     }
   }
 }
+
+// fp8 e4m3 bits -> bf16 of value / 2**8, exactly: the bits re-biased into an fp16 pattern (what
+// quant.fp8_to_fp16 does with torch's integer ops), widened to fp32 and narrowed to bf16 (both exact: an e4m3
+// value / 2**8 has 3 significant bits and fits fp16's range, subnormals included). n % 16 == 0.
+LLMFLEET_AVX512_BF16 static void fp8_to_bf16_run(const uint8_t* w, c10::BFloat16* out, int64_t n) {
+  const __m256i low7 = _mm256_set1_epi16(0x7F), sign = _mm256_set1_epi16(0x80);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(w + i)));
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, low7), 7),
+                                      _mm256_slli_epi16(_mm256_and_si256(b, sign), 8));
+    _mm256_storeu_si256((__m256i*)(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_cvtph_ps(h)));
+  }
+}
 #endif
 
 // The wrappers of the fused steps. They take bf16 only, on CPUs with AVX512-BF16 and sizes that are multiples
@@ -430,6 +444,23 @@ void rope_(torch::Tensor x, int64_t heads, int64_t head_dim, torch::Tensor cos, 
   });
 #endif
 }
+
+// An fp8 (e4m3) weight [out, in] as bf16 of value / 2**8 (Fp8Linear folds the 2**8 into its output scale).
+torch::Tensor fp8_to_bf16(torch::Tensor w8) {
+  TORCH_CHECK(w8.scalar_type() == at::kFloat8_e4m3fn && w8.is_contiguous(), "fp8_to_bf16: contiguous e4m3 weight");
+  check_bf16(torch::empty({0}, w8.options().dtype(at::kBFloat16)), w8.numel(), "fp8_to_bf16");
+  auto out = torch::empty(w8.sizes(), w8.options().dtype(at::kBFloat16));
+#if defined(__x86_64__)
+  const auto* src = reinterpret_cast<const uint8_t*>(w8.data_ptr());
+  auto* dst = out.data_ptr<c10::BFloat16>();
+  const int64_t n = w8.numel(), chunk = 1 << 16;
+  at::parallel_for(0, (n + chunk - 1) / chunk, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c)
+      fp8_to_bf16_run(src + c * chunk, dst + c * chunk, std::min(chunk, n - c * chunk));
+  });
+#endif
+  return out;
+}
 """
 
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math")
@@ -454,6 +485,8 @@ class FusedOps(Protocol):
     def silu_and_mul(self, gu: torch.Tensor) -> torch.Tensor: ...
 
     def rope_(self, x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None: ...
+
+    def fp8_to_bf16(self, w8: torch.Tensor) -> torch.Tensor: ...
 
 
 def _cpu_flags() -> tuple[str, frozenset[str]]:
@@ -511,6 +544,7 @@ def _load_module() -> tuple[Any, str | None]:
                 "add_rms_norm",
                 "silu_and_mul",
                 "rope_",
+                "fp8_to_bf16",
             ],
             # fresh lists: load_inline appends torch's own flags to the lists it is given
             extra_cflags=[*CFLAGS, *arch_flags()[0]],

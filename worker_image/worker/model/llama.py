@@ -113,8 +113,10 @@ class LlamaModel:
         device: torch.device | str = "cpu",
         quantization: str | None = None,
         linear_kernel: LinearKernel | None = None,
+        fused: FusedOps | None = None,
     ) -> None:
-        """`linear_kernel` None: chosen by `choose_linear_kernel` for this device, dtype and CPU."""
+        """`linear_kernel` None: chosen by `choose_linear_kernel` for this device, dtype and CPU. `fused`: the native
+        fused steps (`kernels.load_fused_ops`) where they run (the layers' elementwise steps, fp8 dequantization)."""
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
@@ -137,8 +139,7 @@ class LlamaModel:
             reason = "asked for by the caller"
         self.linear_kernel: LinearKernel = linear_kernel
         self.linear_kernel_reason = reason
-        # the fused elementwise steps (kernels.load_fused_ops), set by the runner where they run; None: torch ops
-        self.fused: FusedOps | None = None
+        self.fused = fused
         log.info("dense linears run on %s: %s", linear_kernel, reason)
 
         def take(name: str) -> torch.Tensor:
@@ -149,7 +150,7 @@ class LlamaModel:
             # for q/k/v and one for gate/up; the bias is concatenated the same way (Qwen2-style QKV bias).
             w = torch.cat([weights[f"{p}.weight"] for p in prefixes]).to(self.device)
             b = torch.cat([weights[f"{p}.bias"] for p in prefixes]).to(self.device) if bias else None
-            return make_linear(w, b, quantization, dtype, linear_kernel)
+            return make_linear(w, b, quantization, dtype, linear_kernel, fused)
 
         self.layers: list[DecoderLayer] = []
         for i in range(cfg.num_hidden_layers):

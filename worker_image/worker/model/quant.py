@@ -38,6 +38,15 @@ int4 beats fp8 here only because SmolLM2's own weights are Q4_1 (4-bit, groups o
 lands almost exactly on that grid. Speed on this CPU (one decode step, 64 requests): fp32 0.39 s, int4 0.49 s,
 fp8 0.61 s; a 512-token prefill: fp32 1.0 s, fp8 1.3 s, int4 2.1 s. The variants trade speed for memory here.
 
+**With bf16 activations** (a CR's `dtype: auto` on CPUs with AVX512-BF16, where the bf16 GEMM units do the work)
+the variants pay for themselves. fp8 then dequantizes with the extension's `fp8_to_bf16` (kernels.py: one AVX512
+pass, bit for bit torch's `fp8_to_fp16(w).to(bf16)`, 0.09 vs 1.59 ms for a 3072x576 weight), so an fp8 layer costs
+a bf16 GEMM plus a pass over 1 byte/weight. Measured on a 2-core Xeon with AMX, one run of
+`bench/engine.py --variants fp32,fp8-bf16,int4-bf16,bf16 --skip hf_static,ours_seq1,vllm` on workload W:
+fp32 167.5 tok/s, fp8-bf16 304.8 (1.82x fp32), int4-bf16 176.3 (1.05x; torch's int4 kernel is no AMX kernel:
+2x slower than fp32 at 2048 rows, faster at 1-16), bf16 417.1 (2.49x). Quality (`bench/quant.py --tokens 16`):
+fp8-bf16 agreement 0.938, KL 0.0211 (fp8 with fp32 activations: 0.953, 0.0223); int4-bf16 0.977, KL 0.0010.
+
 There is no `int8` (W8A8) variant yet: `bench/int8_study.py` measures why. Plain W8A8 misses the 0.95 agreement
 floor (0.89) and keeping the 64 widest-range input channels out of the int8 GEMM recovers it (0.958, KL 0.0046);
 `torch._int_mm` alone is ~6x the fp32 GEMM from 64 rows on (AMX int8 here), but quantizing and dequantizing with
@@ -46,11 +55,13 @@ torch ops leaves 1.35-1.78x at 64-512 rows and 0.34x at one row. It needs a fuse
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
 
+from worker.model.kernels import FusedOps
 from worker.model.linear import LinearKernel, make_dense_linear, nbytes_of
 
 Quantization = Literal["fp8", "int4"]
@@ -90,6 +101,11 @@ def fp8_to_fp16(w8: torch.Tensor) -> torch.Tensor:
     return (((bits & 0x7F) << 7) | ((bits & 0x80) << 8)).view(torch.float16)
 
 
+def _torch_dequantizer(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """fp8 weight -> `dtype` weight of value / 2**8, with torch's ops."""
+    return lambda w8: fp8_to_fp16(w8).to(dtype)
+
+
 def fp8_chunk_rows(out_features: int, in_features: int) -> int:
     """Rows of a weight that `Fp8Linear` dequantizes and multiplies at a time: all of them, unless the weight
     holds at least FP8_CHUNK_MIN_TILES tiles of FP8_TILE_WEIGHTS, then tiles of that size (row-aligned)."""
@@ -98,10 +114,17 @@ def fp8_chunk_rows(out_features: int, in_features: int) -> int:
 
 
 class Fp8Linear:
-    __slots__ = ("_chunk_rows", "_out_scale", "bias", "out_features", "scale", "weight")
+    __slots__ = ("_chunk_rows", "_out_scale", "_to_dtype", "bias", "out_features", "scale", "weight")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, native: FusedOps | None = None
+    ) -> None:
+        """`native`: the extension's fused ops, whose `fp8_to_bf16` (one AVX512 pass, the same values) replaces
+        `fp8_to_fp16(w).to(bf16)` (four torch passes, ~1 ns a weight) where the activations are bf16."""
         self.weight, self.scale = quantize_fp8(weight)
+        self._to_dtype: Callable[[torch.Tensor], torch.Tensor] = (
+            native.fp8_to_bf16 if native is not None and dtype == torch.bfloat16 else _torch_dequantizer(dtype)
+        )
         self.bias = bias
         self.out_features = weight.shape[0]
         self._out_scale = (self.scale * FP8_TO_FP16_EXP_SHIFT).to(dtype)
@@ -114,9 +137,9 @@ class Fp8Linear:
         w = self.weight
         rows = self._chunk_rows
         if rows >= w.shape[0]:
-            y = F.linear(x, fp8_to_fp16(w).to(x.dtype))
+            y = F.linear(x, self._to_dtype(w))
         else:
-            y = torch.cat([F.linear(x, fp8_to_fp16(w[i : i + rows]).to(x.dtype)) for i in range(0, len(w), rows)], -1)
+            y = torch.cat([F.linear(x, self._to_dtype(w[i : i + rows])) for i in range(0, len(w), rows)], -1)
         y = y * self._out_scale
         return y if self.bias is None else y + self.bias
 
@@ -186,13 +209,15 @@ def make_linear(
     quantization: str | None,
     dtype: torch.dtype,
     kernel: LinearKernel = "aten",
+    native: FusedOps | None = None,
 ) -> Linear:
-    """A linear layer over `weight` [out, in] in `dtype`, quantized as asked (None = dense, run by `kernel`)."""
+    """A linear layer over `weight` [out, in] in `dtype`, quantized as asked (None = dense, run by `kernel`);
+    `native`: the extension's fused ops where they run (fp8 dequantizes with them)."""
     if quantization is None:
         return make_dense_linear(weight, bias, dtype, kernel)
     b = None if bias is None else bias.to(dtype)
     if quantization == "fp8":
-        return Fp8Linear(weight, b, dtype)
+        return Fp8Linear(weight, b, dtype, native)
     if quantization == "int4":
         if weight.device.type != "cpu":
             raise ValueError("int4 weight-only quantization uses torch's CPU int4 kernel: run it on device cpu")

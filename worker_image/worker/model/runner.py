@@ -139,10 +139,21 @@ class ModelRunner:
         self.tokenizer = Tokenizer(model_path)
         eos = self.tokenizer.eos_token_id
         self.eos_token_id: int | None = eos if eos is not None else next(iter(self.config.eos_token_ids), None)
+        self.fused_reason = "torch ops: the fused ones run on CPU, without enforce_eager"
+        fused = None
+        if not enforce_eager and self.device.type == "cpu":
+            cfg = self.config
+            fused, self.fused_reason = load_fused_ops(self.dtype, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim)
+        logging.getLogger(__name__).info("layer elementwise steps: %s", self.fused_reason)
         with torch.inference_mode():
             weights = load_weights(model_path, self.dtype)
             self.model = LlamaModel(
-                self.config, weights, dtype=self.dtype, device=self.device, quantization=self.quantization
+                self.config,
+                weights,
+                dtype=self.dtype,
+                device=self.device,
+                quantization=self.quantization,
+                fused=fused,
             )
         del weights
         self.block_bytes = kv_block_bytes(self.config, block_size, self.dtype)
@@ -165,7 +176,6 @@ class ModelRunner:
         # kernel cannot be built here.
         self.decode_kernel = None
         self.kernel_error: str | None = None
-        self.fused_reason = "torch ops: the fused ones run on CPU, without enforce_eager"
         if not enforce_eager and self.device.type == "cpu":
             self.decode_kernel, self.kernel_error = load_paged_decode()
             if self.kernel_error:
@@ -176,10 +186,6 @@ class ModelRunner:
                 logging.getLogger(__name__).info(
                     "decode attention: native paged kernel, %s", paged_decode_path(self.dtype, cfg.head_dim)
                 )
-            self.model.fused, self.fused_reason = load_fused_ops(
-                self.dtype, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-            )
-            logging.getLogger(__name__).info("layer elementwise steps: %s", self.fused_reason)
         self._generators: dict[str, torch.Generator] = {}
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
