@@ -64,7 +64,7 @@ def kernel():
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (8, 1)])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (8, 1), (10, 2)])  # groups of 1, 3, 8, 5
 @pytest.mark.parametrize("hd", [32, 64, 128])  # 64 and 128 in bf16: the AVX512-BF16 path where the CPU has it
 def test_native_decode_matches_sdpa(kernel, dtype, tol, heads, kv_heads, hd):
     gen = torch.Generator().manual_seed(heads * 10 + kv_heads + hd)
