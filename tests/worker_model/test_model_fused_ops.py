@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from worker.model.kernels import load_fused_ops
 from worker.model.llama import rms_norm
 from worker.model.quality import compare, reference
-from worker.model.quant import fp8_to_fp16, make_linear
+from worker.model.quant import fp8_to_fp16, make_linear, pack_int4_rows
 from worker.model.runner import ModelRunner
 from worker.model.testing import make_tiny_llama
 
@@ -106,14 +106,36 @@ def test_fp8_linear_on_the_native_dequantizer_gives_the_same_output(ops, out_fea
     assert torch.equal(native(x), plain(x))
 
 
+def test_pack_int4_rows_layout() -> None:
+    q = torch.randint(0, 16, (3, 64), generator=torch.Generator().manual_seed(1))
+    packed = pack_int4_rows(q)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 32)
+    chunks = packed.view(3, 2, 16)  # byte i of a 32-weight chunk: weight i (low nibble), weight i + 16 (high)
+    assert torch.equal(torch.cat([chunks & 0xF, chunks >> 4], -1).view(3, 64).long(), q)
+
+
+@pytest.mark.parametrize(("shape", "rows"), [((96, 64), 3), ((3072, 576), 64), ((576, 1536), 1)])
+def test_int4_on_the_native_dequantizer_computes_torchs_int4_weights(ops, shape: tuple[int, int], rows: int) -> None:
+    gen = torch.Generator().manual_seed(shape[0])
+    w = torch.randn(*shape, generator=gen) * 0.05
+    native, kernel = make_linear(w, None, "int4", BF16, native=ops), make_linear(w, None, "int4", BF16)
+    assert native.nbytes == kernel.nbytes  # the same 0.5 byte a weight, in our layout
+    close_to_one_rounding(native.dequantize(BF16), kernel.dequantize(BF16))
+    x = torch.randn(rows, shape[1], generator=gen).to(BF16)
+    want = kernel(x).float()
+    assert ((native(x).float() - want).norm() / want.norm()).item() < 1e-2
+
+
 def test_loader_says_why_not(ops) -> None:
     assert load_fused_ops(torch.float32, 64, 64, 64)[0] is None
     none, why = load_fused_ops(BF16, 72, 100, 12)  # the tiny test model's sizes
     assert none is None and "16k" in why
 
 
-def test_a_bf16_model_on_fused_ops_scores_like_one_on_torch_ops(ops, tmp_path) -> None:
-    """Same weights, same prompts: the fused model and the torch-ops model agree with the fp32 reference alike."""
+@pytest.mark.parametrize("quantization", [None, "fp8", "int4"])
+def test_a_bf16_model_on_fused_ops_scores_like_one_on_torch_ops(ops, tmp_path, quantization: str | None) -> None:
+    """Same weights, same prompts: the model on the native ops (fused steps, fp8/int4 dequantized natively) and
+    the one on torch's ops agree with the fp32 reference alike."""
     path = make_tiny_llama(
         tmp_path,
         hidden_size=64,
@@ -124,12 +146,12 @@ def test_a_bf16_model_on_fused_ops_scores_like_one_on_torch_ops(ops, tmp_path) -
         init_std=0.1,
     )
     ref = ModelRunner(str(path), num_blocks=32)
-    fused = ModelRunner(str(path), num_blocks=32, dtype="bfloat16")
-    plain = ModelRunner(str(path), num_blocks=32, dtype="bfloat16", enforce_eager=True)
+    fused = ModelRunner(str(path), num_blocks=32, dtype="bfloat16", quantization=quantization)
+    plain = ModelRunner(str(path), num_blocks=32, dtype="bfloat16", quantization=quantization, enforce_eager=True)
     assert fused.model.fused is not None and plain.model.fused is None
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, ref.config.vocab_size, (n,), generator=gen).tolist() for n in (4, 19, 40)]
     base = reference(ref, prompts, max_tokens=12)
     with_fused, with_torch = compare(base, fused), compare(base, plain)
-    assert with_fused.agreement >= 0.9 and with_torch.agreement >= 0.9
-    assert with_fused.mean_kl <= 2 * with_torch.mean_kl + 1e-4
+    assert with_fused.agreement >= with_torch.agreement - 0.1 and with_torch.agreement >= 0.6
+    assert with_fused.mean_kl <= 2 * with_torch.mean_kl + 1e-3

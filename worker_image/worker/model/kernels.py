@@ -426,6 +426,24 @@ LLMFLEET_AVX512_BF16 static void fp8_to_bf16_run(const uint8_t* w, c10::BFloat16
     _mm256_storeu_si256((__m256i*)(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_cvtph_ps(h)));
   }
 }
+
+// int4 -> bf16 for one row of k weights: byte i of each 32-weight chunk holds weight i (low nibble) and weight
+// i + 16 (high nibble); sz holds (scale, zero) per group of g weights (g % 32 == 0), w = (q - 8) * scale + zero,
+// computed as one fp32 FMA q * scale + (zero - 8 * scale) and rounded once.
+LLMFLEET_AVX512_BF16 static void int4_row_bf16(const uint8_t* q, const c10::BFloat16* sz, c10::BFloat16* out,
+                                               int64_t k, int64_t g) {
+  const __m256i low4 = _mm256_set1_epi16(0x0F);
+  for (int64_t j = 0; j < k; j += 32) {
+    const int64_t grp = j / g;
+    const float sc = static_cast<float>(sz[2 * grp]), ze = static_cast<float>(sz[2 * grp + 1]);
+    const __m512 s = _mm512_set1_ps(sc), z = _mm512_set1_ps(ze - 8.f * sc);
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(q + j / 2)));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm256_and_si256(b, low4)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm256_srli_epi16(b, 4)));
+    _mm256_storeu_si256((__m256i*)(out + j), (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(lo, s, z)));
+    _mm256_storeu_si256((__m256i*)(out + j + 16), (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(hi, s, z)));
+  }
+}
 #endif
 
 // The wrappers of the fused steps. They take bf16 only, on CPUs with AVX512-BF16 and sizes that are multiples
@@ -517,6 +535,28 @@ void rope_(torch::Tensor x, int64_t heads, int64_t head_dim, torch::Tensor cos, 
 #endif
 }
 
+// An int4 weight as bf16: packed [out, in / 2] uint8 (quant.pack_int4_rows' layout), sz [out, in / g, 2] bf16.
+torch::Tensor int4_to_bf16(torch::Tensor packed, torch::Tensor sz, int64_t g) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
+              "int4_to_bf16: packed must be [out, in / 2] uint8, contiguous");
+  const int64_t n = packed.size(0), k = packed.size(1) * 2;
+  TORCH_CHECK(g % 32 == 0 && k % g == 0, "int4_to_bf16: the group size must be a multiple of 32 dividing in");
+  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.dim() == 3 && sz.size(0) == n &&
+                  sz.size(1) == k / g && sz.size(2) == 2,
+              "int4_to_bf16: sz must be [out, in / g, 2] bf16, contiguous");
+  check_bf16(sz, k, "int4_to_bf16");
+  auto out = torch::empty({n, k}, sz.options());
+#if defined(__x86_64__)
+  const auto* q = packed.data_ptr<uint8_t>();
+  const auto* s = sz.data_ptr<c10::BFloat16>();
+  auto* o = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, n, std::max<int64_t>(1, (1 << 16) / k), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) int4_row_bf16(q + r * k / 2, s + r * (k / g) * 2, o + r * k, k, g);
+  });
+#endif
+  return out;
+}
+
 // An fp8 (e4m3) weight [out, in] as bf16 of value / 2**8 (Fp8Linear folds the 2**8 into its output scale).
 torch::Tensor fp8_to_bf16(torch::Tensor w8) {
   TORCH_CHECK(w8.scalar_type() == at::kFloat8_e4m3fn && w8.is_contiguous(), "fp8_to_bf16: contiguous e4m3 weight");
@@ -559,6 +599,8 @@ class FusedOps(Protocol):
     def rope_(self, x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None: ...
 
     def fp8_to_bf16(self, w8: torch.Tensor) -> torch.Tensor: ...
+
+    def int4_to_bf16(self, packed: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor: ...
 
 
 def _cpu_flags() -> tuple[str, frozenset[str]]:
@@ -617,6 +659,7 @@ def _load_module() -> tuple[Any, str | None]:
                 "silu_and_mul",
                 "rope_",
                 "fp8_to_bf16",
+                "int4_to_bf16",
             ],
             # fresh lists: load_inline appends torch's own flags to the lists it is given
             extra_cflags=[*CFLAGS, *arch_flags()[0]],

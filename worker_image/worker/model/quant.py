@@ -170,27 +170,62 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     return q, scale, lo + 8 * scale
 
 
-class Int4Linear:
-    __slots__ = ("bias", "group_size", "out_dtype", "out_features", "packed", "scales_zeros")
+def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] in 0..15 -> uint8 [N, K/2] in the native dequantizer's layout: byte i of each 32-weight chunk
+    holds weight i in its low nibble and weight i + 16 in its high one (K % 32 == 0)."""
+    n, k = q.shape
+    chunks = q.to(torch.uint8).view(n, k // 32, 2, 16)
+    return (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+
+class Int4Linear:
+    """Group-wise int4 weights. With bf16 activations and the extension's ops (`native`) the weights are kept in
+    our own nibble layout and dequantized to bf16 in tiles (`kernels.int4_to_bf16`, one AVX512 pass) for a bf16
+    GEMM, as fp8 is; otherwise they are packed for torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`, bf16
+    activations inside). Either way 0.5 byte a weight plus bf16 (scale, zero) per group."""
+
+    __slots__ = ("_native", "_rows", "bias", "group_size", "out_dtype", "out_features", "packed", "scales_zeros")
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, native: FusedOps | None = None
+    ) -> None:
         self.group_size = int4_group_size(weight.shape[1])
         q, scale, zero = quantize_int4(weight, self.group_size)
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        # [K/G, N, 2] as the kernel wants it.
-        self.scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous().to(torch.bfloat16)
+        self._native = native if native is not None and dtype == torch.bfloat16 else None
+        if self._native is not None:
+            self.packed = pack_int4_rows(q)
+            # [N, K/G, 2]: one row's groups together, as int4_to_bf16 reads them
+            self.scales_zeros = torch.stack([scale, zero], dim=-1).contiguous().to(torch.bfloat16)
+        else:
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+            # [K/G, N, 2] as the kernel wants it.
+            self.scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous().to(torch.bfloat16)
         self.bias = bias
         self.out_features = weight.shape[0]
         self.out_dtype = dtype
+        self._rows = fp8_chunk_rows(*weight.shape)  # the same bf16 tiles as fp8's, for the same cache reason
+
+    def _tile(self, start: int, end: int) -> torch.Tensor:
+        assert self._native is not None
+        return self._native.int4_to_bf16(self.packed[start:end], self.scales_zeros[start:end], self.group_size)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weights the kernel computes with (via an identity matmul: the packed layout is private)."""
-        k = self.packed.shape[1] * 2
+        """The weights the layer computes with."""
+        if self._native is not None:
+            return self._tile(0, self.out_features).to(dtype)
+        k = self.packed.shape[1] * 2  # via an identity matmul: torch's packed layout is private
         eye = torch.eye(k, dtype=torch.bfloat16)
         w_t = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, self.scales_zeros)
         return w_t.t().to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._native is not None:
+            n, rows = self.out_features, self._rows
+            if rows >= n:
+                y = F.linear(x, self._tile(0, n))
+            else:
+                y = torch.cat([F.linear(x, self._tile(i, min(i + rows, n))) for i in range(0, n, rows)], -1)
+            return y if self.bias is None else y + self.bias
         shape = x.shape
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.reshape(-1, shape[-1]).to(torch.bfloat16), self.packed, self.group_size, self.scales_zeros
@@ -221,5 +256,5 @@ def make_linear(
     if quantization == "int4":
         if weight.device.type != "cpu":
             raise ValueError("int4 weight-only quantization uses torch's CPU int4 kernel: run it on device cpu")
-        return Int4Linear(weight, b, dtype)
+        return Int4Linear(weight, b, dtype, native)
     raise ValueError(f"unknown quantization {quantization!r}; choose one of {QUANTIZATIONS} or None")
