@@ -126,6 +126,25 @@ def test_int4_on_the_native_dequantizer_computes_torchs_int4_weights(ops, shape:
     assert ((native(x).float() - want).norm() / want.norm()).item() < 1e-2
 
 
+@pytest.mark.parametrize("quant", ["fp8", "int4"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 64])  # up to gemv_max_rows (8) the GEMV, then the bf16 GEMM
+def test_quantized_layers_give_the_product_with_their_weights_at_every_batch_size(ops, quant: str, rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    layer = make_linear(torch.randn(2048, 576, generator=gen) * 0.05, None, quant, BF16, native=ops)
+    x = torch.randn(rows, 576, generator=gen).to(BF16)
+    want = x.float() @ layer.dequantize(torch.float32).t()
+    got = layer(x)
+    assert got.dtype == BF16 and got.shape == (rows, 2048)
+    assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
+
+
+def test_gemv_refuses_more_rows_than_it_takes(ops) -> None:
+    assert ops.gemv_max_rows() == 8
+    w8 = torch.zeros(16, 32, dtype=torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match=r"\[1\.\.8, in\]"):
+        ops.fp8_gemv_bf16(torch.zeros(9, 32, dtype=BF16), w8)
+
+
 def test_loader_says_why_not(ops) -> None:
     assert load_fused_ops(torch.float32, 64, 64, 64)[0] is None
     none, why = load_fused_ops(BF16, 72, 100, 12)  # the tiny test model's sizes

@@ -444,6 +444,61 @@ LLMFLEET_AVX512_BF16 static void int4_row_bf16(const uint8_t* q, const c10::BFlo
     _mm256_storeu_si256((__m256i*)(out + j + 16), (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(hi, s, z)));
   }
 }
+
+// ---- GEMV for a few rows (decode of a small batch): y[m, r] = x[m] . w[r] for M <= 8 bf16 rows, the weight row
+// dequantized 16 at a time in registers (to the same bf16 values the tiles above hold) and never written out:
+// 0.5 (int4) or 1 (fp8) byte read a weight, where dequantize-then-GEMM writes and reads 2 more and pays the bf16
+// GEMM's per-call weight reorder. Sums in fp32, y rounded once to bf16.
+LLMFLEET_AVX512_BF16 static inline __m512 bf16_round(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+template <int M>
+LLMFLEET_AVX512_BF16 static inline void fma_rows(const c10::BFloat16* x, int64_t k, int64_t j, __m512 w, __m512* acc) {
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(ld_bf16(x + m * k + j), w, acc[m]);
+}
+
+template <int M>
+LLMFLEET_AVX512_BF16 static void int4_gemv(const c10::BFloat16* x, const uint8_t* q, const c10::BFloat16* sz,
+                                           c10::BFloat16* y, int64_t k, int64_t g, int64_t n, int64_t r0,
+                                           int64_t r1) {
+  const __m256i low4 = _mm256_set1_epi16(0x0F);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* qr = q + r * k / 2;
+    const c10::BFloat16* szr = sz + r * (k / g) * 2;
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < k; j += 32) {
+      const int64_t grp = j / g;
+      const float sc = static_cast<float>(szr[2 * grp]), ze = static_cast<float>(szr[2 * grp + 1]);
+      const __m512 s = _mm512_set1_ps(sc), z = _mm512_set1_ps(ze - 8.f * sc);
+      const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(qr + j / 2)));
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm256_and_si256(b, low4)));
+      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm256_srli_epi16(b, 4)));
+      fma_rows<M>(x, k, j, bf16_round(_mm512_fmadd_ps(lo, s, z)), acc);
+      fma_rows<M>(x, k, j + 16, bf16_round(_mm512_fmadd_ps(hi, s, z)), acc);
+    }
+    for (int m = 0; m < M; ++m) y[m * n + r] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[m]));
+  }
+}
+
+template <int M>
+LLMFLEET_AVX512_BF16 static void fp8_gemv(const c10::BFloat16* x, const uint8_t* w, c10::BFloat16* y, int64_t k,
+                                          int64_t n, int64_t r0, int64_t r1) {
+  const __m256i low7 = _mm256_set1_epi16(0x7F), sign = _mm256_set1_epi16(0x80);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* wr = w + r * k;
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < k; j += 16) {
+      const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(wr + j)));
+      const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, low7), 7),
+                                        _mm256_slli_epi16(_mm256_and_si256(b, sign), 8));
+      fma_rows<M>(x, k, j, _mm512_cvtph_ps(h), acc);  // value / 2**8: exact in bf16 already
+    }
+    for (int m = 0; m < M; ++m) y[m * n + r] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[m]));
+  }
+}
 #endif
 
 // The wrappers of the fused steps. They take bf16 only, on CPUs with AVX512-BF16 and sizes that are multiples
@@ -535,6 +590,72 @@ void rope_(torch::Tensor x, int64_t heads, int64_t head_dim, torch::Tensor cos, 
 #endif
 }
 
+static constexpr int64_t GEMV_MAX_ROWS = 8;
+
+int64_t gemv_max_rows() { return GEMV_MAX_ROWS; }
+
+// x [M <= 8, k] bf16 times an int4 weight (int4_to_bf16's operands) -> y [M, out] bf16.
+torch::Tensor int4_gemv_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor sz, int64_t g) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= GEMV_MAX_ROWS,
+              "int4_gemv_bf16: x must be [1..8, in], contiguous");
+  const int64_t n = packed.size(0), k = packed.size(1) * 2, rows = x.size(0);
+  TORCH_CHECK(x.size(1) == k && packed.scalar_type() == at::kByte && packed.is_contiguous() && g % 32 == 0 &&
+                  k % g == 0 && sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.numel() == n * (k / g) * 2,
+              "int4_gemv_bf16: the operands of int4_to_bf16 and x [rows, in]");
+  check_bf16(x, k, "int4_gemv_bf16");
+  auto y = torch::empty({rows, n}, x.options());
+#if defined(__x86_64__)
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  const auto* q = packed.data_ptr<uint8_t>();
+  const auto* s = sz.data_ptr<c10::BFloat16>();
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, n, 64, [&](int64_t r0, int64_t r1) {
+    switch (rows) {
+      case 1: int4_gemv<1>(xp, q, s, yp, k, g, n, r0, r1); break;
+      case 2: int4_gemv<2>(xp, q, s, yp, k, g, n, r0, r1); break;
+      case 3: int4_gemv<3>(xp, q, s, yp, k, g, n, r0, r1); break;
+      case 4: int4_gemv<4>(xp, q, s, yp, k, g, n, r0, r1); break;
+      case 5: int4_gemv<5>(xp, q, s, yp, k, g, n, r0, r1); break;
+      case 6: int4_gemv<6>(xp, q, s, yp, k, g, n, r0, r1); break;
+      case 7: int4_gemv<7>(xp, q, s, yp, k, g, n, r0, r1); break;
+      default: int4_gemv<8>(xp, q, s, yp, k, g, n, r0, r1);
+    }
+  });
+#endif
+  return y;
+}
+
+// x [M <= 8, k] bf16 times an fp8 weight [out, k] -> y [M, out] bf16 of the product with w / 2**8 (as F.linear
+// over fp8_to_bf16's weight gives; Fp8Linear applies its output scale after).
+torch::Tensor fp8_gemv_bf16(torch::Tensor x, torch::Tensor w8) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= GEMV_MAX_ROWS,
+              "fp8_gemv_bf16: x must be [1..8, in], contiguous");
+  TORCH_CHECK(w8.scalar_type() == at::kFloat8_e4m3fn && w8.is_contiguous() && w8.dim() == 2 &&
+                  w8.size(1) == x.size(1),
+              "fp8_gemv_bf16: w8 must be a contiguous e4m3 [out, in]");
+  const int64_t n = w8.size(0), k = w8.size(1), rows = x.size(0);
+  check_bf16(x, k, "fp8_gemv_bf16");
+  auto y = torch::empty({rows, n}, x.options());
+#if defined(__x86_64__)
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  const auto* w = reinterpret_cast<const uint8_t*>(w8.data_ptr());
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, n, 64, [&](int64_t r0, int64_t r1) {
+    switch (rows) {
+      case 1: fp8_gemv<1>(xp, w, yp, k, n, r0, r1); break;
+      case 2: fp8_gemv<2>(xp, w, yp, k, n, r0, r1); break;
+      case 3: fp8_gemv<3>(xp, w, yp, k, n, r0, r1); break;
+      case 4: fp8_gemv<4>(xp, w, yp, k, n, r0, r1); break;
+      case 5: fp8_gemv<5>(xp, w, yp, k, n, r0, r1); break;
+      case 6: fp8_gemv<6>(xp, w, yp, k, n, r0, r1); break;
+      case 7: fp8_gemv<7>(xp, w, yp, k, n, r0, r1); break;
+      default: fp8_gemv<8>(xp, w, yp, k, n, r0, r1);
+    }
+  });
+#endif
+  return y;
+}
+
 // An int4 weight as bf16: packed [out, in / 2] uint8 (quant.pack_int4_rows' layout), sz [out, in / g, 2] bf16.
 torch::Tensor int4_to_bf16(torch::Tensor packed, torch::Tensor sz, int64_t g) {
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
@@ -602,6 +723,14 @@ class FusedOps(Protocol):
 
     def int4_to_bf16(self, packed: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor: ...
 
+    def gemv_max_rows(self) -> int: ...
+
+    def int4_gemv_bf16(
+        self, x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group_size: int
+    ) -> torch.Tensor: ...
+
+    def fp8_gemv_bf16(self, x: torch.Tensor, w8: torch.Tensor) -> torch.Tensor: ...
+
 
 def _cpu_flags() -> tuple[str, frozenset[str]]:
     """(machine, instruction-set flags from /proc/cpuinfo: empty where unavailable)."""
@@ -660,6 +789,9 @@ def _load_module() -> tuple[Any, str | None]:
                 "rope_",
                 "fp8_to_bf16",
                 "int4_to_bf16",
+                "gemv_max_rows",
+                "int4_gemv_bf16",
+                "fp8_gemv_bf16",
             ],
             # fresh lists: load_inline appends torch's own flags to the lists it is given
             extra_cflags=[*CFLAGS, *arch_flags()[0]],

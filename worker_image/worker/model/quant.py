@@ -106,6 +106,16 @@ def _torch_dequantizer(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Ten
     return lambda w8: fp8_to_fp16(w8).to(dtype)
 
 
+def gemv_rows(native: FusedOps | None) -> int:
+    """The most rows a batch may have for the extension's GEMV path (0: none)."""
+    return 0 if native is None else native.gemv_max_rows()
+
+
+def _few_rows(x: torch.Tensor, most: int) -> bool:
+    """A batch small enough for the GEMV path (2-D, contiguous, 1 to `most` rows)."""
+    return x.dim() == 2 and 0 < x.shape[0] <= most and x.is_contiguous()
+
+
 def fp8_chunk_rows(out_features: int, in_features: int) -> int:
     """Rows of a weight that `Fp8Linear` dequantizes and multiplies at a time: all of them, unless the weight
     holds at least FP8_CHUNK_MIN_TILES tiles of FP8_TILE_WEIGHTS, then tiles of that size (row-aligned)."""
@@ -114,16 +124,29 @@ def fp8_chunk_rows(out_features: int, in_features: int) -> int:
 
 
 class Fp8Linear:
-    __slots__ = ("_chunk_rows", "_out_scale", "_to_dtype", "bias", "out_features", "scale", "weight")
+    __slots__ = (
+        "_chunk_rows",
+        "_gemv_rows",
+        "_native",
+        "_out_scale",
+        "_to_dtype",
+        "bias",
+        "out_features",
+        "scale",
+        "weight",
+    )
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, native: FusedOps | None = None
     ) -> None:
-        """`native`: the extension's fused ops, whose `fp8_to_bf16` (one AVX512 pass, the same values) replaces
-        `fp8_to_fp16(w).to(bf16)` (four torch passes, ~1 ns a weight) where the activations are bf16."""
+        """`native`: the extension's fused ops, where the activations are bf16: `fp8_to_bf16` (one AVX512 pass, the
+        same values) replaces `fp8_to_fp16(w).to(bf16)` (four torch passes, ~1 ns a weight), and batches of up to
+        `gemv_max_rows` rows skip the dequantized copy (`fp8_gemv_bf16`)."""
         self.weight, self.scale = quantize_fp8(weight)
+        self._native = native if dtype == torch.bfloat16 else None
+        self._gemv_rows = gemv_rows(self._native)
         self._to_dtype: Callable[[torch.Tensor], torch.Tensor] = (
-            native.fp8_to_bf16 if native is not None and dtype == torch.bfloat16 else _torch_dequantizer(dtype)
+            self._native.fp8_to_bf16 if self._native is not None else _torch_dequantizer(dtype)
         )
         self.bias = bias
         self.out_features = weight.shape[0]
@@ -136,7 +159,9 @@ class Fp8Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         rows = self._chunk_rows
-        if rows >= w.shape[0]:
+        if self._native is not None and _few_rows(x, self._gemv_rows):
+            y = self._native.fp8_gemv_bf16(x, w)
+        elif rows >= w.shape[0]:
             y = F.linear(x, self._to_dtype(w))
         else:
             y = torch.cat([F.linear(x, self._to_dtype(w[i : i + rows])) for i in range(0, len(w), rows)], -1)
@@ -184,7 +209,17 @@ class Int4Linear:
     GEMM, as fp8 is; otherwise they are packed for torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`, bf16
     activations inside). Either way 0.5 byte a weight plus bf16 (scale, zero) per group."""
 
-    __slots__ = ("_native", "_rows", "bias", "group_size", "out_dtype", "out_features", "packed", "scales_zeros")
+    __slots__ = (
+        "_gemv_rows",
+        "_native",
+        "_rows",
+        "bias",
+        "group_size",
+        "out_dtype",
+        "out_features",
+        "packed",
+        "scales_zeros",
+    )
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, native: FusedOps | None = None
@@ -204,6 +239,7 @@ class Int4Linear:
         self.out_features = weight.shape[0]
         self.out_dtype = dtype
         self._rows = fp8_chunk_rows(*weight.shape)  # the same bf16 tiles as fp8's, for the same cache reason
+        self._gemv_rows = gemv_rows(self._native)
 
     def _tile(self, start: int, end: int) -> torch.Tensor:
         assert self._native is not None
@@ -221,7 +257,9 @@ class Int4Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._native is not None:
             n, rows = self.out_features, self._rows
-            if rows >= n:
+            if _few_rows(x, self._gemv_rows):
+                y = self._native.int4_gemv_bf16(x, self.packed, self.scales_zeros, self.group_size)
+            elif rows >= n:
                 y = F.linear(x, self._tile(0, n))
             else:
                 y = torch.cat([F.linear(x, self._tile(i, min(i + rows, n))) for i in range(0, n, rows)], -1)
