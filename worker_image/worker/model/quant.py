@@ -39,13 +39,19 @@ lands almost exactly on that grid. Speed on this CPU (one decode step, 64 reques
 fp8 0.61 s; a 512-token prefill: fp32 1.0 s, fp8 1.3 s, int4 2.1 s. The variants trade speed for memory here.
 
 **With bf16 activations** (a CR's `dtype: auto` on CPUs with AVX512-BF16, where the bf16 GEMM units do the work)
-the variants pay for themselves. fp8 then dequantizes with the extension's `fp8_to_bf16` (kernels.py: one AVX512
-pass, bit for bit torch's `fp8_to_fp16(w).to(bf16)`, 0.09 vs 1.59 ms for a 3072x576 weight), so an fp8 layer costs
-a bf16 GEMM plus a pass over 1 byte/weight. Measured on a 2-core Xeon with AMX, one run of
-`bench/engine.py --variants fp32,fp8-bf16,int4-bf16,bf16 --skip hf_static,ours_seq1,vllm` on workload W:
-fp32 167.5 tok/s, fp8-bf16 304.8 (1.82x fp32), int4-bf16 176.3 (1.05x; torch's int4 kernel is no AMX kernel:
-2x slower than fp32 at 2048 rows, faster at 1-16), bf16 417.1 (2.49x). Quality (`bench/quant.py --tokens 16`):
-fp8-bf16 agreement 0.938, KL 0.0211 (fp8 with fp32 activations: 0.953, 0.0223); int4-bf16 0.977, KL 0.0010.
+the variants pay for themselves, on the extension's kernels (kernels.py; without it, torch's paths above):
+* batches of more than 8 rows dequantize the weight to bf16 in L2-sized tiles, one AVX512 pass each
+  (`fp8_to_bf16`: bit for bit torch's `fp8_to_fp16(w).to(bf16)`, 0.09 vs 1.59 ms for a 3072x576 weight;
+  `int4_to_bf16`: torch's int4 weights to the bit, from our own nibble layout, `pack_int4_rows`) and run a bf16
+  GEMM;
+* 1-8 rows (the decode of a small batch) take a GEMV that dequantizes each weight row in registers
+  (`fp8_gemv_bf16`, `int4_gemv_bf16`): 1 or 0.5 byte read a weight and no per-call weight reorder.
+Per SmolLM2 layer, fp32 -> fp8-bf16 / int4-bf16: 1 row 0.29 -> 0.21-0.23 / 0.27-0.33 ms; 64 rows 1.7 -> 1.2 / 1.1;
+2048 rows 40 -> 9 / 7 (torch's int4 kernel, by contrast: 2.6 at 64 rows, 81 at 2048: it has no AMX path).
+One run of `bench/engine.py --variants fp32,fp8-bf16,int4-bf16 --skip hf_static,ours_seq1,vllm` on workload W
+(2-core Xeon with AMX): fp32 163.5 tok/s, fp8-bf16 299.6 (1.83x), int4-bf16 333.4 (2.04x). Quality
+(`bench/quant.py --tokens 16`): fp8-bf16 agreement 0.938, KL 0.0211 (fp8 with fp32 activations: 0.953, 0.0223);
+int4-bf16 0.969, KL 0.0011 (bf16 alone: 0.984, 0.0012).
 
 There is no `int8` (W8A8) variant yet: `bench/int8_study.py` measures why. Plain W8A8 misses the 0.95 agreement
 floor (0.89) and keeping the 64 widest-range input channels out of the int8 GEMM recovers it (0.958, KL 0.0046);
