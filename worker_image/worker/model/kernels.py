@@ -32,7 +32,9 @@ rounds and multiplies), each with its own dispatch and, for big batches, its own
 SmolLM2's shapes (2-core Xeon, AVX512-BF16), torch ops -> fused: add + RMSNorm 48 -> 21 us at 64 rows and 4.3 ->
 0.24 ms at 2048; SiLU-and-mul 42 -> 37 us and 1.43 -> 0.68 ms; RoPE 56 -> 11 us and 0.87 -> 0.17 ms. fp32 keeps
 torch's ops (its greedy output stays token-identical to transformers'); bf16 is judged by agreement. The same
-ops include `fp8_to_bf16`, the fp8 variant's dequantizer for bf16 activations (quant.Fp8Linear).
+ops include the quantized variants' kernels for bf16 activations (quant.py says what they measure): `fp8_to_bf16`
+and `int4_to_bf16` dequantize weight tiles for a bf16 GEMM, and `fp8_gemv_bf16` / `int4_gemv_bf16` serve batches of
+up to `gemv_max_rows()` rows straight from the quantized weights.
 """
 
 from __future__ import annotations
