@@ -419,31 +419,39 @@ LLMFLEET_AVX512_BF16 static void rope_row_bf16(c10::BFloat16* x, const c10::BFlo
 // fp8 e4m3 bits -> bf16 of value / 2**8, exactly: the bits re-biased into an fp16 pattern (what
 // quant.fp8_to_fp16 does with torch's integer ops), widened to fp32 and narrowed to bf16 (both exact: an e4m3
 // value / 2**8 has 3 significant bits and fits fp16's range, subnormals included). n % 16 == 0.
+LLMFLEET_AVX512_BF16 static inline __m512 fp8_chunk(const uint8_t* w) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)w));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+  return _mm512_cvtph_ps(h);
+}
+
 LLMFLEET_AVX512_BF16 static void fp8_to_bf16_run(const uint8_t* w, c10::BFloat16* out, int64_t n) {
-  const __m256i low7 = _mm256_set1_epi16(0x7F), sign = _mm256_set1_epi16(0x80);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(w + i)));
-    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, low7), 7),
-                                      _mm256_slli_epi16(_mm256_and_si256(b, sign), 8));
-    _mm256_storeu_si256((__m256i*)(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_cvtph_ps(h)));
-  }
+  for (int64_t i = 0; i < n; i += 16)
+    _mm256_storeu_si256((__m256i*)(out + i), (__m256i)_mm512_cvtneps_pbh(fp8_chunk(w + i)));
 }
 
 // int4 -> bf16 for one row of k weights: byte i of each 32-weight chunk holds weight i (low nibble) and weight
 // i + 16 (high nibble); sz holds (scale, zero) per group of g weights (g % 32 == 0), w = (q - 8) * scale + zero,
-// computed as one fp32 FMA q * scale + (zero - 8 * scale) and rounded once.
+// computed as one fp32 FMA q * scale + (zero - 8 * scale), in fp32: w[0] holds weights j..j+15, w[1] j+16..j+31.
+LLMFLEET_AVX512_BF16 static inline void int4_chunk(const uint8_t* q, const c10::BFloat16* sz, int64_t j, int64_t g,
+                                                   __m512* w) {
+  const int64_t grp = j / g;
+  const float sc = static_cast<float>(sz[2 * grp]), ze = static_cast<float>(sz[2 * grp + 1]);
+  const __m512 s = _mm512_set1_ps(sc), z = _mm512_set1_ps(ze - 8.f * sc);
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(q + j / 2)));
+  w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm256_and_si256(b, _mm256_set1_epi16(0x0F)))), s, z);
+  w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm256_srli_epi16(b, 4))), s, z);
+}
+
+// one row of k weights, rounded once to bf16
 LLMFLEET_AVX512_BF16 static void int4_row_bf16(const uint8_t* q, const c10::BFloat16* sz, c10::BFloat16* out,
                                                int64_t k, int64_t g) {
-  const __m256i low4 = _mm256_set1_epi16(0x0F);
+  __m512 w[2];
   for (int64_t j = 0; j < k; j += 32) {
-    const int64_t grp = j / g;
-    const float sc = static_cast<float>(sz[2 * grp]), ze = static_cast<float>(sz[2 * grp + 1]);
-    const __m512 s = _mm512_set1_ps(sc), z = _mm512_set1_ps(ze - 8.f * sc);
-    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(q + j / 2)));
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm256_and_si256(b, low4)));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm256_srli_epi16(b, 4)));
-    _mm256_storeu_si256((__m256i*)(out + j), (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(lo, s, z)));
-    _mm256_storeu_si256((__m256i*)(out + j + 16), (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(hi, s, z)));
+    int4_chunk(q, sz, j, g, w);
+    _mm256_storeu_si256((__m256i*)(out + j), (__m256i)_mm512_cvtneps_pbh(w[0]));
+    _mm256_storeu_si256((__m256i*)(out + j + 16), (__m256i)_mm512_cvtneps_pbh(w[1]));
   }
 }
 
@@ -464,21 +472,15 @@ template <int M>
 LLMFLEET_AVX512_BF16 static void int4_gemv(const c10::BFloat16* x, const uint8_t* q, const c10::BFloat16* sz,
                                            c10::BFloat16* y, int64_t k, int64_t g, int64_t n, int64_t r0,
                                            int64_t r1) {
-  const __m256i low4 = _mm256_set1_epi16(0x0F);
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* qr = q + r * k / 2;
     const c10::BFloat16* szr = sz + r * (k / g) * 2;
-    __m512 acc[M];
+    __m512 acc[M], w[2];
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t j = 0; j < k; j += 32) {
-      const int64_t grp = j / g;
-      const float sc = static_cast<float>(szr[2 * grp]), ze = static_cast<float>(szr[2 * grp + 1]);
-      const __m512 s = _mm512_set1_ps(sc), z = _mm512_set1_ps(ze - 8.f * sc);
-      const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(qr + j / 2)));
-      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm256_and_si256(b, low4)));
-      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm256_srli_epi16(b, 4)));
-      fma_rows<M>(x, k, j, bf16_round(_mm512_fmadd_ps(lo, s, z)), acc);
-      fma_rows<M>(x, k, j + 16, bf16_round(_mm512_fmadd_ps(hi, s, z)), acc);
+      int4_chunk(qr, szr, j, g, w);
+      fma_rows<M>(x, k, j, bf16_round(w[0]), acc);
+      fma_rows<M>(x, k, j + 16, bf16_round(w[1]), acc);
     }
     for (int m = 0; m < M; ++m) y[m * n + r] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[m]));
   }
@@ -487,17 +489,11 @@ LLMFLEET_AVX512_BF16 static void int4_gemv(const c10::BFloat16* x, const uint8_t
 template <int M>
 LLMFLEET_AVX512_BF16 static void fp8_gemv(const c10::BFloat16* x, const uint8_t* w, c10::BFloat16* y, int64_t k,
                                           int64_t n, int64_t r0, int64_t r1) {
-  const __m256i low7 = _mm256_set1_epi16(0x7F), sign = _mm256_set1_epi16(0x80);
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* wr = w + r * k;
     __m512 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < k; j += 16) {
-      const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(wr + j)));
-      const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, low7), 7),
-                                        _mm256_slli_epi16(_mm256_and_si256(b, sign), 8));
-      fma_rows<M>(x, k, j, _mm512_cvtph_ps(h), acc);  // value / 2**8: exact in bf16 already
-    }
+    for (int64_t j = 0; j < k; j += 16) fma_rows<M>(x, k, j, fp8_chunk(wr + j), acc);  // exact in bf16 already
     for (int m = 0; m < M; ++m) y[m * n + r] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[m]));
   }
 }
