@@ -116,7 +116,7 @@ class LlamaModel:
         fused: FusedOps | None = None,
     ) -> None:
         """`linear_kernel` None: chosen by `choose_linear_kernel` for this device, dtype and CPU. `fused`: the native
-        fused steps (`kernels.load_fused_ops`) where they run (the layers' elementwise steps, fp8 dequantization)."""
+        fused steps (`kernels.load_fused_ops`) where they run (the layers' elementwise steps, fp8/int4 dequantization)."""
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)

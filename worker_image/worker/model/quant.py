@@ -122,6 +122,16 @@ def _few_rows(x: torch.Tensor, most: int) -> bool:
     return x.dim() == 2 and 0 < x.shape[0] <= most and x.is_contiguous()
 
 
+def _tiled_linear(
+    x: torch.Tensor, out_features: int, rows: int, tile: Callable[[int, int], torch.Tensor]
+) -> torch.Tensor:
+    """`F.linear` of x with a quantized weight that `tile(start, end)` dequantizes `rows` output rows at a time
+    (in one piece when they cover it), the outputs concatenated."""
+    if rows >= out_features:
+        return F.linear(x, tile(0, out_features))
+    return torch.cat([F.linear(x, tile(i, min(i + rows, out_features))) for i in range(0, out_features, rows)], -1)
+
+
 def fp8_chunk_rows(out_features: int, in_features: int) -> int:
     """Rows of a weight that `Fp8Linear` dequantizes and multiplies at a time: all of them, unless the weight
     holds at least FP8_CHUNK_MIN_TILES tiles of FP8_TILE_WEIGHTS, then tiles of that size (row-aligned)."""
@@ -164,13 +174,10 @@ class Fp8Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        rows = self._chunk_rows
         if self._native is not None and _few_rows(x, self._gemv_rows):
             y = self._native.fp8_gemv_bf16(x, w)
-        elif rows >= w.shape[0]:
-            y = F.linear(x, self._to_dtype(w))
         else:
-            y = torch.cat([F.linear(x, self._to_dtype(w[i : i + rows])) for i in range(0, len(w), rows)], -1)
+            y = _tiled_linear(x, self.out_features, self._chunk_rows, lambda start, end: self._to_dtype(w[start:end]))
         y = y * self._out_scale
         return y if self.bias is None else y + self.bias
 
@@ -232,7 +239,7 @@ class Int4Linear:
     ) -> None:
         self.group_size = int4_group_size(weight.shape[1])
         q, scale, zero = quantize_int4(weight, self.group_size)
-        self._native = native if native is not None and dtype == torch.bfloat16 else None
+        self._native = native if dtype == torch.bfloat16 else None
         if self._native is not None:
             self.packed = pack_int4_rows(q)
             # [N, K/G, 2]: one row's groups together, as int4_to_bf16 reads them
@@ -262,13 +269,10 @@ class Int4Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._native is not None:
-            n, rows = self.out_features, self._rows
             if _few_rows(x, self._gemv_rows):
                 y = self._native.int4_gemv_bf16(x, self.packed, self.scales_zeros, self.group_size)
-            elif rows >= n:
-                y = F.linear(x, self._tile(0, n))
             else:
-                y = torch.cat([F.linear(x, self._tile(i, min(i + rows, n))) for i in range(0, n, rows)], -1)
+                y = _tiled_linear(x, self.out_features, self._rows, self._tile)
             return y if self.bias is None else y + self.bias
         shape = x.shape
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -291,7 +295,7 @@ def make_linear(
     native: FusedOps | None = None,
 ) -> Linear:
     """A linear layer over `weight` [out, in] in `dtype`, quantized as asked (None = dense, run by `kernel`);
-    `native`: the extension's fused ops where they run (fp8 dequantizes with them)."""
+    `native`: the extension's fused ops where they run (fp8 and int4 dequantize with them for bf16 activations)."""
     if quantization is None:
         return make_dense_linear(weight, bias, dtype, kernel)
     b = None if bias is None else bias.to(dtype)
