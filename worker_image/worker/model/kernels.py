@@ -252,7 +252,7 @@ LLMFLEET_AVX512_BF16 static void decode_seq_bf16_avx512(
     const int64_t* __restrict__ table, int64_t len, c10::BFloat16* __restrict__ os, int64_t num_heads,
     int64_t group, int64_t token_stride, int64_t block_size, int64_t block_stride, float scale, float* __restrict__ sh) {
   constexpr int QG = 4, VG = 16 / (D / 16);
-  float inv[QG > VG ? QG : VG];
+  float inv[VG];  // 1 / sum of each P.V pass's heads
   for (int64_t h0 = 0; h0 < num_heads; h0 += group) {
     const int64_t kv_off = (h0 / group) * D;
     for (int64_t g0 = 0; g0 < group; g0 += QG) {
@@ -500,7 +500,7 @@ LLMFLEET_AVX512_BF16 static void fp8_gemv(const c10::BFloat16* x, const uint8_t*
 #endif
 
 // The wrappers of the fused steps. They take bf16 only, on CPUs with AVX512-BF16 and sizes that are multiples
-// of 16 lanes (`fused_ops_take`, the one rule the Python side asks); elsewhere the model runs torch's ops.
+// of 16 lanes (`fused_ops_available`, the one rule the Python side asks); elsewhere the model runs torch's ops.
 static bool fused_cpu() {
 #if defined(__x86_64__)
   return cpu_has_avx512_bf16();
@@ -509,12 +509,8 @@ static bool fused_cpu() {
 #endif
 }
 
-static bool fused_ops_take(bool bf16, int64_t hidden, int64_t inter, int64_t head_dim) {
-  return bf16 && hidden % 16 == 0 && inter % 16 == 0 && head_dim % 32 == 0 && fused_cpu();
-}
-
 bool fused_ops_available(std::string dtype, int64_t hidden, int64_t inter, int64_t head_dim) {
-  return fused_ops_take(dtype == "bfloat16", hidden, inter, head_dim);
+  return dtype == "bfloat16" && hidden % 16 == 0 && inter % 16 == 0 && head_dim % 32 == 0 && fused_cpu();
 }
 
 // `lanes` is the size the kernel walks 16 at a time
