@@ -97,3 +97,109 @@ def test_flush_emits_incomplete_tail(tok):
     assert det.add_tokens(ids[:-1]) == ""
     tail = det.flush()
     assert tail and set(tail) == {REPLACEMENT_CHAR} and det.text == tail
+
+
+class _PythonOnly:
+    """A tokenizer without `decode_stream`: IncrementalDetokenizer then runs its Python rule."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self._tok = tok
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _deltas(decoder, prompt: list[int], ids: list[int], per_call: int = 1) -> list[str]:
+    det = IncrementalDetokenizer(decoder, prompt)
+    deltas = [det.add_tokens(ids[i : i + per_call]) for i in range(0, len(ids), per_call)]
+    deltas.append(det.flush())
+    assert "".join(deltas) == det.text
+    return deltas
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_tok(tmp_path_factory):
+    """A Llama-2-style tokenizer (Metaspace pieces, byte fallback): not byte-level, so it decodes through
+    `tokenizers`' DecodeStream."""
+    from tokenizers import Tokenizer as HF
+    from tokenizers import decoders, models, normalizers, pre_tokenizers
+
+    chars = "\u2581abcdefghijklmnopqrstuvwxyzHW,.:()+=\u00e9\u00ef"
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    vocab |= {c: len(vocab) + i for i, c in enumerate(chars)}
+    merges = [("\u2581", "t"), ("h", "e"), ("\u2581t", "he"), ("\u2581", "a"), ("l", "l"), ("e", "ll")]
+    vocab |= {x + y: len(vocab) + i for i, (x, y) in enumerate(merges)}
+    hf = HF(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>"))
+    hf.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    hf.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
+    hf.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    hf.add_special_tokens(["<unk>", "<s>", "</s>"])
+    folder = tmp_path_factory.mktemp("sp")
+    hf.save(str(folder / "tokenizer.json"))
+    return Tokenizer(folder)
+
+
+def test_byte_level_tokenizers_decode_from_a_table_of_pieces(tok, sentencepiece_tok):
+    assert tok._pieces is not None and len(tok._pieces) == tok.vocab_size
+    assert tok._pieces[2] == b""  # a special token, skipped
+    assert sentencepiece_tok._pieces is None  # its decoder is not ByteLevel: DecodeStream
+
+
+@pytest.mark.parametrize("text", TEXTS[:4] + ["😀😀 東京タワー ok", "<|im_end|>x"])
+def test_the_fast_paths_give_the_deltas_of_the_python_rule(tok, sentencepiece_tok, text):
+    for t in (tok, sentencepiece_tok):
+        prompt = t.encode("Prompt: ")
+        ids = t.encode(text, add_special_tokens=False)
+        assert IncrementalDetokenizer(t, prompt)._step is not None  # the fast path is the one under test
+        assert _deltas(t, prompt, ids) == _deltas(_PythonOnly(t), prompt, ids)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_fast_paths_on_any_token_sequence(tok, sentencepiece_tok, seed):
+    # random ids over the whole vocabulary: byte pieces that split characters or never form one, specials,
+    # prompts that end inside a character
+    import random
+
+    rng = random.Random(seed)
+    for t in (tok, sentencepiece_tok):
+        ids = [rng.randrange(t.vocab_size) for _ in range(200)]
+        prompt = [rng.randrange(t.vocab_size) for _ in range(7)]
+        python = _deltas(_PythonOnly(t), prompt, ids)
+        if t is sentencepiece_tok:  # DecodeStream follows the Python rule: the same delta at every step
+            assert _deltas(t, prompt, ids) == python
+            continue
+        # the byte table sends a broken character's U+FFFD at once where the Python rule holds it back; the
+        # text is the same, whether the output processor feeds one token at a time or several
+        for per_call in (1, 3):
+            assert "".join(_deltas(t, prompt, ids, per_call)) == "".join(python)
+
+
+def test_the_fast_path_keeps_the_held_back_bound(sentencepiece_tok):
+    # a byte that never completes a character, repeated past MAX_HELD_TOKENS: DecodeStream would hold it forever;
+    # the detokenizer sends it at the bound, as the Python rule does, and goes on in Python
+    t = sentencepiece_tok
+    lone = t._tok.token_to_id("<0x80>")
+    n = IncrementalDetokenizer.MAX_HELD_TOKENS * 2 + 3
+    fast = _deltas(t, [], [lone] * n)
+    assert fast == _deltas(_PythonOnly(t), [], [lone] * n)
+    assert fast[IncrementalDetokenizer.MAX_HELD_TOKENS - 1] != ""  # sent at the bound, not held to the end
+
+
+def test_a_byte_level_stream_holds_back_only_an_unfinished_character(tok):
+    lone = next(i for i, piece in enumerate(tok._pieces) if piece == b"\x80")
+    deltas = _deltas(tok, [], [lone] * 5)
+    assert deltas == [REPLACEMENT_CHAR] * 5 + [""]  # an invalid byte is sent at once, never held
+
+
+def test_a_failing_stream_hands_over_to_the_python_rule(tok):
+    class Failing(_PythonOnly):
+        def decode_stream(self, context_ids, skip_special_tokens=True):
+            def step(token):
+                raise RuntimeError("InvalidPrefix")
+
+            return step
+
+    ids = tok.encode("café naïve 東京 😀 and more", add_special_tokens=False)
+    assert _deltas(Failing(tok), [], ids) == _deltas(_PythonOnly(tok), [], ids)

@@ -20,8 +20,8 @@ from worker.core.lora import LoraSpec
 from worker.core.request import Logprob, SamplingParams
 
 
-@dataclass(frozen=True)
-class ScheduledSeq:
+@dataclass(slots=True)  # not frozen: a frozen dataclass sets each field through object.__setattr__, 1.6 -> 0.6 us a
+class ScheduledSeq:  # seq, 64 of them in every step at 64 running
     """One request's share of a step."""
 
     req_id: str

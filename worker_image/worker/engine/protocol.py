@@ -18,7 +18,7 @@ from worker.core.spec_decode import SpecDecodeStats
 __all__ = ["EngineClient", "EngineDeadError", "EngineStats", "LoraEngineClient", "QueueFullError", "RequestOutput"]
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """One increment of a request's stream (DELTA semantics: only what is new since the last one)."""
 
