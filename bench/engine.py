@@ -19,6 +19,13 @@ bf16; torch's int4/fp8 paths for the quantized variants), the throughput ceiling
 it, and the engine's per-step overhead outside the model (scheduler, KV bookkeeping, detokenisation: step time
 minus runner time) at the largest batch. The LAST line printed is one JSON object.
 
+The GEMM ceiling ignores memory, and on these machines most steps are bound by it: every decode step reads all
+the weights and the KV of every running request. So each variant also gets a roofline (`roofline`): for each step
+our engine ran, the larger of its FLOPs at the measured GEMM rate and its bytes (weights + KV attended over) at the
+DRAM bandwidth measured here, summed. `x_roofline` is a system's tok/s over the roofline's; vLLM runs the same
+batches (64 sequences, 2048 tokens a step), so the roofline's tok/s over vLLM's is the most any engine could gain
+over vLLM on this machine and workload.
+
 `--variants` runs several variants in one process run (so their ratios share the machine's state): fp32 and
 bf16 run every system; int4/fp8 (weights quantized, activations fp32) and int4-bf16/fp8-bf16 (bf16 activations)
 run `ours` only, and their `x_vllm` is against vLLM in their activations' dtype and `x_fp32` against our fp32
@@ -110,12 +117,16 @@ def run_ours(
     runner_time = [0.0]
     execute = runner.execute_model
 
+    schedule: list[tuple[int, int, int, int]] = []  # per step, for the roofline: see `roofline`
+
     def timed_execute(sched):
         t = time.perf_counter()
         try:
             return execute(sched)
         finally:
             runner_time[0] += time.perf_counter() - t
+            if sched.seqs:
+                schedule.append(step_shape(sched))
 
     llm.generate([work[0][0][:32]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     core.runner.execute_model = timed_execute
@@ -148,6 +159,14 @@ def run_ours(
     peak = max(r for r, _ in overhead)
     at_peak = [o for r, o in overhead if r == peak]
     model = runner.model
+    cfg = runner.config
+    streamed = {  # bytes every step reads whatever its batch: the linear layers' weights and the (dense) head
+        "weight_bytes": sum(
+            layer.qkv.nbytes + layer.o_proj.nbytes + layer.gate_up.nbytes + layer.down.nbytes for layer in model.layers
+        )
+        + cfg.vocab_size * cfg.hidden_size * model.embed.element_size(),
+        "kv_bytes_per_token": 2 * cfg.num_hidden_layers * cfg.kv_size * runner.kv_cache.element_size(),
+    }
     return summarize(
         name,
         wall,
@@ -161,6 +180,8 @@ def run_ours(
         overhead_ms_at_peak_p99=round(pct(at_peak, 99) * 1e3, 3),
         peak_running=peak,
         runner_s=round(runner_time[0], 2),
+        _schedule=schedule,
+        _streamed=streamed,
     )
 
 
@@ -291,6 +312,58 @@ def run_vllm(python: str, path: str, work, *, dtype: str, timeout_s: int) -> dic
     return json.loads(lines[-1])
 
 
+def step_shape(sched) -> tuple[int, int, int, int]:
+    """What one step asks of the machine: (tokens computed, rows sampled, KV tokens attended over, query-key
+    pairs). A chunk of q tokens after `start` cached ones attends over start + q keys, causally."""
+    tokens = sampled = kv_read = pairs = 0
+    for seq in sched.seqs:
+        q = len(seq.token_ids)
+        tokens += q
+        sampled += seq.sample
+        kv_read += seq.start_pos + q
+        pairs += q * seq.start_pos + q * (q + 1) // 2
+    return tokens, sampled, kv_read, pairs
+
+
+def memory_bandwidth_gbs(mib: int = 512, rounds: int = 5) -> float:
+    """DRAM read bandwidth with torch's threads (a sum over a buffer far larger than the caches), best of a few."""
+    import torch
+
+    x = torch.ones(mib * 2**20 // 4)
+    best = float("inf")
+    for _ in range(rounds):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best / 1e9
+
+
+def roofline(path: str, schedule: list[tuple[int, int, int, int]], streamed: dict, gemm_gflops: float, bw: float):
+    """The least time this machine needs for the steps our engine ran: each step takes at least its FLOPs at the
+    measured GEMM rate (linear layers, head, attention) and at least its bytes at the measured DRAM bandwidth (every
+    weight once, the KV of every token attended over), whichever is larger. An engine running the same schedule
+    (vLLM's batches are the same here: 64 sequences, 2048 tokens a step) cannot beat it."""
+    from worker.model.config import ModelConfig
+
+    cfg = ModelConfig.from_dir(path)
+    h, i, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    layer_params = (cfg.q_size + 2 * cfg.kv_size) * h + h * cfg.q_size + 2 * i * h + h * i
+    floor = memory_bound = 0.0
+    for tokens, sampled, kv_read, pairs in schedule:
+        flops = 2.0 * layers * layer_params * tokens + 2.0 * cfg.vocab_size * h * sampled
+        flops += 4.0 * layers * cfg.q_size * pairs  # Q.K and P.V
+        moved = streamed["weight_bytes"] + streamed["kv_bytes_per_token"] * kv_read
+        compute_s, memory_s = flops / (gemm_gflops * 1e9), moved / (bw * 1e9)
+        floor += max(compute_s, memory_s)
+        memory_bound += memory_s > compute_s
+    return {
+        "bandwidth_gbs": round(bw, 1),
+        "steps": len(schedule),
+        "memory_bound_steps": int(memory_bound),
+        "floor_s": round(floor, 2),
+    }
+
+
 def gemm_ceiling(path: str, work, dtype: str, quantization: str | None = None) -> dict:
     """GEMM rate on the model's layer shapes through the linear layers the engine builds for this variant (same
     kernel choice, same library), and the tok/s it allows for this workload."""
@@ -349,9 +422,22 @@ def print_table(result: dict) -> None:
             f"{variant} GEMM here ({c['linear_kernel']}, {CEILING_ROWS} rows): {c['gemm_gflops']} GFLOP/s -> "
             f"ceiling {c['ceiling_tok_s']} useful tok/s ({c['prompt_tokens']} prompt + {c['output_tokens']} output)"
         )
+        roof = c.get("roofline")
+        if roof:
+            vllm = next((r for r in result["systems"] if r["variant"] == variant and r["system"] == "vllm"), {})
+            most = (
+                f"; the most any engine gains over vLLM here: {roof['floor_tok_s'] / vllm['tok_s']:.2f}x"
+                if ("tok_s" in vllm)
+                else ""
+            )
+            print(
+                f"{variant} roofline of our {roof['steps']} steps ({roof['memory_bound_steps']} bound by memory at "
+                f"{roof['bandwidth_gbs']} GB/s, the rest by the GEMM rate): at least {roof['floor_s']} s, at most "
+                f"{roof['floor_tok_s']} useful tok/s{most}"
+            )
     print(
         f"{'variant':7} {'system':10} {'tok/s':>8} {'wall s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8}"
-        f" {'ITL p99':>8} {'x hf':>6} {'x vllm':>7} {'x fp32':>7} {'x ceil':>7}"
+        f" {'ITL p99':>8} {'x hf':>6} {'x vllm':>7} {'x fp32':>7} {'x ceil':>7} {'x roof':>7}"
     )
     nan = float("nan")
     for r in result["systems"]:
@@ -362,7 +448,7 @@ def print_table(result: dict) -> None:
             f"{r['variant']:7} {r['system']:10} {r['tok_s']:8.1f} {r['wall_s']:8.1f} {r['ttft_p50_s']:8.2f}s"
             f" {r['ttft_p99_s']:8.2f}s {r['itl_p50_ms']:6.0f}ms {r['itl_p99_ms']:6.0f}ms"
             f" {r.get('x_hf_static', nan):6.2f} {r.get('x_vllm', nan):7.2f} {r.get('x_fp32', nan):7.2f}"
-            f" {r.get('x_ceiling', nan):7.2f}"
+            f" {r.get('x_ceiling', nan):7.2f} {r.get('x_roofline', nan):7.2f}"
         )
         if r["system"] == "ours":
             print(
@@ -413,6 +499,7 @@ def main() -> None:
     vpy = args.vllm_python or str(Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python")
     systems: list[dict] = []
     ceilings: dict[str, dict] = {}
+    bandwidth = memory_bandwidth_gbs()
 
     def progress(name: str, variant: str) -> None:
         print(f"[bench] {time.strftime('%H:%M:%S')} running {name} {variant} ...", file=sys.stderr, flush=True)
@@ -455,10 +542,19 @@ def main() -> None:
             else:
                 found.append({"system": "vllm", "error": f"no vLLM interpreter at {vpy} (pass --vllm-python)"})
         ceilings[variant] = gemm_ceiling(path, work, dtype, quant)
+        ours = next((r for r in found if r["system"] == "ours" and "tok_s" in r), None)
+        if ours is not None:
+            roof = roofline(path, ours["_schedule"], ours["_streamed"], ceilings[variant]["gemm_gflops"], bandwidth)
+            roof["floor_tok_s"] = round(ours["useful_tokens"] / roof["floor_s"], 1)
+            ceilings[variant]["roofline"] = roof
         for r in found:
             r["variant"] = variant
+            r.pop("_schedule", None)
+            r.pop("_streamed", None)
             if "tok_s" in r and r["system"] == "ours":
                 r["x_ceiling"] = round(r["tok_s"] / ceilings[variant]["ceiling_tok_s"], 3)
+            if "tok_s" in r and "roofline" in ceilings[variant]:  # vLLM runs the same batches (see `roofline`)
+                r["x_roofline"] = round(r["tok_s"] / ceilings[variant]["roofline"]["floor_tok_s"], 3)
         systems += found
     done = {(r["variant"], r["system"]): r for r in systems if "tok_s" in r}
     for (variant, _), r in done.items():

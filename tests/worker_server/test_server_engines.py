@@ -28,7 +28,7 @@ def test_builtin_engine_kwargs_pass_only_what_was_set() -> None:
     assert kwargs == {
         "model": "/models/m",
         "served_model_name": "chat",
-        "dtype": "float32",
+        "dtype": "auto",
         "quantization": "int4",
         "device": "cpu",
         "enable_prefix_caching": False,
@@ -42,14 +42,30 @@ def test_builtin_engine_kwargs_pass_only_what_was_set() -> None:
 @pytest.mark.parametrize(
     ("dtype", "device", "expected"),
     [
-        ("auto", "cpu", "float32"),
-        ("auto", "cuda", "bfloat16"),
-        ("auto", "cuda:1", "bfloat16"),
+        ("auto", "cpu", "auto"),  # the runner resolves it with the CPU's flags (bf16 with AVX512-BF16)
+        ("auto", "cuda", "auto"),
         ("float16", "cpu", "float16"),
+        ("float32", "cuda", "float32"),
     ],
 )
 def test_builtin_dtype(dtype: str, device: str, expected: str) -> None:
     assert builtin_engine_kwargs(WorkerSettings(model="m", dtype=dtype), "/m", device)["dtype"] == expected
+
+
+def test_a_worker_left_at_dtype_auto_runs_what_the_cpu_rule_chooses(tmp_path) -> None:
+    # A CR's `dtype: auto` (its default) must reach the runner: bf16 on CPUs with AVX512-BF16/AMX. The worker
+    # once turned it into float32 on every CPU, before the runner could look at the CPU.
+    import torch
+    from worker.core.config import EngineConfig
+    from worker.engine.core import EngineCore
+    from worker.model.linear import available_kernels, read_cpu_flags, resolve_auto_dtype
+    from worker.model.testing import make_tiny_llama
+
+    root = str(make_tiny_llama(tmp_path / "m"))
+    config = EngineConfig(**builtin_engine_kwargs(WorkerSettings(model=root), root, "cpu"), num_blocks=8)
+    runner = EngineCore.from_config(config).runner
+    expected, _ = resolve_auto_dtype("cpu", read_cpu_flags(), available_kernels())
+    assert runner.dtype == getattr(torch, expected)  # type: ignore[attr-defined]
 
 
 def test_builtin_kwargs_are_a_valid_engine_config() -> None:

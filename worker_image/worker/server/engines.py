@@ -54,11 +54,12 @@ def resolve_model_source(settings: WorkerSettings) -> str:
 
 def builtin_engine_kwargs(settings: WorkerSettings, model_path: str, device: str) -> dict[str, Any]:
     """EngineConfig arguments from the worker settings; unset sizing flags keep the engine's defaults."""
-    dtype = settings.dtype if settings.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
     kwargs: dict[str, Any] = {
         "model": model_path,
         "served_model_name": settings.model_name,
-        "dtype": dtype,
+        # `auto` goes through: the runner resolves it from the device and the CPU's flags
+        # (`linear.resolve_auto_dtype`: bf16 on GPUs and on CPUs with AVX512-BF16/AMX, fp32 elsewhere) and logs why
+        "dtype": settings.dtype,
         "quantization": settings.quantization,
         "device": device,
         "enable_prefix_caching": settings.enable_prefix_caching,

@@ -1,0 +1,46 @@
+"""`bench/engine.py`'s roofline: what a step asks of the machine, and the least time the steps need."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from engine import roofline, step_shape
+from worker.model.config import ModelConfig
+from worker.model.testing import make_tiny_llama
+
+
+def _sched(*seqs: tuple[int, int, bool]) -> SimpleNamespace:
+    """(start_pos, tokens computed, sampled) per sequence."""
+    return SimpleNamespace(seqs=[SimpleNamespace(start_pos=s, token_ids=[7] * q, sample=smp) for s, q, smp in seqs])
+
+
+@pytest.mark.parametrize(
+    ("seqs", "expected"),
+    [
+        ([(9, 1, True)], (1, 1, 10, 10)),  # one decode: one token attends over its 10 keys
+        ([(0, 4, True)], (4, 1, 4, 10)),  # a whole 4-token prompt: causal, 1+2+3+4 pairs
+        ([(8, 4, False)], (4, 0, 12, 4 * 8 + 10)),  # a later chunk: the 8 cached keys for each, then causal
+        ([(9, 1, True), (0, 4, True), (8, 4, False)], (9, 2, 26, 10 + 10 + 42)),  # a step's totals
+    ],
+)
+def test_step_shape(seqs, expected) -> None:
+    assert step_shape(_sched(*seqs)) == expected
+
+
+def test_the_roofline_takes_the_larger_of_compute_and_memory_for_each_step(tmp_path) -> None:
+    root = make_tiny_llama(tmp_path / "m")
+    cfg = ModelConfig.from_dir(root)
+    h, i, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    layer_params = (cfg.q_size + 2 * cfg.kv_size) * h + h * cfg.q_size + 2 * i * h + h * i
+    streamed = {"weight_bytes": 1_000_000, "kv_bytes_per_token": 100}
+    decode = (1, 1, 10, 10)  # tiny FLOPs, 1 MB of weights: bound by memory
+    prefill = (4096, 1, 4096, 4096 * 4097 // 2)  # many FLOPs: bound by compute at 1 GFLOP/s
+    got = roofline(str(root), [decode, prefill], streamed, gemm_gflops=1.0, bw=1.0)
+    decode_s = (1_000_000 + 100 * 10) / 1e9
+    prefill_flops = (
+        2.0 * layers * layer_params * 4096 + 2.0 * cfg.vocab_size * h + 4.0 * layers * cfg.q_size * (4096 * 4097 // 2)
+    )
+    assert prefill_flops / 1e9 > (1_000_000 + 100 * 4096) / 1e9  # the case is what it claims
+    assert got["memory_bound_steps"] == 1 and got["steps"] == 2
+    assert got["floor_s"] == round(decode_s + prefill_flops / 1e9, 2)
