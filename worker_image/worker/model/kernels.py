@@ -16,7 +16,11 @@ queries and output accumulators stay in registers, Q.K runs on vdpbf16ps, V rows
 the softmax runs 16 scores at a time on a polynomial exp. The generic path was no faster in bf16 than in fp32 (converting each K/V element one by
 one, once per query head of a group). `bench/attention_kernel.py` compares the two on one machine: 64 sequences
 of 256 tokens, SmolLM2's 9 query / 3 KV heads of 64: 1.29 -> 0.59 ms per layer (2.2x; 0.78 before the grouping
-and the vector exp) on a 2-core Xeon with AVX512-BF16; a Llama-3-8B layer (32 / 8 heads of 128) 8.1 -> 6.7 ms. `paged_decode_path` says which path runs, for the worker's log.
+and the vector exp) on a 2-core Xeon with AVX512-BF16; a Llama-3-8B layer (32 / 8 heads of 128) 8.1 -> 6.7 ms. Asking
+for the next block's rows while one block computes (`prefetch_rows`) then took 400-token contexts from 1.00-1.11 to
+0.82-0.86 ms per SmolLM2 layer, and a Llama-3-8B layer from 11.2 to 5.8 ms: the step is bound by memory, and the
+hardware prefetcher cannot guess where a sequence's next block lies. `paged_decode_path` says which path runs, for
+the worker's log.
 
 It is built with `torch.utils.cpp_extension.load_inline` (needs a C++ compiler and ninja; ~30-60 s the
 first time, then cached under torch's extension dir (`TORCH_EXTENSIONS_DIR`), keyed by the source, the flags
@@ -57,6 +61,19 @@ CPP_SOURCE = r"""
 #include <limits>
 #include <string>
 #include <vector>
+
+// Ask for `rows` rows of `row_bytes` each, `stride` bytes apart, before they are read: the bf16 path calls it with
+// the next cache block's rows of its KV head while this block computes. A sequence's blocks lie anywhere in the
+// cache and one KV head's rows are strided, so the hardware prefetcher cannot see the next block coming.
+// `bench/attention_kernel.py --context 400` (64 sequences in scattered blocks, 2-core Xeon): SmolLM2 bf16 1.00-1.11
+// -> 0.82-0.86 ms per layer, Llama-3-8B 11.2 -> 5.8-6.2; on blocks that sit in cache the prefetches cost 0.45 ->
+// 0.50. The portable path reads whole blocks, which the hardware streams: prefetching the next whole block made
+// its fp32 slower (1.95 -> 2.30 ms), its first 512 bytes changed nothing, so it does not prefetch.
+static inline void prefetch_rows(const void* base, int64_t rows, int64_t stride, int64_t row_bytes) {
+  const char* p = static_cast<const char*>(base);
+  for (int64_t j = 0; j < rows; ++j)
+    for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(p + j * stride + c, 0, 3);
+}
 
 template <typename scalar_t>
 static void paged_decode_impl(
@@ -172,6 +189,8 @@ LLMFLEET_AVX512_BF16 static void qk_pass(const uint16_t* __restrict__ qs, const 
   for (int64_t t0 = 0; t0 < len; t0 += block_size) {
     const uint16_t* kb = k_cache + table[t0 / block_size] * block_stride;
     const int64_t n = std::min(block_size, len - t0);
+    if (t0 + block_size < len)
+      prefetch_rows(k_cache + table[t0 / block_size + 1] * block_stride, block_size, 2 * token_stride, 2 * D);
     for (int64_t j = 0; j < n; ++j) {
       const uint16_t* kp = kb + j * token_stride;
       __m512i kr[C32];
@@ -198,6 +217,8 @@ LLMFLEET_AVX512_BF16 static void pv_pass(const float* __restrict__ sh, const uin
   for (int64_t t0 = 0; t0 < len; t0 += block_size) {
     const uint16_t* vb = v_cache + table[t0 / block_size] * block_stride;
     const int64_t n = std::min(block_size, len - t0);
+    if (t0 + block_size < len)
+      prefetch_rows(v_cache + table[t0 / block_size + 1] * block_stride, block_size, 2 * token_stride, 2 * D);
     for (int64_t j = 0; j < n; ++j) {
       const uint16_t* vp = vb + j * token_stride;
       __m512 v[C16];
