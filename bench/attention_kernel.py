@@ -1,13 +1,13 @@
-"""The paged decode attention kernel: its AVX512-BF16 path against its portable path, in one run.
+"""The paged decode attention kernel: its AVX-512 paths (bf16, fp32) against its portable path, in one run.
 
 Why: decode attention was ~58% of a bf16 decode step at 64 running requests (issue #16), and the portable path
 ran no faster in bf16 than in fp32. `worker.model.kernels` now runs bf16 (head dims 64 and 128) on CPUs with
 AVX512-BF16 through its own code; this times both paths of the same build on the same inputs, interleaved, and
-prints per-layer milliseconds, the ratio and the largest difference between their outputs (both round to bf16).
+prints per-layer milliseconds, the ratio and the largest difference between their outputs.
 
 Shapes: SmolLM2-135M (9 query / 3 KV heads of 64) and a Llama-3-8B layer (32 / 8 heads of 128), `--seqs`
 sequences of `--context` tokens in 16-token blocks scattered over the cache (as a long-running engine's are).
-fp32 rows are there for reference: fp32 always takes the portable path, so its ratio should read ~1.0.
+fp32 takes its own AVX-512F path (head dims 64 and 128) on CPUs that have it, as bf16 does with AVX512-BF16.
 
     .venv/bin/python bench/attention_kernel.py
     .venv/bin/python bench/attention_kernel.py --seqs 64 --context 1024 --threads 1

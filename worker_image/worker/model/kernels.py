@@ -19,8 +19,10 @@ of 256 tokens, SmolLM2's 9 query / 3 KV heads of 64: 1.29 -> 0.59 ms per layer (
 and the vector exp) on a 2-core Xeon with AVX512-BF16; a Llama-3-8B layer (32 / 8 heads of 128) 8.1 -> 6.7 ms. Asking
 for the next block's rows while one block computes (`prefetch_rows`) then took 400-token contexts from 1.00-1.11 to
 0.82-0.86 ms per SmolLM2 layer, and a Llama-3-8B layer from 11.2 to 5.8 ms: the step is bound by memory, and the
-hardware prefetcher cannot guess where a sequence's next block lies. `paged_decode_path` says which path runs, for
-the worker's log.
+hardware prefetcher cannot guess where a sequence's next block lies. fp32 (same head dims, any CPU with AVX-512F)
+takes the same passes over fp32 rows (Q.K by FMAs on the query scaled first, as the portable path scales it):
+SmolLM2 at 400 tokens 2.1-2.2 -> 1.13-1.19 ms per layer, within 1e-6 of the portable path; Llama-3-8B 16.6 ->
+14.7. `paged_decode_path` says which path runs, for the worker's log.
 
 It is built with `torch.utils.cpp_extension.load_inline` (needs a C++ compiler and ninja; ~30-60 s the
 first time, then cached under torch's extension dir (`TORCH_EXTENSIONS_DIR`), keyed by the source, the flags
@@ -60,6 +62,7 @@ CPP_SOURCE = r"""
 #include <cmath>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 // Ask for `rows` rows of `row_bytes` each, `stride` bytes apart, before they are read: the bf16 path calls it with
@@ -151,6 +154,7 @@ static void paged_decode_impl(
 // pairs summed in fp32: a bf16 product is exact in fp32), the scale applied to the fp32 score; a V row is
 // widened to fp32 (a shift) and accumulated with fp32 FMAs.
 #define LLMFLEET_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define LLMFLEET_AVX512F __attribute__((target("avx512f")))
 
 LLMFLEET_AVX512_BF16 static inline __m512 ld_bf16(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
@@ -160,7 +164,7 @@ LLMFLEET_AVX512_BF16 static inline __m512 round_bf16(__m512 v, c10::BFloat16* p)
   _mm256_storeu_si256((__m256i*)p, b);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
 }
-LLMFLEET_AVX512_BF16 static inline __m512 exp_ps(__m512 x) {
+LLMFLEET_AVX512F static inline __m512 exp_ps(__m512 x) {
   x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -239,8 +243,79 @@ LLMFLEET_AVX512_BF16 static void pv_pass(const float* __restrict__ sh, const uin
   }
 }
 
+// fp32 (head dims 64 and 128, AVX-512F): the same passes over fp32 rows. Q.K by fp32 FMAs on the query scaled first
+// (as the portable path scales it), P.V accumulated in registers as above, each V row loaded once per pass.
+template <int D, int G>
+LLMFLEET_AVX512F static void qk_pass_f32(const float* __restrict__ qs, const float* __restrict__ k_cache,
+                                         const int64_t* __restrict__ table, int64_t len, int64_t token_stride,
+                                         int64_t block_size, int64_t block_stride, float scale, float* __restrict__ sh) {
+  constexpr int C = D / 16;
+  __m512 qv[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) qv[g][c] = _mm512_mul_ps(_mm512_loadu_ps(qs + g * D + 16 * c), _mm512_set1_ps(scale));
+  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+    const float* kb = k_cache + table[t0 / block_size] * block_stride;
+    const int64_t n = std::min(block_size, len - t0);
+    if (t0 + block_size < len)
+      prefetch_rows(k_cache + table[t0 / block_size + 1] * block_stride, block_size, 4 * token_stride, 4 * D);
+    for (int64_t j = 0; j < n; ++j) {
+      const float* kp = kb + j * token_stride;
+      __m512 kr[C];
+      for (int c = 0; c < C; ++c) kr[c] = _mm512_loadu_ps(kp + 16 * c);
+      for (int g = 0; g < G; ++g) {
+        __m512 a = _mm512_mul_ps(qv[g][0], kr[0]);
+        for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[g][c], kr[c], a);
+        sh[g * len + t0 + j] = _mm512_reduce_add_ps(a);
+      }
+    }
+  }
+}
+
+template <int D, int G>
+LLMFLEET_AVX512F static void pv_pass_f32(const float* __restrict__ sh, const float* __restrict__ v_cache,
+                                         const int64_t* __restrict__ table, int64_t len, int64_t token_stride,
+                                         int64_t block_size, int64_t block_stride, const float* inv,
+                                         float* __restrict__ os) {
+  constexpr int C = D / 16;
+  __m512 acc[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+    const float* vb = v_cache + table[t0 / block_size] * block_stride;
+    const int64_t n = std::min(block_size, len - t0);
+    if (t0 + block_size < len)
+      prefetch_rows(v_cache + table[t0 / block_size + 1] * block_stride, block_size, 4 * token_stride, 4 * D);
+    for (int64_t j = 0; j < n; ++j) {
+      const float* vp = vb + j * token_stride;
+      __m512 v[C];
+      for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(vp + 16 * c);
+      for (int g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(sh[g * len + t0 + j]);
+        for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c)
+      _mm512_storeu_ps(os + g * D + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g])));
+}
+
+// One pass kind per cache type: bf16 rows (as uint16) take vdpbf16ps, fp32 rows fp32 FMAs. G: heads together.
+template <int D, int G, typename T, typename O>
+static void qk_rows(const T* q, const T* k, const int64_t* table, int64_t len, int64_t ts, int64_t bs, int64_t bst,
+                    float scale, float* x) {
+  if constexpr (std::is_same<T, float>::value) qk_pass_f32<D, G>(q, k, table, len, ts, bs, bst, scale, x);
+  else qk_pass<D, G>(q, k, table, len, ts, bs, bst, scale, x);
+}
+template <int D, int G, typename T, typename O>
+static void pv_rows(const float* x, const T* v, const int64_t* table, int64_t len, int64_t ts, int64_t bs,
+                    int64_t bst, const float* inv, O* o) {
+  if constexpr (std::is_same<T, float>::value) pv_pass_f32<D, G>(x, v, table, len, ts, bs, bst, inv, o);
+  else pv_pass<D, G>(x, v, table, len, ts, bs, bst, inv, o);
+}
+
 // softmax in place over x[0..len), 16 scores at a time; returns 1 / sum of the exponentials
-LLMFLEET_AVX512_BF16 static float softmax_bf16_path(float* __restrict__ x, int64_t len) {
+LLMFLEET_AVX512F static float softmax_avx512(float* __restrict__ x, int64_t len) {
   __m512 mxv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t t = 0;
   for (; t + 16 <= len; t += 16) mxv = _mm512_max_ps(mxv, _mm512_loadu_ps(x + t));
@@ -264,49 +339,53 @@ LLMFLEET_AVX512_BF16 static float softmax_bf16_path(float* __restrict__ x, int64
 }
 
 // One sequence, one KV head at a time with the query heads of its group (GQA) together: each K row is loaded
-// once for up to 4 of them (Q.K: one vdpbf16ps chain each, their queries in registers), each V row once for as
+// once for up to QG of them (Q.K: one dot-product chain each, their queries in registers), each V row once for as
 // many as 16 fp32 accumulators hold (P.V), and the softmax runs 16 scores at a time (exp_ps). Against one head
-// at a time: 0.78 -> 0.62 ms per SmolLM2 layer (bench/attention_kernel.py). `sh` holds group * len scores.
-template <int D>
-LLMFLEET_AVX512_BF16 static void decode_seq_bf16_avx512(
-    const uint16_t* __restrict__ qs, const uint16_t* __restrict__ k_cache, const uint16_t* __restrict__ v_cache,
-    const int64_t* __restrict__ table, int64_t len, c10::BFloat16* __restrict__ os, int64_t num_heads,
-    int64_t group, int64_t token_stride, int64_t block_size, int64_t block_stride, float scale, float* __restrict__ sh) {
-  constexpr int QG = 4, VG = 16 / (D / 16);
+// at a time: 0.78 -> 0.62 ms per SmolLM2 bf16 layer (bench/attention_kernel.py). `sh` holds group * len scores.
+// T: the cache's element (uint16_t for bf16, float), O: the output's.
+template <int D, typename T, typename O>
+static void decode_seq_avx512(const T* __restrict__ qs, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+                              const int64_t* __restrict__ table, int64_t len, O* __restrict__ os, int64_t num_heads,
+                              int64_t group, int64_t token_stride, int64_t block_size, int64_t block_stride,
+                              float scale, float* __restrict__ sh) {
+  // registers: a bf16 query takes D/32 of them, an fp32 one D/16; an accumulator D/16
+  constexpr int QG = std::is_same<T, float>::value ? 16 / (D / 16) : 4, VG = 16 / (D / 16);
   float inv[VG];  // 1 / sum of each P.V pass's heads
   for (int64_t h0 = 0; h0 < num_heads; h0 += group) {
     const int64_t kv_off = (h0 / group) * D;
+    const T* k = k_cache + kv_off;
+    const T* v = v_cache + kv_off;
     for (int64_t g0 = 0; g0 < group; g0 += QG) {
       const int64_t gn = std::min<int64_t>(QG, group - g0);
-      const uint16_t* q = qs + (h0 + g0) * D;
+      const T* q = qs + (h0 + g0) * D;
       float* x = sh + g0 * len;
       switch (gn) {
-        case 1: qk_pass<D, 1>(q, k_cache + kv_off, table, len, token_stride, block_size, block_stride, scale, x); break;
-        case 2: qk_pass<D, 2>(q, k_cache + kv_off, table, len, token_stride, block_size, block_stride, scale, x); break;
-        case 3: qk_pass<D, 3>(q, k_cache + kv_off, table, len, token_stride, block_size, block_stride, scale, x); break;
-        default: qk_pass<D, 4>(q, k_cache + kv_off, table, len, token_stride, block_size, block_stride, scale, x);
+        case 1: qk_rows<D, 1, T, O>(q, k, table, len, token_stride, block_size, block_stride, scale, x); break;
+        case 2: qk_rows<D, 2, T, O>(q, k, table, len, token_stride, block_size, block_stride, scale, x); break;
+        case 3: qk_rows<D, 3, T, O>(q, k, table, len, token_stride, block_size, block_stride, scale, x); break;
+        default: qk_rows<D, QG, T, O>(q, k, table, len, token_stride, block_size, block_stride, scale, x);
       }
     }
     for (int64_t g0 = 0; g0 < group; g0 += VG) {
       const int64_t gn = std::min<int64_t>(VG, group - g0);
-      for (int64_t g = 0; g < gn; ++g) inv[g] = softmax_bf16_path(sh + (g0 + g) * len, len);
+      for (int64_t g = 0; g < gn; ++g) inv[g] = softmax_avx512(sh + (g0 + g) * len, len);
       const float* x = sh + g0 * len;
-      c10::BFloat16* o = os + (h0 + g0) * D;
+      O* o = os + (h0 + g0) * D;
       switch (gn) {
-        case 1: pv_pass<D, 1>(x, v_cache + kv_off, table, len, token_stride, block_size, block_stride, inv, o); break;
-        case 2: pv_pass<D, 2>(x, v_cache + kv_off, table, len, token_stride, block_size, block_stride, inv, o); break;
-        case 3: pv_pass<D, 3>(x, v_cache + kv_off, table, len, token_stride, block_size, block_stride, inv, o); break;
-        default: pv_pass<D, 4>(x, v_cache + kv_off, table, len, token_stride, block_size, block_stride, inv, o);
+        case 1: pv_rows<D, 1, T, O>(x, v, table, len, token_stride, block_size, block_stride, inv, o); break;
+        case 2: pv_rows<D, 2, T, O>(x, v, table, len, token_stride, block_size, block_stride, inv, o); break;
+        case 3: pv_rows<D, 3, T, O>(x, v, table, len, token_stride, block_size, block_stride, inv, o); break;
+        default: pv_rows<D, VG, T, O>(x, v, table, len, token_stride, block_size, block_stride, inv, o);
       }
     }
   }
 }
 
-template <int D>
-static void paged_decode_bf16_avx512(
-    const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
-    const int64_t* block_tables, const int64_t* lens, c10::BFloat16* out, int64_t num_seqs, int64_t num_heads,
-    int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, float scale) {
+// T: the cache's element as the passes read it (uint16_t for bf16, float), O: the tensors' element.
+template <int D, typename T, typename O>
+static void paged_decode_avx512(const O* q, const O* k_cache, const O* v_cache, const int64_t* block_tables,
+                                const int64_t* lens, O* out, int64_t num_seqs, int64_t num_heads,
+                                int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, float scale) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * D;
   const int64_t block_stride = block_size * token_stride;
@@ -314,16 +393,21 @@ static void paged_decode_bf16_avx512(
     std::vector<float> scores;
     for (int64_t s = begin; s < end; ++s) {
       scores.resize(group * lens[s]);
-      decode_seq_bf16_avx512<D>(
-          reinterpret_cast<const uint16_t*>(q + s * num_heads * D), reinterpret_cast<const uint16_t*>(k_cache),
-          reinterpret_cast<const uint16_t*>(v_cache), block_tables + s * max_blocks, lens[s],
-          out + s * num_heads * D, num_heads, group, token_stride, block_size, block_stride, scale, scores.data());
+      decode_seq_avx512<D, T, O>(reinterpret_cast<const T*>(q + s * num_heads * D), reinterpret_cast<const T*>(k_cache),
+                                 reinterpret_cast<const T*>(v_cache), block_tables + s * max_blocks, lens[s],
+                                 out + s * num_heads * D, num_heads, group, token_stride, block_size, block_stride,
+                                 scale, scores.data());
     }
   });
 }
 
-// The shapes the AVX512-BF16 path takes (the one rule `paged_decode` and `paged_decode_path` both follow).
-static bool bf16_path_takes(bool bf16, int64_t head_dim) { return bf16 && (head_dim == 64 || head_dim == 128); }
+// The shapes the AVX-512 paths take (the one rule `paged_decode` and `paged_decode_path` both follow).
+static bool avx512_path_takes(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
+
+static bool cpu_has_avx512f() {
+  static const bool has = __builtin_cpu_supports("avx512f");
+  return has;
+}
 
 static bool cpu_has_avx512_bf16() {
   static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -356,11 +440,17 @@ static torch::Tensor paged_decode_any(torch::Tensor q, torch::Tensor k_cache, to
   }
   auto out = torch::empty({S, H * D}, q.options());
 #if defined(__x86_64__)
-  if (fast && bf16_path_takes(q.scalar_type() == at::kBFloat16, D) && cpu_has_avx512_bf16()) {
-    (D == 64 ? paged_decode_bf16_avx512<64> : paged_decode_bf16_avx512<128>)(
+  if (fast && avx512_path_takes(D) && q.scalar_type() == at::kBFloat16 && cpu_has_avx512_bf16()) {
+    (D == 64 ? paged_decode_avx512<64, uint16_t, c10::BFloat16> : paged_decode_avx512<128, uint16_t, c10::BFloat16>)(
         q.data_ptr<c10::BFloat16>(), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
         tables.data_ptr<int64_t>(), lens_c.data_ptr<int64_t>(), out.data_ptr<c10::BFloat16>(), S, H, KVH, BS,
         tables.size(1), static_cast<float>(scale));
+    return out;
+  }
+  if (fast && avx512_path_takes(D) && q.scalar_type() == at::kFloat && cpu_has_avx512f()) {
+    (D == 64 ? paged_decode_avx512<64, float, float> : paged_decode_avx512<128, float, float>)(
+        q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tables.data_ptr<int64_t>(),
+        lens_c.data_ptr<int64_t>(), out.data_ptr<float>(), S, H, KVH, BS, tables.size(1), static_cast<float>(scale));
     return out;
   }
 #endif
@@ -386,12 +476,16 @@ torch::Tensor paged_decode_generic(torch::Tensor q, torch::Tensor k_cache, torch
 // Which code `paged_decode` runs for a dtype ("float32", "bfloat16", ...) and head dim, and why: for the log.
 std::string paged_decode_path(std::string dtype, int64_t head_dim) {
 #if defined(__x86_64__)
-  if (bf16_path_takes(dtype == "bfloat16", head_dim)) {
+  if (avx512_path_takes(head_dim) && dtype == "bfloat16") {
     if (cpu_has_avx512_bf16()) return "avx512_bf16 (vdpbf16ps, head dim " + std::to_string(head_dim) + ")";
     return "generic (this CPU has no AVX512-BF16)";
   }
+  if (avx512_path_takes(head_dim) && dtype == "float32") {
+    if (cpu_has_avx512f()) return "avx512_fp32 (head dim " + std::to_string(head_dim) + ")";
+    return "generic (this CPU has no AVX-512)";
+  }
 #endif
-  return "generic (the AVX512-BF16 path takes bfloat16 with head dim 64 or 128)";
+  return "generic (the AVX-512 paths take bfloat16 or float32 with head dim 64 or 128)";
 }
 
 #if defined(__x86_64__)
