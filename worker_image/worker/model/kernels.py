@@ -208,27 +208,33 @@ LLMFLEET_AVX512_BF16 static void qk_pass(const uint16_t* __restrict__ qs, const 
   }
 }
 
-// P.V of G query heads over one KV head's V rows, each row widened once for all of them; out_g = acc_g * inv_g.
-template <int D, int G>
-LLMFLEET_AVX512_BF16 static void pv_pass(const float* __restrict__ sh, const uint16_t* __restrict__ v_cache,
-                                         const int64_t* __restrict__ table, int64_t len, int64_t token_stride,
-                                         int64_t block_size, int64_t block_stride, const float* inv,
-                                         c10::BFloat16* __restrict__ os) {
+// 16 elements of a cache row as fp32: bf16 (as uint16) widened by a shift, fp32 loaded.
+template <typename T>
+LLMFLEET_AVX512F static inline __m512 load16(const T* p) {
+  if constexpr (std::is_same<T, float>::value) return _mm512_loadu_ps(p);
+  else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// P.V of G query heads over one KV head's V rows (T: uint16_t for bf16, float), each row loaded once for all of
+// them, accumulated in fp32; out_g = acc_g * inv_g, stored as O.
+template <int D, int G, typename T, typename O>
+LLMFLEET_AVX512F static void pv_pass(const float* __restrict__ sh, const T* __restrict__ v_cache,
+                                     const int64_t* __restrict__ table, int64_t len, int64_t token_stride,
+                                     int64_t block_size, int64_t block_stride, const float* inv, O* __restrict__ os) {
   constexpr int C16 = D / 16;
   __m512 acc[G][C16];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C16; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-    const uint16_t* vb = v_cache + table[t0 / block_size] * block_stride;
+    const T* vb = v_cache + table[t0 / block_size] * block_stride;
     const int64_t n = std::min(block_size, len - t0);
     if (t0 + block_size < len)
-      prefetch_rows(v_cache + table[t0 / block_size + 1] * block_stride, block_size, 2 * token_stride, 2 * D);
+      prefetch_rows(v_cache + table[t0 / block_size + 1] * block_stride, block_size, sizeof(T) * token_stride,
+                    sizeof(T) * D);
     for (int64_t j = 0; j < n; ++j) {
-      const uint16_t* vp = vb + j * token_stride;
+      const T* vp = vb + j * token_stride;
       __m512 v[C16];
-      for (int c = 0; c < C16; ++c)
-        v[c] = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(vp + 16 * c))), 16));
+      for (int c = 0; c < C16; ++c) v[c] = load16(vp + 16 * c);
       for (int g = 0; g < G; ++g) {
         const __m512 p = _mm512_set1_ps(sh[g * len + t0 + j]);
         for (int c = 0; c < C16; ++c) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
@@ -236,15 +242,19 @@ LLMFLEET_AVX512_BF16 static void pv_pass(const float* __restrict__ sh, const uin
     }
   }
   for (int g = 0; g < G; ++g) {
-    float o[D];
     const __m512 iv = _mm512_set1_ps(inv[g]);
-    for (int c = 0; c < C16; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[g][c], iv));
-    for (int i = 0; i < D; ++i) os[g * D + i] = static_cast<c10::BFloat16>(o[i]);
+    if constexpr (std::is_same<O, float>::value) {
+      for (int c = 0; c < C16; ++c) _mm512_storeu_ps(os + g * D + 16 * c, _mm512_mul_ps(acc[g][c], iv));
+    } else {
+      float o[D];
+      for (int c = 0; c < C16; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[g][c], iv));
+      for (int i = 0; i < D; ++i) os[g * D + i] = static_cast<O>(o[i]);
+    }
   }
 }
 
-// fp32 (head dims 64 and 128, AVX-512F): the same passes over fp32 rows. Q.K by fp32 FMAs on the query scaled first
-// (as the portable path scales it), P.V accumulated in registers as above, each V row loaded once per pass.
+// Q.K over fp32 rows (fp32 decode, head dims 64 and 128, AVX-512F): fp32 FMAs on the query scaled first, as the
+// portable path scales it.
 template <int D, int G>
 LLMFLEET_AVX512F static void qk_pass_f32(const float* __restrict__ qs, const float* __restrict__ k_cache,
                                          const int64_t* __restrict__ table, int64_t len, int64_t token_stride,
@@ -271,47 +281,12 @@ LLMFLEET_AVX512F static void qk_pass_f32(const float* __restrict__ qs, const flo
   }
 }
 
-template <int D, int G>
-LLMFLEET_AVX512F static void pv_pass_f32(const float* __restrict__ sh, const float* __restrict__ v_cache,
-                                         const int64_t* __restrict__ table, int64_t len, int64_t token_stride,
-                                         int64_t block_size, int64_t block_stride, const float* inv,
-                                         float* __restrict__ os) {
-  constexpr int C = D / 16;
-  __m512 acc[G][C];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
-  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-    const float* vb = v_cache + table[t0 / block_size] * block_stride;
-    const int64_t n = std::min(block_size, len - t0);
-    if (t0 + block_size < len)
-      prefetch_rows(v_cache + table[t0 / block_size + 1] * block_stride, block_size, 4 * token_stride, 4 * D);
-    for (int64_t j = 0; j < n; ++j) {
-      const float* vp = vb + j * token_stride;
-      __m512 v[C];
-      for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(vp + 16 * c);
-      for (int g = 0; g < G; ++g) {
-        const __m512 p = _mm512_set1_ps(sh[g * len + t0 + j]);
-        for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
-      }
-    }
-  }
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c)
-      _mm512_storeu_ps(os + g * D + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g])));
-}
-
-// One pass kind per cache type: bf16 rows (as uint16) take vdpbf16ps, fp32 rows fp32 FMAs. G: heads together.
-template <int D, int G, typename T, typename O>
+// Q.K by cache type: bf16 rows (as uint16) take vdpbf16ps, fp32 rows fp32 FMAs. G: heads together.
+template <int D, int G, typename T>
 static void qk_rows(const T* q, const T* k, const int64_t* table, int64_t len, int64_t ts, int64_t bs, int64_t bst,
                     float scale, float* x) {
   if constexpr (std::is_same<T, float>::value) qk_pass_f32<D, G>(q, k, table, len, ts, bs, bst, scale, x);
   else qk_pass<D, G>(q, k, table, len, ts, bs, bst, scale, x);
-}
-template <int D, int G, typename T, typename O>
-static void pv_rows(const float* x, const T* v, const int64_t* table, int64_t len, int64_t ts, int64_t bs,
-                    int64_t bst, const float* inv, O* o) {
-  if constexpr (std::is_same<T, float>::value) pv_pass_f32<D, G>(x, v, table, len, ts, bs, bst, inv, o);
-  else pv_pass<D, G>(x, v, table, len, ts, bs, bst, inv, o);
 }
 
 // softmax in place over x[0..len), 16 scores at a time; returns 1 / sum of the exponentials
@@ -360,10 +335,10 @@ static void decode_seq_avx512(const T* __restrict__ qs, const T* __restrict__ k_
       const T* q = qs + (h0 + g0) * D;
       float* x = sh + g0 * len;
       switch (gn) {
-        case 1: qk_rows<D, 1, T, O>(q, k, table, len, token_stride, block_size, block_stride, scale, x); break;
-        case 2: qk_rows<D, 2, T, O>(q, k, table, len, token_stride, block_size, block_stride, scale, x); break;
-        case 3: qk_rows<D, 3, T, O>(q, k, table, len, token_stride, block_size, block_stride, scale, x); break;
-        default: qk_rows<D, QG, T, O>(q, k, table, len, token_stride, block_size, block_stride, scale, x);
+        case 1: qk_rows<D, 1, T>(q, k, table, len, token_stride, block_size, block_stride, scale, x); break;
+        case 2: qk_rows<D, 2, T>(q, k, table, len, token_stride, block_size, block_stride, scale, x); break;
+        case 3: qk_rows<D, 3, T>(q, k, table, len, token_stride, block_size, block_stride, scale, x); break;
+        default: qk_rows<D, QG, T>(q, k, table, len, token_stride, block_size, block_stride, scale, x);
       }
     }
     for (int64_t g0 = 0; g0 < group; g0 += VG) {
@@ -372,10 +347,10 @@ static void decode_seq_avx512(const T* __restrict__ qs, const T* __restrict__ k_
       const float* x = sh + g0 * len;
       O* o = os + (h0 + g0) * D;
       switch (gn) {
-        case 1: pv_rows<D, 1, T, O>(x, v, table, len, token_stride, block_size, block_stride, inv, o); break;
-        case 2: pv_rows<D, 2, T, O>(x, v, table, len, token_stride, block_size, block_stride, inv, o); break;
-        case 3: pv_rows<D, 3, T, O>(x, v, table, len, token_stride, block_size, block_stride, inv, o); break;
-        default: pv_rows<D, VG, T, O>(x, v, table, len, token_stride, block_size, block_stride, inv, o);
+        case 1: pv_pass<D, 1, T, O>(x, v, table, len, token_stride, block_size, block_stride, inv, o); break;
+        case 2: pv_pass<D, 2, T, O>(x, v, table, len, token_stride, block_size, block_stride, inv, o); break;
+        case 3: pv_pass<D, 3, T, O>(x, v, table, len, token_stride, block_size, block_stride, inv, o); break;
+        default: pv_pass<D, VG, T, O>(x, v, table, len, token_stride, block_size, block_stride, inv, o);
       }
     }
   }
