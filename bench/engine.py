@@ -312,6 +312,12 @@ def run_vllm(python: str, path: str, work, *, dtype: str, timeout_s: int) -> dic
     return json.loads(lines[-1])
 
 
+def layer_shapes(cfg) -> list[tuple[int, int]]:
+    """(out, in) of one decoder layer's linears as the engine runs them: fused QKV, o, fused gate+up, down."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    return [(cfg.q_size + 2 * cfg.kv_size, h), (h, cfg.q_size), (2 * i, h), (h, i)]
+
+
 def step_shape(sched) -> tuple[int, int, int, int]:
     """What one step asks of the machine: (tokens computed, rows sampled, KV tokens attended over, query-key
     pairs). A chunk of q tokens after `start` cached ones attends over start + q keys, causally."""
@@ -346,8 +352,8 @@ def roofline(path: str, schedule: list[tuple[int, int, int, int]], streamed: dic
     from worker.model.config import ModelConfig
 
     cfg = ModelConfig.from_dir(path)
-    h, i, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
-    layer_params = (cfg.q_size + 2 * cfg.kv_size) * h + h * cfg.q_size + 2 * i * h + h * i
+    h, layers = cfg.hidden_size, cfg.num_hidden_layers
+    layer_params = sum(n * k for n, k in layer_shapes(cfg))
     floor = memory_bound = 0.0
     for tokens, sampled, kv_read, pairs in schedule:
         flops = 2.0 * layers * layer_params * tokens + 2.0 * cfg.vocab_size * h * sampled
@@ -379,7 +385,7 @@ def gemm_ceiling(path: str, work, dtype: str, quantization: str | None = None) -
 
     cfg = ModelConfig.from_dir(path)
     h, i = cfg.hidden_size, cfg.intermediate_size
-    shapes = [(cfg.q_size + 2 * cfg.kv_size, h), (h, cfg.q_size), (2 * i, h), (h, i)]
+    shapes = layer_shapes(cfg)
     layer_params = sum(n * k for n, k in shapes)
     dt = getattr(torch, dtype)
     kernel, reason = choose_linear_kernel("cpu", dt, read_cpu_flags(), available_kernels())
