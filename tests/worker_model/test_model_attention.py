@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from worker.model.attention import SeqSpan, build_metadata, decode_attention_sdpa
-from worker.model.kernels import load_paged_decode, load_paged_decode_generic, paged_decode_path
+from worker.model.kernels import _load_module, load_paged_decode, load_paged_decode_generic, paged_decode_path
 
 
 @pytest.mark.parametrize(
@@ -168,3 +168,48 @@ def test_the_fast_paths_agree_with_the_portable_one(kernel, hd, dtype, tol):
     lens = torch.tensor([1, 16, 17, 90, 160, 176])
     fast, portable = kernel(q, k, v, tables, lens, hd**-0.5), generic(q, k, v, tables, lens, hd**-0.5)
     assert torch.allclose(fast.float(), portable.float(), atol=tol[0], rtol=tol[1])
+
+
+@pytest.mark.parametrize(
+    "lens,parts,bounds",
+    [
+        ([100] * 4, 2, [0, 2, 4]),  # equal lengths: equal counts
+        ([700, 100, 100, 100, 100, 100, 100, 100], 2, [0, 1, 8]),  # one long context against seven short
+        ([100, 100, 100, 100, 100, 100, 100, 700], 2, [0, 7, 8]),
+        ([1, 1, 1, 1000], 2, [0, 3, 4]),
+        ([600, 300, 500], 2, [0, 1, 3]),  # the half falls inside the 300: cut before it, the nearer side
+        ([100] * 3, 4, [0, 1, 2, 3, 3]),  # more parts than sequences: the last ones empty
+        ([5000, 1, 1], 3, [0, 1, 1, 3]),  # one sequence over two shares: the next part is empty, never reversed
+        ([100] * 6, 1, [0, 6]),
+        ([], 2, [0, 0, 0]),
+    ],
+)
+def test_decode_split_balances_context_lengths(kernel, lens, parts, bounds):
+    """Decode attention's threads take contiguous ranges of sequences cut where the summed lengths are even."""
+    module, _ = _load_module()
+    got = module.decode_split(torch.tensor(lens, dtype=torch.long), parts)
+    assert got == bounds
+    assert all(a <= b for a, b in zip(got, got[1:])) and got[0] == 0 and got[-1] == len(lens)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+def test_native_decode_covers_every_sequence_whatever_the_thread_count(kernel, threads):
+    """Skewed lengths, more threads than cores: every sequence's output is its own (none skipped or left empty)."""
+    gen = torch.Generator().manual_seed(threads)
+    lens = torch.tensor([300, 1, 2, 250, 3, 1, 1, 17])
+    tables = torch.randperm(160, generator=gen)[:152].view(8, 19)
+    k = torch.randn(160, 16, 1, 64, generator=gen)
+    v = torch.randn(160, 16, 1, 64, generator=gen)
+    q = torch.randn(8, 2, 64, generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = kernel(q, k, v, tables, lens, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    for s, n in enumerate(lens.tolist()):
+        blocks = tables[s, : -(-n // 16)]
+        ks = k[blocks].reshape(-1, 64)[:n]
+        vs = v[blocks].reshape(-1, 64)[:n]
+        want = torch.softmax(q[s] @ ks.T * 0.125, dim=-1) @ vs
+        assert torch.allclose(out[s].view(2, 64), want, atol=1e-5), s

@@ -65,17 +65,71 @@ CPP_SOURCE = r"""
 #include <type_traits>
 #include <vector>
 
-// Ask for `rows` rows of `row_bytes` each, `stride` bytes apart, before they are read: the bf16 path calls it with
-// the next cache block's rows of its KV head while this block computes. A sequence's blocks lie anywhere in the
-// cache and one KV head's rows are strided, so the hardware prefetcher cannot see the next block coming.
-// `bench/attention_kernel.py --context 400` (64 sequences in scattered blocks, 2-core Xeon): SmolLM2 bf16 1.00-1.11
-// -> 0.82-0.86 ms per layer, Llama-3-8B 11.2 -> 5.8-6.2; on blocks that sit in cache the prefetches cost 0.45 ->
-// 0.50. The portable path reads whole blocks, which the hardware streams: prefetching the next whole block made
-// its fp32 slower (1.95 -> 2.30 ms), its first 512 bytes changed nothing, so it does not prefetch.
-static inline void prefetch_rows(const void* base, int64_t rows, int64_t stride, int64_t row_bytes) {
-  const char* p = static_cast<const char*>(base);
-  for (int64_t j = 0; j < rows; ++j)
-    for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(p + j * stride + c, 0, 3);
+// Ask for one cache row (Bytes bytes) before it is read: the AVX-512 passes ask for row j of the next block of
+// their KV head as they compute row j of this one. A sequence's blocks lie anywhere in the cache and one KV head's
+// rows are strided, so the hardware prefetcher cannot see the next block coming. Asked for all at once (a block's
+// 32 lines per pass), the prefetches outran the core's line fill buffers and stalled it: `perf record -e
+// cpu-clock` put 41% of the Q.K pass and half of the P.V pass on prefetch instructions. One row at a time, beside
+// the row being computed: SmolLM2 bf16 at 256 tokens 0.47 -> 0.40 ms per layer (bench/attention_kernel.py); across
+// 30 layers' caches (cold, as in the engine) 56 -> 51 ms. Hints other than T0 (to L2 or L3 only) were slower. The
+// portable path reads whole blocks, which the hardware streams: prefetching the next whole block made its fp32
+// slower (1.95 -> 2.30 ms), its first 512 bytes changed nothing, so it does not prefetch.
+template <int Bytes>
+static inline void prefetch_row(const void* row) {
+  for (int c = 0; c < Bytes; c += 64) __builtin_prefetch(static_cast<const char*>(row) + c, 0, 3);
+}
+
+// The pass's next block (its rows token_stride apart), or nullptr where this block is the sequence's last.
+template <typename T>
+static inline const T* next_block(const T* cache, const int64_t* table, int64_t t0, int64_t len, int64_t block_size,
+                                  int64_t block_stride) {
+  return t0 + block_size < len ? cache + table[t0 / block_size + 1] * block_stride : nullptr;
+}
+
+// Cuts sequences 0..n into `parts` contiguous ranges (bounds[i] .. bounds[i + 1]) of about equal work, a
+// sequence's work being its context length plus a fixed cost; each cut lands before or after the sequence it
+// falls in, whichever is nearer that range's share. Bounds never decrease and cover 0..n.
+static std::vector<int64_t> split_bounds(const int64_t* lens, int64_t n, int64_t parts) {
+  constexpr int64_t kPerSeq = 16;  // a sequence's fixed cost (its query, softmax setup, output) in tokens
+  std::vector<int64_t> bounds(parts + 1, n);
+  bounds[0] = 0;
+  int64_t total = 0;
+  for (int64_t s = 0; s < n; ++s) total += lens[s] + kPerSeq;
+  int64_t done = 0, p = 1;
+  for (int64_t s = 0; s < n && p < parts; ++s) {
+    const int64_t before = done;
+    done += lens[s] + kPerSeq;
+    while (p < parts && done * parts >= total * p) {
+      const int64_t target = total * p / parts;
+      bounds[p] = (target - before < done - target && s > bounds[p - 1]) ? s : s + 1;
+      ++p;
+    }
+  }
+  return bounds;
+}
+
+// Runs fn(begin, end) over sequences 0..n, one range of `split_bounds` per thread. An even split by count
+// (at::parallel_for over sequences) leaves one thread with the long contexts: 64 sequences of 768..32 tokens in
+// descending order ran at 15.7 GB/s against 22.3 shuffled (SmolLM2 bf16, 2 threads). Decode attention reads each
+// token's KV once, so its time is its bytes, and the bytes are the lengths.
+template <typename F>
+static void parallel_over_seqs(const int64_t* lens, int64_t n, const F& fn) {
+  const int64_t parts = std::min<int64_t>(at::get_num_threads(), n);
+  if (parts <= 1 || at::in_parallel_region()) {
+    fn(0, n);
+    return;
+  }
+  const std::vector<int64_t> bounds = split_bounds(lens, n, parts);
+  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) fn(bounds[i], bounds[i + 1]);
+  });
+}
+
+// split_bounds for tests: lens [n] int64.
+std::vector<int64_t> decode_split(torch::Tensor lens, int64_t parts) {
+  TORCH_CHECK(lens.scalar_type() == at::kLong && lens.dim() == 1 && parts >= 1, "lens [n] int64, parts >= 1");
+  auto c = lens.contiguous();
+  return split_bounds(c.data_ptr<int64_t>(), c.size(0), parts);
 }
 
 template <typename scalar_t>
@@ -89,7 +143,7 @@ static void paged_decode_impl(
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;
   const int64_t block_stride = block_size * token_stride;
-  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+  parallel_over_seqs(lens, num_seqs, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(num_heads * head_dim), acc(num_heads * head_dim), scores;
     for (int64_t s = begin; s < end; ++s) {
       const int64_t len = lens[s];
@@ -180,8 +234,25 @@ LLMFLEET_AVX512F static inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(y, n);
 }
 
+// Lane i of the result = the sum of v[i]'s 16 lanes: a 16x16 transpose folded into the adds, 45 instructions for
+// 16 sums where 16 _mm512_reduce_add_ps take ~4x as many, each a long dependency chain of its own.
+LLMFLEET_AVX512F static inline __m512 reduce16(const __m512* v) {
+  __m512 t[8], s[4], r[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit slot: [v2i (a+c), v2i+1 (a+c), v2i (b+d), v2i+1 (b+d)]
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per slot: v4i .. v4i+3, each that slot's sum
+    s[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 2; ++i)  // slots: s2i (0+1), s2i (2+3), s2i+1 (0+1), s2i+1 (2+3)
+    r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(r[0], r[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(r[0], r[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 // Q.K of G query heads (compile-time, so their queries and sums stay in registers) over one KV head's K rows,
 // each row loaded once for all of them: sh[g * len + t] = scale * q_g . k_t.
+// 16 rows at a time their sums are folded together (reduce16); a block's last rows one at a time.
 template <int D, int G>
 LLMFLEET_AVX512_BF16 static void qk_pass(const uint16_t* __restrict__ qs, const uint16_t* __restrict__ k_cache,
                                          const int64_t* __restrict__ table, int64_t len, int64_t token_stride,
@@ -193,10 +264,25 @@ LLMFLEET_AVX512_BF16 static void qk_pass(const uint16_t* __restrict__ qs, const 
   for (int64_t t0 = 0; t0 < len; t0 += block_size) {
     const uint16_t* kb = k_cache + table[t0 / block_size] * block_stride;
     const int64_t n = std::min(block_size, len - t0);
-    if (t0 + block_size < len)
-      prefetch_rows(k_cache + table[t0 / block_size + 1] * block_stride, block_size, 2 * token_stride, 2 * D);
-    for (int64_t j = 0; j < n; ++j) {
+    const uint16_t* nb = next_block(k_cache, table, t0, len, block_size, block_stride);
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
       const uint16_t* kp = kb + j * token_stride;
+      for (int g = 0; g < G; ++g) {
+        __m512 a[16];
+        for (int r = 0; r < 16; ++r) {
+          if (g == 0 && nb) prefetch_row<2 * D>(nb + (j + r) * token_stride);
+          a[r] = _mm512_setzero_ps();
+          for (int c = 0; c < C32; ++c)
+            a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)qv[g][c],
+                                    (__m512bh)_mm512_loadu_si512(kp + r * token_stride + 32 * c));
+        }
+        _mm512_storeu_ps(sh + g * len + t0 + j, _mm512_mul_ps(reduce16(a), _mm512_set1_ps(scale)));
+      }
+    }
+    for (; j < n; ++j) {
+      const uint16_t* kp = kb + j * token_stride;
+      if (nb) prefetch_row<2 * D>(nb + j * token_stride);
       __m512i kr[C32];
       for (int c = 0; c < C32; ++c) kr[c] = _mm512_loadu_si512(kp + 32 * c);
       for (int g = 0; g < G; ++g) {
@@ -228,11 +314,10 @@ LLMFLEET_AVX512F static void pv_pass(const float* __restrict__ sh, const T* __re
   for (int64_t t0 = 0; t0 < len; t0 += block_size) {
     const T* vb = v_cache + table[t0 / block_size] * block_stride;
     const int64_t n = std::min(block_size, len - t0);
-    if (t0 + block_size < len)
-      prefetch_rows(v_cache + table[t0 / block_size + 1] * block_stride, block_size, sizeof(T) * token_stride,
-                    sizeof(T) * D);
+    const T* nb = next_block(v_cache, table, t0, len, block_size, block_stride);
     for (int64_t j = 0; j < n; ++j) {
       const T* vp = vb + j * token_stride;
+      if (nb) prefetch_row<sizeof(T) * D>(nb + j * token_stride);
       __m512 v[C16];
       for (int c = 0; c < C16; ++c) v[c] = load16(vp + 16 * c);
       for (int g = 0; g < G; ++g) {
@@ -266,10 +351,23 @@ LLMFLEET_AVX512F static void qk_pass_f32(const float* __restrict__ qs, const flo
   for (int64_t t0 = 0; t0 < len; t0 += block_size) {
     const float* kb = k_cache + table[t0 / block_size] * block_stride;
     const int64_t n = std::min(block_size, len - t0);
-    if (t0 + block_size < len)
-      prefetch_rows(k_cache + table[t0 / block_size + 1] * block_stride, block_size, 4 * token_stride, 4 * D);
-    for (int64_t j = 0; j < n; ++j) {
+    const float* nb = next_block(k_cache, table, t0, len, block_size, block_stride);
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
       const float* kp = kb + j * token_stride;
+      for (int g = 0; g < G; ++g) {
+        __m512 a[16];
+        for (int r = 0; r < 16; ++r) {
+          if (g == 0 && nb) prefetch_row<4 * D>(nb + (j + r) * token_stride);
+          a[r] = _mm512_mul_ps(qv[g][0], _mm512_loadu_ps(kp + r * token_stride));
+          for (int c = 1; c < C; ++c) a[r] = _mm512_fmadd_ps(qv[g][c], _mm512_loadu_ps(kp + r * token_stride + 16 * c), a[r]);
+        }
+        _mm512_storeu_ps(sh + g * len + t0 + j, reduce16(a));
+      }
+    }
+    for (; j < n; ++j) {
+      const float* kp = kb + j * token_stride;
+      if (nb) prefetch_row<4 * D>(nb + j * token_stride);
       __m512 kr[C];
       for (int c = 0; c < C; ++c) kr[c] = _mm512_loadu_ps(kp + 16 * c);
       for (int g = 0; g < G; ++g) {
@@ -364,7 +462,7 @@ static void paged_decode_avx512(const O* q, const O* k_cache, const O* v_cache, 
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * D;
   const int64_t block_stride = block_size * token_stride;
-  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+  parallel_over_seqs(lens, num_seqs, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t s = begin; s < end; ++s) {
       scores.resize(group * lens[s]);
@@ -867,6 +965,7 @@ def _load_module() -> tuple[Any, str | None]:
                 "paged_decode",
                 "paged_decode_generic",
                 "paged_decode_path",
+                "decode_split",
                 "fused_ops_available",
                 "add_rms_norm",
                 "silu_and_mul",
