@@ -250,46 +250,78 @@ LLMFLEET_AVX512F static inline __m512 reduce16(const __m512* v) {
                        _mm512_shuffle_f32x4(r[0], r[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// Q.K of G query heads (compile-time, so their queries and sums stay in registers) over one KV head's K rows,
-// each row loaded once for all of them: sh[g * len + t] = scale * q_g . k_t.
-// 16 rows at a time their sums are folded together (reduce16); a block's last rows one at a time.
+// Q.K of G query heads (compile-time, so their queries stay in registers) over rows 0..n of one cache block of
+// their KV head (kb: its row 0, rows token_stride apart), each row loaded once for all of them:
+// x[g * len + j] = scale * q_g . k_j. 16 rows at a time their sums are folded together (reduce16), a block's last
+// rows one at a time. nb: the same head's rows in the sequence's next block, asked for beside each row computed
+// (nullptr: none).
 template <int D, int G>
-LLMFLEET_AVX512_BF16 static void qk_pass(const uint16_t* __restrict__ qs, const uint16_t* __restrict__ k_cache,
-                                         const int64_t* __restrict__ table, int64_t len, int64_t token_stride,
-                                         int64_t block_size, int64_t block_stride, float scale, float* __restrict__ sh) {
+LLMFLEET_AVX512_BF16 static void qk_block(const uint16_t* __restrict__ qs, const uint16_t* __restrict__ kb,
+                                          const uint16_t* nb, int64_t n, int64_t token_stride, int64_t len,
+                                          float scale, float* __restrict__ x) {
   constexpr int C32 = D / 32;
   __m512i qv[G][C32];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C32; ++c) qv[g][c] = _mm512_loadu_si512(qs + g * D + 32 * c);
-  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-    const uint16_t* kb = k_cache + table[t0 / block_size] * block_stride;
-    const int64_t n = std::min(block_size, len - t0);
-    const uint16_t* nb = next_block(k_cache, table, t0, len, block_size, block_stride);
-    int64_t j = 0;
-    for (; j + 16 <= n; j += 16) {
-      const uint16_t* kp = kb + j * token_stride;
-      for (int g = 0; g < G; ++g) {
-        __m512 a[16];
-        for (int r = 0; r < 16; ++r) {
-          if (g == 0 && nb) prefetch_row<2 * D>(nb + (j + r) * token_stride);
-          a[r] = _mm512_setzero_ps();
-          for (int c = 0; c < C32; ++c)
-            a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)qv[g][c],
-                                    (__m512bh)_mm512_loadu_si512(kp + r * token_stride + 32 * c));
-        }
-        _mm512_storeu_ps(sh + g * len + t0 + j, _mm512_mul_ps(reduce16(a), _mm512_set1_ps(scale)));
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const uint16_t* kp = kb + j * token_stride;
+    for (int g = 0; g < G; ++g) {
+      __m512 a[16];
+      for (int r = 0; r < 16; ++r) {
+        if (g == 0 && nb) prefetch_row<2 * D>(nb + (j + r) * token_stride);
+        a[r] = _mm512_setzero_ps();
+        for (int c = 0; c < C32; ++c)
+          a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)qv[g][c], (__m512bh)_mm512_loadu_si512(kp + r * token_stride + 32 * c));
       }
+      _mm512_storeu_ps(x + g * len + j, _mm512_mul_ps(reduce16(a), _mm512_set1_ps(scale)));
     }
-    for (; j < n; ++j) {
-      const uint16_t* kp = kb + j * token_stride;
-      if (nb) prefetch_row<2 * D>(nb + j * token_stride);
-      __m512i kr[C32];
-      for (int c = 0; c < C32; ++c) kr[c] = _mm512_loadu_si512(kp + 32 * c);
-      for (int g = 0; g < G; ++g) {
-        __m512 a = _mm512_setzero_ps();
-        for (int c = 0; c < C32; ++c) a = _mm512_dpbf16_ps(a, (__m512bh)qv[g][c], (__m512bh)kr[c]);
-        sh[g * len + t0 + j] = _mm512_reduce_add_ps(a) * scale;
+  }
+  for (; j < n; ++j) {
+    const uint16_t* kp = kb + j * token_stride;
+    if (nb) prefetch_row<2 * D>(nb + j * token_stride);
+    __m512i kr[C32];
+    for (int c = 0; c < C32; ++c) kr[c] = _mm512_loadu_si512(kp + 32 * c);
+    for (int g = 0; g < G; ++g) {
+      __m512 a = _mm512_setzero_ps();
+      for (int c = 0; c < C32; ++c) a = _mm512_dpbf16_ps(a, (__m512bh)qv[g][c], (__m512bh)kr[c]);
+      x[g * len + j] = _mm512_reduce_add_ps(a) * scale;
+    }
+  }
+}
+
+// qk_block over fp32 rows (fp32 decode, AVX-512F): fp32 FMAs on the query scaled first, as the portable path
+// scales it.
+template <int D, int G>
+LLMFLEET_AVX512F static void qk_block_f32(const float* __restrict__ qs, const float* __restrict__ kb, const float* nb,
+                                          int64_t n, int64_t token_stride, int64_t len, float scale,
+                                          float* __restrict__ x) {
+  constexpr int C = D / 16;
+  __m512 qv[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) qv[g][c] = _mm512_mul_ps(_mm512_loadu_ps(qs + g * D + 16 * c), _mm512_set1_ps(scale));
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const float* kp = kb + j * token_stride;
+    for (int g = 0; g < G; ++g) {
+      __m512 a[16];
+      for (int r = 0; r < 16; ++r) {
+        if (g == 0 && nb) prefetch_row<4 * D>(nb + (j + r) * token_stride);
+        a[r] = _mm512_mul_ps(qv[g][0], _mm512_loadu_ps(kp + r * token_stride));
+        for (int c = 1; c < C; ++c) a[r] = _mm512_fmadd_ps(qv[g][c], _mm512_loadu_ps(kp + r * token_stride + 16 * c), a[r]);
       }
+      _mm512_storeu_ps(x + g * len + j, reduce16(a));
+    }
+  }
+  for (; j < n; ++j) {
+    const float* kp = kb + j * token_stride;
+    if (nb) prefetch_row<4 * D>(nb + j * token_stride);
+    __m512 kr[C];
+    for (int c = 0; c < C; ++c) kr[c] = _mm512_loadu_ps(kp + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      __m512 a = _mm512_mul_ps(qv[g][0], kr[0]);
+      for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[g][c], kr[c], a);
+      x[g * len + j] = _mm512_reduce_add_ps(a);
     }
   }
 }
@@ -301,90 +333,35 @@ LLMFLEET_AVX512F static inline __m512 load16(const T* p) {
   else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
-// P.V of G query heads over one KV head's V rows (T: uint16_t for bf16, float), each row loaded once for all of
-// them, accumulated in fp32; out_g = acc_g * inv_g, stored as O.
-template <int D, int G, typename T, typename O>
-LLMFLEET_AVX512F static void pv_pass(const float* __restrict__ sh, const T* __restrict__ v_cache,
-                                     const int64_t* __restrict__ table, int64_t len, int64_t token_stride,
-                                     int64_t block_size, int64_t block_stride, const float* inv, O* __restrict__ os) {
-  constexpr int C16 = D / 16;
-  __m512 acc[G][C16];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C16; ++c) acc[g][c] = _mm512_setzero_ps();
-  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-    const T* vb = v_cache + table[t0 / block_size] * block_stride;
-    const int64_t n = std::min(block_size, len - t0);
-    const T* nb = next_block(v_cache, table, t0, len, block_size, block_stride);
-    for (int64_t j = 0; j < n; ++j) {
-      const T* vp = vb + j * token_stride;
-      if (nb) prefetch_row<sizeof(T) * D>(nb + j * token_stride);
-      __m512 v[C16];
-      for (int c = 0; c < C16; ++c) v[c] = load16(vp + 16 * c);
-      for (int g = 0; g < G; ++g) {
-        const __m512 p = _mm512_set1_ps(sh[g * len + t0 + j]);
-        for (int c = 0; c < C16; ++c) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
-      }
-    }
-  }
-  for (int g = 0; g < G; ++g) {
-    const __m512 iv = _mm512_set1_ps(inv[g]);
-    if constexpr (std::is_same<O, float>::value) {
-      for (int c = 0; c < C16; ++c) _mm512_storeu_ps(os + g * D + 16 * c, _mm512_mul_ps(acc[g][c], iv));
-    } else {
-      float o[D];
-      for (int c = 0; c < C16; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[g][c], iv));
-      for (int i = 0; i < D; ++i) os[g * D + i] = static_cast<O>(o[i]);
-    }
-  }
-}
-
-// Q.K over fp32 rows (fp32 decode, head dims 64 and 128, AVX-512F): fp32 FMAs on the query scaled first, as the
-// portable path scales it.
-template <int D, int G>
-LLMFLEET_AVX512F static void qk_pass_f32(const float* __restrict__ qs, const float* __restrict__ k_cache,
-                                         const int64_t* __restrict__ table, int64_t len, int64_t token_stride,
-                                         int64_t block_size, int64_t block_stride, float scale, float* __restrict__ sh) {
-  constexpr int C = D / 16;
-  __m512 qv[G][C];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) qv[g][c] = _mm512_mul_ps(_mm512_loadu_ps(qs + g * D + 16 * c), _mm512_set1_ps(scale));
-  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-    const float* kb = k_cache + table[t0 / block_size] * block_stride;
-    const int64_t n = std::min(block_size, len - t0);
-    const float* nb = next_block(k_cache, table, t0, len, block_size, block_stride);
-    int64_t j = 0;
-    for (; j + 16 <= n; j += 16) {
-      const float* kp = kb + j * token_stride;
-      for (int g = 0; g < G; ++g) {
-        __m512 a[16];
-        for (int r = 0; r < 16; ++r) {
-          if (g == 0 && nb) prefetch_row<4 * D>(nb + (j + r) * token_stride);
-          a[r] = _mm512_mul_ps(qv[g][0], _mm512_loadu_ps(kp + r * token_stride));
-          for (int c = 1; c < C; ++c) a[r] = _mm512_fmadd_ps(qv[g][c], _mm512_loadu_ps(kp + r * token_stride + 16 * c), a[r]);
-        }
-        _mm512_storeu_ps(sh + g * len + t0 + j, reduce16(a));
-      }
-    }
-    for (; j < n; ++j) {
-      const float* kp = kb + j * token_stride;
-      if (nb) prefetch_row<4 * D>(nb + j * token_stride);
-      __m512 kr[C];
-      for (int c = 0; c < C; ++c) kr[c] = _mm512_loadu_ps(kp + 16 * c);
-      for (int g = 0; g < G; ++g) {
-        __m512 a = _mm512_mul_ps(qv[g][0], kr[0]);
-        for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[g][c], kr[c], a);
-        sh[g * len + t0 + j] = _mm512_reduce_add_ps(a);
-      }
-    }
-  }
-}
-
-// Q.K by cache type: bf16 rows (as uint16) take vdpbf16ps, fp32 rows fp32 FMAs. G: heads together.
+// P.V of G query heads over rows 0..n of one cache block of their KV head (T: uint16_t for bf16, float), each
+// row loaded once for all of them: acc_g += sum_j x[g * len + j] * v_j in fp32, the G * D accumulators kept in
+// `acc` between blocks. nb as in qk_block.
 template <int D, int G, typename T>
-static void qk_rows(const T* q, const T* k, const int64_t* table, int64_t len, int64_t ts, int64_t bs, int64_t bst,
-                    float scale, float* x) {
-  if constexpr (std::is_same<T, float>::value) qk_pass_f32<D, G>(q, k, table, len, ts, bs, bst, scale, x);
-  else qk_pass<D, G>(q, k, table, len, ts, bs, bst, scale, x);
+LLMFLEET_AVX512F static void pv_block(const float* __restrict__ x, const T* __restrict__ vb, const T* nb, int64_t n,
+                                      int64_t token_stride, int64_t len, float* __restrict__ acc) {
+  constexpr int C16 = D / 16;
+  __m512 a[G][C16];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C16; ++c) a[g][c] = _mm512_loadu_ps(acc + g * D + 16 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    const T* vp = vb + j * token_stride;
+    if (nb) prefetch_row<sizeof(T) * D>(nb + j * token_stride);
+    __m512 v[C16];
+    for (int c = 0; c < C16; ++c) v[c] = load16(vp + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(x[g * len + j]);
+      for (int c = 0; c < C16; ++c) a[g][c] = _mm512_fmadd_ps(p, v[c], a[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C16; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, a[g][c]);
+}
+
+// Q.K by cache type: bf16 rows (as uint16) take vdpbf16ps, fp32 rows fp32 FMAs.
+template <int D, int G, typename T>
+static void qk_rows(const T* q, const T* kb, const T* nb, int64_t n, int64_t ts, int64_t len, float scale, float* x) {
+  if constexpr (std::is_same<T, float>::value) qk_block_f32<D, G>(q, kb, nb, n, ts, len, scale, x);
+  else qk_block<D, G>(q, kb, nb, n, ts, len, scale, x);
 }
 
 // softmax in place over x[0..len), 16 scores at a time; returns 1 / sum of the exponentials
@@ -411,11 +388,17 @@ LLMFLEET_AVX512F static float softmax_avx512(float* __restrict__ x, int64_t len)
   return 1.f / sum;
 }
 
-// One sequence, one KV head at a time with the query heads of its group (GQA) together: each K row is loaded
-// once for up to QG of them (Q.K: one dot-product chain each, their queries in registers), each V row once for as
-// many as 16 fp32 accumulators hold (P.V), and the softmax runs 16 scores at a time (exp_ps). Against one head
-// at a time: 0.78 -> 0.62 ms per SmolLM2 bf16 layer (bench/attention_kernel.py). `sh` holds group * len scores.
-// T: the cache's element (uint16_t for bf16, float), O: the output's.
+// Scratch floats decode_seq_avx512 needs for a sequence of `len` tokens: scores, accumulators, 1 / sums.
+static int64_t decode_scratch(int64_t num_heads, int64_t head_dim, int64_t len) {
+  return num_heads * (len + head_dim + 1);
+}
+
+// One sequence, block by block: each cache block's K rows are read once (all KV heads, while the block is in
+// cache) for the scores of every query head, then after the softmax its V rows once for their weighted sum. A KV
+// head's query heads go together (GQA): each K row is loaded once for up to QG of them (their queries in
+// registers), each V row once for as many as 16 fp32 accumulators hold, and the softmax runs 16 scores at a time
+// (exp_ps). Against one head at a time: 0.78 -> 0.62 ms per SmolLM2 bf16 layer (bench/attention_kernel.py).
+// `sh` holds decode_scratch floats. T: the cache's element (uint16_t for bf16, float), O: the output's.
 template <int D, typename T, typename O>
 static void decode_seq_avx512(const T* __restrict__ qs, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
                               const int64_t* __restrict__ table, int64_t len, O* __restrict__ os, int64_t num_heads,
@@ -423,35 +406,51 @@ static void decode_seq_avx512(const T* __restrict__ qs, const T* __restrict__ k_
                               float scale, float* __restrict__ sh) {
   // registers: a bf16 query takes D/32 of them, an fp32 one D/16; an accumulator D/16
   constexpr int QG = std::is_same<T, float>::value ? 16 / (D / 16) : 4, VG = 16 / (D / 16);
-  float inv[VG];  // 1 / sum of each P.V pass's heads
-  for (int64_t h0 = 0; h0 < num_heads; h0 += group) {
-    const int64_t kv_off = (h0 / group) * D;
-    const T* k = k_cache + kv_off;
-    const T* v = v_cache + kv_off;
-    for (int64_t g0 = 0; g0 < group; g0 += QG) {
-      const int64_t gn = std::min<int64_t>(QG, group - g0);
-      const T* q = qs + (h0 + g0) * D;
-      float* x = sh + g0 * len;
-      switch (gn) {
-        case 1: qk_rows<D, 1, T>(q, k, table, len, token_stride, block_size, block_stride, scale, x); break;
-        case 2: qk_rows<D, 2, T>(q, k, table, len, token_stride, block_size, block_stride, scale, x); break;
-        case 3: qk_rows<D, 3, T>(q, k, table, len, token_stride, block_size, block_stride, scale, x); break;
-        default: qk_rows<D, QG, T>(q, k, table, len, token_stride, block_size, block_stride, scale, x);
-      }
-    }
-    for (int64_t g0 = 0; g0 < group; g0 += VG) {
-      const int64_t gn = std::min<int64_t>(VG, group - g0);
-      for (int64_t g = 0; g < gn; ++g) inv[g] = softmax_avx512(sh + (g0 + g) * len, len);
-      const float* x = sh + g0 * len;
-      O* o = os + (h0 + g0) * D;
-      switch (gn) {
-        case 1: pv_pass<D, 1, T, O>(x, v, table, len, token_stride, block_size, block_stride, inv, o); break;
-        case 2: pv_pass<D, 2, T, O>(x, v, table, len, token_stride, block_size, block_stride, inv, o); break;
-        case 3: pv_pass<D, 3, T, O>(x, v, table, len, token_stride, block_size, block_stride, inv, o); break;
-        default: pv_pass<D, VG, T, O>(x, v, table, len, token_stride, block_size, block_stride, inv, o);
+  const int64_t kv_heads = num_heads / group;
+  float* acc = sh + num_heads * len;
+  float* inv = acc + num_heads * D;
+  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+    const int64_t n = std::min(block_size, len - t0);
+    const T* kb = k_cache + table[t0 / block_size] * block_stride;
+    const T* nb = next_block(k_cache, table, t0, len, block_size, block_stride);
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      for (int64_t g0 = 0; g0 < group; g0 += QG) {
+        const int64_t gn = std::min<int64_t>(QG, group - g0);
+        const T* q = qs + (h * group + g0) * D;
+        const T* nh = (nb && g0 == 0) ? nb + h * D : nullptr;
+        float* x = sh + (h * group + g0) * len + t0;
+        switch (gn) {
+          case 1: qk_rows<D, 1, T>(q, kb + h * D, nh, n, token_stride, len, scale, x); break;
+          case 2: qk_rows<D, 2, T>(q, kb + h * D, nh, n, token_stride, len, scale, x); break;
+          case 3: qk_rows<D, 3, T>(q, kb + h * D, nh, n, token_stride, len, scale, x); break;
+          default: qk_rows<D, QG, T>(q, kb + h * D, nh, n, token_stride, len, scale, x);
+        }
       }
     }
   }
+  for (int64_t i = 0; i < num_heads; ++i) inv[i] = softmax_avx512(sh + i * len, len);
+  std::fill(acc, acc + num_heads * D, 0.f);
+  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+    const int64_t n = std::min(block_size, len - t0);
+    const T* vb = v_cache + table[t0 / block_size] * block_stride;
+    const T* nb = next_block(v_cache, table, t0, len, block_size, block_stride);
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      for (int64_t g0 = 0; g0 < group; g0 += VG) {
+        const int64_t gn = std::min<int64_t>(VG, group - g0);
+        const T* nh = (nb && g0 == 0) ? nb + h * D : nullptr;
+        const float* x = sh + (h * group + g0) * len + t0;
+        float* a = acc + (h * group + g0) * D;
+        switch (gn) {
+          case 1: pv_block<D, 1, T>(x, vb + h * D, nh, n, token_stride, len, a); break;
+          case 2: pv_block<D, 2, T>(x, vb + h * D, nh, n, token_stride, len, a); break;
+          case 3: pv_block<D, 3, T>(x, vb + h * D, nh, n, token_stride, len, a); break;
+          default: pv_block<D, VG, T>(x, vb + h * D, nh, n, token_stride, len, a);
+        }
+      }
+    }
+  }
+  for (int64_t i = 0; i < num_heads; ++i)
+    for (int64_t d = 0; d < D; ++d) os[i * D + d] = static_cast<O>(acc[i * D + d] * inv[i]);
 }
 
 // T: the cache's element as the passes read it (uint16_t for bf16, float), O: the tensors' element.
@@ -465,7 +464,7 @@ static void paged_decode_avx512(const O* q, const O* k_cache, const O* v_cache, 
   parallel_over_seqs(lens, num_seqs, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t s = begin; s < end; ++s) {
-      scores.resize(group * lens[s]);
+      scores.resize(decode_scratch(num_heads, D, lens[s]));
       decode_seq_avx512<D, T, O>(reinterpret_cast<const T*>(q + s * num_heads * D), reinterpret_cast<const T*>(k_cache),
                                  reinterpret_cast<const T*>(v_cache), block_tables + s * max_blocks, lens[s],
                                  out + s * num_heads * D, num_heads, group, token_stride, block_size, block_stride,
