@@ -3,6 +3,8 @@ the eager gather + SDPA path."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from worker.model.attention import SeqSpan, build_metadata, decode_attention_sdpa
@@ -189,7 +191,7 @@ def test_decode_split_balances_context_lengths(kernel, lens, parts, bounds):
     module, _ = _load_module()
     got = module.decode_split(torch.tensor(lens, dtype=torch.long), parts)
     assert got == bounds
-    assert all(a <= b for a, b in zip(got, got[1:])) and got[0] == 0 and got[-1] == len(lens)
+    assert all(a <= b for a, b in itertools.pairwise(got)) and got[0] == 0 and got[-1] == len(lens)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 5])

@@ -7,8 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from worker.model.config import ModelConfig
+from worker.model.kernels import _load_module
 from worker.model.linear import (
+    AMX_LINEAR,
+    AMX_MAX_ROWS,
     ONEDNN_LINEAR,
+    AmxLinear,
     DenseLinear,
     PackedLinear,
     available_kernels,
@@ -25,6 +29,7 @@ BF16_CPU = frozenset({"avx512f", "avx512_bf16", "avx512_vnni"})
 AMX_CPU = frozenset({"avx512f", "amx_bf16", "amx_tile"})
 OLD_CPU = frozenset({"avx2", "fma"})
 ONEDNN = frozenset({ONEDNN_LINEAR})
+AMX = frozenset({AMX_LINEAR})
 needs_onednn = pytest.mark.skipif(ONEDNN_LINEAR not in available_kernels(), reason="torch without oneDNN bf16")
 GEN = torch.Generator().manual_seed(0)
 
@@ -33,7 +38,13 @@ GEN = torch.Generator().manual_seed(0)
     "device,dtype,flags,kernels,expected,why",
     [
         ("cpu", torch.bfloat16, BF16_CPU, ONEDNN, "onednn_bf16", "avx512_bf16"),
-        ("cpu", torch.bfloat16, AMX_CPU, ONEDNN, "onednn_bf16", "amx_bf16"),
+        ("cpu", torch.bfloat16, AMX_CPU, ONEDNN, "onednn_bf16", "amx_bf16"),  # no AMX kernel built: oneDNN
+        ("cpu", torch.bfloat16, AMX_CPU, ONEDNN | AMX, "amx_bf16", "AMX kernel"),
+        ("cpu", torch.bfloat16, AMX_CPU, AMX, "amx_bf16", "AMX kernel"),  # needs no oneDNN
+        ("cpu", torch.bfloat16, BF16_CPU, ONEDNN | AMX, "onednn_bf16", "avx512_bf16"),  # the CPU lacks AMX
+        ("cpu", torch.bfloat16, AMX_CPU - {"amx_tile"}, ONEDNN | AMX, "onednn_bf16", "amx_bf16"),
+        ("cpu", torch.float32, AMX_CPU, ONEDNN | AMX, "aten", "MKL"),
+        ("cuda", torch.bfloat16, AMX_CPU, AMX, "aten", "device cuda"),
         ("cpu", torch.bfloat16, OLD_CPU, ONEDNN, "aten", "without avx512_bf16"),
         ("cpu", torch.bfloat16, BF16_CPU, frozenset(), "aten", "lacks oneDNN"),
         ("cpu", torch.float32, BF16_CPU, ONEDNN, "aten", "MKL"),
@@ -53,6 +64,7 @@ def test_choose_linear_kernel(device, dtype, flags, kernels, expected, why):
     [
         ("cpu", BF16_CPU, ONEDNN, "bfloat16", "avx512_bf16"),
         ("cpu", AMX_CPU, ONEDNN, "bfloat16", "amx_bf16"),
+        ("cpu", AMX_CPU, AMX, "bfloat16", "AMX kernel"),
         ("cpu", OLD_CPU, ONEDNN, "float32", "without avx512_bf16"),
         ("cpu", BF16_CPU, frozenset(), "float32", "lacks oneDNN"),
         ("cuda", frozenset(), frozenset(), "bfloat16", "device cuda"),
@@ -165,6 +177,113 @@ def test_bf16_model_chooses_onednn_on_a_bf16_cpu(tiny_weights):
     model = LlamaModel(cfg, weights, dtype=torch.bfloat16)
     assert model.linear_kernel == "onednn_bf16"
     assert "reordered once" in model.linear_kernel_reason
+
+
+def _amx_module():
+    module, why = _load_module()
+    if module is None:
+        pytest.skip(f"native extension cannot be built here: {why}")
+    if not module.amx_linear_ready():
+        pytest.skip("this CPU (or its kernel) offers no AMX-BF16")
+    return module
+
+
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 33, 64, 100, 300])
+@pytest.mark.parametrize("out_in", [(48, 64), (96, 576), (16, 32)])  # odd and even counts of 16-row blocks
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_linear_matches_an_fp32_matmul_rounded_once(rows, out_in, bias):
+    module = _amx_module()
+    n, k = out_in
+    gen = torch.Generator().manual_seed(rows * 7 + n)
+    w = (torch.randn(n, k, generator=gen) * k**-0.5).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    got = module.amx_linear(x, w, b)
+    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+    # both sum in fp32 and round once; only the order of the sums differs
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize(
+    "x_shape,w_shape,bias_shape,dtype,match",
+    [
+        ((4, 64), (40, 64), None, torch.bfloat16, "multiple of 16"),
+        ((4, 48), (32, 48), None, torch.bfloat16, "multiple of 16 and in of 32"),
+        ((4, 64), (32, 96), None, torch.bfloat16, "must be \\[out, in\\]"),
+        ((4, 64), (32, 64), (16,), torch.bfloat16, "bias must be"),
+        ((4, 64), (32, 64), None, torch.float32, "x must be"),
+        ((0, 64), (32, 64), None, torch.bfloat16, "x must be"),
+    ],
+)
+def test_amx_linear_rejects_what_it_cannot_take(x_shape, w_shape, bias_shape, dtype, match):
+    module = _amx_module()
+    x = torch.zeros(x_shape, dtype=dtype)
+    w = torch.zeros(w_shape, dtype=torch.bfloat16)
+    b = None if bias_shape is None else torch.zeros(bias_shape, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=match):
+        module.amx_linear(x, w, b)
+
+
+class _RecordingAmx:
+    """Stands in for the native op: answers with F.linear and records the rows it was given."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+
+    def amx_linear(self, x, w, bias):
+        assert x.is_contiguous() and x.dim() == 2
+        self.rows.append(x.shape[0])
+        return F.linear(x, w, bias)
+
+
+@pytest.mark.parametrize(
+    "shape,native_rows",
+    [
+        ((1, 64), [1]),
+        ((AMX_MAX_ROWS, 64), [AMX_MAX_ROWS]),
+        ((AMX_MAX_ROWS + 1, 64), []),  # prefill-sized: torch's matmul
+        ((0, 64), []),
+        ((2, 3, 64), [6]),  # leading dims flattened into rows, and restored
+    ],
+)
+def test_amx_linear_layer_sends_decode_sized_batches_to_the_kernel(shape, native_rows):
+    native = _RecordingAmx()
+    w = torch.randn(32, 64, generator=GEN).bfloat16()
+    layer = AmxLinear(w, None, native)
+    x = torch.randn(shape, generator=GEN).bfloat16()
+    y = layer(x)
+    assert native.rows == native_rows
+    assert y.shape == (*shape[:-1], 32)
+    torch.testing.assert_close(y, F.linear(x, w))
+
+
+def test_amx_linear_layer_refuses_shapes_the_kernel_cannot_take():
+    with pytest.raises(ValueError, match="16n, 32k"):
+        AmxLinear(torch.zeros(24, 64, dtype=torch.bfloat16), None, _RecordingAmx())
+    with pytest.raises(ValueError, match="bf16"):
+        AmxLinear(torch.zeros(32, 64), None, _RecordingAmx())
+    # make_dense_linear gives such a weight torch's matmul instead
+    layer = make_dense_linear(torch.zeros(24, 64), None, torch.bfloat16, "amx_bf16", _RecordingAmx())
+    assert type(layer) is DenseLinear
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_bf16_model_on_amx_matches_plain_torch_and_ties_the_head_without_a_copy(tmp_path, tied):
+    module = _amx_module()
+    # every linear in the kernel's shapes: [16n, 32k]
+    root = make_tiny_llama(
+        tmp_path / "m", hidden_size=64, intermediate_size=96, num_attention_heads=4, tie_word_embeddings=tied
+    )
+    cfg, weights = ModelConfig.from_dir(root), load_weights(root, torch.bfloat16)
+    plain = LlamaModel(cfg, weights, dtype=torch.bfloat16, linear_kernel="aten")
+    amx = LlamaModel(cfg, weights, dtype=torch.bfloat16, linear_kernel="amx_bf16", fused=module)
+    assert all(isinstance(lin, AmxLinear) for lin in _linears(amx))
+    assert amx.nbytes == plain.nbytes
+    if cfg.tie_word_embeddings:
+        assert amx.lm_head.weight.data_ptr() == amx.embed.data_ptr()
+    hidden = torch.randn(9, cfg.hidden_size, generator=GEN).bfloat16()
+    torch.testing.assert_close(amx.compute_logits(hidden), plain.compute_logits(hidden), atol=5e-2, rtol=2e-2)
 
 
 def _linears(model: LlamaModel) -> list:

@@ -22,8 +22,11 @@ from worker.model.attention import AttentionMetadata, paged_attention
 from worker.model.config import ModelConfig
 from worker.model.kernels import FusedOps, PagedDecode
 from worker.model.linear import (
+    AMX_LINEAR,
+    AmxLinear,
     DenseLinear,
     LinearKernel,
+    amx_fits,
     available_kernels,
     choose_linear_kernel,
     make_dense_linear,
@@ -134,7 +137,10 @@ class LlamaModel:
 
         if linear_kernel is None:
             flags = read_cpu_flags() if self.device.type == "cpu" else frozenset()
-            linear_kernel, reason = choose_linear_kernel(self.device, dtype, flags, available_kernels())
+            kernels = available_kernels()
+            if fused is not None and fused.amx_linear_ready():
+                kernels |= {AMX_LINEAR}
+            linear_kernel, reason = choose_linear_kernel(self.device, dtype, flags, kernels)
         else:
             reason = "asked for by the caller"
         self.linear_kernel: LinearKernel = linear_kernel
@@ -168,13 +174,16 @@ class LlamaModel:
         self.norm = take("model.norm.weight")
         self.embed = take("model.embed_tokens.weight")
         # The output head stays dense (as in vLLM's weight-only schemes): it is one matmul per sampled row. A tied
-        # head shares the embedding's storage: packing it would hold a second copy (+57 MB bf16 for SmolLM2) to
-        # save ~1.3 ms of a ~100 ms decode step at 64 rows. An untied head is packed by the chosen kernel.
-        self.lm_head: Linear = (
-            DenseLinear(self.embed)
-            if cfg.tie_word_embeddings
-            else make_dense_linear(take("lm_head.weight"), None, dtype, linear_kernel)
-        )
+        # head shares the embedding's storage: oneDNN's packing would hold a second copy (+57 MB bf16 for SmolLM2),
+        # so with that kernel it runs torch's matmul; the AMX kernel multiplies by the embedding itself (SmolLM2 at
+        # 64 rows: 1.3 s of a 17 s run on W with F.linear). An untied head runs the chosen kernel.
+        self.lm_head: Linear
+        if not cfg.tie_word_embeddings:
+            self.lm_head = make_dense_linear(take("lm_head.weight"), None, dtype, linear_kernel, fused)
+        elif linear_kernel == "amx_bf16" and fused is not None and amx_fits(self.embed):
+            self.lm_head = AmxLinear(self.embed, None, fused)
+        else:
+            self.lm_head = DenseLinear(self.embed)
         self.inv_freq = rope_inv_freq(cfg).to(self.device)
 
     @property

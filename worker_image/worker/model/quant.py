@@ -297,7 +297,7 @@ def make_linear(
     """A linear layer over `weight` [out, in] in `dtype`, quantized as asked (None = dense, run by `kernel`);
     `native`: the extension's fused ops where they run (fp8 and int4 dequantize with them for bf16 activations)."""
     if quantization is None:
-        return make_dense_linear(weight, bias, dtype, kernel)
+        return make_dense_linear(weight, bias, dtype, kernel, native)
     b = None if bias is None else bias.to(dtype)
     if quantization == "fp8":
         return Fp8Linear(weight, b, dtype, native)
