@@ -53,6 +53,14 @@ AMX_CPU_FLAGS = ("amx_bf16", "amx_tile")  # both: the tile unit and its bf16 dot
 AMX_MAX_ROWS = 256  # up to here the AMX kernel is the faster (the table above); past it torch's matmul
 
 
+class AmxOps(Protocol):
+    """What this module needs of the native extension (`kernels.FusedOps` has it)."""
+
+    def amx_linear_ready(self) -> bool: ...
+
+    def amx_linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+
 def read_cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> frozenset[str]:
     """The CPU feature flags the kernel reports (empty where there is no /proc/cpuinfo)."""
     try:
@@ -66,9 +74,12 @@ def read_cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> frozenset[str]:
     return frozenset()
 
 
-def available_kernels() -> frozenset[str]:
-    """Which optional torch kernels this build has (oneDNN's prepacked linear needs a build with mkldnn)."""
+def available_kernels(native: AmxOps | None = None) -> frozenset[str]:
+    """Which optional kernels this build has: oneDNN's prepacked linear (a torch build with mkldnn), and with
+    `native` (the extension's ops, where it builds) its AMX linear where the CPU and OS let it run."""
     have: set[str] = set()
+    if native is not None and native.amx_linear_ready():
+        have.add(AMX_LINEAR)
     try:
         if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
             torch.ops.mkldnn._reorder_linear_weight  # noqa: B018 (raises when the op is absent)
@@ -161,12 +172,6 @@ class PackedLinear:
     @property
     def nbytes(self) -> int:
         return self._bytes
-
-
-class AmxOps(Protocol):
-    """What `AmxLinear` needs of the native extension (`kernels.FusedOps` has it)."""
-
-    def amx_linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
 
 
 class AmxLinear(DenseLinear):

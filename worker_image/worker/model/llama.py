@@ -22,7 +22,6 @@ from worker.model.attention import AttentionMetadata, paged_attention
 from worker.model.config import ModelConfig
 from worker.model.kernels import FusedOps, PagedDecode
 from worker.model.linear import (
-    AMX_LINEAR,
     AmxLinear,
     DenseLinear,
     LinearKernel,
@@ -137,10 +136,7 @@ class LlamaModel:
 
         if linear_kernel is None:
             flags = read_cpu_flags() if self.device.type == "cpu" else frozenset()
-            kernels = available_kernels()
-            if fused is not None and fused.amx_linear_ready():
-                kernels |= {AMX_LINEAR}
-            linear_kernel, reason = choose_linear_kernel(self.device, dtype, flags, kernels)
+            linear_kernel, reason = choose_linear_kernel(self.device, dtype, flags, available_kernels(fused))
         else:
             reason = "asked for by the caller"
         self.linear_kernel: LinearKernel = linear_kernel
