@@ -130,3 +130,59 @@ def test_runner_seeded_requests_reproduce_and_generators_are_dropped(tiny_dir, d
     assert "seeded" not in runner.seeded_request_ids
     assert run(True) == first
     assert run(False) == first
+
+
+def _native_argmax():
+    from worker.model.kernels import load_argmax
+
+    fn, why = load_argmax()
+    if fn is None:
+        pytest.skip(f"native extension cannot be built here: {why}")
+    return fn
+
+
+def _rows(n: int, fill: float = 0.0, **at: float) -> torch.Tensor:
+    row = torch.full((1, n), fill)
+    for key, value in at.items():
+        row[0, int(key.removeprefix("i"))] = value
+    return row
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize(
+    "logits",
+    [
+        torch.randn(7, 49152, generator=torch.Generator().manual_seed(1)),
+        torch.randn(5, 17, generator=torch.Generator().manual_seed(2)),  # one vector and a tail
+        torch.randn(3, 5, generator=torch.Generator().manual_seed(3)),  # no full vector
+        torch.randint(0, 3, (40, 77), generator=torch.Generator().manual_seed(4)).float(),  # many ties
+        _rows(40, i5=1.0, i30=1.0),  # a tie across lanes: the first index
+        _rows(40, i30=1.0, i14=1.0),  # and within the tail
+        _rows(35, fill=2.0, i34=3.0),  # the tail holds the maximum
+        _rows(40, fill=-INF),  # all -inf: index 0
+        _rows(40, i7=NAN, i3=INF),  # NaN beats +inf, as in torch
+        _rows(20, i18=NAN, i2=NAN),  # the first NaN
+        _rows(3, i2=NAN),
+        _rows(1, i0=-1.0),
+        torch.zeros(0, 10),
+    ],
+)
+def test_native_argmax_equals_torch(logits):
+    assert torch.equal(_native_argmax()(logits), logits.argmax(-1))
+
+
+def test_sampler_takes_greedy_tokens_from_the_given_argmax():
+    calls = []
+
+    def argmax(logits):
+        calls.append(tuple(logits.shape))
+        return logits.argmax(-1)
+
+    sampler = Sampler(torch.Generator().manual_seed(0), argmax)
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
+    out = sampler(logits, [SampleRequest(SamplingParams(temperature=0.0), None)] * 2)
+    assert out.tokens == [1, 0] and calls == [(2, 3)]
+    sampler(logits.double(), [SampleRequest(SamplingParams(temperature=0.0), None)] * 2)
+    assert calls == [(2, 3)]  # only fp32 logits go to it

@@ -31,7 +31,7 @@ from worker.core.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from worker.core.request import Logprob
 from worker.model.attention import SeqSpan, build_metadata
 from worker.model.config import ModelConfig
-from worker.model.kernels import load_fused_ops, load_paged_decode, paged_decode_path
+from worker.model.kernels import load_argmax, load_fused_ops, load_paged_decode, paged_decode_path
 from worker.model.linear import available_kernels, read_cpu_flags, resolve_auto_dtype
 from worker.model.llama import LlamaModel
 from worker.model.loader import load_weights
@@ -202,7 +202,8 @@ class ModelRunner:
                 self.lora_store.nbytes / 1e6,
             )
         unseeded = torch.Generator(device=self.device).manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
-        self.sampler = Sampler(unseeded)
+        argmax = load_argmax()[0] if not enforce_eager and self.device.type == "cpu" else None
+        self.sampler = Sampler(unseeded, argmax)
 
     @property
     def kv_cache_bytes(self) -> int:

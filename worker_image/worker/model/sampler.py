@@ -20,7 +20,7 @@ with or without drafts.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -92,8 +92,18 @@ class SamplerOutput(NamedTuple):
 
 
 class Sampler:
-    def __init__(self, generator: torch.Generator) -> None:
+    def __init__(
+        self, generator: torch.Generator, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> None:
+        """`argmax`: a row-wise argmax equal to `logits.argmax(-1)` (the extension's `argmax_rows`, 10x faster on
+        64 rows of a 49k vocabulary), or None for torch's."""
         self.generator = generator  # for unseeded random requests
+        self._argmax = argmax
+
+    def _greedy(self, logits: torch.Tensor) -> list[int]:
+        if self._argmax is not None and logits.dtype == torch.float32 and logits.device.type == "cpu":
+            return self._argmax(logits).tolist()
+        return logits.argmax(dim=-1).tolist()
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[SampleRequest]) -> SamplerOutput:
         """Sample one token per row of `logits` [N, vocab] (fp32); rows that fail are reported, not raised."""
@@ -104,7 +114,7 @@ class Sampler:
                     adjust_row(logits, i, req)
                 except Exception as exc:  # noqa: BLE001 - whatever it is, it is this row's alone
                     errors[i] = exc
-        tokens: list[int] = logits.argmax(dim=-1).tolist()
+        tokens = self._greedy(logits)
         for i, req in enumerate(requests):
             if not req.params.greedy and i not in errors:
                 try:
@@ -136,7 +146,7 @@ class Sampler:
             if params.logit_bias or row.num_output_tokens < params.min_tokens:
                 adjust_row(logits, i, row)
         if params.greedy:
-            return accepted_prefix(drafts, logits.argmax(dim=-1).tolist())
+            return accepted_prefix(drafts, self._greedy(logits))
         out: list[int] = []
         for i, row in enumerate(rows):  # one draw per produced token, stopping at the first mismatch
             token = self._sample_row(logits[i], row)
