@@ -215,3 +215,49 @@ def test_native_decode_covers_every_sequence_whatever_the_thread_count(kernel, t
         vs = v[blocks].reshape(-1, 64)[:n]
         want = torch.softmax(q[s] @ ks.T * 0.125, dim=-1) @ vs
         assert torch.allclose(out[s].view(2, 64), want, atol=1e-5), s
+
+
+def _kv_write():
+    from worker.model.kernels import load_kv_write
+
+    fn, why = load_kv_write()
+    if fn is None:
+        pytest.skip(f"native extension cannot be built here: {why}")
+    return fn
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5, 64])
+def test_native_kv_write_matches_index_copy_from_qkv_views(dtype, tokens):
+    """K and V as the model has them (strided views into the fused QKV rows) land in their slots, as index_copy_
+    puts them; no other slot changes."""
+    kv_write = _kv_write()
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, 4 * 16 + 2 * 2 * 16, generator=gen).to(dtype)
+    k = qkv[:, 64:96].view(tokens, 2, 16)
+    v = qkv[:, 96:].view(tokens, 2, 16)
+    slots = torch.randperm(20 * 8, generator=gen)[:tokens]
+    k_cache, v_cache = torch.randn(20, 8, 2, 16, generator=gen).to(dtype), torch.randn(20, 8, 2, 16).to(dtype)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want_k.view(-1, 2, 16).index_copy_(0, slots, k)
+    want_v.view(-1, 2, 16).index_copy_(0, slots, v)
+    kv_write(k_cache, v_cache, slots, k, v)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+@pytest.mark.parametrize(
+    "slots,k_shape,match",
+    [
+        ([0, 160], (2, 2, 16), "slot out of range"),
+        ([-1], (1, 2, 16), "slot out of range"),
+        ([0, 1], (2, 3, 16), "k and v must be"),
+        ([0], (2, 2, 16), "k and v must be"),
+    ],
+)
+def test_native_kv_write_rejects_bad_input_and_writes_nothing(slots, k_shape, match):
+    kv_write = _kv_write()
+    k_cache, v_cache = torch.zeros(20, 8, 2, 16), torch.zeros(20, 8, 2, 16)
+    k = torch.ones(k_shape)
+    with pytest.raises(RuntimeError, match=match):
+        kv_write(k_cache, v_cache, torch.tensor(slots), k, k.clone())
+    assert not k_cache.any() and not v_cache.any()

@@ -199,10 +199,14 @@ def test_amx_linear_matches_an_fp32_matmul_rounded_once(rows, out_in, bias):
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
     x = torch.randn(rows, k, generator=gen).bfloat16()
     want = F.linear(x.float(), w.float(), None if b is None else b.float())
-    got = module.amx_linear(x, w, b)
+    got = module.amx_linear(x, w, b, False)
     assert got.shape == (rows, n) and got.dtype == torch.bfloat16
     # both sum in fp32 and round once; only the order of the sums differs
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
+    sums = module.amx_linear(x, w, b, True)  # the sums themselves, unrounded
+    assert sums.dtype == torch.float32
+    torch.testing.assert_close(sums, want, atol=1e-4, rtol=1e-4)
+    assert torch.equal(sums.bfloat16(), got)
 
 
 @pytest.mark.parametrize(
@@ -222,7 +226,7 @@ def test_amx_linear_rejects_what_it_cannot_take(x_shape, w_shape, bias_shape, dt
     w = torch.zeros(w_shape, dtype=torch.bfloat16)
     b = None if bias_shape is None else torch.zeros(bias_shape, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match=match):
-        module.amx_linear(x, w, b)
+        module.amx_linear(x, w, b, False)
 
 
 class _RecordingAmx:
@@ -231,10 +235,11 @@ class _RecordingAmx:
     def __init__(self) -> None:
         self.rows: list[int] = []
 
-    def amx_linear(self, x, w, bias):
+    def amx_linear(self, x, w, bias, fp32_out):
         assert x.is_contiguous() and x.dim() == 2
         self.rows.append(x.shape[0])
-        return F.linear(x, w, bias)
+        y = F.linear(x, w, bias)
+        return y.float() if fp32_out else y
 
 
 @pytest.mark.parametrize(
@@ -280,6 +285,7 @@ def test_bf16_model_on_amx_matches_plain_torch_and_ties_the_head_without_a_copy(
     amx = LlamaModel(cfg, weights, dtype=torch.bfloat16, linear_kernel="amx_bf16", fused=module)
     assert all(isinstance(lin, AmxLinear) for lin in _linears(amx))
     assert amx.nbytes == plain.nbytes
+    assert amx.lm_head(torch.zeros(2, cfg.hidden_size, dtype=torch.bfloat16)).dtype == torch.float32
     if cfg.tie_word_embeddings:
         assert amx.lm_head.weight.data_ptr() == amx.embed.data_ptr()
     hidden = torch.randn(9, cfg.hidden_size, generator=GEN).bfloat16()

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from worker.model.kernels import PagedDecode
+from worker.model.kernels import KvWrite, PagedDecode
 
 
 @dataclass(frozen=True)
@@ -156,16 +156,21 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     decode_kernel: PagedDecode | None = None,
+    kv_write: KvWrite | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend. q: [T, H, D]; k, v: [T, KVH, D]. Returns [T, H * D].
 
     `decode_kernel` is the native paged decode kernel (`kernels.load_paged_decode`; metadata built with
-    `decode_kernel=True`), or None for the eager gather + SDPA path.
+    `decode_kernel=True`), or None for the eager gather + SDPA path. `kv_write` the native cache write
+    (`kernels.load_kv_write`), or None for torch's index_copy_.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    if kv_write is not None and k.stride(-1) == 1 and k.stride(-2) == head_dim and v.stride(-2) == head_dim:
+        kv_write(k_cache, v_cache, meta.slot_mapping, k, v)
+    else:
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     d = meta.num_decode
     if d == num_tokens:  # a pure decode step: no copy into `out` needed
         return _decode(q, k_cache, v_cache, meta, scale, decode_kernel)

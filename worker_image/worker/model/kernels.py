@@ -63,6 +63,7 @@ CPP_SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -1004,18 +1005,22 @@ LLMFLEET_AMX static void amx_block(const uint16_t* w, int64_t K, const uint16_t*
   if (CN > 1 && CM > 1) _tile_stored(3, c + 768, 64);
 }
 
-// One C tile [16 n][16 m] -> y[m][0..16) (rows N apart) for m < rows, plus bias[0..16) when given, rounded to bf16.
-LLMFLEET_AVX512_BF16 static void amx_unpack(const float* c, int64_t rows, uint16_t* y, int64_t N, const uint16_t* bias) {
+// One C tile [16 n][16 m] -> y[m][0..16) (rows N apart) for m < rows, plus bias[0..16) when given: rounded to
+// bf16, or kept fp32 (y then holds floats; the output head's logits, which the sampler wants in fp32 anyway).
+LLMFLEET_AVX512_BF16 static void amx_unpack(const float* c, int64_t rows, void* y, int64_t N, const uint16_t* bias,
+                                            bool fp32_out) {
   alignas(64) float t[256];
   transpose16(reinterpret_cast<const uint32_t*>(c), 16, reinterpret_cast<uint32_t*>(t), 16);
   const __m512 b = bias ? load16(bias) : _mm512_setzero_ps();
-  for (int64_t m = 0; m < rows; ++m)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(t + 16 * m), b)));
+  for (int64_t m = 0; m < rows; ++m) {
+    const __m512 r = _mm512_add_ps(_mm512_load_ps(t + 16 * m), b);
+    if (fp32_out) _mm512_storeu_ps(static_cast<float*>(y) + m * N, r);
+    else _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(y) + m * N), (__m256i)_mm512_cvtneps_pbh(r));
+  }
 }
 
 static void amx_linear_run(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, const uint16_t* bias,
-                           const uint16_t* xt, uint16_t* y) {
+                           const uint16_t* xt, void* y, bool fp32_out) {
   const int64_t kt = K / 32, mt = (M + 15) / 16, nblocks = N / 16;
   amx_pack_rows(x, M, K, const_cast<uint16_t*>(xt));
   // threads take contiguous runs of n-block pairs: each streams its own part of W, once
@@ -1035,8 +1040,11 @@ static void amx_linear_run(const uint16_t* x, int64_t M, int64_t K, const uint16
         for (int64_t n = 0; n < cn; ++n)
           for (int64_t m = 0; m < cm; ++m) {
             const int64_t r0 = (mi + m) * 16, n0 = (nb + n) * 16;
-            amx_unpack(c + (2 * n + m) * 256, std::min<int64_t>(16, M - r0), y + r0 * N + n0, N,
-                       bias ? bias + n0 : nullptr);
+            const int64_t at = r0 * N + n0;
+            amx_unpack(c + (2 * n + m) * 256, std::min<int64_t>(16, M - r0),
+                       fp32_out ? static_cast<void*>(static_cast<float*>(y) + at)
+                                : static_cast<void*>(static_cast<uint16_t*>(y) + at),
+                       N, bias ? bias + n0 : nullptr, fp32_out);
           }
       }
     }
@@ -1049,8 +1057,9 @@ static bool amx_ready() { return false; }
 
 bool amx_linear_ready() { return amx_ready(); }
 
-// x [M, K] bf16 (M >= 1) times w [N, K] bf16 (N % 16 == 0, K % 32 == 0), plus bias [N] bf16 -> [M, N] bf16.
-torch::Tensor amx_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+// x [M, K] bf16 (M >= 1) times w [N, K] bf16 (N % 16 == 0, K % 32 == 0), plus bias [N] bf16 -> [M, N] bf16, or
+// fp32 (the sums before rounding) with fp32_out.
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, bool fp32_out) {
   TORCH_CHECK(amx_ready(), "amx_linear: this CPU has no AMX-BF16 (ask amx_linear_ready first)");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.size(0) >= 1,
               "amx_linear: x must be [rows >= 1, in] bf16, contiguous");
@@ -1064,13 +1073,12 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::
                     bias->scalar_type() == at::kBFloat16, "amx_linear: bias must be [out] bf16, contiguous");
     bp = reinterpret_cast<const uint16_t*>(bias->data_ptr<c10::BFloat16>());
   }
-  auto y = torch::empty({M, N}, x.options());
+  auto y = torch::empty({M, N}, x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
 #if defined(LLMFLEET_AMX_BUILD)
   auto xt = torch::empty({(M + 15) / 16 * (K / 32) * 512}, x.options());
   amx_linear_run(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), M, K,
                  reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>()), N, bp,
-                 reinterpret_cast<const uint16_t*>(xt.data_ptr<c10::BFloat16>()),
-                 reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>()));
+                 reinterpret_cast<const uint16_t*>(xt.data_ptr<c10::BFloat16>()), y.data_ptr(), fp32_out);
 #endif
   return y;
 }
@@ -1144,6 +1152,36 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
 #endif
   return logits.argmax(-1);
 }
+
+// ---- writing a step's K and V into the paged cache ----
+// k_cache, v_cache [blocks, block_size, kv_heads, head_dim] (contiguous); k, v [T, kv_heads, head_dim], each
+// token's heads contiguous (rows may be strided: views into the fused QKV output); slots [T] int64, each token's
+// row in the cache. Two index_copy_ calls took 26 us each for 64 decode tokens (TensorIterator and threads for
+// 64 rows of 384 bytes; 1.5 ms of a 59 ms SmolLM2 bf16 decode step); this is a memcpy per row.
+void kv_write_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, torch::Tensor k, torch::Tensor v) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.is_contiguous() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "kv_write_: caches must be [blocks, block_size, kv_heads, head_dim], contiguous, of one dtype");
+  const int64_t rows = k_cache.size(0) * k_cache.size(1), row = k_cache.size(2) * k_cache.size(3);
+  const int64_t t = slots.numel();
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(), "kv_write_: slots [T] int64");
+  for (const auto* x : {&k, &v})
+    TORCH_CHECK(x->dim() == 3 && x->size(0) == t && x->size(1) == k_cache.size(2) && x->size(2) == k_cache.size(3) &&
+                    x->stride(2) == 1 && x->stride(1) == k_cache.size(3) && x->scalar_type() == k_cache.scalar_type(),
+                "kv_write_: k and v must be [T, kv_heads, head_dim] in the cache's dtype, each token's heads contiguous");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i) TORCH_CHECK(sp[i] >= 0 && sp[i] < rows, "kv_write_: slot out of range of the cache");
+  const int64_t bytes = row * k_cache.element_size();
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t ks = k.stride(0) * k.element_size(), vs = v.stride(0) * v.element_size();
+  for (int64_t i = 0; i < t; ++i) {
+    std::memcpy(kc + sp[i] * bytes, kp + i * ks, bytes);
+    std::memcpy(vc + sp[i] * bytes, vp + i * vs, bytes);
+  }
+}
 """
 
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math")
@@ -1183,7 +1221,9 @@ class FusedOps(Protocol):
 
     def amx_linear_ready(self) -> bool: ...
 
-    def amx_linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+    def amx_linear(
+        self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, fp32_out: bool
+    ) -> torch.Tensor: ...
 
 
 def _cpu_flags() -> tuple[str, frozenset[str]]:
@@ -1250,6 +1290,7 @@ def _load_module() -> tuple[Any, str | None]:
                 "amx_linear_ready",
                 "amx_linear",
                 "argmax_rows",
+                "kv_write_",
             ],
             # fresh lists: load_inline appends torch's own flags to the lists it is given
             extra_cflags=[*CFLAGS, *arch_flags()[0]],
@@ -1265,6 +1306,16 @@ def load_paged_decode() -> tuple[PagedDecode | None, str | None]:
     """(kernel, None), or (None, why) when it cannot be built here."""
     module, why = _load_module()
     return (module.paged_decode, None) if module is not None else (None, why)
+
+
+KvWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def load_kv_write() -> tuple[KvWrite | None, str | None]:
+    """(kv_write_(k_cache, v_cache, slots, k, v): each token's K and V rows into its cache slot, None), or (None,
+    why) when the extension cannot be built here."""
+    module, why = _load_module()
+    return (module.kv_write_, None) if module is not None else (None, why)
 
 
 def load_argmax() -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, str | None]:

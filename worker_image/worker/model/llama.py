@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from worker.model.attention import AttentionMetadata, paged_attention
 from worker.model.config import ModelConfig
-from worker.model.kernels import FusedOps, PagedDecode
+from worker.model.kernels import FusedOps, KvWrite, PagedDecode
 from worker.model.linear import (
     AmxLinear,
     DenseLinear,
@@ -173,13 +173,14 @@ class LlamaModel:
         # head shares the embedding's storage: oneDNN's packing would hold a second copy (+57 MB bf16 for SmolLM2),
         # so with that kernel it runs torch's matmul; the AMX kernel multiplies by the embedding itself (SmolLM2 at
         # 64 rows: 1.3 s of a 17 s run on W with F.linear). An untied head runs the chosen kernel.
+        head = self.embed if cfg.tie_word_embeddings else take("lm_head.weight")
         self.lm_head: Linear
-        if not cfg.tie_word_embeddings:
-            self.lm_head = make_dense_linear(take("lm_head.weight"), None, dtype, linear_kernel, fused)
-        elif linear_kernel == "amx_bf16" and fused is not None and amx_fits(self.embed):
-            self.lm_head = AmxLinear(self.embed, None, fused)
+        if linear_kernel == "amx_bf16" and fused is not None and amx_fits(head):
+            self.lm_head = AmxLinear(head, None, fused, fp32_out=True)  # fp32 logits straight from the sums
+        elif cfg.tie_word_embeddings:
+            self.lm_head = DenseLinear(head)
         else:
-            self.lm_head = DenseLinear(self.embed)
+            self.lm_head = make_dense_linear(head, None, dtype, linear_kernel, fused)
         self.inv_freq = rope_inv_freq(cfg).to(self.device)
 
     @property
@@ -211,9 +212,11 @@ class LlamaModel:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         decode_kernel: PagedDecode | None = None,
         lora: LoraBatch | None = None,
+        kv_write: KvWrite | None = None,
     ) -> torch.Tensor:
         """Hidden states of the batch's rows; `lora` adds the deltas of the adapters its rows use to every
-        projection's output (worker.model.lora; None: the base model alone)."""
+        projection's output (worker.model.lora; None: the base model alone). `decode_kernel` and `kv_write`: the
+        native attention pieces (`attention.paged_attention`)."""
         cfg = self.cfg
         t = input_ids.shape[0]
         heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -239,7 +242,8 @@ class LlamaModel:
                 q = qk[:, :heads]
                 k = qk[:, heads:]
             v = qkv[:, q_size + kv_size :].view(t, kv_heads, head_dim)
-            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, decode_kernel).reshape(t, q_size)
+            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, decode_kernel, kv_write)
+            attn = attn.reshape(t, q_size)
             o = layer.o_proj(attn)
             if lora is not None:
                 lora.apply(i, "o", attn, o)

@@ -31,7 +31,7 @@ from worker.core.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from worker.core.request import Logprob
 from worker.model.attention import SeqSpan, build_metadata
 from worker.model.config import ModelConfig
-from worker.model.kernels import load_argmax, load_fused_ops, load_paged_decode, paged_decode_path
+from worker.model.kernels import load_argmax, load_fused_ops, load_kv_write, load_paged_decode, paged_decode_path
 from worker.model.linear import available_kernels, read_cpu_flags, resolve_auto_dtype
 from worker.model.llama import LlamaModel
 from worker.model.loader import load_weights
@@ -175,9 +175,11 @@ class ModelRunner:
         # gather + SDPA on CPU); the eager torch path remains when asked for, on other devices, or when the
         # kernel cannot be built here.
         self.decode_kernel = None
+        self.kv_write = None  # the native cache write, beside the kernel (the same extension)
         self.kernel_error: str | None = None
         if not enforce_eager and self.device.type == "cpu":
             self.decode_kernel, self.kernel_error = load_paged_decode()
+            self.kv_write = load_kv_write()[0]
             if self.kernel_error:
                 warnings.warn(
                     f"decode attention runs eagerly: native kernel unavailable ({self.kernel_error})", stacklevel=2
@@ -287,7 +289,7 @@ class ModelRunner:
         table, caches = self._scratch_caches(n)
         meta = build_metadata([SeqSpan(0, n, table)], self.block_size, self.device, self.dtype)
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
-        return self.model.compute_logits(self.model.forward(ids, meta, caches))
+        return self.model.compute_logits(self.model.forward(ids, meta, caches, kv_write=self.kv_write))
 
     @torch.inference_mode()
     def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
@@ -301,7 +303,7 @@ class ModelRunner:
             span = SeqSpan(start, len(new), table)
             meta = build_metadata([span], self.block_size, self.device, self.dtype, self.decode_kernel is not None)
             ids = torch.tensor(new, dtype=torch.int64, device=self.device)
-            hidden = self.model.forward(ids, meta, caches, self.decode_kernel)
+            hidden = self.model.forward(ids, meta, caches, self.decode_kernel, kv_write=self.kv_write)
             start = len(tokens)
             tokens.append(int(self.model.compute_logits(hidden[-1:]).argmax()))
         return tokens[len(prompt) :]
@@ -360,7 +362,7 @@ class ModelRunner:
         lora = None
         if row_slots and self.lora_store is not None:
             lora = plan_batch(self.lora_store, row_slots, meta.num_decode, self.dtype, self.device)
-        hidden = self.model.forward(ids, meta, self.kv_caches, self.decode_kernel, lora)
+        hidden = self.model.forward(ids, meta, self.kv_caches, self.decode_kernel, lora, self.kv_write)
         for seq, first_row in prompt_rows:
             try:
                 out.prompt_logprobs[seq.req_id] = self._prompt_logprobs(hidden, first_row, seq)
