@@ -261,3 +261,19 @@ def test_native_kv_write_rejects_bad_input_and_writes_nothing(slots, k_shape, ma
     with pytest.raises(RuntimeError, match=match):
         kv_write(k_cache, v_cache, torch.tensor(slots), k, k.clone())
     assert not k_cache.any() and not v_cache.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hd", [32, 64])  # the portable path and an AVX-512 one
+def test_native_decode_takes_q_rows_from_the_fused_qkv_output(kernel, dtype, hd):
+    """q as the model slices it out of the QKV rows (strided rows, each row's heads contiguous) gives exactly the
+    output of a contiguous copy."""
+    gen = torch.Generator().manual_seed(hd)
+    k = torch.randn(30, 16, 2, hd, generator=gen).to(dtype)
+    v = torch.randn(30, 16, 2, hd, generator=gen).to(dtype)
+    qkv = torch.randn(5, 6 * hd + 4 * hd, generator=gen).to(dtype)
+    q = qkv[:, : 6 * hd].view(5, 6, hd)
+    assert not q.is_contiguous()
+    tables = torch.randperm(30, generator=gen)[:25].view(5, 5)
+    lens = torch.tensor([1, 17, 40, 80, 3])
+    assert torch.equal(kernel(q, k, v, tables, lens, 0.1), kernel(q.contiguous(), k, v, tables, lens, 0.1))

@@ -211,6 +211,7 @@ def _decode(
     assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
     if decode_kernel is not None:
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
-        return decode_kernel(q.contiguous(), k_cache, v_cache, tables, lens, scale)
+        rows_ok = q.stride(-1) == 1 and q.stride(-2) == q.shape[-1]  # the kernel takes strided rows of q
+        return decode_kernel(q if rows_ok else q.contiguous(), k_cache, v_cache, tables, lens, scale)
     assert meta.decode_mask is not None
     return decode_attention_sdpa(q, k_cache, v_cache, meta.decode_block_tables.view(-1), meta.decode_mask, scale)

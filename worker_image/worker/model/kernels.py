@@ -459,9 +459,10 @@ static void decode_seq_avx512(const T* __restrict__ qs, const T* __restrict__ k_
 
 // T: the cache's element as the passes read it (uint16_t for bf16, float), O: the tensors' element.
 template <int D, typename T, typename O>
-static void paged_decode_avx512(const O* q, const O* k_cache, const O* v_cache, const int64_t* block_tables,
-                                const int64_t* lens, O* out, int64_t num_seqs, int64_t num_heads,
-                                int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, float scale) {
+static void paged_decode_avx512(const O* q, int64_t q_stride, const O* k_cache, const O* v_cache,
+                                const int64_t* block_tables, const int64_t* lens, O* out, int64_t num_seqs,
+                                int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t max_blocks,
+                                float scale) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * D;
   const int64_t block_stride = block_size * token_stride;
@@ -469,7 +470,7 @@ static void paged_decode_avx512(const O* q, const O* k_cache, const O* v_cache, 
     std::vector<float> scores;
     for (int64_t s = begin; s < end; ++s) {
       scores.resize(decode_scratch(num_heads, D, lens[s]));
-      decode_seq_avx512<D, T, O>(reinterpret_cast<const T*>(q + s * num_heads * D), reinterpret_cast<const T*>(k_cache),
+      decode_seq_avx512<D, T, O>(reinterpret_cast<const T*>(q + s * q_stride), reinterpret_cast<const T*>(k_cache),
                                  reinterpret_cast<const T*>(v_cache), block_tables + s * max_blocks, lens[s],
                                  out + s * num_heads * D, num_heads, group, token_stride, block_size, block_stride,
                                  scale, scores.data());
@@ -493,11 +494,14 @@ static bool cpu_has_avx512_bf16() {
 
 #endif
 
-// q [S, H, D] contiguous; caches [NB, BS, KVH, D] contiguous; block_tables [S, max_blocks] int64; lens [S] int64.
+// q [S, H, D], each row's heads contiguous (rows may be strided: a view into the fused QKV output, which saves the
+// model a copy of q per layer); caches [NB, BS, KVH, D] contiguous; block_tables [S, max_blocks] int64; lens [S]
+// int64.
 static torch::Tensor paged_decode_any(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                       torch::Tensor block_tables, torch::Tensor lens, double scale, bool fast) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "inputs must be contiguous (q: within each row)");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "int64 tables/lens");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(), "dtypes differ");
   auto tables = block_tables.contiguous();
@@ -518,20 +522,21 @@ static torch::Tensor paged_decode_any(torch::Tensor q, torch::Tensor k_cache, to
 #if defined(__x86_64__)
   if (fast && avx512_path_takes(D) && q.scalar_type() == at::kBFloat16 && cpu_has_avx512_bf16()) {
     (D == 64 ? paged_decode_avx512<64, uint16_t, c10::BFloat16> : paged_decode_avx512<128, uint16_t, c10::BFloat16>)(
-        q.data_ptr<c10::BFloat16>(), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
+        q.data_ptr<c10::BFloat16>(), q.stride(0), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
         tables.data_ptr<int64_t>(), lens_c.data_ptr<int64_t>(), out.data_ptr<c10::BFloat16>(), S, H, KVH, BS,
         tables.size(1), static_cast<float>(scale));
     return out;
   }
   if (fast && avx512_path_takes(D) && q.scalar_type() == at::kFloat && cpu_has_avx512f()) {
     (D == 64 ? paged_decode_avx512<64, float, float> : paged_decode_avx512<128, float, float>)(
-        q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tables.data_ptr<int64_t>(),
+        q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tables.data_ptr<int64_t>(),
         lens_c.data_ptr<int64_t>(), out.data_ptr<float>(), S, H, KVH, BS, tables.size(1), static_cast<float>(scale));
     return out;
   }
 #endif
+  auto qc = q.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    paged_decode_impl<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+    paged_decode_impl<scalar_t>(qc.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                                 tables.data_ptr<int64_t>(), lens_c.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
                                 S, H, KVH, D, BS, tables.size(1), static_cast<float>(scale));
   });
