@@ -17,12 +17,15 @@ the softmax runs 16 scores at a time on a polynomial exp. The generic path was n
 one, once per query head of a group). `bench/attention_kernel.py` compares the two on one machine: 64 sequences
 of 256 tokens, SmolLM2's 9 query / 3 KV heads of 64: 1.29 -> 0.59 ms per layer (2.2x; 0.78 before the grouping
 and the vector exp) on a 2-core Xeon with AVX512-BF16; a Llama-3-8B layer (32 / 8 heads of 128) 8.1 -> 6.7 ms. Asking
-for the next block's rows while one block computes (`prefetch_rows`) then took 400-token contexts from 1.00-1.11 to
+for the next block's rows while one block computes (`prefetch_row`) then took 400-token contexts from 1.00-1.11 to
 0.82-0.86 ms per SmolLM2 layer, and a Llama-3-8B layer from 11.2 to 5.8 ms: the step is bound by memory, and the
 hardware prefetcher cannot guess where a sequence's next block lies. fp32 (same head dims, any CPU with AVX-512F)
 takes the same passes over fp32 rows (Q.K by FMAs on the query scaled first, as the portable path scales it):
 SmolLM2 at 400 tokens 2.1-2.2 -> 1.13-1.19 ms per layer, within 1e-6 of the portable path; Llama-3-8B 16.6 ->
-14.7. `paged_decode_path` says which path runs, for the worker's log.
+14.7. `paged_decode_path` says which path runs, for the worker's log. Since then (stop 28): threads split the
+sequences by context length, not count (`split_bounds`); a sequence is walked block by block, all KV heads of a
+block together; Q.K folds 16 rows' sums in one transpose (`reduce16`); prefetches go one row at a time. W's decode
+attention in the engine: 5.5 -> 4.3 s (bf16), near what two cores' fill buffers allow (architecture.md, section 6).
 
 It is built with `torch.utils.cpp_extension.load_inline` (needs a C++ compiler and ninja; ~30-60 s the
 first time, then cached under torch's extension dir (`TORCH_EXTENSIONS_DIR`), keyed by the source, the flags
