@@ -14,7 +14,15 @@ than folklore. Paths:
 * `int8_dyn`: `quantize_dynamic` (W8A8, activations quantized per call; x86 engine = fbgemm/oneDNN, VNNI);
 * `int8_wo_bf16`: `aten._weight_int8pack_mm` (int8 weights, bf16 activations);
 * `int4_wo_bf16`: `aten._weight_int4pack_mm_for_cpu` (int4 groups of 32, bf16 activations: today's int4 path);
-* `fp8_wo_fp32`: the engine's `quant.Fp8Linear` (fp8 weights re-biased to fp16 per call, fp32 activations).
+* `fp8_wo_fp32`: the engine's `quant.Fp8Linear` (fp8 weights re-biased to fp16 per call, fp32 activations);
+* `bf16_amx`: the engine's `linear.AmxLinear` on CPUs with AMX (our kernel up to `AMX_MAX_ROWS` rows, F.linear past).
+
+`--layers N` builds N copies of each group with their own weights and times a pass over all of them, as a decode
+step walks a model's layers: the weights then stream from DRAM instead of sitting in cache (30 SmolLM2 layers are
+212 MB in bf16), which is what decode-sized batches are bound by. The table in `worker/model/linear.py` is
+
+    .venv/bin/python bench/linear_kernels.py --layers 30 --groups layer --paths bf16_amx,bf16_onednn,bf16_aten \
+        --rows 1,16,64,128,256,512,1024
 
 Prints GFLOP/s (2*M*N*K per call) per (path, M) for the layer (fused projections as the engine runs them, and
 unfused: q/k/v and gate/up as separate calls) and for the head, the ratio to `fp32_mkl`, what fusing saves per
@@ -107,6 +115,16 @@ def _aten(w: torch.Tensor, dtype: torch.dtype) -> tuple[Call, torch.dtype]:
     return (lambda x: F.linear(x, wd)), dtype
 
 
+def _amx(w: torch.Tensor) -> tuple[Call, torch.dtype]:
+    from worker.model.kernels import _load_module
+    from worker.model.linear import AmxLinear
+
+    module, why = _load_module()
+    if module is None or not module.amx_linear_ready():
+        raise RuntimeError(why or "this CPU (or its kernel) offers no AMX-BF16")
+    return AmxLinear(w.to(torch.bfloat16), None, module), torch.bfloat16
+
+
 PATHS: dict[str, Callable[[torch.Tensor], tuple[Call, torch.dtype]]] = {
     "fp32_mkl": lambda w: _aten(w, torch.float32),
     "fp32_mkl_packed": _mkl_packed,
@@ -117,6 +135,7 @@ PATHS: dict[str, Callable[[torch.Tensor], tuple[Call, torch.dtype]]] = {
     "int8_wo_bf16": _int8_wo,
     "int4_wo_bf16": _int4_wo,
     "fp8_wo_fp32": _fp8_wo,
+    "bf16_amx": _amx,
 }
 
 
@@ -138,13 +157,13 @@ def time_calls(calls: list[tuple[Call, torch.Tensor]], rounds: int = 3, round_s:
 
 
 def measure(
-    paths: list[str], rows: list[int], groups: list[str], rounds: int = 3
+    paths: list[str], rows: list[int], groups: list[str], rounds: int = 3, layers: int = 1
 ) -> dict[str, dict[str, dict[int, float]]]:
-    """GFLOP/s per group, path and row count."""
+    """GFLOP/s per group, path and row count; `layers` copies of each group, each with its own weights."""
     torch.manual_seed(0)
     out: dict[str, dict[str, dict[int, float]]] = {}
     for group in groups:
-        shapes = GROUPS[group]
+        shapes = GROUPS[group] * layers
         weights = [torch.randn(n, k) * k**-0.5 for n, k in shapes]
         out[group] = {}
         for path in paths:
@@ -168,6 +187,7 @@ def main() -> None:
     ap.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated: {','.join(PATHS)}")
     ap.add_argument("--rounds", type=int, default=3, help="timing rounds per cell (best is kept)")
     ap.add_argument("--groups", default=",".join(GROUPS), help=f"comma-separated: {','.join(GROUPS)}")
+    ap.add_argument("--layers", type=int, default=1, help="copies of each group with their own weights (streamed)")
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     paths = [p for p in args.paths.split(",") if p]
@@ -181,7 +201,9 @@ def main() -> None:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu capability "
         f"{torch.backends.cpu.get_cpu_capability()}, mkldnn bf16 {torch.ops.mkldnn._is_mkldnn_bf16_supported()}"
     )
-    res = measure(paths, rows, groups, args.rounds)
+    if args.layers < 1:
+        ap.error("--layers must be at least 1")
+    res = measure(paths, rows, groups, args.rounds, args.layers)
     for group, by_path in res.items():
         base = by_path.get("fp32_mkl", {})
         print(f"\n{group}: GFLOP/s (x fp32_mkl)")

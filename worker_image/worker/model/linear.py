@@ -19,17 +19,19 @@ transformers that fp32 promises. MKL's own packed sgemm (`torch.ops.mkl._mkl_lin
 batch size it was packed for and falls back to `F.linear` at any other, so it is not used.
 
 On CPUs with AMX (Sapphire Rapids and later) our own AMX kernel (`kernels.amx_linear`) runs batches of up to
-`AMX_MAX_ROWS` rows on the plain weight, and torch's matmul the rest. Measured over 30 SmolLM2 layers'
-linears (bf16, distinct weights, so they stream from DRAM; ms, 2 threads, same run):
+`AMX_MAX_ROWS` rows on the plain weight, and torch's matmul the rest. Over 30 SmolLM2 layers with their own weights
+(so they stream from DRAM, as in a decode step: 212 MB), GFLOP/s, 2 threads, one run (`bench/linear_kernels.py
+--layers 30 --groups layer --paths bf16_amx,bf16_onednn,bf16_aten --rows 1,16,64,128,256,512,1024`):
 
     rows                        1      16      64     128     256     512    1024
-    AMX kernel (ours)          9.9   10.1    15.2    22.5    34.9    67.3   146.0
-    oneDNN, prepacked         13.2   13.1    17.3    23.0    29.3    58.2   114.8
-    F.linear, plain weight    18.3   19.1    25.1    31.8    45.2    57.7   113.7
+    AMX kernel (ours)          27     409     916    1233    1391    1739    1755   (F.linear from 512)
+    oneDNN, prepacked          19     285     819    1187    1576    1605    1708
+    F.linear, plain weight     13     178     536     862    1149    1739    1736
 
-The weights' streaming time is ~10 ms: the kernel reaches it up to 16 rows. Past 256 rows torch's matmul is faster,
-and there the weight's layout no longer matters (plain = prepacked from 512 rows). So the plain weight serves both
-and nothing is packed: no second copy of a tied output head, no reorder at load.
+At 1-16 rows the kernel streams the weights as fast as the memory gives them (7.9 ms for the 212 MB at one row);
+at 64 it is ~1.5x that, stalled on tile loads. At 256 rows oneDNN is faster (compute-bound there) and from 512 the
+plain weight serves F.linear as well as a prepacked one. So the plain weight serves both and nothing is packed: no
+second copy of a tied output head, no reorder at load.
 
 `choose_linear_kernel` is the pure decision (device, dtype, CPU flags, which torch ops exist -> kind and a
 reason the worker logs); `make_dense_linear` builds the layer of that kind. Fused projections are the
@@ -50,7 +52,7 @@ BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # any one: oneDNN then has native 
 ONEDNN_LINEAR = "onednn_linear"  # name of the capability `available_kernels` reports
 AMX_LINEAR = "amx_linear"  # the capability of our extension's AMX linear (`FusedOps.amx_linear_ready`)
 AMX_CPU_FLAGS = ("amx_bf16", "amx_tile")  # both: the tile unit and its bf16 dot products
-AMX_MAX_ROWS = 256  # up to here the AMX kernel is the faster (the table above); past it torch's matmul
+AMX_MAX_ROWS = 256  # up to here the AMX kernel beats F.linear on the same plain weight (the table above)
 
 
 class AmxOps(Protocol):
