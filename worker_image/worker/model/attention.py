@@ -166,7 +166,7 @@ def paged_attention(
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    if kv_write is not None and k.stride(-1) == 1 and k.stride(-2) == head_dim and v.stride(-2) == head_dim:
+    if kv_write is not None and _heads_contiguous(k) and _heads_contiguous(v):
         kv_write(k_cache, v_cache, meta.slot_mapping, k, v)
     else:
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
@@ -200,6 +200,12 @@ def paged_attention(
     return out
 
 
+def _heads_contiguous(x: torch.Tensor) -> bool:
+    """Whether each row of x [T, heads, head_dim] holds its heads back to back (the rows themselves may be
+    strided, as views into the fused QKV output are): what the native kernels take without a copy."""
+    return x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
+
+
 def _decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -211,7 +217,7 @@ def _decode(
     assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
     if decode_kernel is not None:
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
-        rows_ok = q.stride(-1) == 1 and q.stride(-2) == q.shape[-1]  # the kernel takes strided rows of q
-        return decode_kernel(q if rows_ok else q.contiguous(), k_cache, v_cache, tables, lens, scale)
+        q = q if _heads_contiguous(q) else q.contiguous()
+        return decode_kernel(q, k_cache, v_cache, tables, lens, scale)
     assert meta.decode_mask is not None
     return decode_attention_sdpa(q, k_cache, v_cache, meta.decode_block_tables.view(-1), meta.decode_mask, scale)

@@ -217,8 +217,14 @@ static void paged_decode_impl(
 #define LLMFLEET_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 #define LLMFLEET_AVX512F __attribute__((target("avx512f")))
 
+// 16 elements as fp32: bf16 (as uint16) widened by a shift, fp32 loaded.
+template <typename T>
+LLMFLEET_AVX512F static inline __m512 load16(const T* p) {
+  if constexpr (std::is_same<T, float>::value) return _mm512_loadu_ps(p);
+  else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
 LLMFLEET_AVX512_BF16 static inline __m512 ld_bf16(const c10::BFloat16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+  return load16(reinterpret_cast<const uint16_t*>(p));
 }
 LLMFLEET_AVX512_BF16 static inline __m512 round_bf16(__m512 v, c10::BFloat16* p) {
   const __m256i b = (__m256i)_mm512_cvtneps_pbh(v);
@@ -331,13 +337,6 @@ LLMFLEET_AVX512F static void qk_block_f32(const float* __restrict__ qs, const fl
       x[g * len + j] = _mm512_reduce_add_ps(a);
     }
   }
-}
-
-// 16 elements of a cache row as fp32: bf16 (as uint16) widened by a shift, fp32 loaded.
-template <typename T>
-LLMFLEET_AVX512F static inline __m512 load16(const T* p) {
-  if constexpr (std::is_same<T, float>::value) return _mm512_loadu_ps(p);
-  else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
 // P.V of G query heads over rows 0..n of one cache block of their KV head (T: uint16_t for bf16, float), each
@@ -1027,10 +1026,11 @@ LLMFLEET_AVX512_BF16 static void amx_unpack(const float* c, int64_t rows, void* 
   }
 }
 
+// xt: scratch for x's B tiles (amx_pack_rows).
 static void amx_linear_run(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, const uint16_t* bias,
-                           const uint16_t* xt, void* y, bool fp32_out) {
+                           uint16_t* xt, void* y, bool fp32_out) {
   const int64_t kt = K / 32, mt = (M + 15) / 16, nblocks = N / 16;
-  amx_pack_rows(x, M, K, const_cast<uint16_t*>(xt));
+  amx_pack_rows(x, M, K, xt);
   // threads take contiguous runs of n-block pairs: each streams its own part of W, once
   at::parallel_for(0, (nblocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     amx_configure();
@@ -1086,7 +1086,7 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::
   auto xt = torch::empty({(M + 15) / 16 * (K / 32) * 512}, x.options());
   amx_linear_run(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), M, K,
                  reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>()), N, bp,
-                 reinterpret_cast<const uint16_t*>(xt.data_ptr<c10::BFloat16>()), y.data_ptr(), fp32_out);
+                 reinterpret_cast<uint16_t*>(xt.data_ptr<c10::BFloat16>()), y.data_ptr(), fp32_out);
 #endif
   return y;
 }

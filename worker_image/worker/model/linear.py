@@ -194,11 +194,11 @@ class AmxLinear(DenseLinear):
         self._fp32_out = fp32_out
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and 1 <= x.shape[0] <= AMX_MAX_ROWS and x.dtype == torch.bfloat16 and x.is_contiguous():
-            return self._native.amx_linear(x, self.weight, self.bias, self._fp32_out)  # the model's: 2.3 us, not 5.2
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if not 1 <= rows <= AMX_MAX_ROWS or x.dtype != torch.bfloat16:
+        if x.dtype != torch.bfloat16 or not 1 <= rows <= AMX_MAX_ROWS:
             return F.linear(x, self.weight, self.bias)
+        if x.dim() == 2 and x.is_contiguous():  # the model's rows: no reshape, no copy (2.6 us a call, not 5.2)
+            return self._native.amx_linear(x, self.weight, self.bias, self._fp32_out)
         y = self._native.amx_linear(x.reshape(rows, x.shape[-1]).contiguous(), self.weight, self.bias, self._fp32_out)
         return y.view(*x.shape[:-1], self.out_features)
 

@@ -175,11 +175,13 @@ class ModelRunner:
         # gather + SDPA on CPU); the eager torch path remains when asked for, on other devices, or when the
         # kernel cannot be built here.
         self.decode_kernel = None
-        self.kv_write = None  # the native cache write, beside the kernel (the same extension)
+        self.kv_write = None  # the native cache write and greedy argmax, beside the kernel (the same extension)
+        argmax = None
         self.kernel_error: str | None = None
         if not enforce_eager and self.device.type == "cpu":
             self.decode_kernel, self.kernel_error = load_paged_decode()
             self.kv_write = load_kv_write()[0]
+            argmax = load_argmax()[0]
             if self.kernel_error:
                 warnings.warn(
                     f"decode attention runs eagerly: native kernel unavailable ({self.kernel_error})", stacklevel=2
@@ -204,7 +206,6 @@ class ModelRunner:
                 self.lora_store.nbytes / 1e6,
             )
         unseeded = torch.Generator(device=self.device).manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
-        argmax = load_argmax()[0] if not enforce_eager and self.device.type == "cpu" else None
         self.sampler = Sampler(unseeded, argmax)
 
     @property
