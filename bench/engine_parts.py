@@ -7,7 +7,7 @@ perf_counter timer around each part:
 * `linears`: the decoder layers' projections (fused QKV, o, fused gate+up, down), prefill and decode alike;
 * `output head`: the head's matmul (inside `compute_logits`);
 * `decode attention`: the native paged decode kernel (`kernels.paged_decode`);
-* `prefill attention`: torch's SDPA on prompt chunks;
+* `prefill attention`: prompt chunks' attention (the native AMX kernel in bf16 on CPUs with AMX, else torch's SDPA);
 * `attention, rest`: the cache write, slicing and copies around both;
 * `norms`, `silu`, `rope`: the fused elementwise steps (bf16 on CPUs with AVX512-BF16);
 * `sampler`; `runner, rest`: the rest of the runner's time (embedding, step metadata, Python between the parts);
@@ -24,6 +24,7 @@ The timers cost a few microseconds each (~2% of a bf16 run). Prints a table and,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from collections import defaultdict
@@ -88,8 +89,12 @@ def instrument(llm: Any, timers: _Timers) -> None:
     model.lm_head = timers.wrap("output head", model.lm_head)
     if model.fused is not None:
         model.fused = _FusedProxy(model.fused, timers)
-    if runner.decode_kernel is not None:
-        runner.decode_kernel = timers.wrap("decode attention", runner.decode_kernel)
+    native = runner.native
+    runner.native = dataclasses.replace(
+        native,
+        decode=native.decode and timers.wrap("decode attention", native.decode),
+        prefill=native.prefill and timers.wrap("prefill attention", native.prefill),
+    )
     sdpa = timers.wrap("prefill attention", F.scaled_dot_product_attention)
     attention.F = type("TimedF", (), {"scaled_dot_product_attention": staticmethod(sdpa)})  # type: ignore[assignment]
     attention_all = timers.wrap("attention, all", attention.paged_attention)

@@ -22,7 +22,7 @@ def prompts(n: int, lengths: list[int], vocab: int, seed: int = 0) -> list[list[
 @pytest.fixture(scope="module", params=[False, True], ids=["native-decode", "eager"])
 def runner(tiny_dir, request):
     r = ModelRunner(str(tiny_dir), num_blocks=128, block_size=4, enforce_eager=request.param)
-    assert (r.decode_kernel is None) == request.param
+    assert (r.native.decode is None) == request.param
     return r
 
 

@@ -34,7 +34,7 @@ def prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
 @pytest.mark.parametrize("chunk", [None, 5])
 def test_fp32_greedy_equals_transformers(tiny_dir, tiny_hf, driver_cls, seq_cls, hf_greedy_fn, chunk):
     runner = ModelRunner(str(tiny_dir), device="cuda", num_blocks=128, block_size=4)
-    assert runner.kv_cache.is_cuda and runner.decode_kernel is None  # the native kernel is CPU-only
+    assert runner.kv_cache.is_cuda and runner.native.decode is None  # the native kernel is CPU-only
     ps = prompts([1, 3, 17, 40, 91], runner.config.vocab_size)
     seqs = [seq_cls(f"r{i}", list(p), N_OUT) for i, p in enumerate(ps)]
     driver_cls(runner).run(seqs, chunk=chunk)

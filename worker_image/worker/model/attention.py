@@ -15,7 +15,12 @@ The per-step `AttentionMetadata` is built once (`build_metadata`) and shared by 
   grouped-query attention needs no K/V repetition.
 * Multi-token chunks follow, each attending causally. A chunk starting at position 0 attends to its own fresh
   K/V; a chunk with `start_pos > 0` (chunked prefill, prefix-cache hit, recompute) reads its whole context back
-  through its block table with a lower-right causal mask (query `i` sees keys `0 .. start_pos + i`).
+  through its block table with a lower-right causal mask (query `i` sees keys `0 .. start_pos + i`). On CPUs with
+  AMX, bf16 chunks go to the native kernel (`kernels.amx_attention_`, which takes the causal offset itself and
+  writes the chunk's rows of the output in place); elsewhere to torch's SDPA.
+
+The native pieces travel together as a `NativeAttention` (the runner loads them once; each is None where it
+does not run, and the torch path takes its place).
 
 The cache of one layer is a pair of tensors `[num_blocks, block_size, kv_heads, head_dim]` (vLLM's layout).
 """
@@ -28,7 +33,20 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from worker.model.kernels import KvWrite, PagedDecode
+from worker.model.kernels import KvWrite, PagedDecode, PrefillAttention
+
+
+@dataclass(frozen=True)
+class NativeAttention:
+    """The extension's attention pieces (`kernels.py`); each None where it does not run here, and torch's path
+    runs instead."""
+
+    decode: PagedDecode | None = None  # the decode rows over the paged cache (`kernels.load_paged_decode`)
+    kv_write: KvWrite | None = None  # this step's K/V rows into their cache slots (`kernels.load_kv_write`)
+    prefill: PrefillAttention | None = None  # causal attention of a prompt chunk (`kernels.load_prefill_attention`)
+
+
+EAGER = NativeAttention()
 
 
 @dataclass(frozen=True)
@@ -155,30 +173,37 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
-    decode_kernel: PagedDecode | None = None,
-    kv_write: KvWrite | None = None,
+    native: NativeAttention = EAGER,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend. q: [T, H, D]; k, v: [T, KVH, D]. Returns [T, H * D].
 
-    `decode_kernel` is the native paged decode kernel (`kernels.load_paged_decode`; metadata built with
-    `decode_kernel=True`), or None for the eager gather + SDPA path. `kv_write` the native cache write
-    (`kernels.load_kv_write`), or None for torch's index_copy_.
+    `native`: the extension's pieces where they run (metadata built with `decode_kernel=True` when
+    `native.decode` is set); torch's index_copy_, gather + SDPA and SDPA where they do not.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    if kv_write is not None and _heads_contiguous(k) and _heads_contiguous(v):
-        kv_write(k_cache, v_cache, meta.slot_mapping, k, v)
+    if native.kv_write is not None and _heads_contiguous(k) and _heads_contiguous(v):
+        native.kv_write(k_cache, v_cache, meta.slot_mapping, k, v)
     else:
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     d = meta.num_decode
     if d == num_tokens:  # a pure decode step: no copy into `out` needed
-        return _decode(q, k_cache, v_cache, meta, scale, decode_kernel)
+        return _decode(q, k_cache, v_cache, meta, scale, native.decode)
     out = q.new_empty(num_tokens, num_heads * head_dim)
     if d:
-        out[:d] = _decode(q[:d], k_cache, v_cache, meta, scale, decode_kernel)
+        out[:d] = _decode(q[:d], k_cache, v_cache, meta, scale, native.decode)
+    prefill = native.prefill if all(_heads_contiguous(x) for x in (q, k, v)) else None
     for chunk in meta.prefills:
         rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
+        if prefill is not None:
+            kc, vc = k[rows], v[rows]
+            if chunk.block_idx is not None:
+                kv_len = chunk.start_pos + chunk.q_len
+                kc = k_cache.index_select(0, chunk.block_idx).view(-1, num_kv_heads, head_dim)[:kv_len]
+                vc = v_cache.index_select(0, chunk.block_idx).view(-1, num_kv_heads, head_dim)[:kv_len]
+            prefill(out[rows], q[rows], kc, vc, chunk.start_pos, scale)
+            continue
         qc = q[rows].transpose(0, 1)[None]
         if chunk.block_idx is None:
             kc = k[rows].transpose(0, 1)[None]

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from worker.model.attention import AttentionMetadata, paged_attention
+from worker.model.attention import EAGER, AttentionMetadata, NativeAttention, paged_attention
 from worker.model.config import ModelConfig
-from worker.model.kernels import FusedOps, KvWrite, PagedDecode
+from worker.model.kernels import FusedOps
 from worker.model.linear import (
     AmxLinear,
     DenseLinear,
@@ -210,13 +210,12 @@ class LlamaModel:
         input_ids: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        decode_kernel: PagedDecode | None = None,
+        native: NativeAttention = EAGER,
         lora: LoraBatch | None = None,
-        kv_write: KvWrite | None = None,
     ) -> torch.Tensor:
         """Hidden states of the batch's rows; `lora` adds the deltas of the adapters its rows use to every
-        projection's output (worker.model.lora; None: the base model alone). `decode_kernel` and `kv_write`: the
-        native attention pieces (`attention.paged_attention`)."""
+        projection's output (worker.model.lora; None: the base model alone). `native`: the extension's attention
+        pieces that run here (`attention.paged_attention`)."""
         cfg = self.cfg
         t = input_ids.shape[0]
         heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -242,7 +241,7 @@ class LlamaModel:
                 q = qk[:, :heads]
                 k = qk[:, heads:]
             v = qkv[:, q_size + kv_size :].view(t, kv_heads, head_dim)
-            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, decode_kernel, kv_write)
+            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, native)
             attn = attn.reshape(t, q_size)
             o = layer.o_proj(attn)
             if lora is not None:

@@ -29,9 +29,16 @@ import torch
 
 from worker.core.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from worker.core.request import Logprob
-from worker.model.attention import SeqSpan, build_metadata
+from worker.model.attention import EAGER, NativeAttention, SeqSpan, build_metadata
 from worker.model.config import ModelConfig
-from worker.model.kernels import load_argmax, load_fused_ops, load_kv_write, load_paged_decode, paged_decode_path
+from worker.model.kernels import (
+    load_argmax,
+    load_fused_ops,
+    load_kv_write,
+    load_paged_decode,
+    load_prefill_attention,
+    paged_decode_path,
+)
 from worker.model.linear import available_kernels, read_cpu_flags, resolve_auto_dtype
 from worker.model.llama import LlamaModel
 from worker.model.loader import load_weights
@@ -174,13 +181,14 @@ class ModelRunner:
         # Decode attention through the native paged kernel (reads K/V straight from the cache: 3x faster than
         # gather + SDPA on CPU); the eager torch path remains when asked for, on other devices, or when the
         # kernel cannot be built here.
-        self.decode_kernel = None
-        self.kv_write = None  # the native cache write and greedy argmax, beside the kernel (the same extension)
+        # The native cache write, prompt attention (bf16 on AMX) and greedy argmax come from the same extension.
+        self.native = EAGER
         argmax = None
         self.kernel_error: str | None = None
         if not enforce_eager and self.device.type == "cpu":
-            self.decode_kernel, self.kernel_error = load_paged_decode()
-            self.kv_write = load_kv_write()[0]
+            decode, self.kernel_error = load_paged_decode()
+            prefill, prefill_why = load_prefill_attention(self.dtype, cfg.head_dim)
+            self.native = NativeAttention(decode, load_kv_write()[0], prefill)
             argmax = load_argmax()[0]
             if self.kernel_error:
                 warnings.warn(
@@ -190,6 +198,7 @@ class ModelRunner:
                 logging.getLogger(__name__).info(
                     "decode attention: native paged kernel, %s", paged_decode_path(self.dtype, cfg.head_dim)
                 )
+            logging.getLogger(__name__).info("prompt attention: %s", prefill_why)
         self._generators: dict[str, torch.Generator] = {}
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
@@ -290,7 +299,7 @@ class ModelRunner:
         table, caches = self._scratch_caches(n)
         meta = build_metadata([SeqSpan(0, n, table)], self.block_size, self.device, self.dtype)
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
-        return self.model.compute_logits(self.model.forward(ids, meta, caches, kv_write=self.kv_write))
+        return self.model.compute_logits(self.model.forward(ids, meta, caches, self.native))
 
     @torch.inference_mode()
     def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
@@ -302,9 +311,9 @@ class ModelRunner:
         for _ in range(max_tokens):
             new = tokens[start:]
             span = SeqSpan(start, len(new), table)
-            meta = build_metadata([span], self.block_size, self.device, self.dtype, self.decode_kernel is not None)
+            meta = build_metadata([span], self.block_size, self.device, self.dtype, self.native.decode is not None)
             ids = torch.tensor(new, dtype=torch.int64, device=self.device)
-            hidden = self.model.forward(ids, meta, caches, self.decode_kernel, kv_write=self.kv_write)
+            hidden = self.model.forward(ids, meta, caches, self.native)
             start = len(tokens)
             tokens.append(int(self.model.compute_logits(hidden[-1:]).argmax()))
         return tokens[len(prompt) :]
@@ -358,12 +367,12 @@ class ModelRunner:
                 sampled.append((seq, len(input_ids) - 1, request))
         if not spans:
             return out
-        meta = build_metadata(spans, self.block_size, self.device, self.dtype, self.decode_kernel is not None)
+        meta = build_metadata(spans, self.block_size, self.device, self.dtype, self.native.decode is not None)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         lora = None
         if row_slots and self.lora_store is not None:
             lora = plan_batch(self.lora_store, row_slots, meta.num_decode, self.dtype, self.device)
-        hidden = self.model.forward(ids, meta, self.kv_caches, self.decode_kernel, lora, self.kv_write)
+        hidden = self.model.forward(ids, meta, self.kv_caches, self.native, lora)
         for seq, first_row in prompt_rows:
             try:
                 out.prompt_logprobs[seq.req_id] = self._prompt_logprobs(hidden, first_row, seq)

@@ -1,0 +1,158 @@
+"""Prompt attention: the native AMX kernel (`kernels.amx_attention_`, bf16) against an fp32 reference, and how
+`attention.paged_attention` hands prompt chunks to it (the routing tests run on any CPU, with a recording fake)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from worker.model.attention import EAGER, NativeAttention, SeqSpan, build_metadata, paged_attention
+from worker.model.kernels import _load_module
+
+
+@pytest.fixture(scope="module")
+def amx():
+    module, why = _load_module()
+    if module is None:
+        pytest.skip(f"native extension cannot be built here: {why}")
+    if not module.amx_linear_ready():
+        pytest.skip("this CPU has no AMX-BF16")
+    return module
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """fp32 attention of queries at positions start .. start + n over keys 0 .. start + n, query i seeing keys up to
+    start + i. Returns [n, heads * head_dim]."""
+    n, heads, hd = q.shape
+    kv = k.shape[0]
+    mask = torch.zeros(n, kv)
+    mask.masked_fill_(torch.arange(kv)[None, :] > start + torch.arange(n)[:, None], float("-inf"))
+    qf, kf, vf = (x.float().transpose(0, 1)[None] for x in (q, k, v))
+    out = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1).reshape(n, heads * hd)
+
+
+def qkv_views(n: int, start: int, heads: int, kv_heads: int, hd: int, seed: int):
+    """q, k, v as the model has them: strided views into fused QKV rows (q for the chunk's own rows only)."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(start + n, (heads + 2 * kv_heads) * hd, generator=gen).to(torch.bfloat16)
+    q = qkv[start:, : heads * hd].view(n, heads, hd)
+    k = qkv[:, heads * hd : (heads + kv_heads) * hd].view(start + n, kv_heads, hd)
+    v = qkv[:, (heads + kv_heads) * hd :].view(start + n, kv_heads, hd)
+    return q, k, v
+
+
+@pytest.mark.parametrize("heads,kv_heads,hd", [(9, 3, 64), (4, 4, 128), (8, 1, 64), (6, 2, 128)])
+@pytest.mark.parametrize(
+    "n,start",
+    [(1, 0), (2, 0), (15, 0), (16, 0), (17, 0), (33, 0), (64, 0), (100, 0), (300, 0), (5, 3), (40, 100), (31, 33)],
+)
+def test_amx_attention_matches_an_fp32_reference(amx, heads, kv_heads, hd, n, start):
+    """Tails of 16 queries and of 32 keys, a causal offset, grouped heads; only the chunk's output rows change."""
+    q, k, v = qkv_views(n, start, heads, kv_heads, hd, seed=n * 1000 + start + hd)
+    scale = hd**-0.5
+    out = torch.full((n + 2, heads * hd), 7.0, dtype=torch.bfloat16)
+    amx.amx_attention_(out[1 : n + 1], q, k, v, start, scale)
+    torch.testing.assert_close(out[1 : n + 1].float(), reference(q, k, v, start, scale), atol=1.6e-2, rtol=1.6e-2)
+    assert (out[0] == 7).all() and (out[n + 1] == 7).all()
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_amx_attention_is_the_same_whatever_the_thread_count(amx, threads):
+    q, k, v = qkv_views(150, 20, 9, 3, 64, seed=5)
+    want = torch.empty(150, 9 * 64, dtype=torch.bfloat16)
+    amx.amx_attention_(want, q, k, v, 20, 0.125)
+    got = torch.empty_like(want)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        amx.amx_attention_(got, q, k, v, 20, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, want)
+
+
+def _bf16(*shape: int) -> torch.Tensor:
+    return torch.zeros(*shape, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "out,q,k,start,match",
+    [
+        (_bf16(4, 4 * 96), _bf16(4, 4, 96), _bf16(4, 2, 96), 0, "head_dim 64 or 128"),
+        (_bf16(4, 3 * 64), _bf16(4, 3, 64), _bf16(4, 2, 64), 0, "multiple of kv_heads"),
+        (_bf16(4, 4 * 64), _bf16(4, 4, 64), _bf16(5, 2, 64), 0, "start \\+ n"),
+        (_bf16(4, 4 * 64), _bf16(4, 4, 64), _bf16(6, 2, 64), 1, "start \\+ n"),
+        (_bf16(3, 4 * 64), _bf16(4, 4, 64), _bf16(4, 2, 64), 0, "out \\[n"),
+        (torch.zeros(4, 4 * 64), _bf16(4, 4, 64), _bf16(4, 2, 64), 0, "bf16"),
+        (_bf16(4, 4 * 64), _bf16(4, 64, 4).transpose(1, 2), _bf16(4, 2, 64), 0, "bf16 tensors whose rows|back to back"),
+        (_bf16(4, 4 * 64), _bf16(0, 4, 64), _bf16(0, 2, 64), 0, "n >= 1"),
+    ],
+)
+def test_amx_attention_rejects_what_it_cannot_take(amx, out, q, k, start, match):
+    with pytest.raises(RuntimeError, match=match):
+        amx.amx_attention_(out, q, k, k.clone(), start, 1.0)
+
+
+class _Recorder:
+    """A stand-in for the native kernel: records what it is given and writes start + 1 into the rows it owns."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, torch.Tensor, torch.Tensor, int]] = []
+
+    def __call__(self, out, q, k, v, start, scale) -> None:
+        self.calls.append((q.shape[0], k.clone(), v.clone(), start))
+        out.fill_(start + 1)
+
+
+def test_prompt_chunks_go_to_the_native_kernel_with_their_whole_context():
+    """A decode row, a fresh prompt chunk and a chunk continuing at position 6: the chunks go to the kernel, the
+    continuing one with its context read back from the cache; the decode row still attends as before."""
+    heads, kv_heads, hd, bs = 4, 2, 8, 4
+    gen = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(8, bs, kv_heads, hd, generator=gen)
+    v_cache = torch.randn(8, bs, kv_heads, hd, generator=gen)
+    spans = [SeqSpan(4, 1, [0, 1]), SeqSpan(0, 5, [2, 3]), SeqSpan(6, 3, [4, 5, 6])]
+    meta = build_metadata(spans, bs, torch.device("cpu"), torch.float32)
+    q = torch.randn(9, heads, hd, generator=gen)
+    k = torch.randn(9, kv_heads, hd, generator=gen)
+    v = torch.randn(9, kv_heads, hd, generator=gen)
+    eager = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.3)
+    fake = _Recorder()
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, 0.3, NativeAttention(prefill=fake))
+    assert [(n, kc.shape[0], start) for n, kc, _, start in fake.calls] == [(5, 5, 0), (3, 9, 6)]
+    _, k1, v1, _ = fake.calls[0]
+    assert torch.equal(k1, k[1:6]) and torch.equal(v1, v[1:6])
+    _, k2, v2, _ = fake.calls[1]
+    assert torch.equal(k2, k_cache[[4, 5, 6]].reshape(-1, kv_heads, hd)[:9]) and torch.equal(k2[6:], k[6:])
+    assert torch.equal(v2, v_cache[[4, 5, 6]].reshape(-1, kv_heads, hd)[:9])
+    assert torch.equal(out[0], eager[0])
+    assert (out[1:6] == 1).all() and (out[6:] == 7).all()
+
+
+def test_q_rows_with_heads_apart_stay_on_sdpa():
+    """The kernel takes rows whose heads lie back to back; q in any other layout keeps torch's path."""
+    gen = torch.Generator().manual_seed(1)
+    k_cache, v_cache = torch.zeros(4, 4, 1, 8), torch.zeros(4, 4, 1, 8)
+    meta = build_metadata([SeqSpan(0, 3, [0])], 4, torch.device("cpu"), torch.float32)
+    q = torch.randn(3, 8, 2, generator=gen).transpose(1, 2)  # [3, 2 heads, 8], heads not back to back
+    k, v = torch.randn(3, 1, 8, generator=gen), torch.randn(3, 1, 8, generator=gen)
+    fake = _Recorder()
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, 0.3, NativeAttention(prefill=fake))
+    assert fake.calls == []
+    assert torch.equal(out, paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.3, EAGER))
+
+
+def test_a_mixed_batch_on_the_amx_kernel_matches_sdpa(amx):
+    """The real kernel inside paged_attention (bf16): decode rows, a fresh chunk and a continuing one."""
+    heads, kv_heads, hd, bs = 9, 3, 64, 16
+    gen = torch.Generator().manual_seed(2)
+    k_cache = torch.randn(12, bs, kv_heads, hd, generator=gen).to(torch.bfloat16)
+    v_cache = torch.randn(12, bs, kv_heads, hd, generator=gen).to(torch.bfloat16)
+    spans = [SeqSpan(20, 1, [0, 1]), SeqSpan(0, 37, [2, 3, 4]), SeqSpan(30, 19, [5, 6, 7, 8])]
+    meta = build_metadata(spans, bs, torch.device("cpu"), torch.bfloat16)
+    t = 1 + 37 + 19
+    q, k, v = (torch.randn(t, h, hd, generator=gen).to(torch.bfloat16) for h in (heads, kv_heads, kv_heads))
+    eager = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.125)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, 0.125, NativeAttention(prefill=amx.amx_attention_))
+    torch.testing.assert_close(out.float(), eager.float(), atol=3e-2, rtol=3e-2)
