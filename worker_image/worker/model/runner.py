@@ -18,8 +18,6 @@ contiguous, and the model adds each run's deltas (`worker.model.lora`).
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import os
 import warnings
@@ -43,6 +41,7 @@ from worker.model.linear import available_kernels, read_cpu_flags, resolve_auto_
 from worker.model.llama import LlamaModel
 from worker.model.loader import load_weights
 from worker.model.lora import LoadedLora, LoraError, LoraStore, load_lora, plan_batch
+from worker.model.memory import huge_page_zeros, keep_freed_memory_mapped
 from worker.model.quant import QUANTIZATIONS
 from worker.model.sampler import Sampler, SampleRequest, top_tokens
 from worker.model.tokenizer import Tokenizer
@@ -51,24 +50,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DEFAULT_KV_CACHE_BYTES = 512 * 1024**2
 PROMPT_LOGPROBS_ROWS = 256  # prompt positions scored at once: bounds the [rows, vocab] logits (~50 MB for SmolLM2)
 DEFAULT_MAX_SEQS_OF_CACHE = 8  # default cache: room for this many max_model_len sequences (if under the bytes)
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-
-
-def keep_freed_memory_mapped() -> bool:
-    """Ask glibc to keep freed large blocks instead of returning them to the OS.
-
-    Every step allocates the same large temporaries (gathered K/V, activations); with glibc's defaults each one
-    is a fresh mmap whose pages fault in on first touch, which made a 37 MB gather 3x slower than the copy
-    itself. Process-wide and idempotent; a no-op where glibc is absent.
-    """
-    name = ctypes.util.find_library("c")
-    if os.name != "posix" or not name:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 1 << 31))
-    except (OSError, AttributeError):
-        return False
 
 
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -165,18 +146,15 @@ class ModelRunner:
         del weights
         self.block_bytes = kv_block_bytes(self.config, block_size, self.dtype)
         self.num_blocks = plan_num_blocks(self.block_bytes, block_size, self.max_model_len, num_blocks, kv_cache_bytes)
+        # Zero-filled: masked-out slots are multiplied by zero weights, and garbage NaNs would poison them. On CPU in
+        # transparent huge pages (memory.huge_page_zeros says why).
         cfg = self.config
-        # Zero-filled: masked-out slots are multiplied by zero weights, and garbage NaNs would poison them.
-        self.kv_cache = torch.zeros(
-            cfg.num_hidden_layers,
-            2,
-            self.num_blocks,
-            block_size,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-        )
+        shape = (cfg.num_hidden_layers, 2, self.num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        if self.device.type == "cpu":
+            self.kv_cache, huge = huge_page_zeros(shape, self.dtype)
+            logging.getLogger(__name__).info("KV cache: %.1f MB, huge pages %s", self.kv_cache_bytes / 1e6, huge)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_hidden_layers)]
         # Decode attention through the native paged kernel (reads K/V straight from the cache: 3x faster than
         # gather + SDPA on CPU); the eager torch path remains when asked for, on other devices, or when the
