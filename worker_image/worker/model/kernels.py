@@ -626,8 +626,25 @@ LLMFLEET_AVX512_BF16 static inline __m512 fp8_chunk(const uint8_t* w) {
   return _mm512_cvtph_ps(h);
 }
 
+// 32 e4m3 codes -> the same bf16 values as fp8_chunk, in 16-bit integer ops: a normal code's bf16 bits are its
+// own 7 low bits moved up 4 (exponent, mantissa) plus 112 << 7 (the re-bias to bf16's exponent, less 8); the 8
+// subnormal codes (exponent 0: m * 2**-17) come from a table; the sign goes to bit 15. ~0.35 instructions a
+// weight where fp8_chunk's route through fp16 and fp32 takes ~0.7: the dequantization bounds the quantized
+// variants' decode steps (architecture.md, section 6).
+LLMFLEET_AVX512_BF16 static inline __m512i fp8_bf16_32(const uint8_t* w) {
+  const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)w));
+  const __m512i sub = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                       0x3860, 0x3840, 0x3820, 0x3800, 0x37C0, 0x3780, 0x3700, 0);
+  __m512i v = _mm512_add_epi16(_mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x7F)), 4),
+                               _mm512_set1_epi16(0x3800));
+  v = _mm512_mask_permutexvar_epi16(v, _mm512_testn_epi16_mask(b, _mm512_set1_epi16(0x78)), b, sub);
+  return _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x80)), 8));
+}
+
 LLMFLEET_AVX512_BF16 static void fp8_to_bf16_run(const uint8_t* w, c10::BFloat16* out, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16)
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) _mm512_storeu_si512(out + i, fp8_bf16_32(w + i));
+  for (; i < n; i += 16)
     _mm256_storeu_si256((__m256i*)(out + i), (__m256i)_mm512_cvtneps_pbh(fp8_chunk(w + i)));
 }
 
@@ -1028,18 +1045,22 @@ LLMFLEET_AVX512_BF16 static void amx_unpack(const float* c, int64_t rows, void* 
   }
 }
 
-// xt: scratch for x's B tiles (amx_pack_rows).
-static void amx_linear_run(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, const uint16_t* bias,
-                           uint16_t* xt, void* y, bool fp32_out) {
+// xt: scratch for x's B tiles (amx_pack_rows). strip(nb, rows, buf) gives the weight rows nb * 16 .. + rows as
+// plain bf16 [rows][K]: the weight itself, or (quantized weights) those rows dequantized into buf, a thread's own
+// scratch of strip_elems bf16 (32 rows of K), where they stay in L1/L2 for both row-tile passes.
+template <typename Strip>
+static void amx_linear_run(const uint16_t* x, int64_t M, int64_t K, int64_t N, const uint16_t* bias, uint16_t* xt,
+                           void* y, bool fp32_out, int64_t strip_elems, const Strip& strip) {
   const int64_t kt = K / 32, mt = (M + 15) / 16, nblocks = N / 16;
   amx_pack_rows(x, M, K, K, xt);
   // threads take contiguous runs of n-block pairs: each streams its own part of W, once
   at::parallel_for(0, (nblocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     amx_configure();
     alignas(64) float c[4 * 256];
+    std::vector<uint16_t> buf(strip_elems);
     for (int64_t p = begin; p < end; ++p) {
       const int64_t nb = 2 * p, cn = std::min<int64_t>(2, nblocks - nb);
-      const uint16_t* wp = w + nb * 16 * K;
+      const uint16_t* wp = strip(nb, cn * 16, buf.data());
       for (int64_t mi = 0; mi < mt; mi += 2) {
         const int64_t cm = std::min<int64_t>(2, mt - mi);
         const uint16_t* xp = xt + mi * kt * 512;
@@ -1302,9 +1323,72 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::
   auto y = torch::empty({M, N}, x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
 #if defined(LLMFLEET_AMX_BUILD)
   auto xt = torch::empty({(M + 15) / 16 * (K / 32) * 512}, x.options());
-  amx_linear_run(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), M, K,
-                 reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>()), N, bp,
-                 reinterpret_cast<uint16_t*>(xt.data_ptr<c10::BFloat16>()), y.data_ptr(), fp32_out);
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
+  amx_linear_run(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), M, K, N, bp,
+                 reinterpret_cast<uint16_t*>(xt.data_ptr<c10::BFloat16>()), y.data_ptr(), fp32_out, 0,
+                 [wp, K](int64_t nb, int64_t, uint16_t*) { return wp + nb * 16 * K; });
+#endif
+  return y;
+}
+
+// The quantized weights of quant.py on the AMX kernel: each thread dequantizes its next 32 weight rows to bf16
+// (the values fp8_to_bf16 / int4_to_bf16 give) into its own scratch, and multiplies from there while they are in
+// cache. The weight streams from memory at 1 (fp8) or ~0.56 (int4) bytes a weight, where dequantizing whole tiles
+// first (then a bf16 GEMM) wrote and read 2 more per weight through L2.
+static void amx_quant_check(const torch::Tensor& x, int64_t N, int64_t K, const char* what) {
+  TORCH_CHECK(amx_ready(), what, ": this CPU has no AMX-BF16 (ask amx_linear_ready first)");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.size(0) >= 1 &&
+                  x.size(1) == K,
+              what, ": x must be [rows >= 1, in] bf16, contiguous");
+  TORCH_CHECK(N % 16 == 0 && K % 32 == 0, what, ": the weight must be [out, in], out a multiple of 16 and in of 32");
+}
+
+// x [M, K] bf16 times an e4m3 weight [N, K] -> [M, N] bf16: x . (w / 2**8), as fp8_to_bf16's weight gives (Fp8Linear
+// applies its output scale after).
+torch::Tensor amx_linear_fp8(torch::Tensor x, torch::Tensor w8) {
+  TORCH_CHECK(w8.scalar_type() == at::kFloat8_e4m3fn && w8.is_contiguous() && w8.dim() == 2,
+              "amx_linear_fp8: w8 must be a contiguous e4m3 [out, in]");
+  const int64_t M = x.size(0), K = w8.size(1), N = w8.size(0);
+  amx_quant_check(x, N, K, "amx_linear_fp8");
+  auto y = torch::empty({M, N}, x.options());
+#if defined(LLMFLEET_AMX_BUILD)
+  auto xt = torch::empty({(M + 15) / 16 * (K / 32) * 512}, x.options());
+  const auto* w = reinterpret_cast<const uint8_t*>(w8.data_ptr());
+  amx_linear_run(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), M, K, N, nullptr,
+                 reinterpret_cast<uint16_t*>(xt.data_ptr<c10::BFloat16>()), y.data_ptr(), false, 32 * K,
+                 [w, K](int64_t nb, int64_t rows, uint16_t* buf) {
+                   fp8_to_bf16_run(w + nb * 16 * K, reinterpret_cast<c10::BFloat16*>(buf), rows * K);
+                   return static_cast<const uint16_t*>(buf);
+                 });
+#endif
+  return y;
+}
+
+// x [M, K] bf16 times int4_to_bf16's operands (packed [N, K / 2], sz [N, K / g, 2]) -> [M, N] bf16.
+torch::Tensor amx_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor sz, int64_t g) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
+              "amx_linear_int4: packed must be [out, in / 2] uint8, contiguous");
+  const int64_t M = x.size(0), K = packed.size(1) * 2, N = packed.size(0);
+  TORCH_CHECK(g % 32 == 0 && K % g == 0, "amx_linear_int4: the group size must be a multiple of 32 dividing in");
+  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.dim() == 3 && sz.size(0) == N &&
+                  sz.size(1) == K / g && sz.size(2) == 2,
+              "amx_linear_int4: sz must be [out, in / g, 2] bf16, contiguous");
+  amx_quant_check(x, N, K, "amx_linear_int4");
+  auto y = torch::empty({M, N}, x.options());
+#if defined(LLMFLEET_AMX_BUILD)
+  auto xt = torch::empty({(M + 15) / 16 * (K / 32) * 512}, x.options());
+  const auto* q = packed.data_ptr<uint8_t>();
+  const auto* s = sz.data_ptr<c10::BFloat16>();
+  amx_linear_run(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), M, K, N, nullptr,
+                 reinterpret_cast<uint16_t*>(xt.data_ptr<c10::BFloat16>()), y.data_ptr(), false, 32 * K,
+                 [q, s, K, g](int64_t nb, int64_t rows, uint16_t* buf) {
+                   auto* out = reinterpret_cast<c10::BFloat16*>(buf);
+                   for (int64_t r = 0; r < rows; ++r) {
+                     const int64_t row = nb * 16 + r;
+                     int4_row_bf16(q + row * K / 2, s + row * (K / g) * 2, out + r * K, K, g);
+                   }
+                   return static_cast<const uint16_t*>(buf);
+                 });
 #endif
   return y;
 }
@@ -1478,6 +1562,12 @@ class FusedOps(Protocol):
         self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, fp32_out: bool
     ) -> torch.Tensor: ...
 
+    def amx_linear_fp8(self, x: torch.Tensor, w8: torch.Tensor) -> torch.Tensor: ...
+
+    def amx_linear_int4(
+        self, x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group_size: int
+    ) -> torch.Tensor: ...
+
 
 def _cpu_flags() -> tuple[str, frozenset[str]]:
     """(machine, instruction-set flags from /proc/cpuinfo: empty where unavailable)."""
@@ -1543,6 +1633,8 @@ def _load_module() -> tuple[Any, str | None]:
                 "amx_linear_ready",
                 "amx_linear",
                 "amx_attention_",
+                "amx_linear_fp8",
+                "amx_linear_int4",
                 "argmax_rows",
                 "kv_write_",
             ],

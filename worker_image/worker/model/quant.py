@@ -53,6 +53,14 @@ One run of `bench/engine.py --variants fp32,fp8-bf16,int4-bf16 --skip hf_static,
 (`bench/quant.py --tokens 16`): fp8-bf16 agreement 0.938, KL 0.0211 (fp8 with fp32 activations: 0.953, 0.0223);
 int4-bf16 0.969, KL 0.0011 (bf16 alone: 0.984, 0.0012).
 
+**On CPUs with AMX** (stop 29) batches of 1-256 rows multiply the quantized weight on our AMX kernel
+(`amx_linear_fp8` / `amx_linear_int4`, `direct_rows` decides): each thread dequantizes its next 32 weight rows into
+its own scratch and multiplies them from cache, so the weight streams at 1 or ~0.56 bytes a weight and no bf16 copy
+goes through L2. fp8's dequantization moved to 16-bit integer ops (`fp8_bf16_32`: 2x fewer instructions). What bounds
+these variants on this CPU is the dequantization's compute, not the memory: per 30 SmolLM2 layers, 12 (fp8) and 10
+(int4) ms at one row, where bf16 streams its 212 MB in ~8.6. `bench/engine.py --variants fp8-bf16,int4-bf16 --skip
+hf_static,ours_seq1,vllm`, one run each side: fp8-bf16 423 -> 590 tok/s, int4-bf16 480 -> 632 (bf16: 682).
+
 There is no `int8` (W8A8) variant yet: `bench/int8_study.py` measures why. Plain W8A8 misses the 0.95 agreement
 floor (0.89) and keeping the 64 widest-range input channels out of the int8 GEMM recovers it (0.958, KL 0.0046);
 `torch._int_mm` alone is ~6x the fp32 GEMM from 64 rows on (AMX int8 here), but quantizing and dequantizing with
@@ -68,7 +76,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.model.kernels import FusedOps
-from worker.model.linear import LinearKernel, make_dense_linear, nbytes_of
+from worker.model.linear import AMX_MAX_ROWS, LinearKernel, amx_fits, make_dense_linear, nbytes_of
 
 Quantization = Literal["fp8", "int4"]
 QUANTIZATIONS: tuple[str, ...] = ("fp8", "int4")
@@ -112,9 +120,18 @@ def _torch_dequantizer(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Ten
     return lambda w8: fp8_to_fp16(w8).to(dtype)
 
 
-def gemv_rows(native: FusedOps | None) -> int:
-    """The most rows a batch may have for the extension's GEMV path (0: none)."""
-    return 0 if native is None else native.gemv_max_rows()
+def direct_rows(native: FusedOps | None, kernel: LinearKernel, weight: torch.Tensor) -> tuple[int, bool]:
+    """(the most rows a batch may have to multiply the quantized weight directly, without a dequantized copy;
+    whether that is our AMX kernel). Where the dense linears run on it (`kernel` amx_bf16) and the shape fits,
+    it is `amx_linear_fp8` / `amx_linear_int4` up to AMX_MAX_ROWS rows: each thread dequantizes 32 weight rows at a
+    time into its own scratch and multiplies them from cache. Else the extension's GEMV (`gemv_max_rows`), else
+    none. Per 30 SmolLM2 layers (the weights streamed), one row: AMX 12 (fp8) / 10 (int4) ms against the GEMV's
+    18 / 12.5; 32 rows: 13 / 12 against dequantized tiles + AMX 15 / 16 (architecture.md, section 6)."""
+    if native is None:
+        return 0, False
+    if kernel == "amx_bf16" and amx_fits(weight):
+        return AMX_MAX_ROWS, True
+    return native.gemv_max_rows(), False
 
 
 def _few_rows(x: torch.Tensor, most: int) -> bool:
@@ -141,8 +158,9 @@ def fp8_chunk_rows(out_features: int, in_features: int) -> int:
 
 class Fp8Linear:
     __slots__ = (
+        "_amx",
         "_chunk_rows",
-        "_gemv_rows",
+        "_direct_rows",
         "_native",
         "_out_scale",
         "_to_dtype",
@@ -153,14 +171,19 @@ class Fp8Linear:
     )
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, native: FusedOps | None = None
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        native: FusedOps | None = None,
+        kernel: LinearKernel = "aten",
     ) -> None:
         """`native`: the extension's fused ops, where the activations are bf16: `fp8_to_bf16` (one AVX512 pass, the
-        same values) replaces `fp8_to_fp16(w).to(bf16)` (four torch passes, ~1 ns a weight), and batches of up to
-        `gemv_max_rows` rows skip the dequantized copy (`fp8_gemv_bf16`)."""
+        same values) replaces `fp8_to_fp16(w).to(bf16)` (four torch passes, ~1 ns a weight), and decode-sized
+        batches skip the dequantized copy (`direct_rows`: AMX where `kernel` is amx_bf16, else the GEMV)."""
         self.weight, self.scale = quantize_fp8(weight)
         self._native = native if dtype == torch.bfloat16 else None
-        self._gemv_rows = gemv_rows(self._native)
+        self._direct_rows, self._amx = direct_rows(self._native, kernel, weight)
         self._to_dtype: Callable[[torch.Tensor], torch.Tensor] = (
             self._native.fp8_to_bf16 if self._native is not None else _torch_dequantizer(dtype)
         )
@@ -174,8 +197,8 @@ class Fp8Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if self._native is not None and _few_rows(x, self._gemv_rows):
-            y = self._native.fp8_gemv_bf16(x, w)
+        if self._native is not None and _few_rows(x, self._direct_rows):
+            y = self._native.amx_linear_fp8(x, w) if self._amx else self._native.fp8_gemv_bf16(x, w)
         else:
             y = _tiled_linear(x, self.out_features, self._chunk_rows, lambda start, end: self._to_dtype(w[start:end]))
         y = y * self._out_scale
@@ -223,7 +246,8 @@ class Int4Linear:
     activations inside). Either way 0.5 byte a weight plus bf16 (scale, zero) per group."""
 
     __slots__ = (
-        "_gemv_rows",
+        "_amx",
+        "_direct_rows",
         "_native",
         "_rows",
         "bias",
@@ -235,7 +259,12 @@ class Int4Linear:
     )
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, native: FusedOps | None = None
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        native: FusedOps | None = None,
+        kernel: LinearKernel = "aten",
     ) -> None:
         self.group_size = int4_group_size(weight.shape[1])
         q, scale, zero = quantize_int4(weight, self.group_size)
@@ -252,7 +281,7 @@ class Int4Linear:
         self.out_features = weight.shape[0]
         self.out_dtype = dtype
         self._rows = fp8_chunk_rows(*weight.shape)  # the same bf16 tiles as fp8's, for the same cache reason
-        self._gemv_rows = gemv_rows(self._native)
+        self._direct_rows, self._amx = direct_rows(self._native, kernel, weight)
 
     def _tile(self, start: int, end: int) -> torch.Tensor:
         assert self._native is not None
@@ -269,8 +298,9 @@ class Int4Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._native is not None:
-            if _few_rows(x, self._gemv_rows):
-                y = self._native.int4_gemv_bf16(x, self.packed, self.scales_zeros, self.group_size)
+            if _few_rows(x, self._direct_rows):
+                direct = self._native.amx_linear_int4 if self._amx else self._native.int4_gemv_bf16
+                y = direct(x, self.packed, self.scales_zeros, self.group_size)
             else:
                 y = _tiled_linear(x, self.out_features, self._rows, self._tile)
             return y if self.bias is None else y + self.bias
@@ -300,9 +330,9 @@ def make_linear(
         return make_dense_linear(weight, bias, dtype, kernel, native)
     b = None if bias is None else bias.to(dtype)
     if quantization == "fp8":
-        return Fp8Linear(weight, b, dtype, native)
+        return Fp8Linear(weight, b, dtype, native, kernel)
     if quantization == "int4":
         if weight.device.type != "cpu":
             raise ValueError("int4 weight-only quantization uses torch's CPU int4 kernel: run it on device cpu")
-        return Int4Linear(weight, b, dtype, native)
+        return Int4Linear(weight, b, dtype, native, kernel)
     raise ValueError(f"unknown quantization {quantization!r}; choose one of {QUANTIZATIONS} or None")
