@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from worker.model.kernels import load_fused_ops
 from worker.model.llama import rms_norm
 from worker.model.quality import compare, reference
-from worker.model.quant import fp8_to_fp16, make_linear, pack_int4_rows
+from worker.model.quant import fp8_to_fp16, make_linear, pack_int4_rows, quantize_fp8, quantize_int4
 from worker.model.runner import ModelRunner
 from worker.model.testing import make_tiny_llama
 
@@ -126,16 +126,79 @@ def test_int4_on_the_native_dequantizer_computes_torchs_int4_weights(ops, shape:
     assert ((native(x).float() - want).norm() / want.norm()).item() < 1e-2
 
 
+def _needs_amx(ops) -> None:
+    if not ops.amx_linear_ready():
+        pytest.skip("this CPU has no AMX-BF16")
+
+
+@pytest.mark.parametrize("kernel", ["aten", "amx_bf16"])
 @pytest.mark.parametrize("quant", ["fp8", "int4"])
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 64])  # up to gemv_max_rows (8) the GEMV, then the bf16 GEMM
-def test_quantized_layers_give_the_product_with_their_weights_at_every_batch_size(ops, quant: str, rows: int) -> None:
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 64, 300])  # GEMV to 8 rows or AMX to 256, then dequantized tiles
+def test_quantized_layers_give_the_product_with_their_weights_at_every_batch_size(
+    ops, quant: str, rows: int, kernel: str
+) -> None:
+    if kernel == "amx_bf16":
+        _needs_amx(ops)
     gen = torch.Generator().manual_seed(rows)
-    layer = make_linear(torch.randn(2048, 576, generator=gen) * 0.05, None, quant, BF16, native=ops)
+    w = torch.randn(2048, 576, generator=gen) * 0.05
+    layer = make_linear(w, None, quant, BF16, kernel=kernel, native=ops)
     x = torch.randn(rows, 576, generator=gen).to(BF16)
     want = x.float() @ layer.dequantize(torch.float32).t()
     got = layer(x)
     assert got.dtype == BF16 and got.shape == (rows, 2048)
     assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 33, 64, 256])
+@pytest.mark.parametrize("out_in", [(96, 64), (3072, 576), (576, 1536), (48, 96)])  # odd n-block and k-tile counts
+def test_amx_on_quantized_weights_is_amx_on_their_dequantized_weights(ops, rows: int, out_in: tuple[int, int]) -> None:
+    """Bit for bit: the kernel dequantizes each strip of 32 weight rows to the values fp8_to_bf16 / int4_to_bf16
+    give, and multiplies them as amx_linear does."""
+    _needs_amx(ops)
+    gen = torch.Generator().manual_seed(rows + out_in[0])
+    w = torch.randn(*out_in, generator=gen) * 0.05
+    x = torch.randn(rows, out_in[1], generator=gen).to(BF16)
+    w8, _ = quantize_fp8(w)
+    assert torch.equal(ops.amx_linear_fp8(x, w8), ops.amx_linear(x, ops.fp8_to_bf16(w8), None, False))
+    q, scale, zero = quantize_int4(w, 32)
+    packed, sz = pack_int4_rows(q), torch.stack([scale, zero], -1).contiguous().to(BF16)
+    want = ops.amx_linear(x, ops.int4_to_bf16(packed, sz, 32), None, False)
+    assert torch.equal(ops.amx_linear_int4(x, packed, sz, 32), want)
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (
+            lambda o: o.amx_linear_fp8(torch.zeros(2, 64, dtype=BF16), torch.zeros(24, 64, dtype=torch.float8_e4m3fn)),
+            "multiple of 16",
+        ),
+        (lambda o: o.amx_linear_fp8(torch.zeros(2, 64), torch.zeros(32, 64, dtype=torch.float8_e4m3fn)), "bf16"),
+        (lambda o: o.amx_linear_fp8(torch.zeros(2, 64, dtype=BF16), torch.zeros(32, 64)), "e4m3"),
+        (
+            lambda o: o.amx_linear_int4(
+                torch.zeros(2, 64, dtype=BF16),
+                torch.zeros(32, 32, dtype=torch.uint8),
+                torch.zeros(32, 1, 2, dtype=BF16),
+                32,
+            ),
+            "sz must be",
+        ),
+        (
+            lambda o: o.amx_linear_int4(
+                torch.zeros(2, 96, dtype=BF16),
+                torch.zeros(32, 32, dtype=torch.uint8),
+                torch.zeros(32, 2, 2, dtype=BF16),
+                32,
+            ),
+            "x must be",
+        ),
+    ],
+)
+def test_amx_on_quantized_weights_refuses_what_it_cannot_take(ops, call, match: str) -> None:
+    _needs_amx(ops)
+    with pytest.raises(RuntimeError, match=match):
+        call(ops)
 
 
 def test_gemv_refuses_more_rows_than_it_takes(ops) -> None:

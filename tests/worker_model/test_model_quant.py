@@ -115,3 +115,27 @@ def test_quantized_model_agrees_with_unquantized(quant_dir, quant, floor, max_kl
     assert report.mean_kl <= max_kl
     same = compare(base, ref)
     assert same.agreement == 1.0 and same.mean_kl == pytest.approx(0.0, abs=1e-6)
+
+
+class _GemvOnly:
+    """The extension's answer to how many rows its GEMV takes (all `direct_rows` asks of it)."""
+
+    def gemv_max_rows(self) -> int:
+        return 8
+
+
+@pytest.mark.parametrize(
+    ("native", "kernel", "shape", "want"),
+    [
+        (None, "amx_bf16", (32, 64), (0, False)),  # no extension: dequantized tiles at every size
+        (_GemvOnly(), "amx_bf16", (32, 64), (256, True)),  # the dense linears on AMX: so are these, to 256 rows
+        (_GemvOnly(), "amx_bf16", (24, 64), (8, False)),  # a shape the AMX kernel does not take: the GEMV
+        (_GemvOnly(), "amx_bf16", (32, 48), (8, False)),
+        (_GemvOnly(), "onednn_bf16", (32, 64), (8, False)),  # no AMX: the GEMV to 8 rows
+        (_GemvOnly(), "aten", (32, 64), (8, False)),
+    ],
+)
+def test_which_batches_multiply_the_quantized_weight_directly(native, kernel, shape, want):
+    from worker.model.quant import direct_rows
+
+    assert direct_rows(native, kernel, torch.zeros(shape)) == want
