@@ -196,31 +196,23 @@ def paged_attention(
     prefill = native.prefill if all(_heads_contiguous(x) for x in (q, k, v)) else None
     for chunk in meta.prefills:
         rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
-        if prefill is not None:
-            kc, vc = k[rows], v[rows]
-            if chunk.block_idx is not None:
-                kv_len = chunk.start_pos + chunk.q_len
-                kc = k_cache.index_select(0, chunk.block_idx).view(-1, num_kv_heads, head_dim)[:kv_len]
-                vc = v_cache.index_select(0, chunk.block_idx).view(-1, num_kv_heads, head_dim)[:kv_len]
-            prefill(out[rows], q[rows], kc, vc, chunk.start_pos, scale)
-            continue
-        qc = q[rows].transpose(0, 1)[None]
-        if chunk.block_idx is None:
-            kc = k[rows].transpose(0, 1)[None]
-            vc = v[rows].transpose(0, 1)[None]
-            oc = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True)
-        else:
+        kc, vc = k[rows], v[rows]
+        if chunk.block_idx is not None:  # the whole context, read back from the cache
             kv_len = chunk.start_pos + chunk.q_len
             kc = k_cache.index_select(0, chunk.block_idx).view(-1, num_kv_heads, head_dim)[:kv_len]
             vc = v_cache.index_select(0, chunk.block_idx).view(-1, num_kv_heads, head_dim)[:kv_len]
-            oc = F.scaled_dot_product_attention(
-                qc,
-                kc.transpose(0, 1)[None],
-                vc.transpose(0, 1)[None],
-                attn_mask=chunk.mask,
-                scale=scale,
-                enable_gqa=True,
-            )
+        if prefill is not None:
+            prefill(out[rows], q[rows], kc, vc, chunk.start_pos, scale)
+            continue
+        oc = F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1)[None],
+            kc.transpose(0, 1)[None],
+            vc.transpose(0, 1)[None],
+            attn_mask=chunk.mask,
+            is_causal=chunk.mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
         out[rows] = oc[0].transpose(0, 1).reshape(chunk.q_len, num_heads * head_dim)
     return out
 
