@@ -237,3 +237,19 @@ def test_a_bf16_model_on_fused_ops_scores_like_one_on_torch_ops(ops, tmp_path, q
     with_fused, with_torch = compare(base, fused), compare(base, plain)
     assert with_fused.agreement >= with_torch.agreement - 0.1 and with_torch.agreement >= 0.6
     assert with_fused.mean_kl <= 2 * with_torch.mean_kl + 1e-3
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_to_bf16_is_the_dequantization_formula_rounded_once(ops, group: int) -> None:
+    """w = q * scale + (zero - 8 * scale), one fp32 FMA rounded to bf16, for every nibble in every group."""
+    gen = torch.Generator().manual_seed(group)
+    q = torch.randint(0, 16, (48, 256), generator=gen)
+    q[0, :16] = torch.arange(16)  # every code at least once
+    scale = (torch.rand(48, 256 // group, generator=gen) * 0.02 + 1e-3).to(BF16)
+    zero = (torch.randn(48, 256 // group, generator=gen) * 0.05).to(BF16)
+    sz = torch.stack([scale, zero], dim=-1).contiguous()
+    s, z = (t.float().repeat_interleave(group, dim=1) for t in (scale, zero))
+    fma = q.double() * s.double() + (z - 8 * s).double()  # exact in float64: rounded once, to fp32, as an FMA is
+    want = fma.float().to(BF16)
+    got = ops.int4_to_bf16(pack_int4_rows(q), sz, group)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
