@@ -1,5 +1,6 @@
-"""Fixtures for the torch side of the engine: tiny random Llama folders, the transformers reference, and a
-minimal hand-driven stand-in for the scheduler (`Driver`) that feeds the ModelRunner SchedulerOutputs."""
+"""Fixtures for the torch side of the engine: tiny random Llama folders, the transformers reference, a
+minimal hand-driven stand-in for the scheduler (`Driver`) that feeds the ModelRunner SchedulerOutputs, and the
+native extension where it runs AMX (`amx`: the test skips elsewhere)."""
 
 from __future__ import annotations
 
@@ -154,3 +155,16 @@ def hf_greedy_fn():
 @pytest.fixture
 def load_hf_fn():
     return load_hf
+
+
+@pytest.fixture(scope="session")
+def amx():
+    """The native extension, on a CPU whose AMX-BF16 the OS lets it use (else the test is skipped)."""
+    from worker.model.kernels import _load_module
+
+    module, why = _load_module()
+    if module is None:
+        pytest.skip(f"native extension cannot be built here: {why}")
+    if not module.amx_linear_ready():
+        pytest.skip("this CPU (or its kernel) offers no AMX-BF16")
+    return module

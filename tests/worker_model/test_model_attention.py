@@ -4,6 +4,8 @@ the eager gather + SDPA path."""
 from __future__ import annotations
 
 import itertools
+import platform
+import shutil
 
 import pytest
 import torch
@@ -120,6 +122,18 @@ def test_kernel_target_choice(monkeypatch, machine, flags, march, portable):
     cflags, target = kernels.arch_flags()
     assert cflags == [march]
     assert (target == "x86-64-v3") == portable
+
+
+@pytest.mark.skipif(
+    platform.machine() != "x86_64" or shutil.which("g++") is None, reason="builds are checked where CI builds (x86)"
+)
+def test_the_extension_builds_where_a_compiler_is():
+    """A compile error must fail the suite: every native test skips when the build fails, so without this one a
+    broken kernel would leave CI green."""
+    from worker.model import kernels
+
+    module, why = kernels._load_module()
+    assert module is not None, why
 
 
 def test_loading_twice_reuses_the_build(kernel):

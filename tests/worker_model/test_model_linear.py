@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from worker.model.config import ModelConfig
-from worker.model.kernels import _load_module
 from worker.model.linear import (
     AMX_LINEAR,
     AMX_MAX_ROWS,
@@ -179,31 +178,21 @@ def test_bf16_model_chooses_onednn_on_a_bf16_cpu(tiny_weights):
     assert "reordered once" in model.linear_kernel_reason
 
 
-def _amx_module():
-    module, why = _load_module()
-    if module is None:
-        pytest.skip(f"native extension cannot be built here: {why}")
-    if not module.amx_linear_ready():
-        pytest.skip("this CPU (or its kernel) offers no AMX-BF16")
-    return module
-
-
 @pytest.mark.parametrize("rows", [1, 15, 16, 17, 33, 64, 100, 300])
 @pytest.mark.parametrize("out_in", [(48, 64), (96, 576), (16, 32)])  # odd and even counts of 16-row blocks
 @pytest.mark.parametrize("bias", [False, True])
-def test_amx_linear_matches_an_fp32_matmul_rounded_once(rows, out_in, bias):
-    module = _amx_module()
+def test_amx_linear_matches_an_fp32_matmul_rounded_once(amx, rows, out_in, bias):
     n, k = out_in
     gen = torch.Generator().manual_seed(rows * 7 + n)
     w = (torch.randn(n, k, generator=gen) * k**-0.5).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
     x = torch.randn(rows, k, generator=gen).bfloat16()
     want = F.linear(x.float(), w.float(), None if b is None else b.float())
-    got = module.amx_linear(x, w, b, False)
+    got = amx.amx_linear(x, w, b, False)
     assert got.shape == (rows, n) and got.dtype == torch.bfloat16
     # both sum in fp32 and round once; only the order of the sums differs
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
-    sums = module.amx_linear(x, w, b, True)  # the sums themselves, unrounded
+    sums = amx.amx_linear(x, w, b, True)  # the sums themselves, unrounded
     assert sums.dtype == torch.float32
     torch.testing.assert_close(sums, want, atol=1e-4, rtol=1e-4)
     assert torch.equal(sums.bfloat16(), got)
@@ -220,13 +209,12 @@ def test_amx_linear_matches_an_fp32_matmul_rounded_once(rows, out_in, bias):
         ((0, 64), (32, 64), None, torch.bfloat16, "x must be"),
     ],
 )
-def test_amx_linear_rejects_what_it_cannot_take(x_shape, w_shape, bias_shape, dtype, match):
-    module = _amx_module()
+def test_amx_linear_rejects_what_it_cannot_take(amx, x_shape, w_shape, bias_shape, dtype, match):
     x = torch.zeros(x_shape, dtype=dtype)
     w = torch.zeros(w_shape, dtype=torch.bfloat16)
     b = None if bias_shape is None else torch.zeros(bias_shape, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match=match):
-        module.amx_linear(x, w, b, False)
+        amx.amx_linear(x, w, b, False)
 
 
 class _RecordingAmx:
@@ -274,15 +262,14 @@ def test_amx_linear_layer_refuses_shapes_the_kernel_cannot_take():
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_bf16_model_on_amx_matches_plain_torch_and_ties_the_head_without_a_copy(tmp_path, tied):
-    module = _amx_module()
+def test_bf16_model_on_amx_matches_plain_torch_and_ties_the_head_without_a_copy(amx, tmp_path, tied):
     # every linear in the kernel's shapes: [16n, 32k]
     root = make_tiny_llama(
         tmp_path / "m", hidden_size=64, intermediate_size=96, num_attention_heads=4, tie_word_embeddings=tied
     )
     cfg, weights = ModelConfig.from_dir(root), load_weights(root, torch.bfloat16)
     plain = LlamaModel(cfg, weights, dtype=torch.bfloat16, linear_kernel="aten")
-    amx = LlamaModel(cfg, weights, dtype=torch.bfloat16, linear_kernel="amx_bf16", fused=module)
+    amx = LlamaModel(cfg, weights, dtype=torch.bfloat16, linear_kernel="amx_bf16", fused=amx)
     assert all(isinstance(lin, AmxLinear) for lin in _linears(amx))
     assert amx.nbytes == plain.nbytes
     assert amx.lm_head(torch.zeros(2, cfg.hidden_size, dtype=torch.bfloat16)).dtype == torch.float32

@@ -7,17 +7,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from worker.model.attention import EAGER, NativeAttention, SeqSpan, build_metadata, paged_attention
-from worker.model.kernels import _load_module
-
-
-@pytest.fixture(scope="module")
-def amx():
-    module, why = _load_module()
-    if module is None:
-        pytest.skip(f"native extension cannot be built here: {why}")
-    if not module.amx_linear_ready():
-        pytest.skip("this CPU has no AMX-BF16")
-    return module
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:

@@ -1199,6 +1199,15 @@ LLMFLEET_AVX512_BF16 static void amx_scale_out(const float* o, int64_t rows, con
   }
 }
 
+// S tiles 4 and 5 (two 16-key blocks) += query tile Q (the queries' d-chunk Q) . the blocks' K^T tiles k0, k1 for
+// that chunk, through tiles 6 and 7. A macro: GCC's intrinsics paste the tile number into their assembly as text,
+// so it must be a literal (a template argument reaches the assembler as its name).
+#define LLMFLEET_AMX_SCORE_STEP(Q, k0, k1) \
+  _tile_loadd(6, k0, 64);                 \
+  _tile_dpbf16ps(4, Q, 6);                \
+  _tile_loadd(7, k1, 64);                 \
+  _tile_dpbf16ps(5, Q, 7);
+
 // One task: 16 queries (rows of q, qs elements apart; `rows` of them real) of one head over the keys the last of
 // them sees (`keys`), the first seeing vis0. kt, vt: the head's KV head packed (amx_pack_rows, amx_pack_v).
 // Scratch: s [16][ls] fp32, p [16][ls] bf16, o [16][64] fp32, qpad [16][D] (a short block's queries, zero-padded,
@@ -1224,27 +1233,15 @@ LLMFLEET_AMX static void amx_attention_block(const uint16_t* q, int64_t qs, int6
     const uint16_t* k1 = k0 + C32 * 512;
     _tile_zero(4);
     _tile_zero(5);
-    _tile_loadd(6, k0, 64);
-    _tile_dpbf16ps(4, 0, 6);
-    _tile_loadd(7, k1, 64);
-    _tile_dpbf16ps(5, 0, 7);
+    LLMFLEET_AMX_SCORE_STEP(0, k0, k1)
     if constexpr (C32 > 1) {
-      _tile_loadd(6, k0 + 512, 64);
-      _tile_dpbf16ps(4, 1, 6);
-      _tile_loadd(7, k1 + 512, 64);
-      _tile_dpbf16ps(5, 1, 7);
+      LLMFLEET_AMX_SCORE_STEP(1, k0 + 512, k1 + 512)
     }
     if constexpr (C32 > 2) {
-      _tile_loadd(6, k0 + 1024, 64);
-      _tile_dpbf16ps(4, 2, 6);
-      _tile_loadd(7, k1 + 1024, 64);
-      _tile_dpbf16ps(5, 2, 7);
+      LLMFLEET_AMX_SCORE_STEP(2, k0 + 1024, k1 + 1024)
     }
     if constexpr (C32 > 3) {
-      _tile_loadd(6, k0 + 1536, 64);
-      _tile_dpbf16ps(4, 3, 6);
-      _tile_loadd(7, k1 + 1536, 64);
-      _tile_dpbf16ps(5, 3, 7);
+      LLMFLEET_AMX_SCORE_STEP(3, k0 + 1536, k1 + 1536)
     }
     _tile_stored(4, s + 32 * c, ls * 4);
     _tile_stored(5, s + 32 * c + 16, ls * 4);
