@@ -139,3 +139,38 @@ def test_which_batches_multiply_the_quantized_weight_directly(native, kernel, sh
     from worker.model.quant import direct_rows
 
     assert direct_rows(native, kernel, torch.zeros(shape)) == want
+
+
+@pytest.mark.parametrize("quant", ["fp8", "int4"])
+@pytest.mark.parametrize("rows", [1, 64, 300])
+def test_an_fp32_models_quantized_layer_runs_its_products_in_bf16_on_amx(amx, quant, rows):
+    """Activations rounded to bf16 on the way in, the output widened on the way out: the bf16 layer's result, and
+    the product with the layer's weights to bf16's precision."""
+    from worker.model.quant import Bf16Inside
+
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(3072, 576, generator=gen) * 0.05
+    layer = make_linear(w, None, quant, torch.float32, amx=amx)
+    assert isinstance(layer, Bf16Inside)
+    x = torch.randn(rows, 576, generator=gen)
+    y = layer(x)
+    assert y.dtype == torch.float32 and y.shape == (rows, 3072)
+    assert torch.equal(y, layer.inner(x.bfloat16()).float())
+    want = x @ layer.dequantize(torch.float32).t()
+    assert ((y - want).norm() / want.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize(
+    ("dtype", "quant", "sizes", "why"),
+    [
+        (torch.bfloat16, "fp8", (576, 1536, 64), "not an fp32 model"),
+        (torch.float32, None, (576, 1536, 64), "not an fp32 model"),
+        (torch.float32, "int4", (72, 100, 12), "sizes of 32k"),  # the tiny test model's
+    ],
+)
+def test_quantized_fp32_models_say_why_their_products_stay_fp32(amx, dtype, quant, sizes, why):
+    from worker.model.kernels import load_quant_amx_ops
+
+    ops, reason = load_quant_amx_ops(dtype, quant, *sizes)
+    assert ops is None and why in reason
+    assert load_quant_amx_ops(torch.float32, "fp8", 576, 1536, 64)[0] is amx

@@ -1691,6 +1691,23 @@ def load_prefill_attention(dtype: torch.dtype, head_dim: int) -> tuple[PrefillAt
     return module.amx_attention_, "AMX kernel (bf16)"
 
 
+def load_quant_amx_ops(
+    dtype: torch.dtype, quantization: str | None, hidden: int, intermediate: int, head_dim: int
+) -> tuple[FusedOps | None, str]:
+    """(the extension, why) where an fp32 model's quantized linears run on the AMX kernels in bf16
+    (`quant.Bf16Inside`): inputs of 32k (the kernels' tiles), head dims of 32k. Else (None, why not)."""
+    if quantization is None or dtype != torch.float32:
+        return None, "not an fp32 model with quantized weights"
+    module, why = _load_module()
+    if module is None:
+        return None, f"fp32 products: the extension cannot be built here ({why})"
+    if not module.amx_linear_ready():
+        return None, "fp32 products: this CPU has no AMX-BF16 (or Linux did not grant its tile state)"
+    if hidden % 32 or intermediate % 32 or not module.fused_ops_available("bfloat16", hidden, intermediate, head_dim):
+        return None, "fp32 products: the AMX kernels take hidden and intermediate sizes of 32k, head dims of 32k"
+    return module, "bf16 products on the AMX kernels (activations rounded to bf16 on the way in)"
+
+
 def load_paged_decode_generic() -> tuple[PagedDecode | None, str | None]:
     """The kernel's portable path alone (no AVX512-BF16 path), for comparing the two."""
     module, why = _load_module()

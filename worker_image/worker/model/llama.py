@@ -116,9 +116,11 @@ class LlamaModel:
         quantization: str | None = None,
         linear_kernel: LinearKernel | None = None,
         fused: FusedOps | None = None,
+        quant_amx: FusedOps | None = None,
     ) -> None:
         """`linear_kernel` None: chosen by `choose_linear_kernel` for this device, dtype and CPU. `fused`: the native
-        fused steps (`kernels.load_fused_ops`) where they run (the layers' elementwise steps, fp8/int4 dequantization)."""
+        fused steps (`kernels.load_fused_ops`) where they run (the layers' elementwise steps, fp8/int4 dequantization).
+        `quant_amx`: the extension where an fp32 model's quantized linears run on AMX (`kernels.load_quant_amx_ops`)."""
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
@@ -152,7 +154,7 @@ class LlamaModel:
             # for q/k/v and one for gate/up; the bias is concatenated the same way (Qwen2-style QKV bias).
             w = torch.cat([weights[f"{p}.weight"] for p in prefixes]).to(self.device)
             b = torch.cat([weights[f"{p}.bias"] for p in prefixes]).to(self.device) if bias else None
-            return make_linear(w, b, quantization, dtype, linear_kernel, fused)
+            return make_linear(w, b, quantization, dtype, linear_kernel, fused, quant_amx)
 
         self.layers: list[DecoderLayer] = []
         for i in range(cfg.num_hidden_layers):

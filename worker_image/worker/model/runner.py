@@ -35,6 +35,7 @@ from worker.model.kernels import (
     load_kv_write,
     load_paged_decode,
     load_prefill_attention,
+    load_quant_amx_ops,
     paged_decode_path,
 )
 from worker.model.linear import available_kernels, read_cpu_flags, resolve_auto_dtype
@@ -128,10 +129,14 @@ class ModelRunner:
         eos = self.tokenizer.eos_token_id
         self.eos_token_id: int | None = eos if eos is not None else next(iter(self.config.eos_token_ids), None)
         self.fused_reason = "torch ops: the fused ones run on CPU, without enforce_eager"
-        fused = None
+        fused = quant_amx = None
         if not enforce_eager and self.device.type == "cpu":
             cfg = self.config
             fused, self.fused_reason = load_fused_ops(self.dtype, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim)
+            if self.quantization is not None and self.dtype == torch.float32:
+                sizes = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim)
+                quant_amx, why = load_quant_amx_ops(self.dtype, self.quantization, *sizes)
+                logging.getLogger(__name__).info("quantized linears of this fp32 model: %s", why)
         logging.getLogger(__name__).info("layer elementwise steps: %s", self.fused_reason)
         with torch.inference_mode():
             weights = load_weights(model_path, self.dtype)
@@ -142,6 +147,7 @@ class ModelRunner:
                 device=self.device,
                 quantization=self.quantization,
                 fused=fused,
+                quant_amx=quant_amx,
             )
         del weights
         self.block_bytes = kv_block_bytes(self.config, block_size, self.dtype)
