@@ -375,7 +375,7 @@ def gemm_ceiling(path: str, work, dtype: str, quantization: str | None = None) -
     kernel choice, same library), and the tok/s it allows for this workload."""
     import torch
     from worker.model.config import ModelConfig
-    from worker.model.kernels import load_fused_ops
+    from worker.model.kernels import load_fused_ops, load_quant_amx_ops
     from worker.model.linear import (
         available_kernels,
         choose_linear_kernel,
@@ -390,13 +390,14 @@ def gemm_ceiling(path: str, work, dtype: str, quantization: str | None = None) -
     dt = getattr(torch, dtype)
     native = load_fused_ops(dt, h, i, cfg.head_dim)[0]  # as the runner builds them (fp8 dequantizes with it)
     kernel, reason = choose_linear_kernel("cpu", dt, read_cpu_flags(), available_kernels(native))
+    amx = load_quant_amx_ops(dt, quantization, h, i, cfg.head_dim)[0]  # an fp32 model's fp8/int4: bf16 on AMX
     rows = CEILING_ROWS
     flops = 0.0
     secs = 0.0
     with torch.inference_mode():
         for n, k in shapes:
             x = torch.randn(rows, k, dtype=dt)
-            lin = make_linear(torch.randn(n, k) * k**-0.5, None, quantization, dt, kernel, native)
+            lin = make_linear(torch.randn(n, k) * k**-0.5, None, quantization, dt, kernel, native, amx)
             for _ in range(3):
                 lin(x)
             reps = 20
