@@ -60,6 +60,9 @@ goes through L2. fp8's dequantization moved to 16-bit integer ops (`fp8_bf16_32`
 these variants on this CPU is the dequantization's compute, not the memory: per 30 SmolLM2 layers, 12 (fp8) and 10
 (int4) ms at one row, where bf16 streams its 212 MB in ~8.6. `bench/engine.py --variants fp8-bf16,int4-bf16 --skip
 hf_static,ours_seq1,vllm`, one run each side: fp8-bf16 423 -> 590 tok/s, int4-bf16 480 -> 632 (bf16: 682).
+An fp32 model's fp8 and int4 linears take the same kernels, their activations rounded to bf16 on the way in
+(`Bf16Inside`; torch's int4 kernel rounds them so inside too): with fp32 products they ran W at 0.66x (fp8) and
+0.75x (int4) the fp32 model's tok/s.
 Agreement at stop 29 (`bench/quant.py`, 8 prompts): with 24 positions each, fp8 0.948, fp8-bf16 0.943-0.953 (a change
 of summation order flips one token of 192 either way); with 48 (`--tokens 48`), fp8 and fp8-bf16 0.938, int4 0.990,
 int4-bf16 0.987, bf16 0.987. So e4m3 with one scale per row sits near 0.94 on SmolLM2, under the 0.95 floor: its 3
