@@ -70,6 +70,7 @@ CPP_SOURCE = r"""
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -1055,14 +1056,15 @@ LLMFLEET_AVX512_BF16 static void amx_unpack(const float* c, int64_t rows, void* 
   }
 }
 
-// xt: scratch for x's B tiles (amx_pack_rows). strip(nb, rows, buf) gives the weight rows nb * 16 .. + rows as
-// plain bf16 [rows][K]: the weight itself, or (quantized weights) those rows dequantized into buf, a thread's own
-// scratch of strip_elems bf16 (32 rows of K), where they stay in L1/L2 for both row-tile passes.
+// strip(nb, rows, buf) gives the weight rows nb * 16 .. + rows as plain bf16 [rows][K]: the weight itself, or
+// (quantized weights) those rows dequantized into buf, a thread's own scratch of strip_elems bf16 (32 rows of K),
+// where they stay in L1/L2 for both row-tile passes.
 template <typename Strip>
-static void amx_linear_run(const uint16_t* x, int64_t M, int64_t K, int64_t N, const uint16_t* bias, uint16_t* xt,
-                           void* y, bool fp32_out, int64_t strip_elems, const Strip& strip) {
+static void amx_linear_run(const uint16_t* x, int64_t M, int64_t K, int64_t N, const uint16_t* bias, void* y,
+                           bool fp32_out, int64_t strip_elems, const Strip& strip) {
   const int64_t kt = K / 32, mt = (M + 15) / 16, nblocks = N / 16;
-  amx_pack_rows(x, M, K, K, xt);
+  std::unique_ptr<uint16_t[]> xt(new uint16_t[mt * kt * 512]);  // x's B tiles: amx_pack_rows writes every one
+  amx_pack_rows(x, M, K, K, xt.get());
   // threads take contiguous runs of n-block pairs: each streams its own part of W, once
   at::parallel_for(0, (nblocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     amx_configure();
@@ -1073,7 +1075,7 @@ static void amx_linear_run(const uint16_t* x, int64_t M, int64_t K, int64_t N, c
       const uint16_t* wp = strip(nb, cn * 16, buf.data());
       for (int64_t mi = 0; mi < mt; mi += 2) {
         const int64_t cm = std::min<int64_t>(2, mt - mi);
-        const uint16_t* xp = xt + mi * kt * 512;
+        const uint16_t* xp = xt.get() + mi * kt * 512;
         if (cn == 2 && cm == 2) amx_block<2, 2>(wp, K, xp, kt, c);
         else if (cn == 2) amx_block<2, 1>(wp, K, xp, kt, c);
         else if (cm == 2) amx_block<1, 2>(wp, K, xp, kt, c);
@@ -1311,16 +1313,22 @@ static bool amx_ready() { return false; }
 
 bool amx_linear_ready() { return amx_ready(); }
 
+// What every AMX linear entry point asks of the CPU, of x [M, K] and of its weight's [N, K].
+static void amx_operands_check(const torch::Tensor& x, int64_t N, int64_t K, const char* what) {
+  TORCH_CHECK(amx_ready(), what, ": this CPU has no AMX-BF16 (ask amx_linear_ready first)");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.size(0) >= 1 &&
+                  x.size(1) == K,
+              what, ": x must be [rows >= 1, in] bf16, contiguous");
+  TORCH_CHECK(N % 16 == 0 && K % 32 == 0, what, ": the weight must be [out, in], out a multiple of 16 and in of 32");
+}
+
 // x [M, K] bf16 (M >= 1) times w [N, K] bf16 (N % 16 == 0, K % 32 == 0), plus bias [N] bf16 -> [M, N] bf16, or
 // fp32 (the sums before rounding) with fp32_out.
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, bool fp32_out) {
-  TORCH_CHECK(amx_ready(), "amx_linear: this CPU has no AMX-BF16 (ask amx_linear_ready first)");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.size(0) >= 1,
-              "amx_linear: x must be [rows >= 1, in] bf16, contiguous");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kBFloat16 && w.size(1) == K &&
-                  N % 16 == 0 && K % 32 == 0,
-              "amx_linear: w must be [out, in] bf16, contiguous, out a multiple of 16 and in of 32");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kBFloat16 && w.size(1) == x.size(-1),
+              "amx_linear: w must be [out, in] bf16, contiguous, in as x's");
+  const int64_t M = x.size(0), K = w.size(1), N = w.size(0);
+  amx_operands_check(x, N, K, "amx_linear");
   const uint16_t* bp = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() &&
@@ -1329,11 +1337,9 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::
   }
   auto y = torch::empty({M, N}, x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
 #if defined(LLMFLEET_AMX_BUILD)
-  auto xt = torch::empty({(M + 15) / 16 * (K / 32) * 512}, x.options());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
-  amx_linear_run(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), M, K, N, bp,
-                 reinterpret_cast<uint16_t*>(xt.data_ptr<c10::BFloat16>()), y.data_ptr(), fp32_out, 0,
-                 [wp, K](int64_t nb, int64_t, uint16_t*) { return wp + nb * 16 * K; });
+  amx_linear_run(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), M, K, N, bp, y.data_ptr(), fp32_out,
+                 0, [wp, K](int64_t nb, int64_t, uint16_t*) { return wp + nb * 16 * K; });
 #endif
   return y;
 }
@@ -1342,13 +1348,6 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::
 // (the values fp8_to_bf16 / int4_to_bf16 give) into its own scratch, and multiplies from there while they are in
 // cache. The weight streams from memory at 1 (fp8) or ~0.56 (int4) bytes a weight, where dequantizing whole tiles
 // first (then a bf16 GEMM) wrote and read 2 more per weight through L2.
-static void amx_quant_check(const torch::Tensor& x, int64_t N, int64_t K, const char* what) {
-  TORCH_CHECK(amx_ready(), what, ": this CPU has no AMX-BF16 (ask amx_linear_ready first)");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.size(0) >= 1 &&
-                  x.size(1) == K,
-              what, ": x must be [rows >= 1, in] bf16, contiguous");
-  TORCH_CHECK(N % 16 == 0 && K % 32 == 0, what, ": the weight must be [out, in], out a multiple of 16 and in of 32");
-}
 
 // x [M, K] bf16 times an e4m3 weight [N, K] -> [M, N] bf16: x . (w / 2**8), as fp8_to_bf16's weight gives (Fp8Linear
 // applies its output scale after).
@@ -1356,14 +1355,12 @@ torch::Tensor amx_linear_fp8(torch::Tensor x, torch::Tensor w8) {
   TORCH_CHECK(w8.scalar_type() == at::kFloat8_e4m3fn && w8.is_contiguous() && w8.dim() == 2,
               "amx_linear_fp8: w8 must be a contiguous e4m3 [out, in]");
   const int64_t M = x.size(0), K = w8.size(1), N = w8.size(0);
-  amx_quant_check(x, N, K, "amx_linear_fp8");
+  amx_operands_check(x, N, K, "amx_linear_fp8");
   auto y = torch::empty({M, N}, x.options());
 #if defined(LLMFLEET_AMX_BUILD)
-  auto xt = torch::empty({(M + 15) / 16 * (K / 32) * 512}, x.options());
   const auto* w = reinterpret_cast<const uint8_t*>(w8.data_ptr());
-  amx_linear_run(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), M, K, N, nullptr,
-                 reinterpret_cast<uint16_t*>(xt.data_ptr<c10::BFloat16>()), y.data_ptr(), false, 32 * K,
-                 [w, K](int64_t nb, int64_t rows, uint16_t* buf) {
+  amx_linear_run(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), M, K, N, nullptr, y.data_ptr(), false,
+                 32 * K, [w, K](int64_t nb, int64_t rows, uint16_t* buf) {
                    fp8_to_bf16_run(w + nb * 16 * K, reinterpret_cast<c10::BFloat16*>(buf), rows * K);
                    return static_cast<const uint16_t*>(buf);
                  });
@@ -1380,15 +1377,13 @@ torch::Tensor amx_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tens
   TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.dim() == 3 && sz.size(0) == N &&
                   sz.size(1) == K / g && sz.size(2) == 2,
               "amx_linear_int4: sz must be [out, in / g, 2] bf16, contiguous");
-  amx_quant_check(x, N, K, "amx_linear_int4");
+  amx_operands_check(x, N, K, "amx_linear_int4");
   auto y = torch::empty({M, N}, x.options());
 #if defined(LLMFLEET_AMX_BUILD)
-  auto xt = torch::empty({(M + 15) / 16 * (K / 32) * 512}, x.options());
   const auto* q = packed.data_ptr<uint8_t>();
   const auto* s = sz.data_ptr<c10::BFloat16>();
-  amx_linear_run(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), M, K, N, nullptr,
-                 reinterpret_cast<uint16_t*>(xt.data_ptr<c10::BFloat16>()), y.data_ptr(), false, 32 * K,
-                 [q, s, K, g](int64_t nb, int64_t rows, uint16_t* buf) {
+  amx_linear_run(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), M, K, N, nullptr, y.data_ptr(), false,
+                 32 * K, [q, s, K, g](int64_t nb, int64_t rows, uint16_t* buf) {
                    auto* out = reinterpret_cast<c10::BFloat16*>(buf);
                    for (int64_t r = 0; r < rows; ++r) {
                      const int64_t row = nb * 16 + r;
