@@ -1,8 +1,9 @@
 """The fused elementwise steps (`kernels.load_fused_ops`: residual add + RMSNorm, SiLU-and-mul, RoPE in place)
-compute what the model's torch ops compute, to one bf16 rounding, on every size they take; the fp8 -> bf16
-dequantizer is torch's conversion bit for bit; they refuse what they do not take; and a bf16 model that uses them
-scores like the same model on torch ops. Skipped on CPUs without
-AVX512-BF16 (where the model runs torch's ops and nothing here is used)."""
+compute what the model's torch ops compute, in fp32 to a few ulps and in bf16 to one bf16 rounding, on every size
+they take; the fp8 -> bf16 dequantizer is torch's conversion bit for bit; they refuse what they do not take; an fp32
+model on them gives the tokens and the logprobs of the same model on torch's ops, and a bf16 model scores like one
+on torch's ops. Skipped on CPUs without AVX512F (bf16: AVX512-BF16), where the model runs torch's ops and nothing
+here is used."""
 
 from __future__ import annotations
 
@@ -27,42 +28,59 @@ def ops():
     return fused
 
 
+@pytest.fixture(scope="module", params=[torch.float32, BF16], ids=["fp32", "bf16"])
+def step_ops(request):
+    """(the extension, the dtype its elementwise steps are tested in)."""
+    fused, why = load_fused_ops(request.param, 64, 64, 64)
+    if fused is None:
+        pytest.skip(why)
+    return fused, request.param
+
+
 def close_to_one_rounding(got: torch.Tensor, want: torch.Tensor) -> None:
-    """Within two bf16 steps of the value (torch rounds between its ops, the kernels once at the end)."""
-    torch.testing.assert_close(got.float(), want.float(), rtol=2 * 2**-8, atol=1e-2)
+    """bf16: within two bf16 steps of the value (torch rounds between its ops, the kernels once at the end). fp32:
+    within a few ulps (an FMA where torch multiplies and adds, exp by a polynomial, another summation order)."""
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 * 2**-8, atol=1e-2)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 @pytest.mark.parametrize("n", [16, 576, 2048])
 @pytest.mark.parametrize("with_delta", [True, False])
-def test_add_rms_norm(ops, rows: int, n: int, with_delta: bool) -> None:
+def test_add_rms_norm(step_ops, rows: int, n: int, with_delta: bool) -> None:
+    ops, dtype = step_ops
     gen = torch.Generator().manual_seed(rows * n)
-    h = (torch.randn(rows, n, generator=gen) * 3).to(BF16)
-    d = torch.randn(rows, n, generator=gen).to(BF16) if with_delta else None
-    w = (1 + 0.2 * torch.randn(n, generator=gen)).to(BF16)
+    h = (torch.randn(rows, n, generator=gen) * 3).to(dtype)
+    d = torch.randn(rows, n, generator=gen).to(dtype) if with_delta else None
+    w = (1 + 0.2 * torch.randn(n, generator=gen)).to(dtype)
     want_h = h + d if d is not None else h
     want = rms_norm(want_h, w, 1e-5)
     got_h, got = ops.add_rms_norm(h.clone(), d, w, 1e-5)
     assert torch.equal(got_h, want_h)  # the residual is rounded exactly as torch's add rounds it
+    assert got.dtype == dtype
     close_to_one_rounding(got, want)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 64, 129])
 @pytest.mark.parametrize("inter", [16, 1536])
-def test_silu_and_mul(ops, rows: int, inter: int) -> None:
-    gu = (torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(inter)) * 4).to(BF16)
+def test_silu_and_mul(step_ops, rows: int, inter: int) -> None:
+    ops, dtype = step_ops
+    gu = (torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(inter)) * 4).to(dtype)
     gu[0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # exp's clamps: silu(-100) = -0, silu(100) = 100
     close_to_one_rounding(ops.silu_and_mul(gu), F.silu(gu[:, :inter]) * gu[:, inter:])
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
 @pytest.mark.parametrize("rows", [1, 33])
-def test_rope_in_place_on_q_and_k_only(ops, heads: int, kv_heads: int, head_dim: int, rows: int) -> None:
+def test_rope_in_place_on_q_and_k_only(step_ops, heads: int, kv_heads: int, head_dim: int, rows: int) -> None:
+    ops, dtype = step_ops
     gen = torch.Generator().manual_seed(head_dim + rows)
-    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen).to(BF16)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
     angles = torch.rand(rows, head_dim // 2, generator=gen) * 100
-    cos = torch.cat((angles.cos(), angles.cos()), -1).to(BF16)[:, None]
-    sin = torch.cat((-angles.sin(), angles.sin()), -1).to(BF16)[:, None]
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)[:, None]
+    sin = torch.cat((-angles.sin(), angles.sin()), -1).to(dtype)[:, None]
     qk = qkv[:, : (heads + kv_heads) * head_dim].view(rows, heads + kv_heads, head_dim)
     want = qk * cos + qk.roll(head_dim // 2, dims=-1) * sin
     got = qkv.clone()
@@ -74,7 +92,11 @@ def test_rope_in_place_on_q_and_k_only(ops, heads: int, kv_heads: int, head_dim:
 @pytest.mark.parametrize(
     ("call", "match"),
     [
-        (lambda ops: ops.silu_and_mul(torch.randn(2, 64)), "bf16"),  # fp32
+        (lambda ops: ops.silu_and_mul(torch.randn(2, 64, dtype=torch.float16)), "fp32 .* or bf16"),
+        (
+            lambda ops: ops.rope_(torch.randn(2, 64, dtype=torch.float64), 1, 64, torch.ones(2, 64), torch.ones(2, 64)),
+            "or bf16",
+        ),
         (lambda ops: ops.silu_and_mul(torch.randn(2, 40).to(BF16)), "16k"),  # 20 columns a half
         (lambda ops: ops.add_rms_norm(torch.randn(2, 24).to(BF16), None, torch.ones(24).to(BF16), 1e-5), "16k"),
         (lambda ops: ops.add_rms_norm(torch.randn(2, 32).to(BF16), None, torch.ones(16).to(BF16), 1e-5), "weight"),
@@ -209,9 +231,28 @@ def test_gemv_refuses_more_rows_than_it_takes(ops) -> None:
 
 
 def test_loader_says_why_not(ops) -> None:
-    assert load_fused_ops(torch.float32, 64, 64, 64)[0] is None
+    assert load_fused_ops(torch.float16, 64, 64, 64)[0] is None
     none, why = load_fused_ops(BF16, 72, 100, 12)  # the tiny test model's sizes
     assert none is None and "16k" in why
+    assert load_fused_ops(torch.float32, 72, 100, 12)[0] is None
+
+
+def test_an_fp32_model_on_fused_ops_gives_the_tokens_and_logprobs_of_torch_ops(ops, tmp_path) -> None:
+    """fp32 promises transformers' greedy tokens: the fused steps change only the last bits of the logprobs."""
+    if load_fused_ops(torch.float32, 64, 96, 32)[0] is None:
+        pytest.skip("fp32 fused steps need AVX512F")
+    path = make_tiny_llama(
+        tmp_path, hidden_size=64, intermediate_size=96, num_attention_heads=2, num_key_value_heads=1, init_std=0.1
+    )
+    fused = ModelRunner(str(path), num_blocks=32)
+    plain = ModelRunner(str(path), num_blocks=32, enforce_eager=True)
+    assert fused.model.fused is not None and plain.model.fused is None
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, fused.config.vocab_size, (n,), generator=gen).tolist() for n in (4, 19, 40)]
+    assert [fused.greedy(p, 12) for p in prompts] == [plain.greedy(p, 12) for p in prompts]
+    result = compare(reference(plain, prompts, max_tokens=12), fused)
+    assert result.agreement == 1.0
+    assert result.mean_kl < 1e-6
 
 
 @pytest.mark.parametrize("quantization", [None, "fp8", "int4"])

@@ -34,13 +34,16 @@ image can prebuild it by calling `load_paged_decode()`; `-march=native` plus thi
 `load_paged_decode()` returns None with the reason when building is impossible; the runner then stays on the
 eager gather + SDPA path.
 
-The same build holds the fused elementwise steps of a Llama layer in bf16 (`load_fused_ops`): the residual add
-with the RMSNorm after it, SiLU-and-mul of the fused gate+up output, and RoPE in place on q and k. Each is one
+The same build holds the fused elementwise steps of a Llama layer in fp32 and bf16 (`load_fused_ops`): the residual
+add with the RMSNorm after it, SiLU-and-mul of the fused gate+up output, and RoPE in place on q and k. Each is one
 AVX512 pass over the rows where torch runs 3-9 ops (the bf16 RMSNorm alone widens, squares, averages, scales,
 rounds and multiplies), each with its own dispatch and, for big batches, its own trip through memory. Measured on
 SmolLM2's shapes (2-core Xeon, AVX512-BF16), torch ops -> fused: add + RMSNorm 48 -> 21 us at 64 rows and 4.3 ->
-0.24 ms at 2048; SiLU-and-mul 42 -> 37 us and 1.43 -> 0.68 ms; RoPE 56 -> 11 us and 0.87 -> 0.17 ms. fp32 keeps
-torch's ops (its greedy output stays token-identical to transformers'); bf16 is judged by agreement. The same
+0.24 ms at 2048; SiLU-and-mul 42 -> 37 us and 1.43 -> 0.68 ms; RoPE 56 -> 11 us and 0.87 -> 0.17 ms. In fp32 (stop
+30; torch's fp32 ops are slower still at prompt sizes): 25 -> 8 us, 31 -> 16 us, 38 -> 4 us at 64 rows and 4.4 ->
+0.27, 8.3 -> 0.78, 7.4 -> 0.14 ms at 2048, which took W's fp32 run from 41.1 to 38.9 s. They differ from torch's
+ops in the last bits only (an FMA, exp by a polynomial, another summation order), and an fp32 model keeps
+transformers' greedy tokens on them (tests/worker_model/test_model_smollm2.py); bf16 is judged by agreement. The same
 ops include the quantized variants' kernels for bf16 activations (quant.py says what they measure): `fp8_to_bf16`
 and `int4_to_bf16` dequantize weight tiles for a bf16 GEMM, and `fp8_gemv_bf16` / `int4_gemv_bf16` serve batches of
 up to `gemv_max_rows()` rows straight from the quantized weights.
@@ -575,44 +578,55 @@ std::string paged_decode_path(std::string dtype, int64_t head_dim) {
 }
 
 #if defined(__x86_64__)
-// ---- fused elementwise steps of a Llama layer, bf16 on AVX512-BF16: 16 lanes at a time, rounded with
-// vcvtneps2bf16 (round to nearest even, as torch rounds). exp by the Cephes polynomial (~1 ulp in fp32).
+// ---- fused elementwise steps of a Llama layer, in fp32 or bf16: 16 lanes at a time in fp32 registers; bf16
+// rows are widened on load and rounded on store with vcvtneps2bf16 (round to nearest even, as torch rounds), fp32
+// rows stored as computed. exp by the Cephes polynomial (~1 ulp in fp32). The fp32 instances use AVX512F alone
+// (the bf16 target attribute lets one template serve both; no bf16 instruction is in an fp32 path).
+LLMFLEET_AVX512_BF16 static inline __m512 ld_lanes(const float* p) { return _mm512_loadu_ps(p); }
+LLMFLEET_AVX512_BF16 static inline __m512 ld_lanes(const c10::BFloat16* p) { return ld_bf16(p); }
+// stores v; returns the value stored (bf16: rounded), so what is computed next from it matches what was kept
+LLMFLEET_AVX512_BF16 static inline __m512 st_lanes(__m512 v, float* p) {
+  _mm512_storeu_ps(p, v);
+  return v;
+}
+LLMFLEET_AVX512_BF16 static inline __m512 st_lanes(__m512 v, c10::BFloat16* p) { return round_bf16(v, p); }
+
 // n % 16 == 0
-LLMFLEET_AVX512_BF16 static void add_rms_norm_row_bf16(c10::BFloat16* h, const c10::BFloat16* d,
-                                                       const c10::BFloat16* w, c10::BFloat16* o, int64_t n,
-                                                       float eps, float* x) {
+template <typename T>
+LLMFLEET_AVX512_BF16 static void add_rms_norm_row(T* h, const T* d, const T* w, T* o, int64_t n, float eps, float* x) {
   __m512 acc = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; j += 16) {
-    __m512 v = ld_bf16(h + j);
-    if (d) v = round_bf16(_mm512_add_ps(v, ld_bf16(d + j)), h + j);
+    __m512 v = ld_lanes(h + j);
+    if (d) v = st_lanes(_mm512_add_ps(v, ld_lanes(d + j)), h + j);
     _mm512_storeu_ps(x + j, v);
     acc = _mm512_fmadd_ps(v, v, acc);
   }
   const __m512 rstd = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(n) + eps));
   for (int64_t j = 0; j < n; j += 16)
-    round_bf16(_mm512_mul_ps(ld_bf16(w + j), _mm512_mul_ps(_mm512_loadu_ps(x + j), rstd)), o + j);
+    st_lanes(_mm512_mul_ps(ld_lanes(w + j), _mm512_mul_ps(_mm512_loadu_ps(x + j), rstd)), o + j);
 }
 
 // inter % 16 == 0
-LLMFLEET_AVX512_BF16 static void silu_and_mul_row_bf16(const c10::BFloat16* g, c10::BFloat16* o, int64_t inter) {
+template <typename T>
+LLMFLEET_AVX512_BF16 static void silu_and_mul_row(const T* g, T* o, int64_t inter) {
   const __m512 one = _mm512_set1_ps(1.f);
   for (int64_t j = 0; j < inter; j += 16) {
-    const __m512 x = ld_bf16(g + j);
+    const __m512 x = ld_lanes(g + j);
     const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x))));
-    round_bf16(_mm512_mul_ps(_mm512_mul_ps(x, sig), ld_bf16(g + inter + j)), o + j);
+    st_lanes(_mm512_mul_ps(_mm512_mul_ps(x, sig), ld_lanes(g + inter + j)), o + j);
   }
 }
 
 // half % 16 == 0
-LLMFLEET_AVX512_BF16 static void rope_row_bf16(c10::BFloat16* x, const c10::BFloat16* c, const c10::BFloat16* s,
-                                               int64_t heads, int64_t D) {
+template <typename T>
+LLMFLEET_AVX512_BF16 static void rope_row(T* x, const T* c, const T* s, int64_t heads, int64_t D) {
   const int64_t half = D / 2;
   for (int64_t hd = 0; hd < heads; ++hd) {
-    c10::BFloat16* v = x + hd * D;
+    T* v = x + hd * D;
     for (int64_t j = 0; j < half; j += 16) {
-      const __m512 a = ld_bf16(v + j), b = ld_bf16(v + half + j);
-      round_bf16(_mm512_fmadd_ps(a, ld_bf16(c + j), _mm512_mul_ps(b, ld_bf16(s + j))), v + j);
-      round_bf16(_mm512_fmadd_ps(b, ld_bf16(c + half + j), _mm512_mul_ps(a, ld_bf16(s + half + j))), v + half + j);
+      const __m512 a = ld_lanes(v + j), b = ld_lanes(v + half + j);
+      st_lanes(_mm512_fmadd_ps(a, ld_lanes(c + j), _mm512_mul_ps(b, ld_lanes(s + j))), v + j);
+      st_lanes(_mm512_fmadd_ps(b, ld_lanes(c + half + j), _mm512_mul_ps(a, ld_lanes(s + half + j))), v + half + j);
     }
   }
 }
@@ -727,33 +741,50 @@ LLMFLEET_AVX512_BF16 static void fp8_gemv(const c10::BFloat16* x, const uint8_t*
 }
 #endif
 
-// The wrappers of the fused steps. They take bf16 only, on CPUs with AVX512-BF16 and sizes that are multiples
-// of 16 lanes (`fused_ops_available`, the one rule the Python side asks); elsewhere the model runs torch's ops.
-static bool fused_cpu() {
+// The wrappers of the fused steps. They take fp32 (on CPUs with AVX512F) and bf16 (with AVX512-BF16), sizes that
+// are multiples of 16 lanes (`fused_ops_available`, the one rule the Python side asks); elsewhere the model runs
+// torch's ops.
+static bool fused_cpu(at::ScalarType dtype) {
 #if defined(__x86_64__)
-  return cpu_has_avx512_bf16();
-#else
-  return false;
+  if (dtype == at::kFloat) return cpu_has_avx512f();
+  if (dtype == at::kBFloat16) return cpu_has_avx512_bf16();
 #endif
+  return false;
 }
 
 bool fused_ops_available(std::string dtype, int64_t hidden, int64_t inter, int64_t head_dim) {
-  return dtype == "bfloat16" && hidden % 16 == 0 && inter % 16 == 0 && head_dim % 32 == 0 && fused_cpu();
+  const auto st = dtype == "float32" ? at::kFloat : dtype == "bfloat16" ? at::kBFloat16 : at::kHalf;
+  return hidden % 16 == 0 && inter % 16 == 0 && head_dim % 32 == 0 && fused_cpu(st);
 }
 
 // `lanes` is the size the kernel walks 16 at a time
+static void check_fused(const torch::Tensor& t, int64_t lanes, const char* what) {
+  TORCH_CHECK((t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16) && lanes % 16 == 0 &&
+                  fused_cpu(t.scalar_type()),
+              what,
+              ": takes fp32 (AVX512F) or bf16 (AVX512-BF16) with a size of 16k (ask fused_ops_available first)");
+}
+
+// the quantized variants' kernels: bf16 activations only
 static void check_bf16(const torch::Tensor& t, int64_t lanes, const char* what) {
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16 && lanes % 16 == 0 && fused_cpu(), what,
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 && lanes % 16 == 0 && fused_cpu(at::kBFloat16), what,
               ": takes bf16 with a size of 16k on a CPU with AVX512-BF16 (ask fused_ops_available first)");
 }
 
-// h += delta (when given; rounded to bf16 as torch's add rounds), then out = weight * rms_norm(h): a sub-layer's
-// residual add and the RMSNorm that follows it, one pass. h, delta, out: [rows, n] contiguous; weight [n].
+// fn(T*{}) with T the element type of t (float or c10::BFloat16; check_fused has refused the rest)
+template <typename Fn>
+static void on_fused_dtype(const torch::Tensor& t, const Fn& fn) {
+  if (t.scalar_type() == at::kFloat) fn(static_cast<float*>(nullptr));
+  else fn(static_cast<c10::BFloat16*>(nullptr));
+}
+
+// h += delta (when given; rounded to h's dtype as torch's add rounds), then out = weight * rms_norm(h): a
+// sub-layer's residual add and the RMSNorm that follows it, one pass. h, delta, out: [rows, n] contiguous; weight [n].
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta, torch::Tensor weight,
                                         double eps) {
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "add_rms_norm: h must be [rows, n] and contiguous");
   const int64_t rows = h.size(0), n = h.size(1);
-  check_bf16(h, n, "add_rms_norm");
+  check_fused(h, n, "add_rms_norm");
   TORCH_CHECK(weight.numel() == n && weight.scalar_type() == h.scalar_type(), "add_rms_norm: weight [n] like h");
   torch::Tensor d;
   if (delta.has_value()) {
@@ -763,13 +794,16 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, c10::optional<torch::Te
   auto w = weight.contiguous();
   auto out = torch::empty_like(h);
 #if defined(__x86_64__)
-  auto* hp = h.data_ptr<c10::BFloat16>();
-  const auto* dp = d.defined() ? d.data_ptr<c10::BFloat16>() : nullptr;
-  at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
-    std::vector<float> x(n);
-    for (int64_t r = begin; r < end; ++r)
-      add_rms_norm_row_bf16(hp + r * n, dp ? dp + r * n : nullptr, w.data_ptr<c10::BFloat16>(),
-                            out.data_ptr<c10::BFloat16>() + r * n, n, static_cast<float>(eps), x.data());
+  on_fused_dtype(h, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    T* hp = h.data_ptr<T>();
+    const T* dp = d.defined() ? d.data_ptr<T>() : nullptr;
+    at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
+      std::vector<float> x(n);
+      for (int64_t r = begin; r < end; ++r)
+        add_rms_norm_row<T>(hp + r * n, dp ? dp + r * n : nullptr, w.data_ptr<T>(), out.data_ptr<T>() + r * n, n,
+                            static_cast<float>(eps), x.data());
+    });
   });
 #endif
   return {h, out};
@@ -779,13 +813,16 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, c10::optional<torch::Te
 torch::Tensor silu_and_mul(torch::Tensor gu) {
   TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0 && gu.is_contiguous(), "silu_and_mul: gu [rows, 2*inter]");
   const int64_t inter = gu.size(1) / 2;
-  check_bf16(gu, inter, "silu_and_mul");
+  check_fused(gu, inter, "silu_and_mul");
   auto out = torch::empty({gu.size(0), inter}, gu.options());
 #if defined(__x86_64__)
-  const auto* g = gu.data_ptr<c10::BFloat16>();
-  auto* o = out.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, gu.size(0), 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) silu_and_mul_row_bf16(g + r * 2 * inter, o + r * inter, inter);
+  on_fused_dtype(gu, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* g = gu.data_ptr<T>();
+    T* o = out.data_ptr<T>();
+    at::parallel_for(0, gu.size(0), 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) silu_and_mul_row<T>(g + r * 2 * inter, o + r * inter, inter);
+    });
   });
 #endif
   return out;
@@ -796,18 +833,20 @@ torch::Tensor silu_and_mul(torch::Tensor gu) {
 // sign-folded (its first half negated), so rotate_half is a swap of the halves.
 void rope_(torch::Tensor x, int64_t heads, int64_t head_dim, torch::Tensor cos, torch::Tensor sin) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) >= heads * head_dim, "rope_: x [rows, >= heads*D]");
-  check_bf16(x, head_dim / 2, "rope_");
+  check_fused(x, head_dim / 2, "rope_");
   auto c = cos.reshape({x.size(0), head_dim}).contiguous();
   auto s = sin.reshape({x.size(0), head_dim}).contiguous();
   TORCH_CHECK(c.scalar_type() == x.scalar_type() && s.scalar_type() == x.scalar_type(), "rope_: cos/sin dtype");
 #if defined(__x86_64__)
-  auto* xp = x.data_ptr<c10::BFloat16>();
-  const auto* cp = c.data_ptr<c10::BFloat16>();
-  const auto* sp = s.data_ptr<c10::BFloat16>();
-  const int64_t stride = x.stride(0);
-  at::parallel_for(0, x.size(0), 128, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      rope_row_bf16(xp + r * stride, cp + r * head_dim, sp + r * head_dim, heads, head_dim);
+  on_fused_dtype(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    T* xp = x.data_ptr<T>();
+    const T* cp = c.data_ptr<T>();
+    const T* sp = s.data_ptr<T>();
+    const int64_t stride = x.stride(0);
+    at::parallel_for(0, x.size(0), 128, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) rope_row<T>(xp + r * stride, cp + r * head_dim, sp + r * head_dim, heads, head_dim);
+    });
   });
 #endif
 }
@@ -1536,7 +1575,8 @@ PrefillAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Ten
 
 
 class FusedOps(Protocol):
-    """The fused elementwise steps of a Llama layer (bf16, AVX512-BF16): see `load_fused_ops`."""
+    """The fused elementwise steps of a Llama layer (fp32 or bf16; see `load_fused_ops`) and the quantized
+    variants' kernels for bf16 activations."""
 
     def add_rms_norm(
         self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -1710,15 +1750,19 @@ def load_paged_decode_generic() -> tuple[PagedDecode | None, str | None]:
 
 
 def load_fused_ops(dtype: torch.dtype, hidden: int, intermediate: int, head_dim: int) -> tuple[FusedOps | None, str]:
-    """(the fused residual-add + RMSNorm, SiLU-and-mul and in-place RoPE, why), or (None, why not): they take bf16
-    on CPUs with AVX512-BF16, sizes in multiples of 16 lanes (head dims of 32k). Elsewhere torch's ops run."""
+    """(the fused residual-add + RMSNorm, SiLU-and-mul and in-place RoPE, why), or (None, why not): they take fp32
+    on CPUs with AVX512F and bf16 on CPUs with AVX512-BF16, sizes in multiples of 16 lanes (head dims of 32k).
+    Elsewhere torch's ops run."""
     module, why = _load_module()
     if module is None:
         return None, f"torch ops: the extension cannot be built here ({why})"
     name = str(dtype).removeprefix("torch.")
     if not module.fused_ops_available(name, hidden, intermediate, head_dim):
-        return None, "torch ops: the fused ones take bfloat16 on a CPU with AVX512-BF16, sizes of 16k, head dim 32k"
-    return module, "fused (AVX512-BF16): residual add + RMSNorm, SiLU-and-mul, RoPE in place"
+        return None, (
+            "torch ops: the fused ones take float32 (AVX512F) or bfloat16 (AVX512-BF16), sizes of 16k, head dim 32k"
+        )
+    unit = "AVX512-BF16" if dtype == torch.bfloat16 else "AVX512F"
+    return module, f"fused ({name}, {unit}): residual add + RMSNorm, SiLU-and-mul, RoPE in place"
 
 
 def paged_decode_path(dtype: torch.dtype, head_dim: int) -> str:
