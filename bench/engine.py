@@ -164,7 +164,7 @@ def run_ours(
         "weight_bytes": sum(
             layer.qkv.nbytes + layer.o_proj.nbytes + layer.gate_up.nbytes + layer.down.nbytes for layer in model.layers
         )
-        + cfg.vocab_size * cfg.hidden_size * model.embed.element_size(),
+        + model.lm_head.nbytes,
         "kv_bytes_per_token": 2 * cfg.num_hidden_layers * cfg.kv_size * runner.kv_cache.element_size(),
     }
     return summarize(

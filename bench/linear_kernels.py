@@ -125,6 +125,16 @@ def _amx(w: torch.Tensor) -> tuple[Call, torch.dtype]:
     return AmxLinear(w.to(torch.bfloat16), None, module), torch.bfloat16
 
 
+def _panels(w: torch.Tensor) -> tuple[Call, torch.dtype]:
+    from worker.model.kernels import _load_module
+    from worker.model.linear import PanelLinear
+
+    module, why = _load_module()
+    if module is None or not module.f32_panels_ready():
+        raise RuntimeError(why or "this CPU offers no AVX512F")
+    return PanelLinear(w.float(), None, module), torch.float32
+
+
 PATHS: dict[str, Callable[[torch.Tensor], tuple[Call, torch.dtype]]] = {
     "fp32_mkl": lambda w: _aten(w, torch.float32),
     "fp32_mkl_packed": _mkl_packed,
@@ -136,6 +146,7 @@ PATHS: dict[str, Callable[[torch.Tensor], tuple[Call, torch.dtype]]] = {
     "int4_wo_bf16": _int4_wo,
     "fp8_wo_fp32": _fp8_wo,
     "bf16_amx": _amx,
+    "fp32_panels": _panels,
 }
 
 

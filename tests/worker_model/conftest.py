@@ -158,6 +158,19 @@ def load_hf_fn():
 
 
 @pytest.fixture(scope="session")
+def panels():
+    """The native extension, on a CPU with AVX512F, where its fp32 panel linear runs (else the test is skipped)."""
+    from worker.model.kernels import _load_module
+
+    module, why = _load_module()
+    if module is None:
+        pytest.skip(f"native extension cannot be built here: {why}")
+    if not module.f32_panels_ready():
+        pytest.skip("this CPU has no AVX512F")
+    return module
+
+
+@pytest.fixture(scope="session")
 def amx():
     """The native extension, on a CPU whose AMX-BF16 the OS lets it use (else the test is skipped)."""
     from worker.model.kernels import _load_module

@@ -1,5 +1,6 @@
-"""Dense linear kernels: the pure kernel choice, CPU flag parsing, the oneDNN packed layer against `F.linear`,
-and the model building its linears (fused projections and the head) with the chosen kernel."""
+"""Dense linear kernels: the pure kernel choice, CPU flag parsing, the oneDNN packed layer and the fp32 panel
+layer against `F.linear`, and the model building its linears (fused projections and the head) with the chosen
+kernel."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from worker.model.config import ModelConfig
 from worker.model.linear import (
     AMX_LINEAR,
     AMX_MAX_ROWS,
+    F32_PANELS,
     ONEDNN_LINEAR,
     AmxLinear,
     DenseLinear,
     PackedLinear,
+    PanelLinear,
     available_kernels,
     choose_linear_kernel,
     make_dense_linear,
@@ -29,6 +32,7 @@ AMX_CPU = frozenset({"avx512f", "amx_bf16", "amx_tile"})
 OLD_CPU = frozenset({"avx2", "fma"})
 ONEDNN = frozenset({ONEDNN_LINEAR})
 AMX = frozenset({AMX_LINEAR})
+PANELS = frozenset({F32_PANELS})
 needs_onednn = pytest.mark.skipif(ONEDNN_LINEAR not in available_kernels(), reason="torch without oneDNN bf16")
 GEN = torch.Generator().manual_seed(0)
 
@@ -42,7 +46,12 @@ GEN = torch.Generator().manual_seed(0)
         ("cpu", torch.bfloat16, AMX_CPU, AMX, "amx_bf16", "AMX kernel"),  # needs no oneDNN
         ("cpu", torch.bfloat16, BF16_CPU, ONEDNN | AMX, "onednn_bf16", "avx512_bf16"),  # the CPU lacks AMX
         ("cpu", torch.bfloat16, AMX_CPU - {"amx_tile"}, ONEDNN | AMX, "onednn_bf16", "amx_bf16"),
-        ("cpu", torch.float32, AMX_CPU, ONEDNN | AMX, "aten", "MKL"),
+        ("cpu", torch.float32, AMX_CPU, ONEDNN | AMX, "aten", "MKL"),  # no panel kernel built: MKL
+        ("cpu", torch.float32, AMX_CPU, ONEDNN | AMX | PANELS, "panels_fp32", "AVX512F"),
+        ("cpu", torch.float32, BF16_CPU, PANELS, "panels_fp32", "panels"),
+        ("cpu", torch.float32, OLD_CPU, PANELS, "aten", "MKL"),  # the CPU lacks AVX512F
+        ("cpu", torch.bfloat16, BF16_CPU, PANELS, "aten", "lacks oneDNN"),  # panels are fp32 only
+        ("cuda", torch.float32, AMX_CPU, PANELS, "aten", "device cuda"),
         ("cuda", torch.bfloat16, AMX_CPU, AMX, "aten", "device cuda"),
         ("cpu", torch.bfloat16, OLD_CPU, ONEDNN, "aten", "without avx512_bf16"),
         ("cpu", torch.bfloat16, BF16_CPU, frozenset(), "aten", "lacks oneDNN"),
@@ -122,6 +131,12 @@ def test_packed_linear_takes_strided_and_batched_inputs():
 def test_make_dense_linear_builds_the_kind_asked(kernel, cls):
     layer = make_dense_linear(torch.randn(8, 16, generator=GEN), None, torch.bfloat16, kernel)
     assert isinstance(layer, cls)
+
+
+def test_make_dense_linear_builds_fp32_panels_with_the_extension(panels):
+    assert isinstance(make_dense_linear(torch.randn(8, 16), None, torch.float32, "panels_fp32", panels), PanelLinear)
+    with pytest.raises(ValueError, match="native extension"):
+        make_dense_linear(torch.randn(8, 16), None, torch.float32, "panels_fp32")
 
 
 @pytest.fixture(scope="module")
@@ -277,6 +292,81 @@ def test_bf16_model_on_amx_matches_plain_torch_and_ties_the_head_without_a_copy(
         assert amx.lm_head.weight.data_ptr() == amx.embed.data_ptr()
     hidden = torch.randn(9, cfg.hidden_size, generator=GEN).bfloat16()
     torch.testing.assert_close(amx.compute_logits(hidden), plain.compute_logits(hidden), atol=5e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 7, 8, 9, 64, 300])  # 8-row blocks and their tails; 300: two passes of 256
+@pytest.mark.parametrize("out_in", [(96, 64), (100, 37), (48, 576), (577, 40)])  # whole and part-filled panels
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_linear_matches_f_linear_in_fp32(panels, rows, out_in, bias):
+    w = torch.randn(*out_in, generator=GEN)
+    b = torch.randn(out_in[0], generator=GEN) if bias else None
+    layer = PanelLinear(w, b, panels)
+    x = torch.randn(rows, out_in[1], generator=GEN)
+    got = layer(x)
+    assert got.shape == (rows, out_in[0]) and got.dtype == torch.float32
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)  # sums of up to 576 terms ~1
+    assert torch.equal(layer.dequantize(), w)
+    ids = torch.tensor([0, out_in[0] - 1, out_in[0] // 2, 0])
+    assert torch.equal(layer.rows(ids), w[ids])  # the embedding lookups a tied head serves
+
+
+def test_panel_linear_sums_in_blocks_no_less_exactly_than_mkl(panels):
+    """One running fp32 sum over 1536 inputs had ~3x MKL's rounding error; sums over 64-input chunks, added up,
+    stay within it."""
+    w, x = torch.randn(576, 1536, generator=GEN), torch.randn(300, 1536, generator=GEN)
+    exact = x.double() @ w.double().t()
+    ours = (PanelLinear(w, None, panels)(x).double() - exact).abs().max()
+    mkl = (F.linear(x, w).double() - exact).abs().max()
+    assert ours <= 1.5 * mkl
+
+
+def test_panel_linear_takes_strided_and_batched_inputs(panels):
+    w = torch.randn(50, 48, generator=GEN)
+    layer = PanelLinear(w, None, panels)
+    wide = torch.randn(5, 96, generator=GEN)[:, :48]
+    torch.testing.assert_close(layer(wide), F.linear(wide, w))
+    batched = torch.randn(2, 3, 48, generator=GEN)
+    torch.testing.assert_close(layer(batched), F.linear(batched, w))
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda ops, p: ops.panel_linear_f32(torch.zeros(2, 32, dtype=torch.bfloat16), p, 50, None), "fp32"),
+        (lambda ops, p: ops.panel_linear_f32(torch.zeros(2, 31), p, 50, None), "x's in"),
+        (lambda ops, p: ops.panel_linear_f32(torch.zeros(2, 32), p, 97, None), "does not fill"),
+        (lambda ops, p: ops.panel_linear_f32(torch.zeros(2, 32), p, 48, None), "does not fill"),
+        (lambda ops, p: ops.panel_linear_f32(torch.zeros(2, 32), p, 50, torch.zeros(49)), "bias"),
+        (lambda ops, p: ops.panel_linear_f32(torch.zeros(2, 32), p[:, :, :16].contiguous(), 50, None), "panels"),
+    ],
+)
+def test_panel_linear_refuses_what_it_cannot_take(panels, call, match):
+    packed = PanelLinear(torch.randn(50, 32, generator=GEN), None, panels).packed  # 2 panels, 50 columns
+    with pytest.raises(RuntimeError, match=match):
+        call(panels, packed)
+    with pytest.raises(ValueError, match="fp32 CPU weight"):
+        PanelLinear(torch.randn(50, 32, generator=GEN).bfloat16(), None, panels)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_fp32_model_on_panels_matches_plain_torch_and_looks_tokens_up_in_a_tied_heads_panels(panels, tmp_path, tied):
+    root = make_tiny_llama(
+        tmp_path / "m", hidden_size=64, intermediate_size=96, num_attention_heads=4, tie_word_embeddings=tied
+    )
+    cfg, weights = ModelConfig.from_dir(root), load_weights(root, torch.float32)
+    embedding = weights["model.embed_tokens.weight"].clone()
+    plain = LlamaModel(cfg, weights, dtype=torch.float32, linear_kernel="aten")
+    model = LlamaModel(cfg, weights, dtype=torch.float32, fused=panels)
+    assert model.linear_kernel == "panels_fp32" and "AVX512F" in model.linear_kernel_reason
+    assert all(isinstance(lin, PanelLinear) for lin in _linears(model))
+    ids = torch.tensor([3, 0, cfg.vocab_size - 1, 3])
+    assert torch.equal(model.embed_tokens(ids), embedding[ids])
+    # a tied head's panels are the embedding: no second copy (the panels pad the vocabulary to 48k rows)
+    assert (model.embed is None) == tied
+    padding = sum(lin.nbytes for lin in _linears(model)) - sum(lin.nbytes for lin in _linears(plain))
+    assert model.nbytes == plain.nbytes + padding
+    hidden = torch.randn(9, cfg.hidden_size, generator=GEN)
+    torch.testing.assert_close(model.compute_logits(hidden), plain.compute_logits(hidden), rtol=1e-5, atol=1e-5)
 
 
 def _linears(model: LlamaModel) -> list:

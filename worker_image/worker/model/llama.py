@@ -25,6 +25,7 @@ from worker.model.linear import (
     AmxLinear,
     DenseLinear,
     LinearKernel,
+    PanelLinear,
     amx_fits,
     available_kernels,
     choose_linear_kernel,
@@ -170,15 +171,22 @@ class LlamaModel:
                 )
             )
         self.norm = take("model.norm.weight")
-        self.embed = take("model.embed_tokens.weight")
+        # None where a tied head's fp32 panels hold the embedding (`embed_tokens` looks tokens up in them)
+        self.embed: torch.Tensor | None = take("model.embed_tokens.weight")
+        self._embed_panels: PanelLinear | None = None
         # The output head stays dense (as in vLLM's weight-only schemes): it is one matmul per sampled row. A tied
         # head shares the embedding's storage: oneDNN's packing would hold a second copy (+57 MB bf16 for SmolLM2),
         # so with that kernel it runs torch's matmul; the AMX kernel multiplies by the embedding itself (SmolLM2 at
-        # 64 rows: 1.3 s of a 17 s run on W with F.linear). An untied head runs the chosen kernel.
+        # 64 rows: 1.3 s of a 17 s run on W with F.linear); fp32 panels replace it (the lookups read the panels).
+        # An untied head runs the chosen kernel.
         head = self.embed if cfg.tie_word_embeddings else take("lm_head.weight")
         self.lm_head: Linear
         if linear_kernel == "amx_bf16" and fused is not None and amx_fits(head):
             self.lm_head = AmxLinear(head, None, fused, fp32_out=True)  # fp32 logits straight from the sums
+        elif linear_kernel == "panels_fp32" and fused is not None:
+            self.lm_head = PanelLinear(head, None, fused)
+            if cfg.tie_word_embeddings:
+                self._embed_panels, self.embed = self.lm_head, None
         elif cfg.tie_word_embeddings:
             self.lm_head = DenseLinear(head)
         else:
@@ -188,10 +196,10 @@ class LlamaModel:
     @property
     def nbytes(self) -> int:
         """Bytes held by weights (tied embeddings counted once)."""
-        total = self.embed.numel() * self.embed.element_size()
-        head = self.lm_head
-        if not (isinstance(head, DenseLinear) and head.weight.data_ptr() == self.embed.data_ptr()):
-            total += head.nbytes
+        head, embed = self.lm_head, self.embed
+        total = head.nbytes
+        if embed is not None and not (isinstance(head, DenseLinear) and head.weight.data_ptr() == embed.data_ptr()):
+            total += embed.numel() * embed.element_size()
         total += self.norm.numel() * self.norm.element_size()
         for layer in self.layers:
             total += layer.qkv.nbytes + layer.o_proj.nbytes + layer.gate_up.nbytes + layer.down.nbytes
@@ -226,7 +234,7 @@ class LlamaModel:
         eps = cfg.rms_norm_eps
         cos, sin = self.rope_tables(meta.positions)
         fused = self.fused
-        h = F.embedding(input_ids, self.embed)
+        h = self.embed_tokens(input_ids)
         pending: torch.Tensor | None = None  # the last sub-layer's output, not yet added to the residual h
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             h, x = self._add_norm(h, pending, layer.input_norm, eps)
@@ -257,6 +265,13 @@ class LlamaModel:
             if lora is not None:
                 lora.apply(i, "down", act, pending)
         return self._add_norm(h, pending, self.norm, eps)[1]
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of `input_ids` [T] -> [T, hidden]."""
+        if self._embed_panels is not None:
+            return self._embed_panels.rows(input_ids)
+        assert self.embed is not None
+        return F.embedding(input_ids, self.embed)
 
     def _add_norm(
         self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
