@@ -856,9 +856,9 @@ void rope_(torch::Tensor x, int64_t heads, int64_t head_dim, torch::Tensor cos, 
 // and broadcasts x[m, k] into them for 8 rows at once (24 accumulators). Each thread walks its own panels: a panel
 // streams from DRAM once per 256 rows of x and is reused from L2 by every 8-row block; while it is being
 // multiplied, the thread's next panel is prefetched into L2, its lines spread evenly over the blocks' k steps (all
-// of them at once stalled the core on its fill buffers). Sums run over k in order, in fp32. Against MKL's sgemm on
-// SmolLM2's layers with the weights streamed (30 layers, 2 threads, GFLOP/s): 1 row 11 / 12.6, 4-8 rows 43-78 /
-// 27-46, 16: 139 / 85, 32: 233 / 141, 64: 321 / 203, 128: 328 / 266, 512: 339 / 343, 2048: 353 / 376.
+// of them at once was slower). Against MKL's sgemm on SmolLM2's layers with the weights streamed (30 layers, 2
+// threads, GFLOP/s, ours / MKL): 1 row 13.2 / 13.7, 4: 52 / 30, 16: 155 / 87, 32: 244 / 149, 64: 319 / 217,
+// 128: 334 / 277, 512: 352 / 350, 2048: 360 / 386 (linear.py has the table).
 static constexpr int64_t F32_PANEL = 48;
 static constexpr int64_t F32_PANEL_ROWS = 256;  // rows of x per pass over the panels (its rows stay in L2)
 // the sums run over chunks of this many inputs, added up at the end: blocked summation, whose rounding error stays

@@ -13,10 +13,27 @@ avx512_bf16, avx512_vnni and AMX (GFLOP/s, layer group, M rows):
 
 So bf16 with the weight reordered once into oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`
 + `_linear_pointwise`: the path inductor's CPU weight prepacking emits) is 1.3-1.7x plain bf16 `F.linear` for
-decode-sized batches and 3-6x fp32 MKL. fp32 stays on MKL: oneDNN fp32 is 0.77-1.4x MKL, slower for single
-rows, and rounds differently (~1e-4 absolute), which would cost the token-for-token greedy match with
-transformers that fp32 promises. MKL's own packed sgemm (`torch.ops.mkl._mkl_linear`) only pays at the one
-batch size it was packed for and falls back to `F.linear` at any other, so it is not used.
+decode-sized batches and 3-6x fp32 MKL. oneDNN fp32 is 0.77-1.4x MKL, slower for single rows, and rounds
+differently (~1e-4 absolute), which would cost the token-for-token greedy match with transformers that fp32
+promises. MKL's own packed sgemm (`torch.ops.mkl._mkl_linear`) only pays at the one batch size it was packed for
+and falls back to `F.linear` at any other, so it is not used.
+
+fp32 on CPUs with AVX512F runs on our own kernel (`PanelLinear`, `kernels.panel_linear_f32`, stop 30): the weight
+is packed once at load into panels of 48 output columns, [panels, in, 48], and each step broadcasts 8 rows' input
+k into a panel's 48 weights of k (24 accumulators); while a thread multiplies one panel it prefetches its next
+into L2, spread over the blocks. MKL packs the weight on every call, which is what costs it at decode sizes. Over
+30 SmolLM2 layers streamed from DRAM (`bench/linear_kernels.py --layers 30 --groups layer,head --paths
+fp32_mkl,fp32_panels --rows 1,4,16,32,64,128,256,512,2048`), GFLOP/s, one run:
+
+    rows                        1      4     16     32     64    128    256    512   2048
+    panels (ours)            13.2   51.6    155    244    319    334    354    352    360
+    MKL (F.linear)           13.7   30.0     87    149    217    277    308    350    386
+
+and the 49152x576 head 1.4-1.9x MKL at 4-64 rows. At 2048 rows (prompt chunks) it is 0.93x: the 8 x 48 register
+block tops out near 345 GFLOP/s with everything in L1, where MKL's reaches ~375. Its sums run over chunks of 64
+inputs, added up at the end: its error against float64 stays under MKL's (a single running sum had ~3x it), and
+SmolLM2's fp32 greedy output still matches transformers' token for token. A tied head's panels also serve the
+embedding lookups (`rows`), so the embedding is held once.
 
 On CPUs with AMX (Sapphire Rapids and later) our own AMX kernel (`kernels.amx_linear`) runs batches of up to
 `AMX_MAX_ROWS` rows on the plain weight, and torch's matmul the rest. Over 30 SmolLM2 layers with their own weights
