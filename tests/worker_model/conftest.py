@@ -158,8 +158,9 @@ def load_hf_fn():
 
 
 @pytest.fixture(scope="session")
-def panels():
-    """The native extension, on a CPU with AVX512F, where its fp32 panel linear runs (else the test is skipped)."""
+def avx512():
+    """The native extension, on a CPU with AVX512F, where its fp32 kernels (panel linear, prompt attention) run
+    (else the test is skipped)."""
     from worker.model.kernels import _load_module
 
     module, why = _load_module()

@@ -1,5 +1,6 @@
-"""Prompt attention: the native AMX kernel (`kernels.amx_attention_`, bf16) against an fp32 reference, and how
-`attention.paged_attention` hands prompt chunks to it (the routing tests run on any CPU, with a recording fake)."""
+"""Prompt attention: the native kernels (`kernels.amx_attention_`, bf16 on AMX; `kernels.f32_attention_`, fp32 on
+AVX-512) against a reference, and how `attention.paged_attention` hands prompt chunks to them (the routing tests run
+on any CPU, with a recording fake)."""
 
 from __future__ import annotations
 
@@ -7,24 +8,26 @@ import pytest
 import torch
 import torch.nn.functional as F
 from worker.model.attention import EAGER, NativeAttention, SeqSpan, build_metadata, paged_attention
+from worker.model.kernels import load_prefill_attention
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
-    """fp32 attention of queries at positions start .. start + n over keys 0 .. start + n, query i seeing keys up to
-    start + i. Returns [n, heads * head_dim]."""
+    """Attention in fp32 (float64 for float64 inputs) of queries at positions start .. start + n over keys 0 ..
+    start + n, query i seeing keys up to start + i. Returns [n, heads * head_dim]."""
     n, heads, hd = q.shape
     kv = k.shape[0]
-    mask = torch.zeros(n, kv)
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    mask = torch.zeros(n, kv, dtype=dtype)
     mask.masked_fill_(torch.arange(kv)[None, :] > start + torch.arange(n)[:, None], float("-inf"))
-    qf, kf, vf = (x.float().transpose(0, 1)[None] for x in (q, k, v))
+    qf, kf, vf = (x.to(dtype).transpose(0, 1)[None] for x in (q, k, v))
     out = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1).reshape(n, heads * hd)
 
 
-def qkv_views(n: int, start: int, heads: int, kv_heads: int, hd: int, seed: int):
+def qkv_views(n: int, start: int, heads: int, kv_heads: int, hd: int, seed: int, dtype: torch.dtype = torch.bfloat16):
     """q, k, v as the model has them: strided views into fused QKV rows (q for the chunk's own rows only)."""
     gen = torch.Generator().manual_seed(seed)
-    qkv = torch.randn(start + n, (heads + 2 * kv_heads) * hd, generator=gen).to(torch.bfloat16)
+    qkv = torch.randn(start + n, (heads + 2 * kv_heads) * hd, generator=gen).to(dtype)
     q = qkv[start:, : heads * hd].view(n, heads, hd)
     k = qkv[:, heads * hd : (heads + kv_heads) * hd].view(start + n, kv_heads, hd)
     v = qkv[:, (heads + kv_heads) * hd :].view(start + n, kv_heads, hd)
@@ -83,6 +86,60 @@ def test_amx_attention_rejects_what_it_cannot_take(amx, out, q, k, start, match)
         amx.amx_attention_(out, q, k, k.clone(), start, 1.0)
 
 
+@pytest.mark.parametrize("heads,kv_heads,hd", [(9, 3, 64), (4, 4, 128), (8, 1, 64), (6, 2, 128)])
+@pytest.mark.parametrize(
+    "n,start",
+    [(1, 0), (2, 0), (7, 0), (8, 0), (9, 0), (47, 0), (49, 0), (100, 0), (300, 0), (5, 3), (40, 100), (31, 33)],
+)
+def test_f32_attention_matches_a_float64_reference(avx512, heads, kv_heads, hd, n, start):
+    """Tails of 8 queries and of 48 keys, a causal offset, grouped heads; only the chunk's output rows change."""
+    q, k, v = qkv_views(n, start, heads, kv_heads, hd, seed=n * 1000 + start + hd, dtype=torch.float32)
+    scale = hd**-0.5
+    out = torch.full((n + 2, heads * hd), 7.0)
+    avx512.f32_attention_(out[1 : n + 1], q, k, v, start, scale)
+    want = reference(q.double(), k.double(), v.double(), start, scale)
+    torch.testing.assert_close(out[1 : n + 1].double(), want, atol=1e-5, rtol=1e-5)
+    assert (out[0] == 7).all() and (out[n + 1] == 7).all()
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_f32_attention_is_the_same_whatever_the_thread_count(avx512, threads):
+    q, k, v = qkv_views(150, 20, 9, 3, 64, seed=5, dtype=torch.float32)
+    want = torch.empty(150, 9 * 64)
+    avx512.f32_attention_(want, q, k, v, 20, 0.125)
+    got = torch.empty_like(want)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        avx512.f32_attention_(got, q, k, v, 20, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "out,q,k,start,match",
+    [
+        (torch.zeros(4, 4 * 96), torch.zeros(4, 4, 96), torch.zeros(4, 2, 96), 0, "head_dim 64 or 128"),
+        (torch.zeros(4, 3 * 64), torch.zeros(4, 3, 64), torch.zeros(4, 2, 64), 0, "multiple of kv_heads"),
+        (torch.zeros(4, 4 * 64), torch.zeros(4, 4, 64), torch.zeros(6, 2, 64), 1, "start \\+ n"),
+        (_bf16(4, 4 * 64), _bf16(4, 4, 64), _bf16(4, 2, 64), 0, "fp32 tensors"),
+        (torch.zeros(4, 4 * 64), torch.zeros(4, 64, 4).transpose(1, 2), torch.zeros(4, 2, 64), 0, "rows contiguous"),
+        (torch.zeros(4, 4 * 64), torch.zeros(0, 4, 64), torch.zeros(0, 2, 64), 0, "n >= 1"),
+    ],
+)
+def test_f32_attention_rejects_what_it_cannot_take(avx512, out, q, k, start, match):
+    with pytest.raises(RuntimeError, match=match):
+        avx512.f32_attention_(out, q, k, k.clone(), start, 1.0)
+
+
+def test_the_loader_picks_the_kernel_of_the_models_dtype(avx512):
+    fp32, why = load_prefill_attention(torch.float32, 64)
+    assert fp32 is avx512.f32_attention_ and "fp32" in why
+    assert load_prefill_attention(torch.float32, 96) == (None, "SDPA: the native kernels take head dims of 64 or 128")
+    assert load_prefill_attention(torch.float16, 64)[0] is None
+
+
 class _Recorder:
     """A stand-in for the native kernel: records what it is given and writes start + 1 into the rows it owns."""
 
@@ -130,6 +187,21 @@ def test_q_rows_with_heads_apart_stay_on_sdpa():
     out = paged_attention(q, k, v, k_cache, v_cache, meta, 0.3, NativeAttention(prefill=fake))
     assert fake.calls == []
     assert torch.equal(out, paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.3, EAGER))
+
+
+def test_a_mixed_batch_on_the_f32_kernel_matches_sdpa(avx512):
+    """The real fp32 kernel inside paged_attention: decode rows, a fresh chunk and a continuing one."""
+    heads, kv_heads, hd, bs = 9, 3, 64, 16
+    gen = torch.Generator().manual_seed(3)
+    k_cache = torch.randn(12, bs, kv_heads, hd, generator=gen)
+    v_cache = torch.randn(12, bs, kv_heads, hd, generator=gen)
+    spans = [SeqSpan(20, 1, [0, 1]), SeqSpan(0, 37, [2, 3, 4]), SeqSpan(30, 19, [5, 6, 7, 8])]
+    meta = build_metadata(spans, bs, torch.device("cpu"), torch.float32)
+    t = 1 + 37 + 19
+    q, k, v = (torch.randn(t, h, hd, generator=gen) for h in (heads, kv_heads, kv_heads))
+    eager = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.125)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, 0.125, NativeAttention(prefill=avx512.f32_attention_))
+    torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-5)
 
 
 def test_a_mixed_batch_on_the_amx_kernel_matches_sdpa(amx):
