@@ -967,12 +967,14 @@ torch::Tensor panel_linear_f32(torch::Tensor x, torch::Tensor packed, int64_t n,
   TORCH_CHECK(f32_panels_ready(), "panel_linear_f32: needs a CPU with AVX512F (ask f32_panels_ready first)");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
               "panel_linear_f32: x must be [rows, in] fp32 and contiguous");
+  // (string literals only in these messages: numbers formatted into one (c10::str) crashed the process with
+  // SIGSEGV instead of raising, under torch 2.11+cu130 on the GPU machine)
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == at::kFloat &&
                   packed.size(2) == F32_PANEL && packed.size(1) == x.size(1),
-              "panel_linear_f32: packed must be [panels, in, ", F32_PANEL, "] fp32 with x's in (", x.size(1), ")");
+              "panel_linear_f32: packed must be [panels, in, f32_panel_cols()] fp32, contiguous, with x's in");
   const int64_t P = packed.size(0);
-  TORCH_CHECK(n > (P - 1) * F32_PANEL && n <= P * F32_PANEL, "panel_linear_f32: n=", n, " does not fill ", P,
-              " panels of ", F32_PANEL);
+  TORCH_CHECK(n > (P - 1) * F32_PANEL && n <= P * F32_PANEL,
+              "panel_linear_f32: n does not fill the panels (more than all but one, at most all)");
   torch::Tensor b;
   if (bias.has_value()) {
     b = *bias;
