@@ -157,28 +157,26 @@ def load_hf_fn():
     return load_hf
 
 
-@pytest.fixture(scope="session")
-def avx512():
-    """The native extension, on a CPU with AVX512F, where its fp32 kernels (panel linear, prompt attention) run
-    (else the test is skipped)."""
+def _native_or_skip(ready: str, missing: str):
+    """The native extension where it builds and its `ready()` check passes (else the test is skipped)."""
     from worker.model.kernels import _load_module
 
     module, why = _load_module()
     if module is None:
         pytest.skip(f"native extension cannot be built here: {why}")
-    if not module.f32_panels_ready():
-        pytest.skip("this CPU has no AVX512F")
+    if not getattr(module, ready)():
+        pytest.skip(missing)
     return module
+
+
+@pytest.fixture(scope="session")
+def avx512():
+    """The native extension, on a CPU with AVX512F, where its fp32 kernels (panel linear, prompt attention) run
+    (else the test is skipped)."""
+    return _native_or_skip("f32_panels_ready", "this CPU has no AVX512F")
 
 
 @pytest.fixture(scope="session")
 def amx():
     """The native extension, on a CPU whose AMX-BF16 the OS lets it use (else the test is skipped)."""
-    from worker.model.kernels import _load_module
-
-    module, why = _load_module()
-    if module is None:
-        pytest.skip(f"native extension cannot be built here: {why}")
-    if not module.amx_linear_ready():
-        pytest.skip("this CPU (or its kernel) offers no AMX-BF16")
-    return module
+    return _native_or_skip("amx_linear_ready", "this CPU (or its kernel) offers no AMX-BF16")

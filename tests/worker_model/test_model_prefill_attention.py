@@ -50,15 +50,19 @@ def test_amx_attention_matches_an_fp32_reference(amx, heads, kv_heads, hd, n, st
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-def test_amx_attention_is_the_same_whatever_the_thread_count(amx, threads):
-    q, k, v = qkv_views(150, 20, 9, 3, 64, seed=5)
-    want = torch.empty(150, 9 * 64, dtype=torch.bfloat16)
-    amx.amx_attention_(want, q, k, v, 20, 0.125)
+@pytest.mark.parametrize(
+    "fixture,kernel,dtype", [("amx", "amx_attention_", torch.bfloat16), ("avx512", "f32_attention_", torch.float32)]
+)
+def test_prompt_attention_is_the_same_whatever_the_thread_count(request, fixture, kernel, dtype, threads):
+    attend = getattr(request.getfixturevalue(fixture), kernel)
+    q, k, v = qkv_views(150, 20, 9, 3, 64, seed=5, dtype=dtype)
+    want = torch.empty(150, 9 * 64, dtype=dtype)
+    attend(want, q, k, v, 20, 0.125)
     got = torch.empty_like(want)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        amx.amx_attention_(got, q, k, v, 20, 0.125)
+        attend(got, q, k, v, 20, 0.125)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(got, want)
@@ -100,21 +104,6 @@ def test_f32_attention_matches_a_float64_reference(avx512, heads, kv_heads, hd, 
     want = reference(q.double(), k.double(), v.double(), start, scale)
     torch.testing.assert_close(out[1 : n + 1].double(), want, atol=1e-5, rtol=1e-5)
     assert (out[0] == 7).all() and (out[n + 1] == 7).all()
-
-
-@pytest.mark.parametrize("threads", [1, 3])
-def test_f32_attention_is_the_same_whatever_the_thread_count(avx512, threads):
-    q, k, v = qkv_views(150, 20, 9, 3, 64, seed=5, dtype=torch.float32)
-    want = torch.empty(150, 9 * 64)
-    avx512.f32_attention_(want, q, k, v, 20, 0.125)
-    got = torch.empty_like(want)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        avx512.f32_attention_(got, q, k, v, 20, 0.125)
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize(

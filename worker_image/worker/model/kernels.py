@@ -990,6 +990,19 @@ torch::Tensor panel_linear_f32(torch::Tensor x, torch::Tensor packed, int64_t n,
   return y;
 }
 
+// The shapes both prompt-attention kernels take (`what`: the kernel, for the messages).
+static void prompt_attention_shapes(const torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k,
+                                    const torch::Tensor& v, int64_t start, const char* what) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.dim() == 2, what,
+              ": q [n, heads, head_dim], k and v [start + n, kv_heads, head_dim], out [n, heads * head_dim]");
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
+  TORCH_CHECK(n >= 1 && start >= 0 && (D == 64 || D == 128) && KVH >= 1 && H % KVH == 0, what,
+              ": needs n >= 1 queries, start >= 0, head_dim 64 or 128, heads a multiple of kv_heads");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == start + n && k.size(2) == D && out.size(0) == n &&
+                  out.size(1) == H * D,
+              what, ": k and v must be [start + n, kv_heads, head_dim] and out [n, heads * head_dim]");
+}
+
 // ---- fp32 causal attention of a prompt chunk (AVX-512): torch's SDPA ran W's fp32 prompt chunks at ~70 GFLOP/s
 // (4.5 ms for 512 tokens of SmolLM2's 9 heads; its CPU kernel reads the strided q/k/v views). A task is one head's
 // block of 8 queries: S = scale * Q K^T against K^T packed once per call per KV head ([D][keys], padded to 48), in
@@ -1108,14 +1121,8 @@ static void f32_attention_run(const float* q, int64_t qs, const float* k, int64_
 // n - 1), k and v [start + n, kv_heads, D], out [n, heads * D]; rows may be strided, heads back to back.
 void f32_attention_(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t start, double scale) {
   TORCH_CHECK(f32_panels_ready(), "f32_attention_: needs a CPU with AVX512F (ask f32_panels_ready first)");
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.dim() == 2,
-              "f32_attention_: q [n, heads, head_dim], k and v [start + n, kv_heads, head_dim], out [n, heads * head_dim]");
+  prompt_attention_shapes(out, q, k, v, start, "f32_attention_");
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
-  TORCH_CHECK(n >= 1 && start >= 0 && (D == 64 || D == 128) && H % KVH == 0,
-              "f32_attention_: needs n >= 1 queries, start >= 0, head_dim 64 or 128, heads a multiple of kv_heads");
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == start + n && k.size(2) == D && out.size(0) == n &&
-                  out.size(1) == H * D,
-              "f32_attention_: k and v must be [start + n, kv_heads, head_dim] and out [n, heads * head_dim]");
   for (const torch::Tensor* t : {&q, &k, &v, &out})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->stride(-1) == 1, "f32_attention_: fp32 tensors, rows contiguous");
   for (const torch::Tensor* t : {&q, &k, &v})
@@ -1714,14 +1721,8 @@ torch::Tensor amx_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tens
 // may be strided (views into the fused QKV output, or into a larger output); each row holds its heads back to back.
 void amx_attention_(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t start, double scale) {
   TORCH_CHECK(amx_ready(), "amx_attention_: this CPU has no AMX-BF16 (ask amx_linear_ready first)");
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.dim() == 2,
-              "amx_attention_: q [n, heads, head_dim], k and v [start + n, kv_heads, head_dim], out [n, heads * head_dim]");
+  prompt_attention_shapes(out, q, k, v, start, "amx_attention_");
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
-  TORCH_CHECK(n >= 1 && start >= 0 && (D == 64 || D == 128) && H % KVH == 0,
-              "amx_attention_: needs n >= 1 queries, start >= 0, head_dim 64 or 128, heads a multiple of kv_heads");
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == start + n && k.size(2) == D && out.size(0) == n &&
-                  out.size(1) == H * D,
-              "amx_attention_: k and v must be [start + n, kv_heads, head_dim] and out [n, heads * head_dim]");
   for (const torch::Tensor* t : {&q, &k, &v, &out})
     TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->stride(-1) == 1 && t->stride(0) % 2 == 0,
                 "amx_attention_: bf16 tensors whose rows are an even number of elements apart");
