@@ -884,18 +884,22 @@ LLMFLEET_AVX512F static void panel_block(const float* __restrict__ x, int64_t K,
     for (int m = 0; m < MR; ++m)
       for (int j = 0; j < 3; ++j) acc[m][j] = _mm512_setzero_ps();
     const int64_t k1 = std::min(K, k0 + F32_PANEL_CHUNK);
-    for (int64_t k = k0; k < k1; ++k) {
-      if (next && ((k - k0) & 3) == 0) {
-        for (due += 4 * span; due >= K; due -= K, ++line) _mm_prefetch((const char*)(next + line * 16), _MM_HINT_T1);
+    for (int64_t ks = k0; ks < k1; ks += 16) {
+      const int64_t ke = std::min(k1, ks + 16);
+      if (next) {  // this stretch's share of the next panel's lines, so the FMA loop below has no branch
+        for (due += (ke - ks) * span; due >= K; due -= K, ++line)
+          _mm_prefetch((const char*)(next + line * 16), _MM_HINT_T1);
       }
-      const float* w = panel + k * F32_PANEL;
-      const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16), w2 = _mm512_loadu_ps(w + 32);
+      for (int64_t k = ks; k < ke; ++k) {
+        const float* w = panel + k * F32_PANEL;
+        const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16), w2 = _mm512_loadu_ps(w + 32);
 #pragma GCC unroll 8
-      for (int m = 0; m < MR; ++m) {
-        const __m512 xb = _mm512_set1_ps(x[m * K + k]);
-        acc[m][0] = _mm512_fmadd_ps(xb, w0, acc[m][0]);
-        acc[m][1] = _mm512_fmadd_ps(xb, w1, acc[m][1]);
-        acc[m][2] = _mm512_fmadd_ps(xb, w2, acc[m][2]);
+        for (int m = 0; m < MR; ++m) {
+          const __m512 xb = _mm512_set1_ps(x[m * K + k]);
+          acc[m][0] = _mm512_fmadd_ps(xb, w0, acc[m][0]);
+          acc[m][1] = _mm512_fmadd_ps(xb, w1, acc[m][1]);
+          acc[m][2] = _mm512_fmadd_ps(xb, w2, acc[m][2]);
+        }
       }
     }
     for (int m = 0; m < MR; ++m)
