@@ -868,11 +868,12 @@ static constexpr int64_t F32_PANEL_CHUNK = 64;
 int64_t f32_panel_cols() { return F32_PANEL; }
 
 #if defined(__x86_64__)
-// y[m, c] = bias[c] + sum_k x[m, k] * panel[k, c] for MR rows and the panel's first ncols columns, the sum taken
+// y[m, c] = bias[c] + sum_k x[m, k] * panel[k, c] for MR rows of x (xs floats apart) and the panel's first ncols
+// columns (y's rows N floats apart), the sum taken
 // over chunks of F32_PANEL_CHUNK inputs, each from zero, then added up (blocked summation). Lines [l0, l1) of `next`
 // (nullptr: none) are prefetched into L2 along the way.
 template <int MR>
-LLMFLEET_AVX512F static void panel_block(const float* __restrict__ x, int64_t K, const float* __restrict__ panel,
+LLMFLEET_AVX512F static void panel_block(const float* __restrict__ x, int64_t xs, int64_t K, const float* __restrict__ panel,
                                          float* __restrict__ y, int64_t N, int64_t ncols, const float* bias,
                                          const float* next, int64_t l0, int64_t l1) {
   __m512 acc[MR][3], total[MR][3];
@@ -895,7 +896,7 @@ LLMFLEET_AVX512F static void panel_block(const float* __restrict__ x, int64_t K,
         const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16), w2 = _mm512_loadu_ps(w + 32);
 #pragma GCC unroll 8
         for (int m = 0; m < MR; ++m) {
-          const __m512 xb = _mm512_set1_ps(x[m * K + k]);
+          const __m512 xb = _mm512_set1_ps(x[m * xs + k]);
           acc[m][0] = _mm512_fmadd_ps(xb, w0, acc[m][0]);
           acc[m][1] = _mm512_fmadd_ps(xb, w1, acc[m][1]);
           acc[m][2] = _mm512_fmadd_ps(xb, w2, acc[m][2]);
@@ -914,17 +915,17 @@ LLMFLEET_AVX512F static void panel_block(const float* __restrict__ x, int64_t K,
 }
 
 // the last rows < 8 of a pass
-LLMFLEET_AVX512F static void panel_tail(int64_t rows, const float* x, int64_t K, const float* panel, float* y,
+LLMFLEET_AVX512F static void panel_tail(int64_t rows, const float* x, int64_t xs, int64_t K, const float* panel, float* y,
                                         int64_t N, int64_t ncols, const float* bias, const float* next, int64_t l0,
                                         int64_t l1) {
   switch (rows) {
-    case 1: return panel_block<1>(x, K, panel, y, N, ncols, bias, next, l0, l1);
-    case 2: return panel_block<2>(x, K, panel, y, N, ncols, bias, next, l0, l1);
-    case 3: return panel_block<3>(x, K, panel, y, N, ncols, bias, next, l0, l1);
-    case 4: return panel_block<4>(x, K, panel, y, N, ncols, bias, next, l0, l1);
-    case 5: return panel_block<5>(x, K, panel, y, N, ncols, bias, next, l0, l1);
-    case 6: return panel_block<6>(x, K, panel, y, N, ncols, bias, next, l0, l1);
-    case 7: return panel_block<7>(x, K, panel, y, N, ncols, bias, next, l0, l1);
+    case 1: return panel_block<1>(x, xs, K, panel, y, N, ncols, bias, next, l0, l1);
+    case 2: return panel_block<2>(x, xs, K, panel, y, N, ncols, bias, next, l0, l1);
+    case 3: return panel_block<3>(x, xs, K, panel, y, N, ncols, bias, next, l0, l1);
+    case 4: return panel_block<4>(x, xs, K, panel, y, N, ncols, bias, next, l0, l1);
+    case 5: return panel_block<5>(x, xs, K, panel, y, N, ncols, bias, next, l0, l1);
+    case 6: return panel_block<6>(x, xs, K, panel, y, N, ncols, bias, next, l0, l1);
+    case 7: return panel_block<7>(x, xs, K, panel, y, N, ncols, bias, next, l0, l1);
     default: return;
   }
 }
@@ -947,9 +948,9 @@ static void panel_linear_run(const float* x, int64_t M, int64_t K, const float* 
           const float* xm = x + (m0 + m) * K;
           float* ym = y + (m0 + m) * N + p * F32_PANEL;
           if (m + 8 <= rows)
-            panel_block<8>(xm, K, panel, ym, N, ncols, b, next, l0, l1);
+            panel_block<8>(xm, K, K, panel, ym, N, ncols, b, next, l0, l1);
           else
-            panel_tail(rows - m, xm, K, panel, ym, N, ncols, b, next, l0, l1);
+            panel_tail(rows - m, xm, K, K, panel, ym, N, ncols, b, next, l0, l1);
         }
       }
     }
@@ -1009,12 +1010,11 @@ static void prompt_attention_shapes(const torch::Tensor& out, const torch::Tenso
 
 // ---- fp32 causal attention of a prompt chunk (AVX-512): torch's SDPA ran W's fp32 prompt chunks at ~70 GFLOP/s
 // (4.5 ms for 512 tokens of SmolLM2's 9 heads; its CPU kernel reads the strided q/k/v views). A task is one head's
-// block of 8 queries: S = scale * Q K^T against K^T packed once per call per KV head ([D][keys], padded to 48), in
-// the panel linear's register block (8 rows x 48 keys); an exact softmax per row (exp_ps, ~1 ulp); O = P V from V's
-// rows in place, divided by the row sums. Tasks go to threads in the order 0, last, 1, last-1, ... (causal work
-// grows with the block).
-static constexpr int64_t F32_ATTN_ROWS = 8;
-static constexpr int64_t F32_ATTN_KEYS = 48;
+// block of 8 queries: S = Q K^T by the panel linear's kernel (panel_block), each KV head's keys packed once per call
+// into panels of F32_PANEL keys as a linear's output rows are; an exact softmax per row of scale * S (exp_ps, ~1
+// ulp); O = P V from V's rows in place, divided by the row sums. Tasks go to threads in the order 0, last, 1,
+// last-1, ... (causal work grows with the block).
+static constexpr int64_t F32_ATTN_ROWS = 8;  // the queries of a task: panel_block<8>'s rows
 
 #if defined(__x86_64__)
 template <int D>
@@ -1023,25 +1023,12 @@ LLMFLEET_AVX512F static void f32_attention_block(const float* q, int64_t qs, int
                                                  float scale, float* s, float* out, int64_t os) {
   const int64_t nk = first_vis + rows - 1;  // keys the block's last row sees
   const __m512 sc = _mm512_set1_ps(scale);
-  for (int64_t j0 = 0; j0 < nk; j0 += F32_ATTN_KEYS) {
-    __m512 acc[F32_ATTN_ROWS][3];
-    for (int m = 0; m < F32_ATTN_ROWS; ++m)
-      for (int c = 0; c < 3; ++c) acc[m][c] = _mm512_setzero_ps();
-    const float* qr[F32_ATTN_ROWS];
-    for (int m = 0; m < F32_ATTN_ROWS; ++m) qr[m] = q + std::min<int64_t>(m, rows - 1) * qs;  // extra rows unused
-    for (int d = 0; d < D; ++d) {
-      const float* kr = kt + d * ls + j0;
-      const __m512 k0 = _mm512_loadu_ps(kr), k1 = _mm512_loadu_ps(kr + 16), k2 = _mm512_loadu_ps(kr + 32);
-#pragma GCC unroll 8
-      for (int m = 0; m < F32_ATTN_ROWS; ++m) {
-        const __m512 qb = _mm512_set1_ps(qr[m][d]);
-        acc[m][0] = _mm512_fmadd_ps(qb, k0, acc[m][0]);
-        acc[m][1] = _mm512_fmadd_ps(qb, k1, acc[m][1]);
-        acc[m][2] = _mm512_fmadd_ps(qb, k2, acc[m][2]);
-      }
-    }
-    for (int m = 0; m < F32_ATTN_ROWS; ++m)
-      for (int c = 0; c < 3; ++c) _mm512_storeu_ps(s + m * ls + j0 + 16 * c, _mm512_mul_ps(acc[m][c], sc));
+  for (int64_t j0 = 0; j0 < nk; j0 += F32_PANEL) {  // S's rows ls floats apart; the score rows past `rows` unset
+    const float* panel = kt + j0 * D;
+    if (rows == F32_ATTN_ROWS)
+      panel_block<F32_ATTN_ROWS>(q, qs, D, panel, s + j0, ls, F32_PANEL, nullptr, nullptr, 0, 0);
+    else
+      panel_tail(rows, q, qs, D, panel, s + j0, ls, F32_PANEL, nullptr, nullptr, 0, 0);
   }
   float inv[F32_ATTN_ROWS];
   for (int64_t m = 0; m < F32_ATTN_ROWS; ++m) {
@@ -1052,16 +1039,17 @@ LLMFLEET_AVX512F static void f32_attention_block(const float* q, int64_t qs, int
     for (; j + 16 <= vis; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(row + j));
     const __mmask16 tail = (__mmask16)((1u << (vis - j)) - 1);
     if (vis > j) mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, row + j));
-    const __m512 top = _mm512_set1_ps(vis ? _mm512_reduce_max_ps(mx) : 0.f);
+    const __m512 top = _mm512_set1_ps(vis ? _mm512_reduce_max_ps(mx) : 0.f);  // of S: scale > 0
     __m512 sum = _mm512_setzero_ps();
     for (j = 0; j + 16 <= vis; j += 16) {
-      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(row + j), top));
+      const __m512 e = exp_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(row + j), top), sc));
       _mm512_storeu_ps(row + j, e);
       sum = _mm512_add_ps(sum, e);
     }
     for (; j < nk; j += 16) {  // the row's last visible keys, and zeros past them up to the block's last key
       const __mmask16 keep = j < vis ? (__mmask16)((vis - j >= 16) ? 0xFFFF : (1u << (vis - j)) - 1) : 0;
-      const __m512 e = _mm512_maskz_mov_ps(keep, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(row + j), top)));
+      const __m512 e =
+          _mm512_maskz_mov_ps(keep, exp_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(row + j), top), sc)));
       _mm512_storeu_ps(row + j, e);
       sum = _mm512_add_ps(sum, e);
     }
@@ -1092,15 +1080,16 @@ LLMFLEET_AVX512F static void f32_attention_block(const float* q, int64_t qs, int
 static void f32_attention_run(const float* q, int64_t qs, const float* k, int64_t ks, const float* v, int64_t vs,
                               float* out, int64_t os, int64_t n, int64_t start, int64_t H, int64_t KVH, int64_t D,
                               float scale) {
-  // K^T's rows (and the score rows) ls floats apart: the keys rounded up to 48, plus 16 so that the rows a k step
-  // reads do not all fall in one L1 set (a multiple of 4 KB apart they did: 2048 keys ran at 0.8x SDPA, 1.5x now)
-  const int64_t kv = start + n, ls = (kv + F32_ATTN_KEYS - 1) / F32_ATTN_KEYS * F32_ATTN_KEYS + 16;
+  // per KV head, its keys in panels of F32_PANEL ([panels][D][F32_PANEL], PanelLinear's layout; the keys past kv
+  // stay 0); score rows ls floats apart: the padded keys plus 16, so that they are not a multiple of 4 KB apart
+  const int64_t kv = start + n, kp = (kv + F32_PANEL - 1) / F32_PANEL * F32_PANEL, ls = kp + 16;
   const int64_t nqb = (n + F32_ATTN_ROWS - 1) / F32_ATTN_ROWS;
-  std::vector<float> kt(KVH * D * ls, 0.f);  // per KV head [D][ls]; the keys past kv stay 0
+  std::vector<float> kt(KVH * kp * D, 0.f);
   at::parallel_for(0, KVH, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g)
       for (int64_t j = 0; j < kv; ++j)
-        for (int64_t d = 0; d < D; ++d) kt[(g * D + d) * ls + j] = k[j * ks + g * D + d];
+        for (int64_t d = 0; d < D; ++d)
+          kt[g * kp * D + (j - j % F32_PANEL) * D + d * F32_PANEL + j % F32_PANEL] = k[j * ks + g * D + d];
   });
   std::vector<int64_t> order(nqb);
   for (int64_t i = 0; i < nqb; ++i) order[i] = i % 2 == 0 ? i / 2 : nqb - 1 - i / 2;
@@ -1114,7 +1103,7 @@ static void f32_attention_run(const float* q, int64_t qs, const float* k, int64_
       const int64_t g = t / (nqb * G), r = t % (nqb * G), h = g * G + r % G;
       const int64_t r0 = order[r / G] * F32_ATTN_ROWS;
       const int64_t rows = std::min<int64_t>(F32_ATTN_ROWS, n - r0);
-      block(q + r0 * qs + h * D, qs, rows, start + r0 + 1, kt.data() + g * D * ls, ls, v + g * D, vs, scale,
+      block(q + r0 * qs + h * D, qs, rows, start + r0 + 1, kt.data() + g * kp * D, ls, v + g * D, vs, scale,
             s.data(), out + r0 * os + h * D, os);
     }
   });
