@@ -872,6 +872,24 @@ int64_t f32_panel_cols() { return F32_PANEL; }
 // columns (y's rows N floats apart), the sum taken
 // over chunks of F32_PANEL_CHUNK inputs, each from zero, then added up (blocked summation). Lines [l0, l1) of `next`
 // (nullptr: none) are prefetched into L2 along the way.
+// One input step of panel_block: the panel's 48 weights of input k into the MR rows' 24 accumulators. Unrolled
+// by 2 in panel_block (30 streamed SmolLM2 layers, GFLOP/s before -> after: 8 rows 91 -> 100, 128: 348 -> 370,
+// 2048: 353 -> 375; 4 rows 50 -> 47; the same loop unrolled in place ran 8 rows at 80).
+template <int MR>
+LLMFLEET_AVX512F static inline __attribute__((always_inline)) void panel_step(const float* __restrict__ x, int64_t xs,
+                                                                            int64_t k, const float* __restrict__ panel,
+                                                                            __m512 (&acc)[MR][3]) {
+  const float* w = panel + k * F32_PANEL;
+  const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16), w2 = _mm512_loadu_ps(w + 32);
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) {
+    const __m512 xb = _mm512_set1_ps(x[m * xs + k]);
+    acc[m][0] = _mm512_fmadd_ps(xb, w0, acc[m][0]);
+    acc[m][1] = _mm512_fmadd_ps(xb, w1, acc[m][1]);
+    acc[m][2] = _mm512_fmadd_ps(xb, w2, acc[m][2]);
+  }
+}
+
 template <int MR>
 LLMFLEET_AVX512F static void panel_block(const float* __restrict__ x, int64_t xs, int64_t K, const float* __restrict__ panel,
                                          float* __restrict__ y, int64_t N, int64_t ncols, const float* bias,
@@ -891,17 +909,8 @@ LLMFLEET_AVX512F static void panel_block(const float* __restrict__ x, int64_t xs
         for (due += (ke - ks) * span; due >= K; due -= K, ++line)
           _mm_prefetch((const char*)(next + line * 16), _MM_HINT_T1);
       }
-      for (int64_t k = ks; k < ke; ++k) {
-        const float* w = panel + k * F32_PANEL;
-        const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16), w2 = _mm512_loadu_ps(w + 32);
-#pragma GCC unroll 8
-        for (int m = 0; m < MR; ++m) {
-          const __m512 xb = _mm512_set1_ps(x[m * xs + k]);
-          acc[m][0] = _mm512_fmadd_ps(xb, w0, acc[m][0]);
-          acc[m][1] = _mm512_fmadd_ps(xb, w1, acc[m][1]);
-          acc[m][2] = _mm512_fmadd_ps(xb, w2, acc[m][2]);
-        }
-      }
+#pragma GCC unroll 2
+      for (int64_t k = ks; k < ke; ++k) panel_step<MR>(x, xs, k, panel, acc);
     }
     for (int m = 0; m < MR; ++m)
       for (int j = 0; j < 3; ++j) total[m][j] = _mm512_add_ps(total[m][j], acc[m][j]);
