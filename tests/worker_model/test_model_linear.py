@@ -295,7 +295,8 @@ def test_bf16_model_on_amx_matches_plain_torch_and_ties_the_head_without_a_copy(
 
 
 @pytest.mark.parametrize("rows", [0, 1, 7, 8, 9, 64, 300])  # 8-row blocks and their tails; 300: two passes of 256
-@pytest.mark.parametrize("out_in", [(96, 64), (100, 37), (48, 576), (577, 40)])  # whole and part-filled panels
+# whole and part-filled panels
+@pytest.mark.parametrize("out_in", [(96, 64), (112, 64), (100, 37), (48, 576), (577, 40)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_panel_linear_matches_f_linear_in_fp32(avx512, rows, out_in, bias):
     w = torch.randn(*out_in, generator=GEN)
@@ -308,6 +309,17 @@ def test_panel_linear_matches_f_linear_in_fp32(avx512, rows, out_in, bias):
     assert torch.equal(layer.dequantize(), w)
     ids = torch.tensor([0, out_in[0] - 1, out_in[0] // 2, 0])
     assert torch.equal(layer.rows(ids), w[ids])  # the embedding lookups a tied head serves
+
+
+@pytest.mark.parametrize("out_features", [96, 112, 100])  # streamed (whole panels; a part-filled one), plain stores
+def test_panel_linear_writes_a_prompt_chunk_as_it_writes_its_parts(avx512, out_features):
+    """Past one 256-row pass the kernel writes y with streaming stores (N a multiple of 16): the same values, bit
+    for bit, as the plain stores of the same rows taken in calls of at most 256."""
+    w, b = torch.randn(out_features, 64, generator=GEN), torch.randn(out_features, generator=GEN)
+    layer = PanelLinear(w, b, avx512)
+    x = torch.randn(600, 64, generator=GEN)
+    whole = layer(x)
+    assert torch.equal(whole, torch.cat([layer(x[:256]), layer(x[256:512]), layer(x[512:])]))
 
 
 def test_panel_linear_sums_in_blocks_no_less_exactly_than_mkl(avx512):

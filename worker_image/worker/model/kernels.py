@@ -857,8 +857,8 @@ void rope_(torch::Tensor x, int64_t heads, int64_t head_dim, torch::Tensor cos, 
 // streams from DRAM once per 256 rows of x and is reused from L2 by every 8-row block; while it is being
 // multiplied, the thread's next panel is prefetched into L2, its lines spread evenly over the blocks' k steps (all
 // of them at once was slower). Against MKL's sgemm on SmolLM2's layers with the weights streamed (30 layers, 2
-// threads, GFLOP/s, ours / MKL): 1 row 13.2 / 13.7, 4: 52 / 30, 16: 155 / 87, 32: 244 / 149, 64: 319 / 217,
-// 128: 334 / 277, 512: 352 / 350, 2048: 360 / 386 (linear.py has the table).
+// threads, GFLOP/s, ours / MKL): 1 row 13.9 / 13.2, 4: 48 / 30, 16: 147 / 86, 32: 220 / 151, 64: 311 / 216,
+// 128: 376 / 286, 512: 382 / 361, 2048: 379 / 378 (linear.py has the table).
 static constexpr int64_t F32_PANEL = 48;
 static constexpr int64_t F32_PANEL_ROWS = 256;  // rows of x per pass over the panels (its rows stay in L2)
 // the sums run over chunks of this many inputs, added up at the end: blocked summation, whose rounding error stays

@@ -23,17 +23,18 @@ is packed once at load into panels of 48 output columns, [panels, in, 48], and e
 k into a panel's 48 weights of k (24 accumulators); while a thread multiplies one panel it prefetches its next
 into L2, spread over the blocks. MKL packs the weight on every call, which is what costs it at decode sizes. Over
 30 SmolLM2 layers streamed from DRAM (`bench/linear_kernels.py --layers 30 --groups layer,head --paths
-fp32_mkl,fp32_panels --rows 1,4,16,32,64,128,256,512,2048`), GFLOP/s, one run:
+fp32_mkl,fp32_panels --rows 1,4,16,32,64,128,256,512,2048`), GFLOP/s, one run (stop 31):
 
     rows                        1      4     16     32     64    128    256    512   2048
-    panels (ours)            13.2   51.6    155    244    319    334    354    352    360
-    MKL (F.linear)           13.7   30.0     87    149    217    277    308    350    386
+    panels (ours)            13.9   48.1    147    220    311    376    366    382    379
+    MKL (F.linear)           13.2   29.8     86    151    216    286    308    361    378
 
-and the 49152x576 head 1.4-1.9x MKL at 4-64 rows. At 2048 rows (prompt chunks) it is 0.93x: the 8 x 48 register
-block tops out near 345 GFLOP/s with everything in L1, where MKL's reaches ~375. Its sums run over chunks of 64
-inputs, added up at the end: its error against float64 stays under MKL's (a single running sum had ~3x it), and
-SmolLM2's fp32 greedy output still matches transformers' token for token. A tied head's panels also serve the
-embedding lookups (`rows`), so the embedding is held once.
+and the 49152x576 head 1.5-2.0x MKL at 4-64 rows. Two changes at stop 31 took 2048 rows from 0.9x to 1.0x MKL:
+the input step unrolled by 2, and y written with streaming stores past one 256-row pass (a prompt chunk's y, up to
+25 MB a projection, outgrows the caches, and plain stores read each line from DRAM first). Its sums run over
+chunks of 64 inputs, added up at the end: its error against float64 stays under MKL's (a single running sum had
+~3x it), and SmolLM2's fp32 greedy output still matches transformers' token for token. A tied head's panels also
+serve the embedding lookups (`rows`), so the embedding is held once.
 
 On CPUs with AMX (Sapphire Rapids and later) our own AMX kernel (`kernels.amx_linear`) runs batches of up to
 `AMX_MAX_ROWS` rows on the plain weight, and torch's matmul the rest. Over 30 SmolLM2 layers with their own weights
@@ -132,7 +133,7 @@ def choose_linear_kernel(
     if dtype == torch.float32:
         if "avx512f" in cpu_flags and F32_PANELS in kernels:
             return "panels_fp32", (
-                "fp32 on a CPU with AVX512F: our kernel on weights packed once in panels (1.2-1.7x MKL at 4-128 rows)"
+                "fp32 on a CPU with AVX512F: our kernel on weights packed once in panels (1.3-1.7x MKL at 4-128 rows, 1.0x at 2048)"
             )
         return "aten", "fp32 on CPU: MKL sgemm (oneDNN fp32 is not faster here and rounds differently)"
     if dtype != torch.bfloat16:
