@@ -868,10 +868,6 @@ static constexpr int64_t F32_PANEL_CHUNK = 64;
 int64_t f32_panel_cols() { return F32_PANEL; }
 
 #if defined(__x86_64__)
-// y[m, c] = bias[c] + sum_k x[m, k] * panel[k, c] for MR rows of x (xs floats apart) and the panel's first ncols
-// columns (y's rows N floats apart), the sum taken
-// over chunks of F32_PANEL_CHUNK inputs, each from zero, then added up (blocked summation). Lines [l0, l1) of `next`
-// (nullptr: none) are prefetched into L2 along the way.
 // One input step of panel_block: the panel's 48 weights of input k into the MR rows' 24 accumulators. Unrolled
 // by 2 in panel_block (30 streamed SmolLM2 layers, GFLOP/s before -> after: 8 rows 91 -> 100, 128: 348 -> 370,
 // 2048: 353 -> 375; 4 rows 50 -> 47; the same loop unrolled in place ran 8 rows at 80).
@@ -890,6 +886,11 @@ LLMFLEET_AVX512F static inline __attribute__((always_inline)) void panel_step(co
   }
 }
 
+// y[m, c] = bias[c] + sum_k x[m, k] * panel[k, c] for MR rows of x (xs floats apart) and the panel's first ncols
+// columns (y's rows N floats apart), the sum taken
+// over chunks of F32_PANEL_CHUNK inputs, each from zero, then added up (blocked summation). Lines [l0, l1) of `next`
+// (nullptr: none) are prefetched into L2 along the way. `stream`: whole 16-column vectors of y written with
+// streaming stores (y 64-byte aligned, N a multiple of 16; panel_linear_run says when).
 template <int MR>
 LLMFLEET_AVX512F static void panel_block(const float* __restrict__ x, int64_t xs, int64_t K, const float* __restrict__ panel,
                                          float* __restrict__ y, int64_t N, int64_t ncols, const float* bias,
