@@ -27,8 +27,8 @@ batches (64 sequences, 2048 tokens a step), so the roofline's tok/s over vLLM's 
 over vLLM on this machine and workload.
 
 `--variants` runs several variants in one process run (so their ratios share the machine's state): fp32 and
-bf16 run every system; int4/fp8 (weights quantized, activations fp32) and int4-bf16/fp8-bf16 (bf16 activations)
-run `ours` only, and their `x_vllm` is against vLLM in their activations' dtype and `x_fp32` against our fp32
+bf16 run every system; int8/int4/fp8 (weights quantized, activations fp32) and int8-bf16/int4-bf16/fp8-bf16 (bf16
+activations) run `ours` only, and their `x_vllm` is against vLLM in their activations' dtype and `x_fp32` against our fp32
 when those ran.
 
     .venv/bin/python bench/engine.py                # SmolLM2-135M fp32, full workload (~10-20 min on 2 cores)
@@ -56,9 +56,11 @@ HF_BATCH = 8
 VARIANTS = {
     "fp32": ("float32", None),
     "bf16": ("bfloat16", None),
+    "int8": ("float32", "int8"),
     "int4": ("float32", "int4"),
     "fp8": ("float32", "fp8"),
-    # quantized weights, bf16 activations: the bf16 GEMM units (and the native fp8 -> bf16 dequantizer) do the work
+    # quantized weights, bf16 activations: the bf16 GEMM units (and the native dequantizers) do the work
+    "int8-bf16": ("bfloat16", "int8"),
     "fp8-bf16": ("bfloat16", "fp8"),
     "int4-bf16": ("bfloat16", "int4"),
 }

@@ -103,6 +103,12 @@ class _FakeQuant:
         return y if self.bias is None else y + self.bias
 
 
+def _weight(linear: object) -> torch.Tensor:
+    """A dense layer's fp32 weight, whichever kernel holds it (packed panels only give theirs back unpacked)."""
+    dequantize = getattr(linear, "dequantize", None)
+    return dequantize() if dequantize is not None else linear.weight  # type: ignore[attr-defined]
+
+
 def quality(tokens: int) -> dict[str, dict[str, float]]:
     from worker.model.quality import compare, reference
     from worker.model.runner import ModelRunner
@@ -131,7 +137,7 @@ def quality(tokens: int) -> dict[str, dict[str, float]]:
     for name, scheme in SCHEMES.items():
         install(
             [
-                {n: _FakeQuant(d[n].weight, d[n].bias, r[n].amax, **scheme) for n in LINEARS}  # type: ignore[arg-type]
+                {n: _FakeQuant(_weight(d[n]), d[n].bias, r[n].amax, **scheme) for n in LINEARS}  # type: ignore[arg-type]
                 for d, r in zip(dense, recorders, strict=True)
             ]
         )

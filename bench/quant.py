@@ -26,9 +26,11 @@ PROMPTS = [
 VARIANTS = [
     ("fp32", "float32", None),
     ("bf16", "bfloat16", None),
+    ("int8", "float32", "int8"),
     ("fp8", "float32", "fp8"),
     ("int4", "float32", "int4"),
-    ("fp8-bf16", "bfloat16", "fp8"),  # fp8 weights, bf16 activations: the bf16 GEMM units do the work
+    ("int8-bf16", "bfloat16", "int8"),  # int8 weights, bf16 activations: the bf16 GEMM units do the work
+    ("fp8-bf16", "bfloat16", "fp8"),
     ("int4-bf16", "bfloat16", "int4"),
 ]
 

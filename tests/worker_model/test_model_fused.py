@@ -1,7 +1,7 @@
 """Fused projections: q/k/v run as one linear and gate/up as one, for every dtype and quantization the model
 supports, with the weights fused once at load.
 
-Fusing is exact for every format here because each one quantizes per output row (fp8: one scale per row; int4:
+Fusing is exact for every format here because each one quantizes per output row (int8, fp8: one scale per row; int4:
 groups along the input dim of a row; dense and oneDNN-packed: no quantization), so the fused layer is the
 concatenation of the per-projection layers, bit for bit in the weights it multiplies by. A format with a
 per-tensor scale would not have that property; these tests would catch one. Also: projection biases (Qwen2-style
@@ -21,7 +21,7 @@ from worker.model.config import ModelConfig
 from worker.model.linear import ONEDNN_LINEAR, PackedLinear, available_kernels
 from worker.model.llama import LlamaModel
 from worker.model.loader import load_weights
-from worker.model.quant import Fp8Linear, Int4Linear, fp8_chunk_rows, make_linear
+from worker.model.quant import Fp8Linear, Int4Linear, Int8Linear, fp8_chunk_rows, make_linear
 from worker.model.runner import ModelRunner
 from worker.model.testing import make_tiny_llama
 
@@ -34,6 +34,8 @@ FORMATS = [
     pytest.param(None, torch.float32, "aten", id="fp32"),
     pytest.param(None, torch.bfloat16, "aten", id="bf16-aten"),
     pytest.param(None, torch.bfloat16, "onednn_bf16", id="bf16-onednn", marks=needs_onednn),
+    pytest.param("int8", torch.float32, "aten", id="int8"),
+    pytest.param("int8", torch.bfloat16, "aten", id="int8-bf16"),
     pytest.param("fp8", torch.float32, "aten", id="fp8"),
     pytest.param("fp8", torch.bfloat16, "aten", id="fp8-bf16"),
     pytest.param("int4", torch.float32, "aten", id="int4"),
@@ -87,7 +89,13 @@ def test_a_tiled_fp8_linear_computes_what_the_whole_one_does(monkeypatch, dtype)
 
 
 @pytest.mark.parametrize(
-    "quant,cls", [("fp8", Fp8Linear), ("int4", Int4Linear), pytest.param(None, PackedLinear, marks=needs_onednn)]
+    "quant,cls",
+    [
+        ("int8", Int8Linear),
+        ("fp8", Fp8Linear),
+        ("int4", Int4Linear),
+        pytest.param(None, PackedLinear, marks=needs_onednn),
+    ],
 )
 def test_model_layers_run_four_fused_linears_of_the_asked_kind(quant, cls, tmp_path):
     root = make_tiny_llama(tmp_path, hidden_size=128, intermediate_size=256, num_attention_heads=4)

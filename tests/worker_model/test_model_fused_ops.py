@@ -1,6 +1,6 @@
 """The fused elementwise steps (`kernels.load_fused_ops`: residual add + RMSNorm, SiLU-and-mul, RoPE in place)
 compute what the model's torch ops compute, in fp32 to a few ulps and in bf16 to one bf16 rounding, on every size
-they take; the fp8 -> bf16 dequantizer is torch's conversion bit for bit; they refuse what they do not take; an fp32
+they take; the fp8 and int8 -> bf16 dequantizers are torch's conversions bit for bit; they refuse what they do not take; an fp32
 model on them gives the tokens and the logprobs of the same model on torch's ops, and a bf16 model scores like one
 on torch's ops. Skipped on CPUs without AVX512F (bf16: AVX512-BF16), where the model runs torch's ops and nothing
 here is used."""
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from worker.model.kernels import load_fused_ops
 from worker.model.llama import rms_norm
 from worker.model.quality import compare, reference
-from worker.model.quant import fp8_to_fp16, make_linear, pack_int4_rows, quantize_fp8, quantize_int4
+from worker.model.quant import fp8_to_fp16, make_linear, pack_int4_rows, quantize_fp8, quantize_int4, quantize_int8
 from worker.model.runner import ModelRunner
 from worker.model.testing import make_tiny_llama
 
@@ -108,6 +108,8 @@ def test_refuses_what_it_does_not_take(ops, call, match: str) -> None:
         call(ops)
     with pytest.raises(RuntimeError, match="e4m3"):
         ops.fp8_to_bf16(torch.zeros(4, 32, dtype=torch.float8_e4m3fn).t())
+    with pytest.raises(RuntimeError, match="int8"):
+        ops.int8_to_bf16(torch.zeros(4, 32, dtype=torch.uint8))  # the codes' dtype says which format they are
 
 
 def test_fp8_to_bf16_is_torchs_conversion_bit_for_bit(ops) -> None:
@@ -119,12 +121,24 @@ def test_fp8_to_bf16_is_torchs_conversion_bit_for_bit(ops) -> None:
     assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])  # subnormals and -0 included
 
 
+def test_int8_to_bf16_is_torchs_conversion_bit_for_bit(ops) -> None:
+    codes = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8).view(8, 32)  # every code
+    got = ops.int8_to_bf16(codes)
+    assert got.dtype == BF16 and got.shape == codes.shape
+    assert torch.equal(got.view(torch.int16), codes.to(BF16).view(torch.int16))  # all exact in bf16
+    tail = torch.arange(-8, 40, dtype=torch.int8).view(1, 48)  # 32 at a time, then the 16-at-a-time tail
+    assert torch.equal(ops.int8_to_bf16(tail), tail.to(BF16))
+
+
+@pytest.mark.parametrize("quant", ["fp8", "int8"])
 @pytest.mark.parametrize(("out_features", "rows"), [(96, 1), (3072, 64)])  # 3072 x 576 dequantizes in tiles
-def test_fp8_linear_on_the_native_dequantizer_gives_the_same_output(ops, out_features: int, rows: int) -> None:
+def test_row_scaled_linear_on_the_native_dequantizer_gives_the_same_output(
+    ops, quant: str, out_features: int, rows: int
+) -> None:
     gen = torch.Generator().manual_seed(out_features)
     w = torch.randn(out_features, 576, generator=gen) * 0.05
     x = torch.randn(rows, 576, generator=gen).to(BF16)
-    native, plain = make_linear(w, None, "fp8", BF16, native=ops), make_linear(w, None, "fp8", BF16)
+    native, plain = make_linear(w, None, quant, BF16, native=ops), make_linear(w, None, quant, BF16)
     assert torch.equal(native(x), plain(x))
 
 
@@ -154,7 +168,7 @@ def _needs_amx(ops) -> None:
 
 
 @pytest.mark.parametrize("kernel", ["aten", "amx_bf16"])
-@pytest.mark.parametrize("quant", ["fp8", "int4"])
+@pytest.mark.parametrize("quant", ["int8", "fp8", "int4"])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 64, 300])  # GEMV to 8 rows or AMX to 256, then dequantized tiles
 def test_quantized_layers_give_the_product_with_their_weights_at_every_batch_size(
     ops, quant: str, rows: int, kernel: str
@@ -182,6 +196,8 @@ def test_amx_on_quantized_weights_is_amx_on_their_dequantized_weights(ops, rows:
     x = torch.randn(rows, out_in[1], generator=gen).to(BF16)
     w8, _ = quantize_fp8(w)
     assert torch.equal(ops.amx_linear_fp8(x, w8), ops.amx_linear(x, ops.fp8_to_bf16(w8), None, False))
+    i8, _ = quantize_int8(w)
+    assert torch.equal(ops.amx_linear_int8(x, i8), ops.amx_linear(x, ops.int8_to_bf16(i8), None, False))
     q, scale, zero = quantize_int4(w, 32)
     packed, sz = pack_int4_rows(q), torch.stack([scale, zero], -1).contiguous().to(BF16)
     want = ops.amx_linear(x, ops.int4_to_bf16(packed, sz, 32), None, False)
@@ -197,6 +213,8 @@ def test_amx_on_quantized_weights_is_amx_on_their_dequantized_weights(ops, rows:
         ),
         (lambda o: o.amx_linear_fp8(torch.zeros(2, 64), torch.zeros(32, 64, dtype=torch.float8_e4m3fn)), "bf16"),
         (lambda o: o.amx_linear_fp8(torch.zeros(2, 64, dtype=BF16), torch.zeros(32, 64)), "e4m3"),
+        (lambda o: o.amx_linear_int8(torch.zeros(2, 64, dtype=BF16), torch.zeros(32, 64, dtype=torch.uint8)), "int8"),
+        (lambda o: o.amx_linear_int8(torch.zeros(2, 96, dtype=BF16), torch.zeros(32, 64, dtype=torch.int8)), "x must"),
         (
             lambda o: o.amx_linear_int4(
                 torch.zeros(2, 64, dtype=BF16),
@@ -228,6 +246,10 @@ def test_gemv_refuses_more_rows_than_it_takes(ops) -> None:
     w8 = torch.zeros(16, 32, dtype=torch.float8_e4m3fn)
     with pytest.raises(RuntimeError, match=r"\[1\.\.8, in\]"):
         ops.fp8_gemv_bf16(torch.zeros(9, 32, dtype=BF16), w8)
+    with pytest.raises(RuntimeError, match=r"\[1\.\.8, in\]"):
+        ops.int8_gemv_bf16(torch.zeros(9, 32, dtype=BF16), torch.zeros(16, 32, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="same in"):
+        ops.int8_gemv_bf16(torch.zeros(2, 64, dtype=BF16), torch.zeros(16, 32, dtype=torch.int8))
 
 
 def test_loader_says_why_not(ops) -> None:
@@ -255,7 +277,7 @@ def test_an_fp32_model_on_fused_ops_gives_the_tokens_and_logprobs_of_torch_ops(o
     assert result.mean_kl < 1e-6
 
 
-@pytest.mark.parametrize("quantization", [None, "fp8", "int4"])
+@pytest.mark.parametrize("quantization", [None, "int8", "fp8", "int4"])
 def test_a_bf16_model_on_fused_ops_scores_like_one_on_torch_ops(ops, tmp_path, quantization: str | None) -> None:
     """Same weights, same prompts: the model on the native ops (fused steps, fp8/int4 dequantized natively) and
     the one on torch's ops agree with the fp32 reference alike."""

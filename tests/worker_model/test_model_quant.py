@@ -1,4 +1,4 @@
-"""fp8 and int4 weight-only linears: exact dequantization conventions, bounded error, memory saving, and
+"""int8, fp8 and int4 weight-only linears: exact dequantization conventions, bounded error, memory saving, and
 greedy-token agreement with the unquantized model above a floor."""
 
 from __future__ import annotations
@@ -11,10 +11,12 @@ from worker.model.quality import compare, reference
 from worker.model.quant import (
     Fp8Linear,
     Int4Linear,
+    Int8Linear,
     fp8_to_fp16,
     int4_group_size,
     make_linear,
     quantize_int4,
+    quantize_int8,
 )
 from worker.model.runner import ModelRunner
 from worker.model.testing import make_tiny_llama
@@ -44,6 +46,25 @@ def test_fp8_linear_matches_its_dequantized_weights(dtype):
     assert (lin.dequantize() - w).abs().max() <= w.abs().max() / 8
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_matches_its_dequantized_weights(dtype):
+    w = torch.randn(40, 64, generator=GEN) * 0.1
+    w[3] = 0.0  # an all-zero row gets codes 0, not NaN
+    b = torch.randn(40, generator=GEN)
+    lin = Int8Linear(w, b.to(dtype), dtype)
+    x = torch.randn(5, 64, generator=GEN).to(dtype)
+    ref = F.linear(x.float(), lin.dequantize(), b)
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
+    assert torch.allclose(lin(x).float(), ref, atol=tol, rtol=tol)
+    # symmetric per row: each weight within half a step (the row's max |w| / 127) of its original, each row's
+    # largest weight exactly +-127 steps
+    step = w.abs().amax(1, keepdim=True) / 127
+    assert ((lin.dequantize() - w).abs() <= step / 2 + 1e-7).all()
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and q.abs().amax(1)[[0, 1, 2, 4]].eq(127).all() and not q[3].any()
+    assert torch.equal(lin.weight, q) and torch.equal(lin.scale, scale)
+
+
 @pytest.mark.parametrize("k,expected", [(576, 32), (1536, 32), (96, 32), (64, 32), (192, 32)])
 def test_int4_group_size(k, expected):
     assert int4_group_size(k) == expected
@@ -71,7 +92,7 @@ def test_int4_kernel_convention_matches_reference_dequantization():
     assert torch.allclose(lin(x), ref, atol=0.02 * ref.abs().max().item())
 
 
-@pytest.mark.parametrize("quant,max_ratio", [("fp8", 0.27), ("int4", 0.17)])
+@pytest.mark.parametrize("quant,max_ratio", [("int8", 0.27), ("fp8", 0.27), ("int4", 0.17)])
 def test_quantized_linears_save_memory(quant, max_ratio):
     w = torch.randn(256, 512, generator=GEN)
     dense = DenseLinear(w)
@@ -101,7 +122,7 @@ def quant_dir(tmp_path_factory):
 
 # A random model has flat next-token distributions (near-ties everywhere), so floors here are loose; broken
 # quantization scores ~1/vocab agreement and KL of nats. SmolLM2 gets tighter floors in test_model_smollm2.py.
-@pytest.mark.parametrize("quant,floor,max_kl", [("fp8", 0.75, 0.02), ("int4", 0.5, 0.2)])
+@pytest.mark.parametrize("quant,floor,max_kl", [("int8", 0.9, 0.002), ("fp8", 0.75, 0.02), ("int4", 0.5, 0.2)])
 def test_quantized_model_agrees_with_unquantized(quant_dir, quant, floor, max_kl):
     ref = ModelRunner(str(quant_dir), num_blocks=8)
     cand = ModelRunner(str(quant_dir), num_blocks=8, quantization=quant)
@@ -141,7 +162,7 @@ def test_which_batches_multiply_the_quantized_weight_directly(native, kernel, sh
     assert direct_rows(native, kernel, torch.zeros(shape)) == want
 
 
-@pytest.mark.parametrize("quant", ["fp8", "int4"])
+@pytest.mark.parametrize("quant", ["int8", "fp8", "int4"])
 @pytest.mark.parametrize("rows", [1, 64, 300])
 def test_an_fp32_models_quantized_layer_runs_its_products_in_bf16_on_amx(amx, quant, rows):
     """Activations rounded to bf16 on the way in, the output widened on the way out: the bf16 layer's result, and

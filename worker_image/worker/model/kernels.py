@@ -577,6 +577,10 @@ std::string paged_decode_path(std::string dtype, int64_t head_dim) {
   return "generic (the AVX-512 paths take bfloat16 or float32 with head dim 64 or 128)";
 }
 
+// The one-byte weight formats with one scale per output row (quant.py's fp8 and int8): their kernels are one
+// template each, which differ only in how a code becomes a bf16 value.
+enum class ByteFormat { Fp8, Int8 };
+
 #if defined(__x86_64__)
 // ---- fused elementwise steps of a Llama layer, in fp32 or bf16: 16 lanes at a time in fp32 registers; bf16
 // rows are widened on load and rounded on store with vcvtneps2bf16 (round to nearest even, as torch rounds), fp32
@@ -656,11 +660,32 @@ LLMFLEET_AVX512_BF16 static inline __m512i fp8_bf16_32(const uint8_t* w) {
   return _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x80)), 8));
 }
 
-LLMFLEET_AVX512_BF16 static void fp8_to_bf16_run(const uint8_t* w, c10::BFloat16* out, int64_t n) {
+// int8 codes -> bf16 of the same integers, exactly (|q| <= 127 has 7 significant bits, bf16 keeps 8): 16 codes
+// widened to fp32, 32 at a time narrowed to bf16 in one instruction: ~0.16 instructions a weight.
+LLMFLEET_AVX512_BF16 static inline __m512 int8_chunk(const uint8_t* w) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)w)));
+}
+
+LLMFLEET_AVX512_BF16 static inline __m512i int8_bf16_32(const uint8_t* w) {
+  return (__m512i)_mm512_cvtne2ps_pbh(int8_chunk(w + 16), int8_chunk(w));  // the second operand fills lanes 0-15
+}
+
+// 16 codes of a one-byte format as fp32 (values bf16 holds exactly), and n of them (n % 16 == 0) as bf16.
+template <ByteFormat F>
+LLMFLEET_AVX512_BF16 static inline __m512 byte_chunk(const uint8_t* w) {
+  if constexpr (F == ByteFormat::Fp8) return fp8_chunk(w);
+  else return int8_chunk(w);
+}
+
+template <ByteFormat F>
+LLMFLEET_AVX512_BF16 static void byte_to_bf16_run(const uint8_t* w, c10::BFloat16* out, int64_t n) {
   int64_t i = 0;
-  for (; i + 32 <= n; i += 32) _mm512_storeu_si512(out + i, fp8_bf16_32(w + i));
+  for (; i + 32 <= n; i += 32) {
+    if constexpr (F == ByteFormat::Fp8) _mm512_storeu_si512(out + i, fp8_bf16_32(w + i));
+    else _mm512_storeu_si512(out + i, int8_bf16_32(w + i));
+  }
   for (; i < n; i += 16)
-    _mm256_storeu_si256((__m256i*)(out + i), (__m256i)_mm512_cvtneps_pbh(fp8_chunk(w + i)));
+    _mm256_storeu_si256((__m256i*)(out + i), (__m256i)_mm512_cvtneps_pbh(byte_chunk<F>(w + i)));
 }
 
 // int4 -> bf16 for one row of k weights: byte i of each 32-weight chunk holds weight i (low nibble) and weight
@@ -728,14 +753,14 @@ LLMFLEET_AVX512_BF16 static void int4_gemv(const c10::BFloat16* x, const uint8_t
   }
 }
 
-template <int M>
-LLMFLEET_AVX512_BF16 static void fp8_gemv(const c10::BFloat16* x, const uint8_t* w, c10::BFloat16* y, int64_t k,
-                                          int64_t n, int64_t r0, int64_t r1) {
+template <int M, ByteFormat F>
+LLMFLEET_AVX512_BF16 static void byte_gemv(const c10::BFloat16* x, const uint8_t* w, c10::BFloat16* y, int64_t k,
+                                           int64_t n, int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* wr = w + r * k;
     __m512 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < k; j += 16) fma_rows<M>(x, k, j, fp8_chunk(wr + j), acc);  // exact in bf16 already
+    for (int64_t j = 0; j < k; j += 16) fma_rows<M>(x, k, j, byte_chunk<F>(wr + j), acc);  // exact in bf16 already
     for (int m = 0; m < M; ++m) y[m * n + r] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[m]));
   }
 }
@@ -1183,35 +1208,51 @@ torch::Tensor int4_gemv_bf16(torch::Tensor x, torch::Tensor packed, torch::Tenso
   return y;
 }
 
-// x [M <= 8, k] bf16 times an fp8 weight [out, k] -> y [M, out] bf16 of the product with w / 2**8 (as F.linear
-// over fp8_to_bf16's weight gives; Fp8Linear applies its output scale after).
-torch::Tensor fp8_gemv_bf16(torch::Tensor x, torch::Tensor w8) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= GEMV_MAX_ROWS,
-              "fp8_gemv_bf16: x must be [1..8, in], contiguous");
-  TORCH_CHECK(w8.scalar_type() == at::kFloat8_e4m3fn && w8.is_contiguous() && w8.dim() == 2 &&
-                  w8.size(1) == x.size(1),
-              "fp8_gemv_bf16: w8 must be a contiguous e4m3 [out, in]");
+// A one-byte format's weight [out, in] (e4m3 for fp8, int8), checked; its codes.
+static const uint8_t* byte_weight(const torch::Tensor& w, ByteFormat f, const char* what) {
+  const bool fp8 = f == ByteFormat::Fp8;
+  TORCH_CHECK(w.scalar_type() == (fp8 ? at::kFloat8_e4m3fn : at::kChar) && w.is_contiguous() && w.dim() == 2, what,
+              ": the weight must be a contiguous ", fp8 ? "e4m3" : "int8", " [out, in]");
+  return reinterpret_cast<const uint8_t*>(w.data_ptr());
+}
+
+// x [M <= 8, k] bf16 times a one-byte weight [out, k] -> y [M, out] bf16 of the product with the weight's bf16
+// values (byte_to_bf16's; the layer applies its output scale after).
+template <ByteFormat F>
+static torch::Tensor byte_gemv_bf16(const torch::Tensor& x, const torch::Tensor& w8, const char* what) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= GEMV_MAX_ROWS, what,
+              ": x must be [1..8, in], contiguous");
+  const auto* w = byte_weight(w8, F, what);
+  TORCH_CHECK(w8.size(1) == x.size(1), what, ": x and the weight must have the same in");
   const int64_t n = w8.size(0), k = w8.size(1), rows = x.size(0);
-  check_bf16(x, k, "fp8_gemv_bf16");
+  check_bf16(x, k, what);
   auto y = torch::empty({rows, n}, x.options());
 #if defined(__x86_64__)
   const auto* xp = x.data_ptr<c10::BFloat16>();
-  const auto* w = reinterpret_cast<const uint8_t*>(w8.data_ptr());
   auto* yp = y.data_ptr<c10::BFloat16>();
   at::parallel_for(0, n, 64, [&](int64_t r0, int64_t r1) {
     switch (rows) {
-      case 1: fp8_gemv<1>(xp, w, yp, k, n, r0, r1); break;
-      case 2: fp8_gemv<2>(xp, w, yp, k, n, r0, r1); break;
-      case 3: fp8_gemv<3>(xp, w, yp, k, n, r0, r1); break;
-      case 4: fp8_gemv<4>(xp, w, yp, k, n, r0, r1); break;
-      case 5: fp8_gemv<5>(xp, w, yp, k, n, r0, r1); break;
-      case 6: fp8_gemv<6>(xp, w, yp, k, n, r0, r1); break;
-      case 7: fp8_gemv<7>(xp, w, yp, k, n, r0, r1); break;
-      default: fp8_gemv<8>(xp, w, yp, k, n, r0, r1);
+      case 1: byte_gemv<1, F>(xp, w, yp, k, n, r0, r1); break;
+      case 2: byte_gemv<2, F>(xp, w, yp, k, n, r0, r1); break;
+      case 3: byte_gemv<3, F>(xp, w, yp, k, n, r0, r1); break;
+      case 4: byte_gemv<4, F>(xp, w, yp, k, n, r0, r1); break;
+      case 5: byte_gemv<5, F>(xp, w, yp, k, n, r0, r1); break;
+      case 6: byte_gemv<6, F>(xp, w, yp, k, n, r0, r1); break;
+      case 7: byte_gemv<7, F>(xp, w, yp, k, n, r0, r1); break;
+      default: byte_gemv<8, F>(xp, w, yp, k, n, r0, r1);
     }
   });
 #endif
   return y;
+}
+
+// fp8: the product with w / 2**8 (Fp8Linear folds the 2**8 into its output scale); int8: with the integers.
+torch::Tensor fp8_gemv_bf16(torch::Tensor x, torch::Tensor w8) {
+  return byte_gemv_bf16<ByteFormat::Fp8>(x, w8, "fp8_gemv_bf16");
+}
+
+torch::Tensor int8_gemv_bf16(torch::Tensor x, torch::Tensor w8) {
+  return byte_gemv_bf16<ByteFormat::Int8>(x, w8, "int8_gemv_bf16");
 }
 
 // An int4 weight as bf16: packed [out, in / 2] uint8 (quant.pack_int4_rows' layout), sz [out, in / g, 2] bf16.
@@ -1236,22 +1277,27 @@ torch::Tensor int4_to_bf16(torch::Tensor packed, torch::Tensor sz, int64_t g) {
   return out;
 }
 
-// An fp8 (e4m3) weight [out, in] as bf16 of value / 2**8 (Fp8Linear folds the 2**8 into its output scale).
-torch::Tensor fp8_to_bf16(torch::Tensor w8) {
-  TORCH_CHECK(w8.scalar_type() == at::kFloat8_e4m3fn && w8.is_contiguous(), "fp8_to_bf16: contiguous e4m3 weight");
-  check_bf16(torch::empty({0}, w8.options().dtype(at::kBFloat16)), w8.numel(), "fp8_to_bf16");
+// A one-byte weight [out, in] as bf16: fp8 as value / 2**8 (Fp8Linear folds the 2**8 into its output scale), int8
+// as its integers.
+template <ByteFormat F>
+static torch::Tensor byte_to_bf16(const torch::Tensor& w8, const char* what) {
+  const auto* src = byte_weight(w8, F, what);
+  check_bf16(torch::empty({0}, w8.options().dtype(at::kBFloat16)), w8.numel(), what);
   auto out = torch::empty(w8.sizes(), w8.options().dtype(at::kBFloat16));
 #if defined(__x86_64__)
-  const auto* src = reinterpret_cast<const uint8_t*>(w8.data_ptr());
   auto* dst = out.data_ptr<c10::BFloat16>();
   const int64_t n = w8.numel(), chunk = 1 << 16;
   at::parallel_for(0, (n + chunk - 1) / chunk, 1, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c)
-      fp8_to_bf16_run(src + c * chunk, dst + c * chunk, std::min(chunk, n - c * chunk));
+      byte_to_bf16_run<F>(src + c * chunk, dst + c * chunk, std::min(chunk, n - c * chunk));
   });
 #endif
   return out;
 }
+
+torch::Tensor fp8_to_bf16(torch::Tensor w8) { return byte_to_bf16<ByteFormat::Fp8>(w8, "fp8_to_bf16"); }
+
+torch::Tensor int8_to_bf16(torch::Tensor w8) { return byte_to_bf16<ByteFormat::Int8>(w8, "int8_to_bf16"); }
 
 // ---- bf16 linear layers on AMX (Intel Sapphire Rapids and later), for decode-sized batches ----
 // y = x W^T (+ bias) with W in its plain [N, K] layout: 16 rows of W (one n-block, 32 k at a time) are exactly an
@@ -1685,23 +1731,30 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::
 // cache. The weight streams from memory at 1 (fp8) or ~0.56 (int4) bytes a weight, where dequantizing whole tiles
 // first (then a bf16 GEMM) wrote and read 2 more per weight through L2.
 
-// x [M, K] bf16 times an e4m3 weight [N, K] -> [M, N] bf16: x . (w / 2**8), as fp8_to_bf16's weight gives (Fp8Linear
-// applies its output scale after).
-torch::Tensor amx_linear_fp8(torch::Tensor x, torch::Tensor w8) {
-  TORCH_CHECK(w8.scalar_type() == at::kFloat8_e4m3fn && w8.is_contiguous() && w8.dim() == 2,
-              "amx_linear_fp8: w8 must be a contiguous e4m3 [out, in]");
+// x [M, K] bf16 times a one-byte weight [N, K] -> [M, N] bf16: x . byte_to_bf16's weight (the layer applies its
+// output scale after).
+template <ByteFormat F>
+static torch::Tensor amx_linear_byte(const torch::Tensor& x, const torch::Tensor& w8, const char* what) {
+  const auto* w = byte_weight(w8, F, what);
   const int64_t M = x.size(0), K = w8.size(1), N = w8.size(0);
-  amx_operands_check(x, N, K, "amx_linear_fp8");
+  amx_operands_check(x, N, K, what);
   auto y = torch::empty({M, N}, x.options());
 #if defined(LLMFLEET_AMX_BUILD)
-  const auto* w = reinterpret_cast<const uint8_t*>(w8.data_ptr());
   amx_linear_run(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), M, K, N, nullptr, y.data_ptr(), false,
                  32 * K, [w, K](int64_t nb, int64_t rows, uint16_t* buf) {
-                   fp8_to_bf16_run(w + nb * 16 * K, reinterpret_cast<c10::BFloat16*>(buf), rows * K);
+                   byte_to_bf16_run<F>(w + nb * 16 * K, reinterpret_cast<c10::BFloat16*>(buf), rows * K);
                    return static_cast<const uint16_t*>(buf);
                  });
 #endif
   return y;
+}
+
+torch::Tensor amx_linear_fp8(torch::Tensor x, torch::Tensor w8) {
+  return amx_linear_byte<ByteFormat::Fp8>(x, w8, "amx_linear_fp8");
+}
+
+torch::Tensor amx_linear_int8(torch::Tensor x, torch::Tensor w8) {
+  return amx_linear_byte<ByteFormat::Int8>(x, w8, "amx_linear_int8");
 }
 
 // x [M, K] bf16 times int4_to_bf16's operands (packed [N, K / 2], sz [N, K / g, 2]) -> [M, N] bf16.
@@ -1879,6 +1932,8 @@ class FusedOps(Protocol):
 
     def fp8_to_bf16(self, w8: torch.Tensor) -> torch.Tensor: ...
 
+    def int8_to_bf16(self, w8: torch.Tensor) -> torch.Tensor: ...
+
     def int4_to_bf16(self, packed: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor: ...
 
     def gemv_max_rows(self) -> int: ...
@@ -1888,6 +1943,8 @@ class FusedOps(Protocol):
     ) -> torch.Tensor: ...
 
     def fp8_gemv_bf16(self, x: torch.Tensor, w8: torch.Tensor) -> torch.Tensor: ...
+
+    def int8_gemv_bf16(self, x: torch.Tensor, w8: torch.Tensor) -> torch.Tensor: ...
 
     def amx_linear_ready(self) -> bool: ...
 
@@ -1904,6 +1961,8 @@ class FusedOps(Protocol):
     ) -> torch.Tensor: ...
 
     def amx_linear_fp8(self, x: torch.Tensor, w8: torch.Tensor) -> torch.Tensor: ...
+
+    def amx_linear_int8(self, x: torch.Tensor, w8: torch.Tensor) -> torch.Tensor: ...
 
     def amx_linear_int4(
         self, x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group_size: int
@@ -1967,10 +2026,12 @@ def _load_module() -> tuple[Any, str | None]:
                 "silu_and_mul",
                 "rope_",
                 "fp8_to_bf16",
+                "int8_to_bf16",
                 "int4_to_bf16",
                 "gemv_max_rows",
                 "int4_gemv_bf16",
                 "fp8_gemv_bf16",
+                "int8_gemv_bf16",
                 "f32_panel_cols",
                 "f32_panels_ready",
                 "panel_linear_f32",
@@ -1979,6 +2040,7 @@ def _load_module() -> tuple[Any, str | None]:
                 "amx_linear",
                 "amx_attention_",
                 "amx_linear_fp8",
+                "amx_linear_int8",
                 "amx_linear_int4",
                 "argmax_rows",
                 "kv_write_",

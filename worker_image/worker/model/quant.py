@@ -84,7 +84,8 @@ torch ops leaves 1.35-1.78x at 64-512 rows and 0.34x at one row. It needs a fuse
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal, Protocol
+from dataclasses import dataclass
+from typing import ClassVar, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -92,9 +93,10 @@ import torch.nn.functional as F
 from worker.model.kernels import FusedOps
 from worker.model.linear import AMX_MAX_ROWS, LinearKernel, amx_fits, make_dense_linear, nbytes_of
 
-Quantization = Literal["fp8", "int4"]
-QUANTIZATIONS: tuple[str, ...] = ("fp8", "int4")
+Quantization = Literal["int8", "fp8", "int4"]
+QUANTIZATIONS: tuple[str, ...] = ("int8", "fp8", "int4")
 FP8_MAX = 448.0
+INT8_MAX = 127.0
 FP8_TO_FP16_EXP_SHIFT = 2.0**8  # 2**(fp16 bias 15 - e4m3 bias 7)
 # fp8 weights are dequantized per call; a big (fused gate+up) weight is done in tiles of ~295k weights (a 590 KB
 # fp16 temporary that stays in L2, 512 rows of SmolLM2's 576 inputs): its gate+up (3072 rows) then runs 1.1-1.5x
@@ -123,21 +125,53 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / scale[:, None]).to(torch.float8_e4m3fn), scale
 
 
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric int8 (-127..127, the scale of a row its largest |w| / 127): returns (int8 [N, K],
+    fp32 scales [N])."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / INT8_MAX).clamp_min(1e-12)
+    return (w / scale[:, None]).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+
+
 def fp8_to_fp16(w8: torch.Tensor) -> torch.Tensor:
     """Exact fp8 e4m3fn -> fp16 of the same value / 2**8, by moving bits (fast on CPU, unlike `.to()`)."""
     bits = w8.view(torch.uint8).to(torch.int16)
     return (((bits & 0x7F) << 7) | ((bits & 0x80) << 8)).view(torch.float16)
 
 
-def _torch_dequantizer(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-    """fp8 weight -> `dtype` weight of value / 2**8, with torch's ops."""
-    return lambda w8: fp8_to_fp16(w8).to(dtype)
+@dataclass(frozen=True)
+class RowFormat:
+    """A one-byte weight format with one scale per output row (fp8, int8): how a weight is quantized, what its codes
+    are worth in a compute dtype with torch's ops (`to_dtype`: the codes' values / `unit`), and the extension's ops
+    that read the codes for bf16 activations (the same values, `kernels.py`)."""
+
+    name: str
+    quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    to_dtype: Callable[[torch.Tensor, torch.dtype], torch.Tensor]
+    unit: float
+    native_to_bf16: str
+    native_gemv: str
+    native_amx: str
+
+
+FP8 = RowFormat(
+    "fp8",
+    quantize_fp8,
+    lambda w8, dtype: fp8_to_fp16(w8).to(dtype),
+    FP8_TO_FP16_EXP_SHIFT,
+    "fp8_to_bf16",
+    "fp8_gemv_bf16",
+    "amx_linear_fp8",
+)
+INT8 = RowFormat(
+    "int8", quantize_int8, lambda w8, dtype: w8.to(dtype), 1.0, "int8_to_bf16", "int8_gemv_bf16", "amx_linear_int8"
+)
 
 
 def direct_rows(native: FusedOps | None, kernel: LinearKernel, weight: torch.Tensor) -> tuple[int, bool]:
     """(the most rows a batch may have to multiply the quantized weight directly, without a dequantized copy;
     whether that is our AMX kernel). Where the dense linears run on it (`kernel` amx_bf16) and the shape fits,
-    it is `amx_linear_fp8` / `amx_linear_int4` up to AMX_MAX_ROWS rows: each thread dequantizes 32 weight rows at a
+    it is `amx_linear_fp8` / `amx_linear_int8` / `amx_linear_int4` up to AMX_MAX_ROWS rows: each thread dequantizes 32 weight rows at a
     time into its own scratch and multiplies them from cache. Else the extension's GEMV (`gemv_max_rows`), else
     none. Per 30 SmolLM2 layers (the weights streamed), one row: AMX 12 (fp8) / 10 (int4) ms against the GEMV's
     18 / 12.5; 32 rows: 13 / 12 against dequantized tiles + AMX 15 / 16 (architecture.md, section 6)."""
@@ -164,16 +198,20 @@ def _tiled_linear(
 
 
 def fp8_chunk_rows(out_features: int, in_features: int) -> int:
-    """Rows of a weight that `Fp8Linear` dequantizes and multiplies at a time: all of them, unless the weight
+    """Rows of a weight that `RowScaledLinear` dequantizes and multiplies at a time: all of them, unless the weight
     holds at least FP8_CHUNK_MIN_TILES tiles of FP8_TILE_WEIGHTS, then tiles of that size (row-aligned)."""
     rows = max(1, FP8_TILE_WEIGHTS // in_features)
     return rows if out_features >= FP8_CHUNK_MIN_TILES * rows else out_features
 
 
-class Fp8Linear:
+class RowScaledLinear:
+    """One-byte weights (`FORMAT`) with one fp32 scale per output row: `y = (x @ codes.T) * scale * unit (+ b)`."""
+
+    FORMAT: ClassVar[RowFormat]
     __slots__ = (
         "_amx",
         "_chunk_rows",
+        "_direct",
         "_direct_rows",
         "_native",
         "_out_scale",
@@ -192,18 +230,26 @@ class Fp8Linear:
         native: FusedOps | None = None,
         kernel: LinearKernel = "aten",
     ) -> None:
-        """`native`: the extension's fused ops, where the activations are bf16: `fp8_to_bf16` (one AVX512 pass, the
-        same values) replaces `fp8_to_fp16(w).to(bf16)` (four torch passes, ~1 ns a weight), and decode-sized
-        batches skip the dequantized copy (`direct_rows`: AMX where `kernel` is amx_bf16, else the GEMV)."""
-        self.weight, self.scale = quantize_fp8(weight)
+        """`native`: the extension's fused ops, where the activations are bf16: its dequantizer (one AVX512 pass, the
+        same values; fp8's replaces four torch passes, ~1 ns a weight) makes the tiles, and decode-sized batches skip
+        the dequantized copy (`direct_rows`: AMX where `kernel` is amx_bf16, else the GEMV)."""
+        fmt = self.FORMAT
+        self.weight, self.scale = fmt.quantize(weight)
         self._native = native if dtype == torch.bfloat16 else None
         self._direct_rows, self._amx = direct_rows(self._native, kernel, weight)
         self._to_dtype: Callable[[torch.Tensor], torch.Tensor] = (
-            self._native.fp8_to_bf16 if self._native is not None else _torch_dequantizer(dtype)
+            getattr(self._native, fmt.native_to_bf16)
+            if self._native is not None
+            else lambda w8: fmt.to_dtype(w8, dtype)
+        )
+        self._direct: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = (
+            getattr(self._native, fmt.native_amx if self._amx else fmt.native_gemv)
+            if self._native is not None
+            else None
         )
         self.bias = bias
         self.out_features = weight.shape[0]
-        self._out_scale = (self.scale * FP8_TO_FP16_EXP_SHIFT).to(dtype)
+        self._out_scale = (self.scale * fmt.unit).to(dtype)
         self._chunk_rows = fp8_chunk_rows(*weight.shape)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -211,8 +257,8 @@ class Fp8Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if self._native is not None and _few_rows(x, self._direct_rows):
-            y = self._native.amx_linear_fp8(x, w) if self._amx else self._native.fp8_gemv_bf16(x, w)
+        if self._direct is not None and _few_rows(x, self._direct_rows):
+            y = self._direct(x, w)
         else:
             y = _tiled_linear(x, self.out_features, self._chunk_rows, lambda start, end: self._to_dtype(w[start:end]))
         y = y * self._out_scale
@@ -221,6 +267,20 @@ class Fp8Linear:
     @property
     def nbytes(self) -> int:
         return nbytes_of(self.weight, self.scale, self.bias)
+
+
+class Fp8Linear(RowScaledLinear):
+    """fp8 (e4m3) weights, one scale per output row."""
+
+    FORMAT = FP8
+    __slots__ = ()
+
+
+class Int8Linear(RowScaledLinear):
+    """int8 weights (-127..127), one scale per output row: fp8's memory, int8's 7 bits of precision per weight."""
+
+    FORMAT = INT8
+    __slots__ = ()
 
 
 def int4_group_size(in_features: int) -> int:
@@ -374,6 +434,8 @@ def make_linear(
     b = None if bias is None else bias.to(dtype)
     if quantization == "fp8":
         return Fp8Linear(weight, b, dtype, native, kernel)
+    if quantization == "int8":
+        return Int8Linear(weight, b, dtype, native, kernel)
     if quantization == "int4":
         if weight.device.type != "cpu":
             raise ValueError("int4 weight-only quantization uses torch's CPU int4 kernel: run it on device cpu")
