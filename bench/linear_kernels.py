@@ -15,6 +15,9 @@ than folklore. Paths:
 * `int8_wo_bf16`: `aten._weight_int8pack_mm` (int8 weights, bf16 activations);
 * `int4_wo_bf16`: `aten._weight_int4pack_mm_for_cpu` (int4 groups of 32, bf16 activations: today's int4 path);
 * `fp8_wo_fp32`: the engine's `quant.Fp8Linear` (fp8 weights re-biased to fp16 per call, fp32 activations);
+* `int8_ours_bf16`, `fp8_ours_bf16`, `int4_ours_bf16`: the engine's quantized layers for a bf16 model (`quant.make_linear`
+  with the kernel the engine picks: AMX up to 256 rows on CPUs with AMX, else the GEMV up to 8; dequantized tiles
+  past those);
 * `bf16_amx`: the engine's `linear.AmxLinear` on CPUs with AMX (our kernel up to `AMX_MAX_ROWS` rows, F.linear past).
 
 `--layers N` builds N copies of each group with their own weights and times a pass over all of them, as a decode
@@ -100,6 +103,16 @@ def _fp8_wo(w: torch.Tensor) -> tuple[Call, torch.dtype]:
     return Fp8Linear(w, None, torch.float32), torch.float32
 
 
+def _ours_bf16(w: torch.Tensor, quantization: str) -> tuple[Call, torch.dtype]:
+    from worker.model.kernels import load_fused_ops
+    from worker.model.linear import available_kernels, choose_linear_kernel, read_cpu_flags
+    from worker.model.quant import make_linear
+
+    native = load_fused_ops(torch.bfloat16, HIDDEN, INTER, 64)[0]
+    kernel = choose_linear_kernel("cpu", torch.bfloat16, read_cpu_flags(), available_kernels(native))[0]
+    return make_linear(w, None, quantization, torch.bfloat16, kernel, native), torch.bfloat16
+
+
 def _onednn(w: torch.Tensor, dtype: torch.dtype) -> tuple[Call, torch.dtype]:
     packed = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), None)
     return (lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")), dtype
@@ -145,6 +158,9 @@ PATHS: dict[str, Callable[[torch.Tensor], tuple[Call, torch.dtype]]] = {
     "int8_wo_bf16": _int8_wo,
     "int4_wo_bf16": _int4_wo,
     "fp8_wo_fp32": _fp8_wo,
+    "int8_ours_bf16": lambda w: _ours_bf16(w, "int8"),
+    "fp8_ours_bf16": lambda w: _ours_bf16(w, "fp8"),
+    "int4_ours_bf16": lambda w: _ours_bf16(w, "int4"),
     "bf16_amx": _amx,
     "fp32_panels": _panels,
 }

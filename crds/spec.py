@@ -34,6 +34,7 @@ class Quantization(StrEnum):
     """Weight quantization of a variant."""
 
     NONE = "none"
+    INT8 = "int8"
     FP8 = "fp8"
     INT4 = "int4"
 
@@ -242,8 +243,9 @@ class VariantSpec(SpecModel):
     quantization: Quantization = Field(
         Quantization.NONE,
         strict=False,
-        description="Weight quantization: `none`, `fp8` or `int4`. With `engine.type: vllm`, int4 needs a "
-        "pre-quantized checkpoint in this variant's `source`.",
+        description="Weight quantization: `none`, `int8`, `fp8` or `int4`. `int8` is weight-only int8 with a "
+        "scale per output channel: near-bf16 quality at fp8's memory. With `engine.type: vllm`, int8 and int4 need "
+        "a pre-quantized checkpoint in this variant's `source`.",
     )
     source: str | None = Field(
         None,

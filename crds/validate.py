@@ -10,11 +10,12 @@ initContainers, securityContext, ...) gets a problem saying why it is refused an
 CEL rules of the CRD (crds/models.py) are checked here again for API servers that do not run them.
 
 Quantization support matrix (`engine.type` x `variants[].quantization`):
-- builtin: none, fp8, int4 -- the builtin engine quantizes weights itself at load time (weight-only).
-- vllm: none, fp8 (vLLM's online `--quantization fp8`), int4 *only from a pre-quantized checkpoint* named in the
-  variant's `source` (AWQ/GPTQ; vLLM reads the scheme from the checkpoint's config). vLLM has no online int4 weight
-  quantization of our kind (bitsandbytes is a different 4-bit format and CUDA-only), so int4 without a variant
-  `source` would silently serve the unquantized model: refused.
+- builtin: none, int8, fp8, int4 -- the builtin engine quantizes weights itself at load time (weight-only).
+- vllm: none, fp8 (vLLM's online `--quantization fp8`), int8 and int4 *only from a pre-quantized checkpoint* named
+  in the variant's `source` (int8: compressed-tensors W8A8 / GPTQ 8-bit; int4: AWQ/GPTQ; vLLM reads the scheme from
+  the checkpoint's config). vLLM has no online int8 or int4 weight quantization of our kind on CPU (bitsandbytes is
+  a different format and CUDA-only), so either without a variant `source` would silently serve the unquantized
+  model: refused.
 """
 
 from __future__ import annotations
@@ -364,16 +365,25 @@ def _canary(spec: InferenceDeploymentSpec) -> Iterator[Problem]:
             )
 
 
+# Quantizations engine vllm serves only from a pre-quantized checkpoint in the variant's `source` (see the module
+# docstring), each with the checkpoint a fix should name.
+_VLLM_PREQUANTIZED_ONLY: Mapping[Quantization, str] = {
+    Quantization.INT8: "a compressed-tensors W8A8 / GPTQ 8-bit int8 checkpoint (e.g. hf://ORG/MODEL-W8A8)",
+    Quantization.INT4: "an AWQ/GPTQ int4 checkpoint (e.g. hf://ORG/MODEL-AWQ)",
+}
+
+
 def _quantization(spec: InferenceDeploymentSpec) -> Iterator[Problem]:
     if spec.engine.type != Engine.VLLM:
         return
     for index, variant in enumerate(spec.variants):
-        if variant.quantization == Quantization.INT4 and variant.source is None:
+        checkpoint = _VLLM_PREQUANTIZED_ONLY.get(variant.quantization)
+        if checkpoint is not None and variant.source is None:
             yield Problem(
                 f"spec.variants[{index}].quantization",
-                "engine vllm serves int4 only from a pre-quantized checkpoint, and this variant names none",
-                f"set spec.variants[{index}].source to an AWQ/GPTQ int4 checkpoint (e.g. hf://ORG/MODEL-AWQ), "
-                "or use quantization fp8, or engine builtin",
+                f"engine vllm serves {variant.quantization.value} only from a pre-quantized checkpoint, and this "
+                "variant names none",
+                f"set spec.variants[{index}].source to {checkpoint}, or use quantization fp8, or engine builtin",
             )
 
 

@@ -130,7 +130,7 @@ def test_optional_fields_become_plain_types_and_quantities_int_or_string(openapi
 
 def test_defaults_and_enums_are_kept(openapi_schema: dict[str, Any]) -> None:
     nodes = dict(_walk(openapi_schema))
-    assert nodes["spec.variants[].quantization"]["enum"] == ["none", "fp8", "int4"]
+    assert nodes["spec.variants[].quantization"]["enum"] == ["none", "int8", "fp8", "int4"]
     assert nodes["spec.variants[].quantization"]["default"] == "none"
     assert nodes["spec.engine.type"]["enum"] == ["builtin", "vllm"]
     assert nodes["spec.drain.timeoutSeconds"]["default"] == 120

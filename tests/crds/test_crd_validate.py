@@ -65,12 +65,18 @@ VALID = {
     "canary 10/50/100": _set("rollout", _steps(10, 50, 100)),
     "single canary step": _set("rollout", _steps(100)),
     "builtin int4": _set("variants[0].quantization", "int4"),
+    "builtin int8": _set("variants[0].quantization", "int8"),
     "builtin fp8": _set("variants[0].quantization", "fp8"),
     "vllm fp8": _all(_set("engine.type", "vllm"), _set("variants[0].quantization", "fp8")),
     "vllm int4 from a pre-quantized checkpoint": _all(
         _set("engine.type", "vllm"),
         _set("variants[0].quantization", "int4"),
         _set("variants[0].source", "hf://org/model-awq"),
+    ),
+    "vllm int8 from a pre-quantized checkpoint": _all(
+        _set("engine.type", "vllm"),
+        _set("variants[0].quantization", "int8"),
+        _set("variants[0].source", "hf://org/model-w8a8"),
     ),
     "drain timeout below grace": _set("drain", {"timeoutSeconds": 29, "terminationGracePeriodSeconds": 30}),
     "quantities as numbers": _set("variants[0].resources", {"cpu": 2, "memory": "1.5Gi", "nvidia.com/gpu": 1}),
@@ -149,11 +155,25 @@ INVALID: dict[str, tuple[Callable[[dict[str, Any]], None], list[tuple[str, str]]
     "variants missing": (lambda spec: spec.pop("variants"), [("spec.variants", "required")]),
     "vllm int4 without a pre-quantized source": (
         _all(_set("engine.type", "vllm"), _set("variants[0].quantization", "int4")),
-        [("spec.variants[0].quantization", "pre-quantized checkpoint")],
+        [("spec.variants[0].quantization", "serves int4 only from a pre-quantized checkpoint")],
+    ),
+    "vllm int8 without a pre-quantized source": (
+        _all(_set("engine.type", "vllm"), _set("variants[0].quantization", "int8")),
+        [("spec.variants[0].quantization", "serves int8 only from a pre-quantized checkpoint")],
+    ),
+    "vllm int8 and int4 variants without sources": (
+        _all(
+            _set("engine.type", "vllm"),
+            _set("variants", [{"name": "a", "quantization": "int8"}, {"name": "b", "quantization": "int4"}]),
+        ),
+        [
+            ("spec.variants[0].quantization", "serves int8 only"),
+            ("spec.variants[1].quantization", "serves int4 only"),
+        ],
     ),
     "unknown quantization": (
         _set("variants[0].quantization", "int3"),
-        [("spec.variants[0].quantization", "'none', 'fp8' or 'int4'")],
+        [("spec.variants[0].quantization", "'none', 'int8', 'fp8' or 'int4'")],
     ),
     "unknown engine": (_set("engine.type", "tgi"), [("spec.engine.type", "'builtin' or 'vllm'")]),
     "drain timeout == grace": (
@@ -303,11 +323,16 @@ def test_invalid_specs_yield_exactly_the_expected_problems(
         (_set("model.source", "s3://x"), "spec.model.source", "bundled://smollm2-135m-instruct"),
         (_set("variants[0].autoscaling", _autoscaling(maxReplica=2)), "spec.variants[0]", "rename it to `maxReplicas`"),
         (_set("rollout", _steps(0)), "spec.rollout", "use a value >= 1"),
-        (_set("variants[0].quantization", "q4"), "spec.variants[0]", "use one of 'none', 'fp8' or 'int4'"),
+        (_set("variants[0].quantization", "q4"), "spec.variants[0]", "use one of 'none', 'int8', 'fp8' or 'int4'"),
         (
             _all(_set("engine.type", "vllm"), _set("variants[0].quantization", "int4")),
             "spec.variants[0]",
             "set spec.variants[0].source to an AWQ/GPTQ int4 checkpoint",
+        ),
+        (
+            _all(_set("engine.type", "vllm"), _set("variants[0].quantization", "int8")),
+            "spec.variants[0]",
+            "set spec.variants[0].source to a compressed-tensors W8A8 / GPTQ 8-bit int8 checkpoint",
         ),
         (_set("engine.extraArgs", {"max-model-len": 4096}), "spec.engine", "set spec.model.maxModelLen"),
         (_set("drain", {"timeoutSeconds": 30, "terminationGracePeriodSeconds": 30}), "spec.drain", "above 30"),

@@ -15,7 +15,7 @@ from worker.core.config import EngineConfig
         (dict(num_blocks=10, kv_cache_bytes=1 << 20), "either num_blocks or kv_cache_bytes"),
         (dict(max_num_seqs=64, max_num_batched_tokens=32), "must be at least max_num_seqs"),
         (dict(enable_chunked_prefill=False, max_num_batched_tokens=512, max_model_len=1024), "enable_chunked_prefill"),
-        (dict(quantization="int8"), "'none', 'fp8' or 'int4'"),
+        (dict(quantization="int3"), "'none', 'int8', 'fp8' or 'int4'"),
         (dict(dtype="float64"), "float32"),
         (dict(device="tpu"), "pattern"),
         (dict(scheduling_policy="lifo"), "fcfs"),
@@ -33,6 +33,7 @@ def test_defaults_and_runner_arguments() -> None:
     assert (cfg.block_size, cfg.enable_prefix_caching, cfg.enable_chunked_prefill) == (16, True, True)
     assert cfg.runner_quantization is None
     assert EngineConfig(quantization="fp8").runner_quantization == "fp8"
+    assert EngineConfig(quantization="int8").runner_quantization == "int8"
     assert EngineConfig(device="cuda:1").device == "cuda:1"
 
 

@@ -3,11 +3,12 @@ vLLM stat snapshot (pure parts; the vLLM backend itself runs in test_server_vllm
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from worker.backends.vllm import _Snapshot, vllm_engine_args
+from worker.backends.vllm import _Snapshot, checkpoint_quantization, vllm_engine_args
 from worker.server.engines import FakeOptions, build_engine, builtin_engine_kwargs
 from worker.server.fake_engine import FakeEngine
 from worker.server.settings import WorkerSettings
@@ -81,8 +82,34 @@ def test_vllm_engine_args() -> None:
     assert args["quantization"] == "fp8" and args["enforce_eager"] and args["kv_cache_memory_bytes"] == 10**9
     assert args["max_model_len"] == 2048 and "max_num_seqs" not in args and args["served_model_name"] == "m"
     assert vllm_engine_args(WorkerSettings(model="m"), "/m", device_is_cpu=False)["quantization"] is None
-    with pytest.raises(ValueError, match="pre-quantized"):
-        vllm_engine_args(WorkerSettings(model="m", quantization="int4"), "/m", device_is_cpu=True)
+
+
+@pytest.mark.parametrize(
+    ("quantization", "checkpoints"), [("int4", "(AWQ/GPTQ)"), ("int8", "(compressed-tensors W8A8 / GPTQ 8-bit)")]
+)
+def test_vllm_serves_int8_and_int4_from_pre_quantized_checkpoints_only(
+    tmp_path, quantization: str, checkpoints: str
+) -> None:
+    """The operator passes a variant's quantization with its source (`controllers.pods.worker_args`): vLLM gets the
+    checkpoint with quantization None (it reads the scheme from it); a plain checkpoint is refused by name."""
+    settings = WorkerSettings(model="m", engine="vllm", quantization=quantization)
+    plain, quantized = tmp_path / "plain", tmp_path / "quantized"
+    plain.mkdir(), quantized.mkdir()
+    (plain / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (quantized / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "awq", "bits": 4}}))
+    for model in (plain, tmp_path / "missing"):
+        with pytest.raises(ValueError) as refused:
+            vllm_engine_args(settings, str(model), device_is_cpu=True)
+        message = str(refused.value)
+        assert f"serves {quantization} only from a pre-quantized checkpoint {checkpoints}" in message
+        assert str(model) in message and f"--engine builtin for {quantization} weight-only" in message
+    assert vllm_engine_args(settings, str(quantized), device_is_cpu=True)["quantization"] is None
+    assert checkpoint_quantization(str(quantized)) == "awq" and checkpoint_quantization(str(plain)) is None
+
+
+def test_builtin_engine_takes_int8() -> None:
+    kwargs = builtin_engine_kwargs(WorkerSettings(model="m", quantization="int8"), "/m", "cpu")
+    assert kwargs["quantization"] == "int8"
 
 
 def test_vllm_snapshot_keeps_gauges_and_adds_counters() -> None:

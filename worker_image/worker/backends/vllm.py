@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import re
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
@@ -55,6 +56,9 @@ _FINISH = {
     "repetition": FinishReason.STOP,
 }
 
+# Our quantizations that vLLM serves only from a pre-quantized checkpoint (it reads the scheme from the checkpoint's
+# config; it has no online weight-only quantization of our kind), with the checkpoint formats it reads.
+_PREQUANTIZED_ONLY = {"int8": "compressed-tensors W8A8 / GPTQ 8-bit", "int4": "AWQ/GPTQ"}
 # vLLM's worker processes resolve this qualified name (`worker_extension_cls`) and add the class to their bases.
 LORA_WORKER_EXTENSION = "worker.backends.vllm.LoraWorkerExtension"
 # The slot counts are read from vLLM's workers after adapter changes and LoRA requests, at most this often.
@@ -300,12 +304,30 @@ def vllm_speculative_config(settings: WorkerSettings) -> dict[str, Any] | None:
     }
 
 
+def checkpoint_quantization(model_path: str) -> str | None:
+    """The scheme a checkpoint declares (`quantization_config.quant_method` in its config.json: awq, gptq,
+    compressed-tensors, ...), or None where it declares none or has no readable config."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    declared = config.get("quantization_config") if isinstance(config, dict) else None
+    return str(declared.get("quant_method", "unnamed")) if isinstance(declared, dict) else None
+
+
 def vllm_engine_args(settings: WorkerSettings, model_path: str, device_is_cpu: bool) -> dict[str, Any]:
-    """AsyncEngineArgs keyword arguments from the worker settings (unset sizing flags keep vLLM's defaults)."""
-    if settings.quantization == "int4":
+    """AsyncEngineArgs keyword arguments from the worker settings (unset sizing flags keep vLLM's defaults).
+
+    int8 and int4 (`_PREQUANTIZED_ONLY`) name a checkpoint that is quantized already, as the operator passes a
+    variant's `source` with its quantization: vLLM reads the scheme from the checkpoint (quantization None here), and
+    a checkpoint that declares none is refused, rather than served at full precision under a quantized name."""
+    if settings.quantization in _PREQUANTIZED_ONLY and checkpoint_quantization(model_path) is None:
+        quantization = settings.quantization
         raise ValueError(
-            "--engine vllm quantizes int4 only from pre-quantized checkpoints (AWQ/GPTQ): point --model "
-            "at one and leave --quantization none, or use --engine builtin for int4 weight-only"
+            f"--engine vllm serves {quantization} only from a pre-quantized checkpoint "
+            f"({_PREQUANTIZED_ONLY[quantization]}), and {model_path} declares no quantization_config in its "
+            f"config.json: point --model (the variant's source) at one, or use --engine builtin for {quantization} "
+            "weight-only"
         )
     args: dict[str, Any] = {
         "model": model_path,

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-Quantization = Literal["none", "fp8", "int4"]
+Quantization = Literal["none", "int8", "fp8", "int4"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]  # auto: worker.model.linear.resolve_auto_dtype
 SchedulingPolicy = Literal["fcfs", "priority"]
 MAX_SPECULATIVE_TOKENS = 16  # drafts verified per step and request; more only costs compute on rejected tokens

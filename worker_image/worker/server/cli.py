@@ -80,7 +80,7 @@ def worker_command(
     model: Annotated[str, typer.Option("--model", help="bundled://NAME, a model folder or hf://ORG/REPO")],
     revision: Annotated[str | None, typer.Option(help="model revision (hf:// sources)")] = None,
     engine: Annotated[str, typer.Option(help=_ENGINE_HELP)] = "builtin",
-    quantization: Annotated[str, typer.Option(help="none | fp8 | int4 (weight-only)")] = "none",
+    quantization: Annotated[str, typer.Option(help="none | int8 | fp8 | int4 (weight-only)")] = "none",
     dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")] = "auto",
     device: Annotated[str, typer.Option(help="auto | cpu | cuda (builtin engine)")] = "auto",
     host: Annotated[str | None, typer.Option(help="bind address (default: $POD_IP, else 127.0.0.1)")] = None,

@@ -20,7 +20,7 @@ DRAIN_TOKEN_ENV = "LLMFLEET_DRAIN_TOKEN"
 FAULT_ENV_PREFIX = "LLMFLEET_FAULT_"
 
 EngineKind = Literal["builtin", "vllm", "fake"]
-Quantization = Literal["none", "fp8", "int4"]
+Quantization = Literal["none", "int8", "fp8", "int4"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 MaxTokensPolicy = Literal["reject", "clamp"]
 # vLLM 0.32's `LoRAConfig.max_lora_rank` takes only these (`vllm.config.lora.MaxLoRARanks`); the builtin engine
