@@ -19,6 +19,7 @@ The timers cost a few microseconds each (~2% of a bf16 run). Prints a table and,
 
     .venv/bin/python bench/engine_parts.py --dtype bfloat16
     .venv/bin/python bench/engine_parts.py --dtype float32 --requests 8
+    .venv/bin/python bench/engine_parts.py --dtype bfloat16 --quantization int8
 """
 
 from __future__ import annotations
@@ -115,7 +116,14 @@ def restore_modules() -> None:
     llama.paged_attention = attention.paged_attention
 
 
-def run(dtype: str, requests: int, prompt_len: tuple[int, int], output_len: tuple[int, int], seed: int = 0) -> dict:
+def run(
+    dtype: str,
+    requests: int,
+    prompt_len: tuple[int, int],
+    output_len: tuple[int, int],
+    seed: int = 0,
+    quantization: str | None = None,
+) -> dict:
     """One run of the workload; seconds per part (`attention, rest` derived), wall time, steps."""
     from engine import make_workload
     from worker.core.request import SamplingParams
@@ -129,6 +137,7 @@ def run(dtype: str, requests: int, prompt_len: tuple[int, int], output_len: tupl
     llm = LLM(
         path,
         dtype=dtype,
+        quantization=quantization,
         max_num_seqs=64,
         max_num_batched_tokens=2048,
         num_blocks=need // 16 + 2 * len(work) + 16,
@@ -154,21 +163,31 @@ def run(dtype: str, requests: int, prompt_len: tuple[int, int], output_len: tupl
     runner = parts.pop("runner", 0.0)
     parts["runner, rest"] = max(runner - sum(parts.values()), 0.0)  # embedding, metadata, per-layer Python
     parts["outside the model"] = max(wall - runner, 0.0)
-    return {"dtype": dtype, "requests": requests, "steps": steps, "wall_s": round(wall, 3), "parts_s": parts}
+    return {
+        "dtype": dtype,
+        "quantization": quantization,
+        "requests": requests,
+        "steps": steps,
+        "wall_s": round(wall, 3),
+        "parts_s": parts,
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--quantization", default=None, choices=["int8", "fp8", "int4"], help="weights (default: dense)")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--prompt-len", default="32,512", help="min,max prompt tokens (W: 32,512)")
     ap.add_argument("--output-len", default="16,256", help="min,max output tokens (W: 16,256)")
     args = ap.parse_args()
     p_lo, p_hi = (int(v) for v in args.prompt_len.split(","))
     o_lo, o_hi = (int(v) for v in args.output_len.split(","))
-    result = run(args.dtype, args.requests, (p_lo, p_hi), (o_lo, o_hi))
+    result = run(args.dtype, args.requests, (p_lo, p_hi), (o_lo, o_hi), quantization=args.quantization)
     wall = result["wall_s"]
-    print(f"{args.dtype}, {args.requests} requests, {result['steps']} steps, wall {wall:.2f} s")
+    print(
+        f"{args.dtype} {args.quantization or 'dense'}, {args.requests} requests, {result['steps']} steps, wall {wall:.2f} s"
+    )
     for name, secs in sorted(result["parts_s"].items(), key=lambda kv: -kv[1]):
         print(f"  {name:20s} {secs:7.2f} s  {100 * secs / wall:5.1f}%")
     result["parts_s"] = {k: round(v, 3) for k, v in result["parts_s"].items()}

@@ -2,7 +2,7 @@
 
 Written as plain tensors and functions rather than `nn.Module`s: inference never needs autograd or module
 hooks, and the fewer Python calls per layer, the less a CPU step costs. Projections are fused (q/k/v into one
-matmul, gate/up into one) so a layer is four matmuls; every linear is a `quant.Linear`, so fp8 and int4
+matmul, gate/up into one) so a layer is four matmuls; every linear is a `quant.Linear`, so int8, fp8 and int4
 variants are the same code. Unquantized linears (and the output head) run on the kernel `linear.py` chooses for
 the device, dtype and CPU (oneDNN with weights reordered once at load for bf16 on CPUs with native bf16;
 plain torch otherwise); the choice and its reason are logged once per model. Numerics follow HF `LlamaForCausalLM` (RMSNorm in fp32, RoPE tables in fp32, HF's
@@ -120,7 +120,7 @@ class LlamaModel:
         quant_amx: FusedOps | None = None,
     ) -> None:
         """`linear_kernel` None: chosen by `choose_linear_kernel` for this device, dtype and CPU. `fused`: the native
-        fused steps (`kernels.load_fused_ops`) where they run (the layers' elementwise steps, fp8/int4 dequantization).
+        fused steps (`kernels.load_fused_ops`) where they run (the layers' elementwise steps, int8/fp8/int4 dequantization).
         `quant_amx`: the extension where an fp32 model's quantized linears run on AMX (`kernels.load_quant_amx_ops`)."""
         self.cfg = cfg
         self.dtype = dtype
