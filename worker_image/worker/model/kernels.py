@@ -678,9 +678,11 @@ LLMFLEET_AVX512_BF16 static inline __m512 byte_chunk(const uint8_t* w) {
 }
 
 template <ByteFormat F>
-LLMFLEET_AVX512_BF16 static void byte_to_bf16_run(const uint8_t* w, c10::BFloat16* out, int64_t n) {
+LLMFLEET_AVX512_BF16 static void byte_to_bf16_run(const uint8_t* w, c10::BFloat16* out, int64_t n,
+                                                  const uint8_t* next = nullptr) {
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
+    if (next != nullptr && (i & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(next + i), _MM_HINT_T1);
     if constexpr (F == ByteFormat::Fp8) _mm512_storeu_si512(out + i, fp8_bf16_32(w + i));
     else _mm512_storeu_si512(out + i, int8_bf16_32(w + i));
   }
@@ -1451,10 +1453,11 @@ static void amx_linear_run(const uint16_t* x, int64_t M, int64_t K, int64_t N, c
   at::parallel_for(0, (nblocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     amx_configure();
     alignas(64) float c[4 * 256];
-    std::vector<uint16_t> buf(strip_elems);
+    std::vector<uint16_t> buf(strip_elems + 32);  // + 32: room to start it on a cache line, as the tile rows want
+    uint16_t* const scratch = buf.data() + (-reinterpret_cast<uintptr_t>(buf.data()) / 2 % 32);
     for (int64_t p = begin; p < end; ++p) {
       const int64_t nb = 2 * p, cn = std::min<int64_t>(2, nblocks - nb);
-      const uint16_t* wp = strip(nb, cn * 16, buf.data());
+      const uint16_t* wp = strip(nb, cn * 16, scratch);
       for (int64_t mi = 0; mi < mt; mi += 2) {
         const int64_t cm = std::min<int64_t>(2, mt - mi);
         const uint16_t* xp = xt.get() + mi * kt * 512;
@@ -1741,8 +1744,9 @@ static torch::Tensor amx_linear_byte(const torch::Tensor& x, const torch::Tensor
   auto y = torch::empty({M, N}, x.options());
 #if defined(LLMFLEET_AMX_BUILD)
   amx_linear_run(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), M, K, N, nullptr, y.data_ptr(), false,
-                 32 * K, [w, K](int64_t nb, int64_t rows, uint16_t* buf) {
-                   byte_to_bf16_run<F>(w + nb * 16 * K, reinterpret_cast<c10::BFloat16*>(buf), rows * K);
+                 32 * K, [w, K, N](int64_t nb, int64_t rows, uint16_t* buf) {
+                   const uint8_t* next = nb + 2 < N / 16 ? w + (nb + 2) * 16 * K : nullptr;
+                   byte_to_bf16_run<F>(w + nb * 16 * K, reinterpret_cast<c10::BFloat16*>(buf), rows * K, next);
                    return static_cast<const uint16_t*>(buf);
                  });
 #endif
