@@ -186,10 +186,12 @@ def test_quantized_layers_give_the_product_with_their_weights_at_every_batch_siz
 
 
 @pytest.mark.parametrize("rows", [1, 15, 16, 17, 33, 64, 256])
-@pytest.mark.parametrize("out_in", [(96, 64), (3072, 576), (576, 1536), (48, 96)])  # odd n-block and k-tile counts
+# odd n-block and k-tile counts; (112, 64): 4 strips of 32 rows, the last 16, two a thread on two threads, so a
+# thread dequantizes its part-filled last strip while it multiplies the one before
+@pytest.mark.parametrize("out_in", [(96, 64), (3072, 576), (576, 1536), (48, 96), (112, 64)])
 def test_amx_on_quantized_weights_is_amx_on_their_dequantized_weights(ops, rows: int, out_in: tuple[int, int]) -> None:
-    """Bit for bit: the kernel dequantizes each strip of 32 weight rows to the values fp8_to_bf16 / int4_to_bf16
-    give, and multiplies them as amx_linear does."""
+    """Bit for bit: the kernel dequantizes each strip of 32 weight rows to the values fp8_to_bf16 / int8_to_bf16 /
+    int4_to_bf16 give (the next strip while it multiplies one), and multiplies them as amx_linear does."""
     _needs_amx(ops)
     gen = torch.Generator().manual_seed(rows + out_in[0])
     w = torch.randn(*out_in, generator=gen) * 0.05
