@@ -81,18 +81,16 @@ e4m3's 3 mantissa bits leave ~2.6% of every weight: `bench/quant.py` (24 positio
 0.0034 and int8-bf16 0.974, KL 0.0040 (fp8 0.943 / 0.0206; bf16 alone 0.984), at fp8's memory (106.8 MB of linears).
 Its codes are integers bf16 holds exactly, so its kernels are fp8's (`kernels.py`, one template per kernel over
 `ByteFormat`) with a cheaper conversion (int8 -> fp32 -> bf16, ~0.16 instructions a weight against fp8's ~0.35).
-Speed is fp8's within the noise, since the conversion is not what bounds these kernels (30 SmolLM2 layers,
-`bench/linear_kernels.py --layers 30 --groups layer --paths int8_ours_bf16,fp8_ours_bf16`: 17 / 264 / 648 / 858
-GFLOP/s at 1 / 16 / 64 / 256 rows against 18 / 273 / 603 / 855). W, one run of `bench/engine.py --variants
-fp32,int8,fp8,int8-bf16 --skip hf_static,ours_seq1,vllm`: fp32 233.7 tok/s, int8 353.6 (1.51x), fp8 347.3 (1.49x),
-int8-bf16 481.0 (2.06x). So on this checkpoint int8 is the one-byte format to choose; fp8 stays for checkpoints (and
-GPUs) made for it.
+Speed is fp8's within the noise: the conversion is not what bounded these kernels (architecture.md, section 6,
+says what did, and how the AMX path now overlaps dequantizing with multiplying). W, `bench/engine.py --variants
+fp32,bf16,int8,int8-bf16 --skip hf_static,ours_seq1` (one run, on a day this machine ran ~20% slower than stop 31's):
+fp32 220.8 tok/s, int8 355.4 (1.61x our fp32), bf16 528.9, int8-bf16 524.1 (0.99x our bf16, at 0.61x its weights' memory).
+So on this checkpoint int8 is the one-byte format to choose; fp8 stays for checkpoints (and GPUs) made for it.
 
 W8A8 (activations in int8 too) is not a variant: `bench/int8_study.py` measures why. Plain W8A8 misses the 0.95
 agreement floor (0.89) and keeping the 64 widest-range input channels out of the int8 GEMM recovers it (0.958, KL
 0.0046); `torch._int_mm` alone is ~6x the fp32 GEMM from 64 rows on (AMX int8 here), but quantizing and dequantizing
-with torch ops leaves 1.35-1.78x at 64-512 rows and 0.34x at one row. It needs a fused quantize/dequantize kernel, and
-the decode steps that bound W are bound by the weights' bytes, which int8 weight-only already halves.
+with torch ops leaves 1.35-1.78x at 64-512 rows and 0.34x at one row. It needs a fused quantize/dequantize kernel.
 """
 
 from __future__ import annotations
