@@ -88,6 +88,23 @@ def test_a_tiled_fp8_linear_computes_what_the_whole_one_does(monkeypatch, dtype)
     assert tiled(x).shape == (7, len(w))
 
 
+@pytest.mark.parametrize(("rows", "tiles"), [(7, 6), (256, 6), (257, 1), (2048, 1)])
+def test_quantized_weights_dequantize_in_tiles_for_decode_batches_only(rows, tiles):
+    """128 output rows in tiles of 24: six tiles for a decode-sized batch, the whole weight at once past AMX_MAX_ROWS
+    (a prompt chunk), and the same product either way."""
+    w = torch.randn(128, 32, generator=GEN)
+    asked: list[tuple[int, int]] = []
+
+    def tile(start: int, end: int) -> torch.Tensor:
+        asked.append((start, end))
+        return w[start:end]
+
+    x = torch.randn(rows, 32, generator=GEN)
+    y = quant_module._tiled_linear(x, 128, 24, tile)
+    assert len(asked) == tiles and asked[-1][1] == 128
+    torch.testing.assert_close(y, x @ w.t())
+
+
 @pytest.mark.parametrize(
     "quant,cls",
     [
