@@ -107,14 +107,14 @@ def test_refuses_what_it_does_not_take(ops, call, match: str) -> None:
     with pytest.raises(RuntimeError, match=match):
         call(ops)
     with pytest.raises(RuntimeError, match="e4m3"):
-        ops.fp8_to_bf16(torch.zeros(4, 32, dtype=torch.float8_e4m3fn).t())
+        ops.fp8_to_bf16(torch.zeros(4, 32, dtype=torch.float8_e4m3fn).t(), None)
     with pytest.raises(RuntimeError, match="int8"):
-        ops.int8_to_bf16(torch.zeros(4, 32, dtype=torch.uint8))  # the codes' dtype says which format they are
+        ops.int8_to_bf16(torch.zeros(4, 32, dtype=torch.uint8), None)  # the codes' dtype says which format they are
 
 
 def test_fp8_to_bf16_is_torchs_conversion_bit_for_bit(ops) -> None:
     codes = torch.arange(256, dtype=torch.uint8).repeat(4).view(torch.float8_e4m3fn).view(32, 32)
-    got, want = ops.fp8_to_bf16(codes), fp8_to_fp16(codes).to(BF16)
+    got, want = ops.fp8_to_bf16(codes, None), fp8_to_fp16(codes).to(BF16)
     assert got.shape == want.shape and got.dtype == BF16
     nan = torch.isnan(want)
     assert torch.equal(torch.isnan(got), nan)
@@ -123,23 +123,33 @@ def test_fp8_to_bf16_is_torchs_conversion_bit_for_bit(ops) -> None:
 
 def test_int8_to_bf16_is_torchs_conversion_bit_for_bit(ops) -> None:
     codes = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8).view(8, 32)  # every code
-    got = ops.int8_to_bf16(codes)
+    got = ops.int8_to_bf16(codes, None)
     assert got.dtype == BF16 and got.shape == codes.shape
     assert torch.equal(got.view(torch.int16), codes.to(BF16).view(torch.int16))  # all exact in bf16
     tail = torch.arange(-8, 40, dtype=torch.int8).view(1, 48)  # 32 at a time, then the 16-at-a-time tail
-    assert torch.equal(ops.int8_to_bf16(tail), tail.to(BF16))
+    assert torch.equal(ops.int8_to_bf16(tail, None), tail.to(BF16))
 
 
 @pytest.mark.parametrize("quant", ["fp8", "int8"])
 @pytest.mark.parametrize(("out_features", "rows"), [(96, 1), (3072, 64)])  # 3072 x 576 dequantizes in tiles
-def test_row_scaled_linear_on_the_native_dequantizer_gives_the_same_output(
+def test_row_scaled_linear_on_the_native_ops_computes_its_weights(
     ops, quant: str, out_features: int, rows: int
 ) -> None:
+    """Rows the GEMV takes: its sums, then the scales, bit for bit as torch's ops compute them. More rows: each weight
+    row's values times its scale, rounded once to bf16 by the dequantizer, then one F.linear whose output needs no
+    pass of its own to scale."""
     gen = torch.Generator().manual_seed(out_features)
     w = torch.randn(out_features, 576, generator=gen) * 0.05
     x = torch.randn(rows, 576, generator=gen).to(BF16)
     native, plain = make_linear(w, None, quant, BF16, native=ops), make_linear(w, None, quant, BF16)
-    assert torch.equal(native(x), plain(x))
+    if rows <= ops.gemv_max_rows():
+        assert torch.equal(native(x), plain(x))
+        return
+    scale = native._unit_scale
+    scaled = (native.FORMAT.to_dtype(native.weight, torch.float32) * scale[:, None]).to(BF16)
+    assert torch.equal(getattr(ops, f"{quant}_to_bf16")(native.weight, scale), scaled)
+    assert torch.equal(native(x), F.linear(x, scaled))
+    torch.testing.assert_close(native(x), plain(x), rtol=2e-2, atol=2e-2)  # one bf16 rounding apart
 
 
 def test_pack_int4_rows_layout() -> None:
@@ -197,9 +207,12 @@ def test_amx_on_quantized_weights_is_amx_on_their_dequantized_weights(ops, rows:
     w = torch.randn(*out_in, generator=gen) * 0.05
     x = torch.randn(rows, out_in[1], generator=gen).to(BF16)
     w8, _ = quantize_fp8(w)
-    assert torch.equal(ops.amx_linear_fp8(x, w8), ops.amx_linear(x, ops.fp8_to_bf16(w8), None, False))
+    assert torch.equal(ops.amx_linear_fp8(x, w8, None), ops.amx_linear(x, ops.fp8_to_bf16(w8, None), None, False))
     i8, _ = quantize_int8(w)
-    assert torch.equal(ops.amx_linear_int8(x, i8), ops.amx_linear(x, ops.int8_to_bf16(i8), None, False))
+    assert torch.equal(ops.amx_linear_int8(x, i8, None), ops.amx_linear(x, ops.int8_to_bf16(i8, None), None, False))
+    scale = torch.rand(out_in[0], generator=gen) + 0.5  # the layer's scales: applied to the sums, rounded once
+    sums = ops.amx_linear(x, ops.int8_to_bf16(i8, None), None, True)
+    assert torch.equal(ops.amx_linear_int8(x, i8, scale), (sums * scale).to(BF16))
     q, scale, zero = quantize_int4(w, 32)
     packed, sz = pack_int4_rows(q), torch.stack([scale, zero], -1).contiguous().to(BF16)
     want = ops.amx_linear(x, ops.int4_to_bf16(packed, sz, 32), None, False)
@@ -210,13 +223,27 @@ def test_amx_on_quantized_weights_is_amx_on_their_dequantized_weights(ops, rows:
     ("call", "match"),
     [
         (
-            lambda o: o.amx_linear_fp8(torch.zeros(2, 64, dtype=BF16), torch.zeros(24, 64, dtype=torch.float8_e4m3fn)),
+            lambda o: o.amx_linear_fp8(
+                torch.zeros(2, 64, dtype=BF16), torch.zeros(24, 64, dtype=torch.float8_e4m3fn), None
+            ),
             "multiple of 16",
         ),
-        (lambda o: o.amx_linear_fp8(torch.zeros(2, 64), torch.zeros(32, 64, dtype=torch.float8_e4m3fn)), "bf16"),
-        (lambda o: o.amx_linear_fp8(torch.zeros(2, 64, dtype=BF16), torch.zeros(32, 64)), "e4m3"),
-        (lambda o: o.amx_linear_int8(torch.zeros(2, 64, dtype=BF16), torch.zeros(32, 64, dtype=torch.uint8)), "int8"),
-        (lambda o: o.amx_linear_int8(torch.zeros(2, 96, dtype=BF16), torch.zeros(32, 64, dtype=torch.int8)), "x must"),
+        (lambda o: o.amx_linear_fp8(torch.zeros(2, 64), torch.zeros(32, 64, dtype=torch.float8_e4m3fn), None), "bf16"),
+        (lambda o: o.amx_linear_fp8(torch.zeros(2, 64, dtype=BF16), torch.zeros(32, 64), None), "e4m3"),
+        (
+            lambda o: o.amx_linear_int8(torch.zeros(2, 64, dtype=BF16), torch.zeros(32, 64, dtype=torch.uint8), None),
+            "int8",
+        ),
+        (
+            lambda o: o.amx_linear_int8(torch.zeros(2, 96, dtype=BF16), torch.zeros(32, 64, dtype=torch.int8), None),
+            "x must",
+        ),
+        (
+            lambda o: o.amx_linear_int8(
+                torch.zeros(2, 64, dtype=BF16), torch.zeros(32, 64, dtype=torch.int8), torch.ones(16)
+            ),
+            "scale must be",
+        ),
         (
             lambda o: o.amx_linear_int4(
                 torch.zeros(2, 64, dtype=BF16),

@@ -690,6 +690,14 @@ LLMFLEET_AVX512_BF16 static void byte_to_bf16_run(const uint8_t* w, c10::BFloat1
     _mm256_storeu_si256((__m256i*)(out + i), (__m256i)_mm512_cvtneps_pbh(byte_chunk<F>(w + i)));
 }
 
+// One row of k codes (k % 16 == 0) times its scale, rounded once to bf16.
+template <ByteFormat F>
+LLMFLEET_AVX512_BF16 static void byte_row_scaled(const uint8_t* w, float scale, c10::BFloat16* out, int64_t k) {
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int64_t j = 0; j < k; j += 16)
+    _mm256_storeu_si256((__m256i*)(out + j), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(byte_chunk<F>(w + j), s)));
+}
+
 // int4 -> bf16 for one row of k weights: byte i of each 32-weight chunk holds weight i (low nibble) and weight
 // i + 16 (high nibble); sz holds (scale, zero) per group of g weights (g % 32 == 0), w = (q - 8) * scale + zero,
 // computed as one fp32 FMA q * scale + (zero - 8 * scale), in fp32: w[0] holds weights j..j+15, w[1] j+16..j+31.
@@ -1218,6 +1226,15 @@ static const uint8_t* byte_weight(const torch::Tensor& w, ByteFormat f, const ch
   return reinterpret_cast<const uint8_t*>(w.data_ptr());
 }
 
+// A one-byte weight's per-row scales (fp32 [rows], contiguous) when given, else null.
+static const float* row_scales(const c10::optional<torch::Tensor>& scale, int64_t rows, const char* what) {
+  if (!scale.has_value()) return nullptr;
+  TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->dim() == 1 && scale->size(0) == rows &&
+                  scale->is_contiguous(),
+              what, ": scale must be fp32 [out], contiguous");
+  return scale->data_ptr<float>();
+}
+
 // x [M <= 8, k] bf16 times a one-byte weight [out, k] -> y [M, out] bf16 of the product with the weight's bf16
 // values (byte_to_bf16's; the layer applies its output scale after).
 template <ByteFormat F>
@@ -1280,14 +1297,24 @@ torch::Tensor int4_to_bf16(torch::Tensor packed, torch::Tensor sz, int64_t g) {
 }
 
 // A one-byte weight [out, in] as bf16: fp8 as value / 2**8 (Fp8Linear folds the 2**8 into its output scale), int8
-// as its integers.
+// as its integers; with scale (fp32 [out]), each row times its scale, rounded once (the weight a prompt chunk's
+// F.linear takes, so that its output needs no pass of its own to scale).
 template <ByteFormat F>
-static torch::Tensor byte_to_bf16(const torch::Tensor& w8, const char* what) {
+static torch::Tensor byte_to_bf16(const torch::Tensor& w8, const c10::optional<torch::Tensor>& scale,
+                                  const char* what) {
   const auto* src = byte_weight(w8, F, what);
-  check_bf16(torch::empty({0}, w8.options().dtype(at::kBFloat16)), w8.numel(), what);
+  check_bf16(torch::empty({0}, w8.options().dtype(at::kBFloat16)), w8.size(1), what);
+  const float* sp = row_scales(scale, w8.size(0), what);
   auto out = torch::empty(w8.sizes(), w8.options().dtype(at::kBFloat16));
 #if defined(__x86_64__)
   auto* dst = out.data_ptr<c10::BFloat16>();
+  if (sp != nullptr) {
+    const int64_t k = w8.size(1);
+    at::parallel_for(0, w8.size(0), std::max<int64_t>(1, (1 << 16) / k), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) byte_row_scaled<F>(src + r * k, sp[r], dst + r * k, k);
+    });
+    return out;
+  }
   const int64_t n = w8.numel(), chunk = 1 << 16;
   at::parallel_for(0, (n + chunk - 1) / chunk, 1, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c)
@@ -1297,9 +1324,13 @@ static torch::Tensor byte_to_bf16(const torch::Tensor& w8, const char* what) {
   return out;
 }
 
-torch::Tensor fp8_to_bf16(torch::Tensor w8) { return byte_to_bf16<ByteFormat::Fp8>(w8, "fp8_to_bf16"); }
+torch::Tensor fp8_to_bf16(torch::Tensor w8, c10::optional<torch::Tensor> scale) {
+  return byte_to_bf16<ByteFormat::Fp8>(w8, scale, "fp8_to_bf16");
+}
 
-torch::Tensor int8_to_bf16(torch::Tensor w8) { return byte_to_bf16<ByteFormat::Int8>(w8, "int8_to_bf16"); }
+torch::Tensor int8_to_bf16(torch::Tensor w8, c10::optional<torch::Tensor> scale) {
+  return byte_to_bf16<ByteFormat::Int8>(w8, scale, "int8_to_bf16");
+}
 
 // ---- bf16 linear layers on AMX (Intel Sapphire Rapids and later), for decode-sized batches ----
 // y = x W^T (+ bias) with W in its plain [N, K] layout: 16 rows of W (one n-block, 32 k at a time) are exactly an
@@ -1429,15 +1460,17 @@ LLMFLEET_AMX static void amx_block(const uint16_t* w, int64_t K, const uint16_t*
   if (CN > 1 && CM > 1) _tile_stored(3, c + 768, 64);
 }
 
-// One C tile [16 n][16 m] -> y[m][0..16) (rows N apart) for m < rows, plus bias[0..16) when given: rounded to
-// bf16, or kept fp32 (y then holds floats; the output head's logits, which the sampler wants in fp32 anyway).
+// One C tile [16 n][16 m] -> y[m][0..16) (rows N apart) for m < rows, times scale[0..16) (a quantized weight's
+// per-row scales) and plus bias[0..16) when given: rounded to bf16, or kept fp32 (y then holds floats; the output
+// head's logits, which the sampler wants in fp32 anyway).
 LLMFLEET_AVX512_BF16 static void amx_unpack(const float* c, int64_t rows, void* y, int64_t N, const uint16_t* bias,
-                                            bool fp32_out) {
+                                            const float* scale, bool fp32_out) {
   alignas(64) float t[256];
   transpose16(reinterpret_cast<const uint32_t*>(c), 16, reinterpret_cast<uint32_t*>(t), 16);
   const __m512 b = bias ? load16(bias) : _mm512_setzero_ps();
+  const __m512 sc = scale ? _mm512_loadu_ps(scale) : _mm512_set1_ps(1.f);
   for (int64_t m = 0; m < rows; ++m) {
-    const __m512 r = _mm512_add_ps(_mm512_load_ps(t + 16 * m), b);
+    const __m512 r = _mm512_fmadd_ps(_mm512_load_ps(t + 16 * m), sc, b);
     if (fp32_out) _mm512_storeu_ps(static_cast<float*>(y) + m * N, r);
     else _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(y) + m * N), (__m256i)_mm512_cvtneps_pbh(r));
   }
@@ -1450,8 +1483,8 @@ LLMFLEET_AVX512_BF16 static void amx_unpack(const float* c, int64_t rows, void* 
 // between its strips. Scratch strips start on a cache line: a tile row that spans two lines costs twice the loads
 // (an int8 960x576 call without its dequantization took 22.7 us unaligned, 14.0 aligned: bf16's 13.9).
 template <typename Dequant>
-static void amx_linear_run(const uint16_t* x, int64_t M, int64_t K, int64_t N, const uint16_t* bias, void* y,
-                           bool fp32_out, const uint16_t* w, const Dequant& dequant) {
+static void amx_linear_run(const uint16_t* x, int64_t M, int64_t K, int64_t N, const uint16_t* bias,
+                           const float* scale, void* y, bool fp32_out, const uint16_t* w, const Dequant& dequant) {
   const int64_t kt = K / 32, mt = (M + 15) / 16, nblocks = N / 16, strip_elems = w != nullptr ? 0 : 32 * K;
   std::unique_ptr<uint16_t[]> xt(new uint16_t[mt * kt * 512]);  // x's B tiles: amx_pack_rows writes every one
   amx_pack_rows(x, M, K, K, xt.get());
@@ -1491,7 +1524,7 @@ static void amx_linear_run(const uint16_t* x, int64_t M, int64_t K, int64_t N, c
             amx_unpack(c + (2 * n + m) * 256, std::min<int64_t>(16, M - r0),
                        fp32_out ? static_cast<void*>(static_cast<float*>(y) + at)
                                 : static_cast<void*>(static_cast<uint16_t*>(y) + at),
-                       N, bias ? bias + n0 : nullptr, fp32_out);
+                       N, bias ? bias + n0 : nullptr, scale ? scale + n0 : nullptr, fp32_out);
           }
       }
     }
@@ -1742,8 +1775,8 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::
   auto y = torch::empty({M, N}, x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
 #if defined(LLMFLEET_AMX_BUILD)
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
-  amx_linear_run(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), M, K, N, bp, y.data_ptr(), fp32_out,
-                 wp, [](int64_t, int64_t, int64_t, uint16_t*) {});
+  amx_linear_run(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), M, K, N, bp, nullptr, y.data_ptr(),
+                 fp32_out, wp, [](int64_t, int64_t, int64_t, uint16_t*) {});
 #endif
   return y;
 }
@@ -1753,18 +1786,20 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::
 // them from there while they are in cache. The weight streams from memory at 1 (fp8) or ~0.56 (int4) bytes a weight, where dequantizing whole tiles
 // first (then a bf16 GEMM) wrote and read 2 more per weight through L2.
 
-// x [M, K] bf16 times a one-byte weight [N, K] -> [M, N] bf16: x . byte_to_bf16's weight (the layer applies its
-// output scale after).
+// x [M, K] bf16 times a one-byte weight [N, K] -> [M, N] bf16: x . byte_to_bf16's weight, each output column times
+// scale[n] (fp32 [N]; the layer's per-row scales) when given, before the one rounding to bf16.
 template <ByteFormat F>
-static torch::Tensor amx_linear_byte(const torch::Tensor& x, const torch::Tensor& w8, const char* what) {
+static torch::Tensor amx_linear_byte(const torch::Tensor& x, const torch::Tensor& w8,
+                                     const c10::optional<torch::Tensor>& scale, const char* what) {
   const auto* w = byte_weight(w8, F, what);
   const int64_t M = x.size(0), K = w8.size(1), N = w8.size(0);
   amx_operands_check(x, N, K, what);
+  const float* sp = row_scales(scale, N, what);
   auto y = torch::empty({M, N}, x.options());
 #if defined(LLMFLEET_AMX_BUILD)
   // while it converts rows of one strip, the same rows of the strip after it go to L2
-  amx_linear_run(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), M, K, N, nullptr, y.data_ptr(), false,
-                 nullptr, [w, K, N](int64_t nb, int64_t r0, int64_t r1, uint16_t* buf) {
+  amx_linear_run(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), M, K, N, nullptr, sp, y.data_ptr(),
+                 false, nullptr, [w, K, N](int64_t nb, int64_t r0, int64_t r1, uint16_t* buf) {
                    const uint8_t* ahead = (nb + 2) * 16 + r1 <= N ? w + ((nb + 2) * 16 + r0) * K : nullptr;
                    byte_to_bf16_run<F>(w + (nb * 16 + r0) * K, reinterpret_cast<c10::BFloat16*>(buf + r0 * K),
                                        (r1 - r0) * K, ahead);
@@ -1773,12 +1808,12 @@ static torch::Tensor amx_linear_byte(const torch::Tensor& x, const torch::Tensor
   return y;
 }
 
-torch::Tensor amx_linear_fp8(torch::Tensor x, torch::Tensor w8) {
-  return amx_linear_byte<ByteFormat::Fp8>(x, w8, "amx_linear_fp8");
+torch::Tensor amx_linear_fp8(torch::Tensor x, torch::Tensor w8, c10::optional<torch::Tensor> scale) {
+  return amx_linear_byte<ByteFormat::Fp8>(x, w8, scale, "amx_linear_fp8");
 }
 
-torch::Tensor amx_linear_int8(torch::Tensor x, torch::Tensor w8) {
-  return amx_linear_byte<ByteFormat::Int8>(x, w8, "amx_linear_int8");
+torch::Tensor amx_linear_int8(torch::Tensor x, torch::Tensor w8, c10::optional<torch::Tensor> scale) {
+  return amx_linear_byte<ByteFormat::Int8>(x, w8, scale, "amx_linear_int8");
 }
 
 // x [M, K] bf16 times int4_to_bf16's operands (packed [N, K / 2], sz [N, K / g, 2]) -> [M, N] bf16.
@@ -1795,8 +1830,8 @@ torch::Tensor amx_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tens
 #if defined(LLMFLEET_AMX_BUILD)
   const auto* q = packed.data_ptr<uint8_t>();
   const auto* s = sz.data_ptr<c10::BFloat16>();
-  amx_linear_run(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), M, K, N, nullptr, y.data_ptr(), false,
-                 nullptr, [q, s, K, g](int64_t nb, int64_t r0, int64_t r1, uint16_t* buf) {
+  amx_linear_run(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), M, K, N, nullptr, nullptr, y.data_ptr(),
+                 false, nullptr, [q, s, K, g](int64_t nb, int64_t r0, int64_t r1, uint16_t* buf) {
                    auto* out = reinterpret_cast<c10::BFloat16*>(buf);
                    for (int64_t r = r0; r < r1; ++r) {
                      const int64_t row = nb * 16 + r;
@@ -1953,9 +1988,9 @@ class FusedOps(Protocol):
 
     def rope_(self, x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None: ...
 
-    def fp8_to_bf16(self, w8: torch.Tensor) -> torch.Tensor: ...
+    def fp8_to_bf16(self, w8: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor: ...
 
-    def int8_to_bf16(self, w8: torch.Tensor) -> torch.Tensor: ...
+    def int8_to_bf16(self, w8: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor: ...
 
     def int4_to_bf16(self, packed: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor: ...
 
@@ -1983,9 +2018,9 @@ class FusedOps(Protocol):
         self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
     ) -> torch.Tensor: ...
 
-    def amx_linear_fp8(self, x: torch.Tensor, w8: torch.Tensor) -> torch.Tensor: ...
+    def amx_linear_fp8(self, x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor: ...
 
-    def amx_linear_int8(self, x: torch.Tensor, w8: torch.Tensor) -> torch.Tensor: ...
+    def amx_linear_int8(self, x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor: ...
 
     def amx_linear_int4(
         self, x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group_size: int

@@ -226,11 +226,11 @@ class RowScaledLinear:
     __slots__ = (
         "_amx",
         "_chunk_rows",
-        "_direct",
         "_direct_rows",
+        "_dtype",
         "_native",
         "_out_scale",
-        "_to_dtype",
+        "_unit_scale",
         "bias",
         "out_features",
         "scale",
@@ -248,35 +248,32 @@ class RowScaledLinear:
         """`native`: the extension's fused ops, where the activations are bf16: its dequantizer (one AVX512 pass, the
         same values; fp8's replaces four torch passes, ~1 ns a weight) makes the tiles, and decode-sized batches skip
         the dequantized copy (`direct_rows`: AMX where `kernel` is amx_bf16, else the GEMV)."""
-        fmt = self.FORMAT
-        self.weight, self.scale = fmt.quantize(weight)
+        self.weight, self.scale = self.FORMAT.quantize(weight)
         self._native = native if dtype == torch.bfloat16 else None
         self._direct_rows, self._amx = direct_rows(self._native, kernel, weight)
-        self._to_dtype: Callable[[torch.Tensor], torch.Tensor] = (
-            getattr(self._native, fmt.native_to_bf16)
-            if self._native is not None
-            else lambda w8: fmt.to_dtype(w8, dtype)
-        )
-        self._direct: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = (
-            getattr(self._native, fmt.native_amx if self._amx else fmt.native_gemv)
-            if self._native is not None
-            else None
-        )
+        self._dtype = dtype
         self.bias = bias
         self.out_features = weight.shape[0]
-        self._out_scale = (self.scale * fmt.unit).to(dtype)
+        self._unit_scale = (self.scale * self.FORMAT.unit).float().contiguous()  # what one unit of a code's value is
+        self._out_scale = self._unit_scale.to(dtype)
         self._chunk_rows = fp8_chunk_rows(*weight.shape)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (self.weight.to(torch.float32) * self.scale[:, None]).to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if self._direct is not None and _few_rows(x, self._direct_rows):
-            y = self._direct(x, w)
-        else:
-            y = _tiled_linear(x, self.out_features, self._chunk_rows, lambda start, end: self._to_dtype(w[start:end]))
-        y = y * self._out_scale
+        w, fmt, native, n = self.weight, self.FORMAT, self._native, self.out_features
+        if native is None:  # torch's ops: the codes' values in the compute dtype, the scales on the output
+            y = _tiled_linear(x, n, self._chunk_rows, lambda a, b: fmt.to_dtype(w[a:b], self._dtype)) * self._out_scale
+        elif _few_rows(x, self._direct_rows) and self._amx:  # the kernel scales the sums before it rounds them
+            y = getattr(native, fmt.native_amx)(x, w, self._unit_scale)
+        elif _few_rows(x, self._direct_rows):
+            y = getattr(native, fmt.native_gemv)(x, w) * self._out_scale
+        else:  # rows dequantized times their scales: F.linear's output needs no pass of its own to scale
+            scale = self._unit_scale
+            y = _tiled_linear(
+                x, n, self._chunk_rows, lambda a, b: getattr(native, fmt.native_to_bf16)(w[a:b], scale[a:b])
+            )
         return y if self.bias is None else y + self.bias
 
     @property
