@@ -61,7 +61,9 @@ def test_mixed_lora_batch_equals_merged_transformers(tiny_dir, tmp_path, load_hf
     assert [o.token_ids for o in outs] == [hf_greedy_fn(refs[n], p, N_OUT) for p, n in zip(ps, names, strict=True)]
 
 
-@pytest.mark.parametrize(("dtype", "quantization", "floor"), [("bfloat16", None, 0.9), ("float32", "fp8", 0.75)])
+@pytest.mark.parametrize(
+    ("dtype", "quantization", "floor"), [("bfloat16", None, 0.9), ("float32", "fp8", 0.75), ("float32", "int8", 0.9)]
+)
 def test_variants_agree_with_fp32(tiny_dir, dtype, quantization, floor):
     ref = ModelRunner(str(tiny_dir), device="cuda", num_blocks=16)
     cand = ModelRunner(str(tiny_dir), device="cuda", num_blocks=16, dtype=dtype, quantization=quantization)

@@ -99,7 +99,7 @@ def test_mixed_batch_equals_merged_transformers(tiny_dir, adapters, references, 
     assert len({tuple(hf_greedy(references[n], ps[0])) for n in (None, "a", "b")}) == 3
 
 
-@pytest.mark.parametrize(("dtype", "quantization"), [("bfloat16", None), ("float32", "fp8")])
+@pytest.mark.parametrize(("dtype", "quantization"), [("bfloat16", None), ("float32", "fp8"), ("bfloat16", "int8")])
 def test_adapters_on_bf16_and_quantized_bases(tiny_dir, adapters, dtype, quantization):
     """Adapter weights follow the base's dtype (the activation dtype for weight-only quantization): a mixed batch
     runs, and the adapters change the answers."""
