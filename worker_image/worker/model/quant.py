@@ -82,9 +82,11 @@ e4m3's 3 mantissa bits leave ~2.6% of every weight: `bench/quant.py` (24 positio
 Its codes are integers bf16 holds exactly, so its kernels are fp8's (`kernels.py`, one template per kernel over
 `ByteFormat`) with a cheaper conversion (int8 -> fp32 -> bf16, ~0.16 instructions a weight against fp8's ~0.35).
 Speed is fp8's within the noise: the conversion is not what bounded these kernels (architecture.md, section 6,
-says what did, and how the AMX path now overlaps dequantizing with multiplying). W, `bench/engine.py --variants
-fp32,bf16,int8,int8-bf16 --skip hf_static,ours_seq1` (one run, on a day this machine ran ~20% slower than stop 31's):
-fp32 220.8 tok/s, int8 355.4 (1.61x our fp32), bf16 528.9, int8-bf16 524.1 (0.99x our bf16, at 0.61x its weights' memory).
+says what did: an unaligned scratch strip, dequantizing between multiplications, and the per-row scales applied in a
+pass of torch's over the output, where the kernels now apply them). W, one run of `bench/engine.py --variants
+fp32,bf16,int8,fp8,int4,int8-bf16,fp8-bf16,int4-bf16 --skip hf_static,ours_seq1,vllm` (on a day this machine ran
+~20% slower than stop 31's): fp32 223.8 tok/s, int8 389.1 (1.74x our fp32), fp8 385.4, int4 385.9; bf16 562.4,
+int8-bf16 582.5 (1.04x our bf16, at 0.61x its weights' memory), fp8-bf16 543.5, int4-bf16 559.5.
 So on this checkpoint int8 is the one-byte format to choose; fp8 stays for checkpoints (and GPUs) made for it.
 
 W8A8 (activations in int8 too) is not a variant: `bench/int8_study.py` measures why. Plain W8A8 misses the 0.95
