@@ -33,15 +33,22 @@ def test_fp8_bit_trick_is_exact_for_every_finite_value():
     assert torch.equal(got[finite], ref[finite])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fp8_linear_matches_its_dequantized_weights(dtype):
-    w = torch.randn(40, 64, generator=GEN) * 0.1
-    b = torch.randn(40, generator=GEN)
-    lin = Fp8Linear(w, b.to(dtype), dtype)
-    x = torch.randn(5, 64, generator=GEN).to(dtype)
+def _computes_with_its_dequantized_weights(cls, w: torch.Tensor, dtype: torch.dtype):
+    """A `cls` layer over w with a bias: its output is F.linear with its own dequantized weights (to dtype's
+    precision); returns the layer."""
+    b = torch.randn(w.shape[0], generator=GEN)
+    lin = cls(w, b.to(dtype), dtype)
+    x = torch.randn(5, w.shape[1], generator=GEN).to(dtype)
     ref = F.linear(x.float(), lin.dequantize(), b)
     tol = 1e-5 if dtype == torch.float32 else 5e-2
     assert torch.allclose(lin(x).float(), ref, atol=tol, rtol=tol)
+    return lin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_linear_matches_its_dequantized_weights(dtype):
+    w = torch.randn(40, 64, generator=GEN) * 0.1
+    lin = _computes_with_its_dequantized_weights(Fp8Linear, w, dtype)
     # and fp8 itself is close to the original weights: e4m3 has a 3-bit mantissa (relative step 1/8)
     assert (lin.dequantize() - w).abs().max() <= w.abs().max() / 8
 
@@ -50,12 +57,7 @@ def test_fp8_linear_matches_its_dequantized_weights(dtype):
 def test_int8_linear_matches_its_dequantized_weights(dtype):
     w = torch.randn(40, 64, generator=GEN) * 0.1
     w[3] = 0.0  # an all-zero row gets codes 0, not NaN
-    b = torch.randn(40, generator=GEN)
-    lin = Int8Linear(w, b.to(dtype), dtype)
-    x = torch.randn(5, 64, generator=GEN).to(dtype)
-    ref = F.linear(x.float(), lin.dequantize(), b)
-    tol = 1e-5 if dtype == torch.float32 else 5e-2
-    assert torch.allclose(lin(x).float(), ref, atol=tol, rtol=tol)
+    lin = _computes_with_its_dequantized_weights(Int8Linear, w, dtype)
     # symmetric per row: each weight within half a step (the row's max |w| / 127) of its original, each row's
     # largest weight exactly +-127 steps
     step = w.abs().amax(1, keepdim=True) / 127
