@@ -103,10 +103,12 @@ def create_app(
     on_exit: Callable[[int], None] = lambda code: None,
     clock: Callable[[], float] = time.monotonic,
     max_bytes_per_token: int | None = None,
+    on_loaded: Callable[[], None] = lambda: None,
 ) -> FastAPI:
     """The worker app around `engine`. `on_exit(code)` is called when the worker wants its process to stop;
-    `max_bytes_per_token` is the engine tokenizer's bound (see `admission.check_prompt_bytes`), None if unknown."""
-    service = WorkerService(engine, settings, on_exit, clock, max_bytes_per_token)
+    `max_bytes_per_token` is the engine tokenizer's bound (see `admission.check_prompt_bytes`), None if unknown;
+    `on_loaded()` runs once the model is loaded, before the worker reports ready."""
+    service = WorkerService(engine, settings, on_exit, clock, max_bytes_per_token, on_loaded)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

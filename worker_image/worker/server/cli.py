@@ -189,6 +189,10 @@ def worker_command(
             "by tokenizing them (bounded by --max-body-bytes)"
         )
     server = WorkerServer(
-        built.engine, settings, log_level=log_level.lower(), max_bytes_per_token=built.max_bytes_per_token
+        built.engine,
+        settings,
+        log_level=log_level.lower(),
+        max_bytes_per_token=built.max_bytes_per_token,
+        freeze_heap_after_load=True,  # this process serves one model: see serve.freeze_startup_heap
     )
     raise typer.Exit(server.run())

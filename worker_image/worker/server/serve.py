@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import signal
 import threading
 from collections.abc import Iterator
@@ -45,8 +46,20 @@ class _DrainingServer(uvicorn.Server):
                 loop.remove_signal_handler(sig)
 
 
+def freeze_startup_heap() -> None:
+    """Collect once, then move every object alive now (the model, tokenizer tables, modules: ~226K objects in a
+    SmolLM2 worker) to the collector's permanent generation, as vLLM's engine does after start-up. Otherwise each
+    full collection walks them all while every stream waits: 1,500 streamed chat requests at 64 concurrent through
+    the HTTP server ran 4 full collections, the longest 163 ms (bf16 ITL p50 is ~50 ms); frozen, 24 ms. Measured
+    with gc.callbacks around a live worker (stop 32's closing note on #16)."""
+    gc.collect()
+    gc.freeze()
+
+
 class WorkerServer:
-    """The app plus its uvicorn server. `run()` blocks and returns the exit code (0 after a drain)."""
+    """The app plus its uvicorn server. `run()` blocks and returns the exit code (0 after a drain).
+    `freeze_heap_after_load`: `freeze_startup_heap` once the model is loaded (the CLI's worker process; off for
+    workers that share a process, such as tests')."""
 
     def __init__(
         self,
@@ -57,9 +70,16 @@ class WorkerServer:
         log_level: str = "info",
         graceful_shutdown_s: int = 5,
         max_bytes_per_token: int | None = None,
+        freeze_heap_after_load: bool = False,
     ) -> None:
         self.exit_code = 0
-        self.app = create_app(engine, settings, on_exit=self._on_exit, max_bytes_per_token=max_bytes_per_token)
+        self.app = create_app(
+            engine,
+            settings,
+            on_exit=self._on_exit,
+            max_bytes_per_token=max_bytes_per_token,
+            on_loaded=freeze_startup_heap if freeze_heap_after_load else lambda: None,
+        )
         self.service: WorkerService = self.app.state.service
         config = uvicorn.Config(
             self.app,

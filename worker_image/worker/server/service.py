@@ -70,9 +70,11 @@ class WorkerService:
         on_exit: Callable[[int], None],
         clock: Callable[[], float] = time.monotonic,
         max_bytes_per_token: int | None = None,
+        on_loaded: Callable[[], None] = lambda: None,
     ) -> None:
         self.engine = engine
         self.settings = settings
+        self._on_loaded = on_loaded  # runs once, after the model and boot adapters load and before /ready says so
         # The most prompt bytes one token stands for (None: unknown): over-long prompts are refused untokenized.
         self.max_bytes_per_token = max_bytes_per_token
         self.tokenizer_pool = TokenizerPool(settings.tokenizer_threads, settings.max_waiting, settings.retry_after_s)
@@ -122,6 +124,7 @@ class WorkerService:
             self._on_exit(1)
             return
         await self._load_boot_adapters()
+        self._on_loaded()
         self.loaded = True
         log.info("model %s loaded (max_model_len %d); ready", self.model_name, self.engine.max_model_len)
 
