@@ -159,7 +159,6 @@ class RowFormat:
     are worth in a compute dtype with torch's ops (`to_dtype`: the codes' values / `unit`), and the extension's ops
     that read the codes for bf16 activations (the same values, `kernels.py`)."""
 
-    name: str
     quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     to_dtype: Callable[[torch.Tensor, torch.dtype], torch.Tensor]
     unit: float
@@ -169,24 +168,28 @@ class RowFormat:
 
 
 FP8 = RowFormat(
-    "fp8",
-    quantize_fp8,
-    lambda w8, dtype: fp8_to_fp16(w8).to(dtype),
-    FP8_TO_FP16_EXP_SHIFT,
-    "fp8_to_bf16",
-    "fp8_gemv_bf16",
-    "amx_linear_fp8",
+    quantize=quantize_fp8,
+    to_dtype=lambda w8, dtype: fp8_to_fp16(w8).to(dtype),
+    unit=FP8_TO_FP16_EXP_SHIFT,
+    native_to_bf16="fp8_to_bf16",
+    native_gemv="fp8_gemv_bf16",
+    native_amx="amx_linear_fp8",
 )
 INT8 = RowFormat(
-    "int8", quantize_int8, lambda w8, dtype: w8.to(dtype), 1.0, "int8_to_bf16", "int8_gemv_bf16", "amx_linear_int8"
+    quantize=quantize_int8,
+    to_dtype=lambda w8, dtype: w8.to(dtype),
+    unit=1.0,
+    native_to_bf16="int8_to_bf16",
+    native_gemv="int8_gemv_bf16",
+    native_amx="amx_linear_int8",
 )
 
 
 def direct_rows(native: FusedOps | None, kernel: LinearKernel, weight: torch.Tensor) -> tuple[int, bool]:
     """(the most rows a batch may have to multiply the quantized weight directly, without a dequantized copy;
     whether that is our AMX kernel). Where the dense linears run on it (`kernel` amx_bf16) and the shape fits,
-    it is `amx_linear_fp8` / `amx_linear_int8` / `amx_linear_int4` up to AMX_MAX_ROWS rows: each thread dequantizes 32 weight rows at a
-    time into its own scratch and multiplies them from cache. Else the extension's GEMV (`gemv_max_rows`), else
+    it is `amx_linear_fp8` / `amx_linear_int8` / `amx_linear_int4` up to AMX_MAX_ROWS rows: each thread
+    dequantizes 32 weight rows at a time into its own scratch and multiplies them from cache. Else the extension's GEMV (`gemv_max_rows`), else
     none. Per 30 SmolLM2 layers (the weights streamed), one row: AMX 12 (fp8) / 10 (int4) ms against the GEMV's
     18 / 12.5; 32 rows: 13 / 12 against dequantized tiles + AMX 15 / 16 (architecture.md, section 6)."""
     if native is None:
