@@ -1782,9 +1782,10 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::
 }
 
 // The quantized weights of quant.py on the AMX kernel: each thread dequantizes its next 32 weight rows to bf16
-// (the values fp8_to_bf16 / int4_to_bf16 give) into its own scratch while it multiplies the 32 before, and multiplies
-// them from there while they are in cache. The weight streams from memory at 1 (fp8) or ~0.56 (int4) bytes a weight, where dequantizing whole tiles
-// first (then a bf16 GEMM) wrote and read 2 more per weight through L2.
+// (the values fp8_to_bf16 / int8_to_bf16 / int4_to_bf16 give) into its own scratch while it multiplies the 32
+// before, and multiplies them from there while they are in cache. The weight streams from memory at 1 (fp8, int8)
+// or ~0.56 (int4) bytes a weight, where dequantizing whole tiles first (then a bf16 GEMM) wrote and read 2 more per
+// weight through L2.
 
 // x [M, K] bf16 times a one-byte weight [N, K] -> [M, N] bf16: x . byte_to_bf16's weight, each output column times
 // scale[n] (fp32 [N]; the layer's per-row scales) when given, before the one rounding to bf16.

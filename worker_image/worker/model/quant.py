@@ -231,10 +231,11 @@ class RowScaledLinear:
     __slots__ = (
         "_amx",
         "_chunk_rows",
+        "_direct",
         "_direct_rows",
         "_dtype",
-        "_native",
         "_out_scale",
+        "_to_bf16",
         "_unit_scale",
         "bias",
         "out_features",
@@ -253,9 +254,17 @@ class RowScaledLinear:
         """`native`: the extension's fused ops, where the activations are bf16: its dequantizer (one AVX512 pass, the
         same values; fp8's replaces four torch passes, ~1 ns a weight) makes the tiles, and decode-sized batches skip
         the dequantized copy (`direct_rows`: AMX where `kernel` is amx_bf16, else the GEMV)."""
-        self.weight, self.scale = self.FORMAT.quantize(weight)
-        self._native = native if dtype == torch.bfloat16 else None
-        self._direct_rows, self._amx = direct_rows(self._native, kernel, weight)
+        fmt = self.FORMAT
+        self.weight, self.scale = fmt.quantize(weight)
+        ops = native if dtype == torch.bfloat16 else None
+        self._direct_rows, self._amx = direct_rows(ops, kernel, weight)
+        # the extension's ops for this format, looked up once (None: torch's ops)
+        self._direct: Callable[..., torch.Tensor] | None = (
+            None if ops is None else getattr(ops, fmt.native_amx if self._amx else fmt.native_gemv)
+        )
+        self._to_bf16: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = (
+            None if ops is None else getattr(ops, fmt.native_to_bf16)
+        )
         self._dtype = dtype
         self.bias = bias
         self.out_features = weight.shape[0]
@@ -267,18 +276,15 @@ class RowScaledLinear:
         return (self.weight.to(torch.float32) * self.scale[:, None]).to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        w, fmt, native, n = self.weight, self.FORMAT, self._native, self.out_features
-        if native is None:  # torch's ops: the codes' values in the compute dtype, the scales on the output
-            y = _tiled_linear(x, n, self._chunk_rows, lambda a, b: fmt.to_dtype(w[a:b], self._dtype)) * self._out_scale
-        elif _few_rows(x, self._direct_rows) and self._amx:  # the kernel scales the sums before it rounds them
-            y = getattr(native, fmt.native_amx)(x, w, self._unit_scale)
-        elif _few_rows(x, self._direct_rows):
-            y = getattr(native, fmt.native_gemv)(x, w) * self._out_scale
+        w, n, direct, to_bf16 = self.weight, self.out_features, self._direct, self._to_bf16
+        if direct is None or to_bf16 is None:  # torch's ops: the codes' values in the compute dtype, scaled after
+            fmt, dtype = self.FORMAT, self._dtype
+            y = _tiled_linear(x, n, self._chunk_rows, lambda a, b: fmt.to_dtype(w[a:b], dtype)) * self._out_scale
+        elif _few_rows(x, self._direct_rows):  # AMX scales the sums before it rounds them; the GEMV's are scaled after
+            y = direct(x, w, self._unit_scale) if self._amx else direct(x, w) * self._out_scale
         else:  # rows dequantized times their scales: F.linear's output needs no pass of its own to scale
             scale = self._unit_scale
-            y = _tiled_linear(
-                x, n, self._chunk_rows, lambda a, b: getattr(native, fmt.native_to_bf16)(w[a:b], scale[a:b])
-            )
+            y = _tiled_linear(x, n, self._chunk_rows, lambda a, b: to_bf16(w[a:b], scale[a:b]))
         return y if self.bias is None else y + self.bias
 
     @property
