@@ -49,7 +49,9 @@ GEN = torch.Generator().manual_seed(0)
         ("cpu", torch.float32, AMX_CPU, ONEDNN | AMX, "aten", "MKL"),  # no panel kernel built: MKL
         ("cpu", torch.float32, AMX_CPU, ONEDNN | AMX | PANELS, "panels_fp32", "AVX512F"),
         ("cpu", torch.float32, BF16_CPU, PANELS, "panels_fp32", "panels"),
-        ("cpu", torch.float32, OLD_CPU, PANELS, "aten", "MKL"),  # the CPU lacks AVX512F
+        ("cpu", torch.float32, OLD_CPU, PANELS, "panels_fp32", "AVX2 + FMA"),  # no AVX-512: the AVX2 path
+        ("cpu", torch.float32, OLD_CPU, frozenset(), "aten", "MKL"),  # no panel kernel built: MKL
+        ("cpu", torch.float32, frozenset({"avx2"}), PANELS, "aten", "MKL"),  # AVX2 without FMA
         ("cpu", torch.bfloat16, BF16_CPU, PANELS, "aten", "lacks oneDNN"),  # panels are fp32 only
         ("cuda", torch.float32, AMX_CPU, PANELS, "aten", "device cuda"),
         ("cuda", torch.bfloat16, AMX_CPU, AMX, "aten", "device cuda"),
@@ -133,8 +135,8 @@ def test_make_dense_linear_builds_the_kind_asked(kernel, cls):
     assert isinstance(layer, cls)
 
 
-def test_make_dense_linear_builds_fp32_panels_with_the_extension(avx512):
-    assert isinstance(make_dense_linear(torch.randn(8, 16), None, torch.float32, "panels_fp32", avx512), PanelLinear)
+def test_make_dense_linear_builds_fp32_panels_with_the_extension(panels):
+    assert isinstance(make_dense_linear(torch.randn(8, 16), None, torch.float32, "panels_fp32", panels), PanelLinear)
     with pytest.raises(ValueError, match="native extension"):
         make_dense_linear(torch.randn(8, 16), None, torch.float32, "panels_fp32")
 
@@ -298,10 +300,10 @@ def test_bf16_model_on_amx_matches_plain_torch_and_ties_the_head_without_a_copy(
 # whole and part-filled panels
 @pytest.mark.parametrize("out_in", [(96, 64), (112, 64), (100, 37), (48, 576), (577, 40)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_panel_linear_matches_f_linear_in_fp32(avx512, rows, out_in, bias):
+def test_panel_linear_matches_f_linear_in_fp32(panels, rows, out_in, bias):
     w = torch.randn(*out_in, generator=GEN)
     b = torch.randn(out_in[0], generator=GEN) if bias else None
-    layer = PanelLinear(w, b, avx512)
+    layer = PanelLinear(w, b, panels)
     x = torch.randn(rows, out_in[1], generator=GEN)
     got = layer(x)
     assert got.shape == (rows, out_in[0]) and got.dtype == torch.float32
@@ -312,29 +314,29 @@ def test_panel_linear_matches_f_linear_in_fp32(avx512, rows, out_in, bias):
 
 
 @pytest.mark.parametrize("out_features", [96, 112, 100])  # streamed (whole panels; a part-filled one), plain stores
-def test_panel_linear_writes_a_prompt_chunk_as_it_writes_its_parts(avx512, out_features):
+def test_panel_linear_writes_a_prompt_chunk_as_it_writes_its_parts(panels, out_features):
     """Past one 256-row pass the kernel writes y with streaming stores (N a multiple of 16): the same values, bit
     for bit, as the plain stores of the same rows taken in calls of at most 256."""
     w, b = torch.randn(out_features, 64, generator=GEN), torch.randn(out_features, generator=GEN)
-    layer = PanelLinear(w, b, avx512)
+    layer = PanelLinear(w, b, panels)
     x = torch.randn(600, 64, generator=GEN)
     whole = layer(x)
     assert torch.equal(whole, torch.cat([layer(x[:256]), layer(x[256:512]), layer(x[512:])]))
 
 
-def test_panel_linear_sums_in_blocks_no_less_exactly_than_mkl(avx512):
+def test_panel_linear_sums_in_blocks_no_less_exactly_than_mkl(panels):
     """One running fp32 sum over 1536 inputs had ~3x MKL's rounding error; sums over 64-input chunks, added up,
     stay within it."""
     w, x = torch.randn(576, 1536, generator=GEN), torch.randn(300, 1536, generator=GEN)
     exact = x.double() @ w.double().t()
-    ours = (PanelLinear(w, None, avx512)(x).double() - exact).abs().max()
+    ours = (PanelLinear(w, None, panels)(x).double() - exact).abs().max()
     mkl = (F.linear(x, w).double() - exact).abs().max()
     assert ours <= 1.5 * mkl
 
 
-def test_panel_linear_takes_strided_and_batched_inputs(avx512):
+def test_panel_linear_takes_strided_and_batched_inputs(panels):
     w = torch.randn(50, 48, generator=GEN)
-    layer = PanelLinear(w, None, avx512)
+    layer = PanelLinear(w, None, panels)
     wide = torch.randn(5, 96, generator=GEN)[:, :48]
     torch.testing.assert_close(layer(wide), F.linear(wide, w))
     batched = torch.randn(2, 3, 48, generator=GEN)
@@ -352,24 +354,25 @@ def test_panel_linear_takes_strided_and_batched_inputs(avx512):
         (lambda ops, p: ops.panel_linear_f32(torch.zeros(2, 32), p[:, :, :16].contiguous(), 50, None), "panels"),
     ],
 )
-def test_panel_linear_refuses_what_it_cannot_take(avx512, call, match):
-    packed = PanelLinear(torch.randn(50, 32, generator=GEN), None, avx512).packed  # 2 avx512, 50 columns
+def test_panel_linear_refuses_what_it_cannot_take(panels, call, match):
+    packed = PanelLinear(torch.randn(50, 32, generator=GEN), None, panels).packed  # 2 panels, 50 columns
     with pytest.raises(RuntimeError, match=match):
-        call(avx512, packed)
+        call(panels, packed)
     with pytest.raises(ValueError, match="fp32 CPU weight"):
-        PanelLinear(torch.randn(50, 32, generator=GEN).bfloat16(), None, avx512)
+        PanelLinear(torch.randn(50, 32, generator=GEN).bfloat16(), None, panels)
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_fp32_model_on_panels_matches_plain_torch_and_looks_tokens_up_in_a_tied_heads_panels(avx512, tmp_path, tied):
+def test_fp32_model_on_panels_matches_plain_torch_and_looks_tokens_up_in_a_tied_heads_panels(panels, tmp_path, tied):
     root = make_tiny_llama(
         tmp_path / "m", hidden_size=64, intermediate_size=96, num_attention_heads=4, tie_word_embeddings=tied
     )
     cfg, weights = ModelConfig.from_dir(root), load_weights(root, torch.float32)
     embedding = weights["model.embed_tokens.weight"].clone()
     plain = LlamaModel(cfg, weights, dtype=torch.float32, linear_kernel="aten")
-    model = LlamaModel(cfg, weights, dtype=torch.float32, fused=avx512)
-    assert model.linear_kernel == "panels_fp32" and "AVX512F" in model.linear_kernel_reason
+    model = LlamaModel(cfg, weights, dtype=torch.float32, fused=panels)
+    assert model.linear_kernel == "panels_fp32"
+    assert {"avx512": "AVX512F", "avx2": "AVX2 + FMA"}[panels.vector_isa()] in model.linear_kernel_reason
     assert all(isinstance(lin, PanelLinear) for lin in _linears(model))
     ids = torch.tensor([3, 0, cfg.vocab_size - 1, 3])
     assert torch.equal(model.embed_tokens(ids), embedding[ids])

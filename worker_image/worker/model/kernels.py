@@ -71,6 +71,7 @@ CPP_SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -489,13 +490,31 @@ static void paged_decode_avx512(const O* q, int64_t q_stride, const O* k_cache, 
 // The shapes the AVX-512 paths take (the one rule `paged_decode` and `paged_decode_path` both follow).
 static bool avx512_path_takes(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
 
-static bool cpu_has_avx512f() {
-  static const bool has = __builtin_cpu_supports("avx512f");
-  return has;
+// The widest vector instructions these kernels may use: the CPU's, capped where ATEN_CPU_CAPABILITY says so, the
+// variable torch reads to cap its own kernels ("default": none of ours, "avx2": AVX2 + FMA). One switch makes a
+// worker behave as on an older CPU: how tests reach the AVX2 paths on an AVX-512 machine.
+enum class Isa { None = 0, Avx2 = 1, Avx512 = 2 };
+
+static Isa cpu_isa() {
+  static const Isa isa = [] {
+    const Isa have = __builtin_cpu_supports("avx512f")                                       ? Isa::Avx512
+                     : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? Isa::Avx2
+                                                                                            : Isa::None;
+    const char* cap = std::getenv("ATEN_CPU_CAPABILITY");
+    if (cap != nullptr && std::string(cap) == "default") return Isa::None;
+    if (cap != nullptr && std::string(cap) == "avx2") return std::min(have, Isa::Avx2);
+    return have;
+  }();
+  return isa;
 }
 
+static bool cpu_has_avx512f() { return cpu_isa() == Isa::Avx512; }
+
+// fp32's fused steps and panel linear (AVX-512 where the CPU has it)
+static bool cpu_has_avx2_fma() { return cpu_isa() >= Isa::Avx2; }
+
 static bool cpu_has_avx512_bf16() {
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+  static const bool has = cpu_has_avx512f() && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
   return has;
 }
@@ -633,6 +652,101 @@ LLMFLEET_AVX512_BF16 static void rope_row(T* x, const T* c, const T* s, int64_t 
       st_lanes(_mm512_fmadd_ps(b, ld_lanes(c + half + j), _mm512_mul_ps(a, ld_lanes(s + half + j))), v + half + j);
     }
   }
+}
+
+// ---- the same fp32 steps on CPUs with AVX2 + FMA and no AVX-512 (Zen 1-3, Haswell to Comet Lake): 8 lanes a
+// register, the same arithmetic. The norm's sum of squares keeps 16 lanes in two registers and folds them as
+// _mm512_reduce_add_ps does (halves, then quarters, ...), so both paths round it alike.
+#define LLMFLEET_AVX2 __attribute__((target("avx2,fma")))
+
+LLMFLEET_AVX2 static inline float hsum16(__m256 lo, __m256 hi) {
+  const __m256 s8 = _mm256_add_ps(lo, hi);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// exp_ps in 8 lanes; 2**n built in the exponent bits (n in -127..127: 2**-127 flushes to zero where scalef
+// keeps a subnormal, a difference below fp32's resolution of 1 + exp(-x))
+LLMFLEET_AVX2 static inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// add_rms_norm_row for fp32 (n % 16 == 0)
+LLMFLEET_AVX2 static void add_rms_norm_row_avx2(float* h, const float* d, const float* w, float* o, int64_t n,
+                                                float eps, float* x) {
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t j = 0; j < n; j += 8) {
+    __m256 v = _mm256_loadu_ps(h + j);
+    if (d) {
+      v = _mm256_add_ps(v, _mm256_loadu_ps(d + j));
+      _mm256_storeu_ps(h + j, v);
+    }
+    _mm256_storeu_ps(x + j, v);
+    acc[(j / 8) % 2] = _mm256_fmadd_ps(v, v, acc[(j / 8) % 2]);
+  }
+  const __m256 rstd = _mm256_set1_ps(1.f / std::sqrt(hsum16(acc[0], acc[1]) / static_cast<float>(n) + eps));
+  for (int64_t j = 0; j < n; j += 8)
+    _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_loadu_ps(w + j), _mm256_mul_ps(_mm256_loadu_ps(x + j), rstd)));
+}
+
+// silu_and_mul_row for fp32 (inter % 8 == 0)
+LLMFLEET_AVX2 static void silu_and_mul_row_avx2(const float* g, float* o, int64_t inter) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (int64_t j = 0; j < inter; j += 8) {
+    const __m256 x = _mm256_loadu_ps(g + j);
+    const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+    _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(g + inter + j)));
+  }
+}
+
+// rope_row for fp32 (half % 8 == 0)
+LLMFLEET_AVX2 static void rope_row_avx2(float* x, const float* c, const float* s, int64_t heads, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t hd = 0; hd < heads; ++hd) {
+    float* v = x + hd * D;
+    for (int64_t j = 0; j < half; j += 8) {
+      const __m256 a = _mm256_loadu_ps(v + j), b = _mm256_loadu_ps(v + half + j);
+      _mm256_storeu_ps(v + j, _mm256_fmadd_ps(a, _mm256_loadu_ps(c + j), _mm256_mul_ps(b, _mm256_loadu_ps(s + j))));
+      _mm256_storeu_ps(v + half + j, _mm256_fmadd_ps(b, _mm256_loadu_ps(c + half + j),
+                                                     _mm256_mul_ps(a, _mm256_loadu_ps(s + half + j))));
+    }
+  }
+}
+
+// The row kernels by element type and CPU: fp32 on AVX2 where the CPU (or the cap) has no AVX-512.
+template <typename T>
+static void add_rms_norm_on(T* h, const T* d, const T* w, T* o, int64_t n, float eps, float* x) {
+  if constexpr (std::is_same<T, float>::value)
+    if (!cpu_has_avx512f()) return add_rms_norm_row_avx2(h, d, w, o, n, eps, x);
+  add_rms_norm_row<T>(h, d, w, o, n, eps, x);
+}
+
+template <typename T>
+static void silu_and_mul_on(const T* g, T* o, int64_t inter) {
+  if constexpr (std::is_same<T, float>::value)
+    if (!cpu_has_avx512f()) return silu_and_mul_row_avx2(g, o, inter);
+  silu_and_mul_row<T>(g, o, inter);
+}
+
+template <typename T>
+static void rope_on(T* x, const T* c, const T* s, int64_t heads, int64_t D) {
+  if constexpr (std::is_same<T, float>::value)
+    if (!cpu_has_avx512f()) return rope_row_avx2(x, c, s, heads, D);
+  rope_row<T>(x, c, s, heads, D);
 }
 
 // fp8 e4m3 bits -> bf16 of value / 2**8, exactly: the bits re-biased into an fp16 pattern (what
@@ -781,7 +895,7 @@ LLMFLEET_AVX512_BF16 static void byte_gemv(const c10::BFloat16* x, const uint8_t
 // torch's ops.
 static bool fused_cpu(at::ScalarType dtype) {
 #if defined(__x86_64__)
-  if (dtype == at::kFloat) return cpu_has_avx512f();
+  if (dtype == at::kFloat) return cpu_has_avx2_fma();
   if (dtype == at::kBFloat16) return cpu_has_avx512_bf16();
 #endif
   return false;
@@ -797,7 +911,7 @@ static void check_fused(const torch::Tensor& t, int64_t lanes, const char* what)
   TORCH_CHECK((t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16) && lanes % 16 == 0 &&
                   fused_cpu(t.scalar_type()),
               what,
-              ": takes fp32 (AVX512F) or bf16 (AVX512-BF16) with a size of 16k (ask fused_ops_available first)");
+              ": takes fp32 (AVX2 + FMA) or bf16 (AVX512-BF16) with a size of 16k (ask fused_ops_available first)");
 }
 
 // the quantized variants' kernels: bf16 activations only
@@ -836,7 +950,7 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, c10::optional<torch::Te
     at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
       std::vector<float> x(n);
       for (int64_t r = begin; r < end; ++r)
-        add_rms_norm_row<T>(hp + r * n, dp ? dp + r * n : nullptr, w.data_ptr<T>(), out.data_ptr<T>() + r * n, n,
+        add_rms_norm_on<T>(hp + r * n, dp ? dp + r * n : nullptr, w.data_ptr<T>(), out.data_ptr<T>() + r * n, n,
                             static_cast<float>(eps), x.data());
     });
   });
@@ -856,7 +970,7 @@ torch::Tensor silu_and_mul(torch::Tensor gu) {
     const T* g = gu.data_ptr<T>();
     T* o = out.data_ptr<T>();
     at::parallel_for(0, gu.size(0), 16, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) silu_and_mul_row<T>(g + r * 2 * inter, o + r * inter, inter);
+      for (int64_t r = begin; r < end; ++r) silu_and_mul_on<T>(g + r * 2 * inter, o + r * inter, inter);
     });
   });
 #endif
@@ -880,7 +994,7 @@ void rope_(torch::Tensor x, int64_t heads, int64_t head_dim, torch::Tensor cos, 
     const T* sp = s.data_ptr<T>();
     const int64_t stride = x.stride(0);
     at::parallel_for(0, x.size(0), 128, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) rope_row<T>(xp + r * stride, cp + r * head_dim, sp + r * head_dim, heads, head_dim);
+      for (int64_t r = begin; r < end; ++r) rope_on<T>(xp + r * stride, cp + r * head_dim, sp + r * head_dim, heads, head_dim);
     });
   });
 #endif
@@ -981,43 +1095,122 @@ LLMFLEET_AVX512F static void panel_tail(int64_t rows, const float* x, int64_t xs
   }
 }
 
-// Per thread, its panels; per pass of F32_PANEL_ROWS rows, per panel, every 8-row block of the pass (the panel
-// from L2 after the first). The next panel's lines are spread over the pass's blocks.
+// The same product on CPUs with AVX2 + FMA and no AVX-512: 16 registers of 8 lanes hold 4 rows x 24 columns (12
+// accumulators, a half panel's 3 weight vectors and the broadcast). A block of 4 rows takes each 64-input chunk
+// of the panel (12 KB, from L1 after the first half) once per half, and adds the half's chunk sums into its totals
+// in memory, so every column is summed exactly as panel_block sums it (chunk by chunk, inputs in order within a
+// chunk): both paths give the same bits.
+template <int MR>
+LLMFLEET_AVX2 static inline __attribute__((always_inline)) void panel_step_avx2(const float* __restrict__ x, int64_t xs,
+                                                                              int64_t k, const float* __restrict__ half,
+                                                                              __m256 (&acc)[MR][3]) {
+  const float* w = half + k * F32_PANEL;
+  const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8), w2 = _mm256_loadu_ps(w + 16);
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m) {
+    const __m256 xb = _mm256_broadcast_ss(x + m * xs + k);
+    acc[m][0] = _mm256_fmadd_ps(xb, w0, acc[m][0]);
+    acc[m][1] = _mm256_fmadd_ps(xb, w1, acc[m][1]);
+    acc[m][2] = _mm256_fmadd_ps(xb, w2, acc[m][2]);
+  }
+}
+
+// panel_block's contract for MR <= 4 rows
+template <int MR>
+LLMFLEET_AVX2 static void panel_block_avx2(const float* __restrict__ x, int64_t xs, int64_t K,
+                                           const float* __restrict__ panel, float* __restrict__ y, int64_t N,
+                                           int64_t ncols, const float* bias, const float* next, int64_t l0, int64_t l1,
+                                           bool stream = false) {
+  alignas(32) float total[MR][F32_PANEL] = {};
+  const int64_t span = l1 - l0;
+  int64_t due = 0, line = l0;
+  for (int64_t k0 = 0; k0 < K; k0 += F32_PANEL_CHUNK) {
+    const int64_t k1 = std::min(K, k0 + F32_PANEL_CHUNK);
+    if (next) {  // this chunk's share of the next panel's lines
+      for (due += (k1 - k0) * span; due >= K; due -= K, ++line)
+        _mm_prefetch((const char*)(next + line * 16), _MM_HINT_T1);
+    }
+    for (int64_t h = 0; h < F32_PANEL; h += 24) {
+      __m256 acc[MR][3];
+      for (int m = 0; m < MR; ++m)
+        for (int j = 0; j < 3; ++j) acc[m][j] = _mm256_setzero_ps();
+#pragma GCC unroll 2
+      for (int64_t k = k0; k < k1; ++k) panel_step_avx2<MR>(x, xs, k, panel + h, acc);
+      for (int m = 0; m < MR; ++m)
+        for (int j = 0; j < 3; ++j) {
+          float* t = total[m] + h + 8 * j;
+          _mm256_store_ps(t, _mm256_add_ps(_mm256_load_ps(t), acc[m][j]));
+        }
+    }
+  }
+  for (int64_t c = 0; c < ncols; c += 8) {
+    const int64_t left = ncols - c;
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(left, 8))),
+                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 b = bias ? _mm256_maskload_ps(bias + c, mask) : _mm256_setzero_ps();
+    for (int m = 0; m < MR; ++m) {
+      const __m256 out = _mm256_add_ps(_mm256_load_ps(total[m] + c), b);
+      if (stream && left >= 8)
+        _mm256_stream_ps(y + m * N + c, out);
+      else
+        _mm256_maskstore_ps(y + m * N + c, mask, out);
+    }
+  }
+}
+
+// Per thread, its panels; per pass of F32_PANEL_ROWS rows, per panel, every block of BR rows of the pass (8 on
+// AVX-512, 4 on AVX2; the panel from L2 after the first). The next panel's lines are spread over the pass's blocks.
 // Past one pass (a prompt chunk), y is written with streaming stores: y (4.7-25 MB per SmolLM2 layer at 2048 rows)
 // outgrows the caches, and plain stores first read each line from DRAM (a line fill per 64 bytes, on the fill
 // buffers the panel prefetches need). 30 streamed layers at 2048 rows: 300 -> 319-342 GFLOP/s, the gate+up
 // projection 295 -> 339; at 256 rows or fewer y stays in cache for the next op, so plain stores.
+template <int BR, typename Block>
 static void panel_linear_run(const float* x, int64_t M, int64_t K, const float* w, int64_t P, int64_t N,
-                             const float* bias, float* y) {
+                             const float* bias, float* y, const Block& block) {
   const bool stream = M > F32_PANEL_ROWS && N % 16 == 0 && reinterpret_cast<uintptr_t>(y) % 64 == 0;
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     const int64_t lines = K * F32_PANEL / 16;
     for (int64_t m0 = 0; m0 < M; m0 += F32_PANEL_ROWS) {
-      const int64_t rows = std::min(F32_PANEL_ROWS, M - m0), blocks = (rows + 7) / 8;
+      const int64_t rows = std::min(F32_PANEL_ROWS, M - m0), blocks = (rows + BR - 1) / BR;
       for (int64_t p = p0; p < p1; ++p) {
         const float* panel = w + p * K * F32_PANEL;
         const float* next = p + 1 < p1 ? panel + K * F32_PANEL : nullptr;
         const float* b = bias ? bias + p * F32_PANEL : nullptr;
         const int64_t ncols = std::min(F32_PANEL, N - p * F32_PANEL);
         for (int64_t blk = 0; blk < blocks; ++blk) {
-          const int64_t m = blk * 8, l0 = blk * lines / blocks, l1 = (blk + 1) * lines / blocks;
-          const float* xm = x + (m0 + m) * K;
-          float* ym = y + (m0 + m) * N + p * F32_PANEL;
-          if (m + 8 <= rows)
-            panel_block<8>(xm, K, K, panel, ym, N, ncols, b, next, l0, l1, stream);
-          else
-            panel_tail(rows - m, xm, K, K, panel, ym, N, ncols, b, next, l0, l1, stream);
+          const int64_t m = blk * BR, l0 = blk * lines / blocks, l1 = (blk + 1) * lines / blocks;
+          block(std::min<int64_t>(BR, rows - m), x + (m0 + m) * K, K, K, panel, y + (m0 + m) * N + p * F32_PANEL, N, ncols, b,
+                next, l0, l1, stream);
         }
       }
     }
     if (stream) _mm_sfence();  // streaming stores are weakly ordered: done before the join hands y on
   });
 }
+
+static void panel_linear_any(const float* x, int64_t M, int64_t K, const float* w, int64_t P, int64_t N,
+                             const float* bias, float* y) {
+  if (cpu_has_avx512f()) {
+    panel_linear_run<8>(x, M, K, w, P, N, bias, y, [](int64_t rows, auto... a) {
+      if (rows == 8) return panel_block<8>(a...);
+      return panel_tail(rows, a...);
+    });
+    return;
+  }
+  panel_linear_run<4>(x, M, K, w, P, N, bias, y, [](int64_t rows, auto... a) {
+    switch (rows) {
+      case 4: return panel_block_avx2<4>(a...);
+      case 3: return panel_block_avx2<3>(a...);
+      case 2: return panel_block_avx2<2>(a...);
+      default: return panel_block_avx2<1>(a...);
+    }
+  });
+}
 #endif
 
 bool f32_panels_ready() {
 #if defined(__x86_64__)
-  return cpu_has_avx512f();
+  return cpu_has_avx2_fma();
 #else
   return false;
 #endif
@@ -1026,7 +1219,7 @@ bool f32_panels_ready() {
 // y = x @ W^T (+ bias): x [M, K] fp32 contiguous, packed [P, K, F32_PANEL] (W [N, K] in panels, N <= 48P),
 // bias [N] or None -> y [M, N] fp32.
 torch::Tensor panel_linear_f32(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(f32_panels_ready(), "panel_linear_f32: needs a CPU with AVX512F (ask f32_panels_ready first)");
+  TORCH_CHECK(f32_panels_ready(), "panel_linear_f32: needs a CPU with AVX2 + FMA (ask f32_panels_ready first)");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
               "panel_linear_f32: x must be [rows, in] fp32 and contiguous");
   // (string literals only in these messages: numbers formatted into one (c10::str) crashed the process with
@@ -1046,7 +1239,7 @@ torch::Tensor panel_linear_f32(torch::Tensor x, torch::Tensor packed, int64_t n,
   auto y = torch::empty({x.size(0), n}, x.options());
 #if defined(__x86_64__)
   if (x.size(0) > 0)
-    panel_linear_run(x.data_ptr<float>(), x.size(0), x.size(1), packed.data_ptr<float>(), P, n,
+    panel_linear_any(x.data_ptr<float>(), x.size(0), x.size(1), packed.data_ptr<float>(), P, n,
                      b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>());
 #endif
   return y;
@@ -1167,10 +1360,27 @@ static void f32_attention_run(const float* q, int64_t qs, const float* k, int64_
 }
 #endif
 
+// "avx512", "avx2" or "none": the widest vector instructions these kernels use here (cpu_isa), for the logs.
+std::string vector_isa() {
+#if defined(__x86_64__)
+  return cpu_isa() == Isa::Avx512 ? "avx512" : cpu_isa() == Isa::Avx2 ? "avx2" : "none";
+#else
+  return "none";
+#endif
+}
+
+bool f32_attention_ready() {
+#if defined(__x86_64__)
+  return cpu_has_avx512f();
+#else
+  return false;
+#endif
+}
+
 // Causal attention of a prompt chunk in fp32, into out's rows: q [n, heads, D] (rows at positions start .. start +
 // n - 1), k and v [start + n, kv_heads, D], out [n, heads * D]; rows may be strided, heads back to back.
 void f32_attention_(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t start, double scale) {
-  TORCH_CHECK(f32_panels_ready(), "f32_attention_: needs a CPU with AVX512F (ask f32_panels_ready first)");
+  TORCH_CHECK(f32_attention_ready(), "f32_attention_: needs a CPU with AVX512F (ask f32_attention_ready first)");
   prompt_attention_shapes(out, q, k, v, start, "f32_attention_");
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
   for (const torch::Tensor* t : {&q, &k, &v, &out})
@@ -2019,6 +2229,10 @@ class FusedOps(Protocol):
         self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
     ) -> torch.Tensor: ...
 
+    def f32_attention_ready(self) -> bool: ...
+
+    def vector_isa(self) -> str: ...
+
     def amx_linear_fp8(self, x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor: ...
 
     def amx_linear_int8(self, x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor: ...
@@ -2094,6 +2308,8 @@ def _load_module() -> tuple[Any, str | None]:
                 "f32_panel_cols",
                 "f32_panels_ready",
                 "panel_linear_f32",
+                "f32_attention_ready",
+                "vector_isa",
                 "f32_attention_",
                 "amx_linear_ready",
                 "amx_linear",
@@ -2147,7 +2363,7 @@ def load_prefill_attention(dtype: torch.dtype, head_dim: int) -> tuple[PrefillAt
     if head_dim not in (64, 128):
         return None, "SDPA: the native kernels take head dims of 64 or 128"
     if dtype == torch.float32:
-        if not module.f32_panels_ready():
+        if not module.f32_attention_ready():
             return None, "SDPA: this CPU has no AVX512F"
         return module.f32_attention_, "AVX-512 kernel (fp32)"
     if dtype != torch.bfloat16:
@@ -2182,7 +2398,7 @@ def load_paged_decode_generic() -> tuple[PagedDecode | None, str | None]:
 
 def load_fused_ops(dtype: torch.dtype, hidden: int, intermediate: int, head_dim: int) -> tuple[FusedOps | None, str]:
     """(the fused residual-add + RMSNorm, SiLU-and-mul and in-place RoPE, why), or (None, why not): they take fp32
-    on CPUs with AVX512F and bf16 on CPUs with AVX512-BF16, sizes in multiples of 16 lanes (head dims of 32k).
+    on CPUs with AVX2 + FMA or AVX-512 and bf16 on CPUs with AVX512-BF16, sizes in multiples of 16 lanes (head dims of 32k).
     Elsewhere torch's ops run."""
     module, why = _load_module()
     if module is None:
@@ -2190,9 +2406,12 @@ def load_fused_ops(dtype: torch.dtype, hidden: int, intermediate: int, head_dim:
     name = str(dtype).removeprefix("torch.")
     if not module.fused_ops_available(name, hidden, intermediate, head_dim):
         return None, (
-            "torch ops: the fused ones take float32 (AVX512F) or bfloat16 (AVX512-BF16), sizes of 16k, head dim 32k"
+            "torch ops: the fused ones take float32 (AVX2 + FMA or AVX-512) or bfloat16 (AVX512-BF16), sizes of 16k,"
+            " head dim 32k"
         )
-    unit = "AVX512-BF16" if dtype == torch.bfloat16 else "AVX512F"
+    unit = (
+        "AVX512-BF16" if dtype == torch.bfloat16 else {"avx512": "AVX512F", "avx2": "AVX2 + FMA"}[module.vector_isa()]
+    )
     return module, f"fused ({name}, {unit}): residual add + RMSNorm, SiLU-and-mul, RoPE in place"
 
 

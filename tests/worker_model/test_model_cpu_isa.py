@@ -1,0 +1,141 @@
+"""The native kernels' fp32 paths for CPUs without AVX-512 (AVX2 + FMA: Zen 1-3, Haswell to Comet Lake) compute
+what torch computes, and the very bits the AVX-512 paths compute; ATEN_CPU_CAPABILITY caps the instructions they
+use, as it caps torch's own. The extension picks its path once per process, so each cap runs in a child process
+(the same cached build: its x86-64-v3 code serves every cap)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from worker.model.linear import PanelLinear
+from worker.model.llama import rms_norm
+
+# What the child computes with the capped extension: its report, and (where the panels run) the kernels' outputs.
+CHILD = """
+import sys, torch
+from worker.model.kernels import _load_module
+from worker.model.linear import PanelLinear
+module, why = _load_module()
+if module is None:
+    raise SystemExit(why)
+data = torch.load(sys.argv[1])
+out = {"isa": module.vector_isa(), "panels": module.f32_panels_ready(), "attention": module.f32_attention_ready(),
+       "fused": module.fused_ops_available("float32", 64, 64, 64)}
+if out["panels"]:
+    out["linears"] = [PanelLinear(w, b, module)(x) for w, b, x in data["linears"]]
+    h, d, w = data["norm"]
+    out["norm"] = module.add_rms_norm(h.clone(), d, w, 1e-5)
+    out["silu"] = module.silu_and_mul(data["gu"])
+    x, cos, sin = data["rope"]
+    x = x.clone()
+    module.rope_(x, 3, 64, cos, sin)
+    out["rope"] = x
+torch.save(out, sys.argv[2])
+"""
+
+
+def _inputs() -> dict:
+    gen = torch.Generator().manual_seed(7)
+    linears = []
+    # rows: the 4-row blocks' tails (1-3) and an AVX-512 8-row block's; 300: a pass and a half with streaming
+    # stores. Columns: a part panel (50), whole ones (96), 16k (the streamed rows).
+    for rows, out_features, in_features, bias in [
+        (1, 50, 32, True),
+        (3, 96, 130, False),
+        (4, 50, 64, False),
+        (5, 96, 576, True),
+        (8, 144, 576, False),
+        (13, 50, 200, True),
+        (300, 96, 64, False),
+        (300, 112, 96, True),
+    ]:
+        w = torch.randn(out_features, in_features, generator=gen)
+        b = torch.randn(out_features, generator=gen) if bias else None
+        linears.append((w, b, torch.randn(rows, in_features, generator=gen)))
+    return {
+        "linears": linears,
+        "norm": (
+            torch.randn(7, 576, generator=gen) * 3,
+            torch.randn(7, 576, generator=gen),
+            torch.randn(576, generator=gen),
+        ),
+        "gu": torch.randn(5, 2 * 1536, generator=gen) * 4,
+        "rope": (
+            torch.randn(6, 4 * 64, generator=gen),
+            torch.randn(6, 64, generator=gen),
+            torch.randn(6, 64, generator=gen),
+        ),
+    }
+
+
+def _run_capped(cap: str, tmp_path: Path) -> dict:
+    """The CHILD's results with ATEN_CPU_CAPABILITY=cap."""
+    data = _inputs()
+    src, dst = tmp_path / f"in-{cap}.pt", tmp_path / f"out-{cap}.pt"
+    torch.save(data, src)
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": cap, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, str(src), str(dst)], env=env, capture_output=True, text=True, timeout=900
+    )
+    if proc.returncode != 0 and "cannot be built" in proc.stderr + proc.stdout:
+        pytest.skip(proc.stderr[-300:])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return {"inputs": data, **torch.load(dst)}
+
+
+@pytest.fixture(scope="module")
+def capped_avx2(panels, tmp_path_factory):
+    """The kernels capped at AVX2 (skipped where the CPU has neither AVX2 + FMA nor AVX-512)."""
+    return _run_capped("avx2", tmp_path_factory.mktemp("avx2"))
+
+
+def test_the_avx2_cap_runs_the_fp32_kernels_on_avx2_and_turns_the_avx512_attention_off(capped_avx2):
+    assert capped_avx2["isa"] == "avx2"
+    assert capped_avx2["panels"] and capped_avx2["fused"]
+    assert not capped_avx2["attention"]  # the fp32 prompt attention is AVX-512 only: SDPA runs
+
+
+def test_the_avx2_paths_compute_what_torch_computes(capped_avx2):
+    data = capped_avx2["inputs"]
+    for (w, b, x), got in zip(data["linears"], capped_avx2["linears"], strict=True):
+        exact = x.double() @ w.double().T + (0 if b is None else b.double())
+        mkl = (F.linear(x, w, b).double() - exact).abs().max()
+        assert (got.double() - exact).abs().max() <= 2 * mkl + 1e-6, (tuple(x.shape), tuple(w.shape))
+    h, d, w = data["norm"]
+    got_h, got = capped_avx2["norm"]
+    assert torch.equal(got_h, h + d)
+    torch.testing.assert_close(got, rms_norm(h + d, w, 1e-5), rtol=1e-5, atol=1e-6)
+    gu = data["gu"]
+    torch.testing.assert_close(capped_avx2["silu"], F.silu(gu[:, :1536]) * gu[:, 1536:], rtol=1e-5, atol=1e-6)
+    x, cos, sin = data["rope"]
+    head = x[:, : 3 * 64].reshape(6, 3, 64)
+    turned = head * cos[:, None] + torch.cat((head[..., 32:], head[..., :32]), -1) * sin[:, None]
+    torch.testing.assert_close(capped_avx2["rope"][:, : 3 * 64], turned.reshape(6, -1), rtol=1e-5, atol=1e-6)
+    assert torch.equal(capped_avx2["rope"][:, 3 * 64 :], x[:, 3 * 64 :])  # the heads past `heads` stay
+
+
+def test_the_avx2_paths_give_the_avx512_paths_bits(capped_avx2, avx512):
+    """Same sums in the same order: a worker's outputs do not depend on which of the two its CPU runs."""
+    data = capped_avx2["inputs"]
+    for (w, b, x), got in zip(data["linears"], capped_avx2["linears"], strict=True):
+        assert torch.equal(got, PanelLinear(w, b, avx512)(x)), (tuple(x.shape), tuple(w.shape))
+    h, d, w = data["norm"]
+    for got, want in zip(capped_avx2["norm"], avx512.add_rms_norm(h.clone(), d, w, 1e-5), strict=True):
+        assert torch.equal(got, want)
+    assert torch.equal(capped_avx2["silu"], avx512.silu_and_mul(data["gu"]))
+    x, cos, sin = data["rope"]
+    x = x.clone()
+    avx512.rope_(x, 3, 64, cos, sin)
+    assert torch.equal(capped_avx2["rope"], x)
+
+
+def test_the_default_cap_turns_the_vector_kernels_off(panels, tmp_path):
+    got = _run_capped("default", tmp_path)
+    assert got["isa"] == "none"
+    assert not (got["panels"] or got["attention"] or got["fused"])
