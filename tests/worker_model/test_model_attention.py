@@ -155,19 +155,20 @@ BF16_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 
 
 @pytest.mark.parametrize(
-    "dtype,hd,path,flags",
+    "dtype,hd,paths",
     [
-        (torch.bfloat16, 64, "avx512_bf16", BF16_FLAGS),
-        (torch.bfloat16, 128, "avx512_bf16", BF16_FLAGS),
-        (torch.bfloat16, 32, None, ()),
-        (torch.float32, 64, "avx512_fp32", ("avx512f",)),
-        (torch.float32, 128, "avx512_fp32", ("avx512f",)),
-        (torch.float32, 32, None, ()),
+        (torch.bfloat16, 64, [("avx512_bf16", BF16_FLAGS)]),
+        (torch.bfloat16, 128, [("avx512_bf16", BF16_FLAGS)]),
+        (torch.bfloat16, 32, []),
+        (torch.float32, 64, [("avx512_fp32", ("avx512f",)), ("avx2_fp32", ("avx2", "fma"))]),
+        (torch.float32, 128, [("avx512_fp32", ("avx512f",)), ("avx2_fp32", ("avx2", "fma"))]),
+        (torch.float32, 32, []),
     ],
 )
-def test_the_path_named_for_the_log_is_the_one_this_cpu_takes(kernel, dtype, hd, path, flags):
+def test_the_path_named_for_the_log_is_the_one_this_cpu_takes(kernel, dtype, hd, paths):
+    """`paths`: the fast paths for this dtype and head dim, widest first, with the CPU flags each needs."""
     named = paged_decode_path(dtype, hd)
-    expected = path if path is not None and _has(*flags) else "generic"
+    expected = next((path for path, flags in paths if _has(*flags)), "generic")
     assert named.startswith(expected), named
 
 

@@ -36,6 +36,10 @@ if out["panels"]:
     x = x.clone()
     module.rope_(x, 3, 64, cos, sin)
     out["rope"] = x
+    out["decode"] = {}
+    for hd, (q, k, v, tables, lens) in data["decode"].items():
+        fast = module.paged_decode(q, k, v, tables, lens, hd**-0.5)
+        out["decode"][hd] = (module.paged_decode_path("float32", hd), fast, module.paged_decode_generic(q, k, v, tables, lens, hd**-0.5))
 torch.save(out, sys.argv[2])
 """
 
@@ -58,7 +62,13 @@ def _inputs() -> dict:
         w = torch.randn(out_features, in_features, generator=gen)
         b = torch.randn(out_features, generator=gen) if bias else None
         linears.append((w, b, torch.randn(rows, in_features, generator=gen)))
+    decode = {}
+    for hd in (64, 128):  # 6 sequences of 1..176 tokens (block tails, several blocks), 8 query heads on 2 KV heads
+        k, v = torch.randn(2, 70, 16, 2, hd, generator=gen)
+        tables = torch.randperm(70, generator=gen)[:66].view(6, 11)
+        decode[hd] = (torch.randn(6, 8, hd, generator=gen), k, v, tables, torch.tensor([1, 9, 17, 90, 160, 176]))
     return {
+        "decode": decode,
         "linears": linears,
         "norm": (
             torch.randn(7, 576, generator=gen) * 3,
@@ -118,6 +128,9 @@ def test_the_avx2_paths_compute_what_torch_computes(capped_avx2):
     turned = head * cos[:, None] + torch.cat((head[..., 32:], head[..., :32]), -1) * sin[:, None]
     torch.testing.assert_close(capped_avx2["rope"][:, : 3 * 64], turned.reshape(6, -1), rtol=1e-5, atol=1e-6)
     assert torch.equal(capped_avx2["rope"][:, 3 * 64 :], x[:, 3 * 64 :])  # the heads past `heads` stay
+    for hd, (path, fast, portable) in capped_avx2["decode"].items():
+        assert path.startswith("avx2_fp32"), path
+        torch.testing.assert_close(fast, portable, rtol=1e-5, atol=1e-6, msg=f"head dim {hd}")
 
 
 def test_the_avx2_paths_give_the_avx512_paths_bits(capped_avx2, avx512):
