@@ -502,6 +502,7 @@ LLMFLEET_AVX2 static inline __m256 reduce8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+// The sum of v's 8 lanes: halves, then quarters, then pairs.
 LLMFLEET_AVX2 static inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -556,6 +557,12 @@ LLMFLEET_AVX2 static void pv_block_avx2(const float* __restrict__ x, const float
   for (int c = 0; c < 8; ++c) _mm256_storeu_ps(acc + 8 * c, a[c]);
 }
 
+// The mask of lanes 0 .. n - 1 (all 8 from n = 8 up) for maskload / maskstore.
+LLMFLEET_AVX2 static inline __m256i first_lanes(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(n, 8))),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
 // softmax_avx512 in 8 lanes: x[0..len) in place, returns 1 / the sum of the exponentials
 LLMFLEET_AVX2 static float softmax_avx2(float* __restrict__ x, int64_t len) {
   __m256 mxv = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
@@ -574,7 +581,7 @@ LLMFLEET_AVX2 static float softmax_avx2(float* __restrict__ x, int64_t len) {
   }
   float sum = hsum8(sv);
   if (t < len) {
-    const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(len - t)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i m = first_lanes(len - t);
     const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(x + t, m), mv)), _mm256_castsi256_ps(m));
     _mm256_maskstore_ps(x + t, m, e);
     sum += hsum8(e);
@@ -753,7 +760,7 @@ std::string paged_decode_path(std::string dtype, int64_t head_dim) {
     return "generic (this CPU has neither AVX-512 nor AVX2 + FMA)";
   }
 #endif
-  return "generic (the AVX-512 paths take bfloat16 or float32 with head dim 64 or 128)";
+  return "generic (the vector paths take bfloat16 or float32 with head dim 64 or 128)";
 }
 
 // The one-byte weight formats with one scale per output row (quant.py's fp8 and int8): their kernels are one
@@ -817,12 +824,6 @@ LLMFLEET_AVX512_BF16 static void rope_row(T* x, const T* c, const T* s, int64_t 
 // ---- the same fp32 steps on CPUs with AVX2 + FMA and no AVX-512 (Zen 1-3, Haswell to Comet Lake): 8 lanes a
 // register, the same arithmetic. The norm's sum of squares keeps 16 lanes in two registers and folds them as
 // _mm512_reduce_add_ps does (halves, then quarters, ...), so both paths round it alike.
-LLMFLEET_AVX2 static inline float hsum16(__m256 lo, __m256 hi) {
-  const __m256 s8 = _mm256_add_ps(lo, hi);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 
 // add_rms_norm_row for fp32 (n % 16 == 0)
 LLMFLEET_AVX2 static void add_rms_norm_row_avx2(float* h, const float* d, const float* w, float* o, int64_t n,
@@ -837,7 +838,7 @@ LLMFLEET_AVX2 static void add_rms_norm_row_avx2(float* h, const float* d, const 
     _mm256_storeu_ps(x + j, v);
     acc[(j / 8) % 2] = _mm256_fmadd_ps(v, v, acc[(j / 8) % 2]);
   }
-  const __m256 rstd = _mm256_set1_ps(1.f / std::sqrt(hsum16(acc[0], acc[1]) / static_cast<float>(n) + eps));
+  const __m256 rstd = _mm256_set1_ps(1.f / std::sqrt(hsum8(_mm256_add_ps(acc[0], acc[1])) / static_cast<float>(n) + eps));
   for (int64_t j = 0; j < n; j += 8)
     _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_loadu_ps(w + j), _mm256_mul_ps(_mm256_loadu_ps(x + j), rstd)));
 }
@@ -1284,8 +1285,7 @@ LLMFLEET_AVX2 static void panel_block_avx2(const float* __restrict__ x, int64_t 
   }
   for (int64_t c = 0; c < ncols; c += 8) {
     const int64_t left = ncols - c;
-    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(left, 8))),
-                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i mask = first_lanes(left);
     const __m256 b = bias ? _mm256_maskload_ps(bias + c, mask) : _mm256_setzero_ps();
     for (int m = 0; m < MR; ++m) {
       const __m256 out = _mm256_add_ps(_mm256_load_ps(total[m] + c), b);
@@ -2537,8 +2537,8 @@ def load_paged_decode_generic() -> tuple[PagedDecode | None, str | None]:
 
 def load_fused_ops(dtype: torch.dtype, hidden: int, intermediate: int, head_dim: int) -> tuple[FusedOps | None, str]:
     """(the fused residual-add + RMSNorm, SiLU-and-mul and in-place RoPE, why), or (None, why not): they take fp32
-    on CPUs with AVX2 + FMA or AVX-512 and bf16 on CPUs with AVX512-BF16, sizes in multiples of 16 lanes (head dims of 32k).
-    Elsewhere torch's ops run."""
+    on CPUs with AVX2 + FMA or AVX-512 and bf16 on CPUs with AVX512-BF16, sizes in multiples of 16 lanes (head
+    dims of 32k). Elsewhere torch's ops run."""
     module, why = _load_module()
     if module is None:
         return None, f"torch ops: the extension cannot be built here ({why})"

@@ -37,7 +37,8 @@ chunks of 64 inputs, added up at the end: its error against float64 stays under 
 serve the embedding lookups (`rows`), so the embedding is held once.
 
 CPUs with AVX2 + FMA and no AVX-512 (Zen 1-3, Intel before Ice Lake) run the same panels 4 rows x 24 columns at
-a time (16 registers of 8 lanes), summed in the same order, so the two paths give the same bits. Same command on an AMD EPYC Zen 3 (AVX2 only; stop 33):
+a time (16 registers of 8 lanes), summed in the same order, so the two paths give the same bits. Same command on
+an AMD EPYC Zen 3 (AVX2 only; stop 33):
 
     rows                        1      4     16     32     64    128    256    512   2048
     panels (ours, AVX2)       5.9   20.0   54.3   90.1    110    116    126    113    135

@@ -189,8 +189,8 @@ def direct_rows(native: FusedOps | None, kernel: LinearKernel, weight: torch.Ten
     """(the most rows a batch may have to multiply the quantized weight directly, without a dequantized copy;
     whether that is our AMX kernel). Where the dense linears run on it (`kernel` amx_bf16) and the shape fits,
     it is `amx_linear_fp8` / `amx_linear_int8` / `amx_linear_int4` up to AMX_MAX_ROWS rows: each thread
-    dequantizes 32 weight rows at a time into its own scratch and multiplies them from cache. Else the extension's GEMV (`gemv_max_rows`), else
-    none. Per 30 SmolLM2 layers (the weights streamed), one row: AMX 12 (fp8) / 10 (int4) ms against the GEMV's
+    dequantizes 32 weight rows at a time into its own scratch and multiplies them from cache. Else the extension's
+    GEMV (`gemv_max_rows`), else none. Per 30 SmolLM2 layers (the weights streamed), one row: AMX 12 (fp8) / 10 (int4) ms against the GEMV's
     18 / 12.5; 32 rows: 13 / 12 against dequantized tiles + AMX 15 / 16 (architecture.md, section 6)."""
     if native is None:
         return 0, False
