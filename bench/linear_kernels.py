@@ -18,6 +18,8 @@ than folklore. Paths:
 * `int8_ours_bf16`, `fp8_ours_bf16`, `int4_ours_bf16`: the engine's quantized layers for a bf16 model (`quant.make_linear`
   with the kernel the engine picks: AMX up to 256 rows on CPUs with AMX, else the GEMV up to 8; dequantized tiles
   past those);
+* `int8_ours_fp32`, `fp8_ours_fp32`, `int4_ours_fp32`: the same for an fp32 model (int8 on the panels where the
+  dense linears run on them; bf16 products on AMX where the CPU has it; else torch's ops);
 * `bf16_amx`: the engine's `linear.AmxLinear` on CPUs with AMX (our kernel up to `AMX_MAX_ROWS` rows, F.linear past).
 
 `--layers N` builds N copies of each group with their own weights and times a pass over all of them, as a decode
@@ -103,14 +105,15 @@ def _fp8_wo(w: torch.Tensor) -> tuple[Call, torch.dtype]:
     return Fp8Linear(w, None, torch.float32), torch.float32
 
 
-def _ours_bf16(w: torch.Tensor, quantization: str) -> tuple[Call, torch.dtype]:
-    from worker.model.kernels import load_fused_ops
+def _ours(w: torch.Tensor, quantization: str, dtype: torch.dtype) -> tuple[Call, torch.dtype]:
+    from worker.model.kernels import load_fused_ops, load_quant_amx_ops
     from worker.model.linear import available_kernels, choose_linear_kernel, read_cpu_flags
     from worker.model.quant import make_linear
 
-    native = load_fused_ops(torch.bfloat16, HIDDEN, INTER, 64)[0]
-    kernel = choose_linear_kernel("cpu", torch.bfloat16, read_cpu_flags(), available_kernels(native))[0]
-    return make_linear(w, None, quantization, torch.bfloat16, kernel, native), torch.bfloat16
+    native = load_fused_ops(dtype, HIDDEN, INTER, 64)[0]
+    amx = load_quant_amx_ops(dtype, quantization, HIDDEN, INTER, 64)[0]
+    kernel = choose_linear_kernel("cpu", dtype, read_cpu_flags(), available_kernels(native))[0]
+    return make_linear(w, None, quantization, dtype, kernel, native, amx), dtype
 
 
 def _onednn(w: torch.Tensor, dtype: torch.dtype) -> tuple[Call, torch.dtype]:
@@ -158,9 +161,12 @@ PATHS: dict[str, Callable[[torch.Tensor], tuple[Call, torch.dtype]]] = {
     "int8_wo_bf16": _int8_wo,
     "int4_wo_bf16": _int4_wo,
     "fp8_wo_fp32": _fp8_wo,
-    "int8_ours_bf16": lambda w: _ours_bf16(w, "int8"),
-    "fp8_ours_bf16": lambda w: _ours_bf16(w, "fp8"),
-    "int4_ours_bf16": lambda w: _ours_bf16(w, "int4"),
+    "int8_ours_bf16": lambda w: _ours(w, "int8", torch.bfloat16),
+    "fp8_ours_bf16": lambda w: _ours(w, "fp8", torch.bfloat16),
+    "int4_ours_bf16": lambda w: _ours(w, "int4", torch.bfloat16),
+    "int8_ours_fp32": lambda w: _ours(w, "int8", torch.float32),
+    "fp8_ours_fp32": lambda w: _ours(w, "fp8", torch.float32),
+    "int4_ours_fp32": lambda w: _ours(w, "int4", torch.float32),
     "bf16_amx": _amx,
     "fp32_panels": _panels,
 }

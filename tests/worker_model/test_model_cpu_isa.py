@@ -15,12 +15,17 @@ import torch
 import torch.nn.functional as F
 from worker.model.linear import PanelLinear
 from worker.model.llama import rms_norm
+from worker.model.quant import make_linear
 
+QUANTIZED = ("int8", "fp8")  # the formats an fp32 model multiplies on the panels
 # What the child computes with the capped extension: its report, and (where the panels run) the kernels' outputs.
-CHILD = """
+CHILD = (
+    f"QUANTIZED = {QUANTIZED!r}\n"
+    + """
 import sys, torch
 from worker.model.kernels import _load_module
 from worker.model.linear import PanelLinear
+from worker.model.quant import make_linear
 module, why = _load_module()
 if module is None:
     raise SystemExit(why)
@@ -29,6 +34,8 @@ out = {"isa": module.vector_isa(), "panels": module.f32_panels_ready(), "attenti
        "fused": module.fused_ops_available("float32", 64, 64, 64)}
 if out["panels"]:
     out["linears"] = [PanelLinear(w, b, module)(x) for w, b, x in data["linears"]]
+    out["quantized"] = {q: [make_linear(w, b, q, torch.float32, "panels_fp32", module)(x) for w, b, x in data["linears"]]
+                        for q in QUANTIZED}
     h, d, w = data["norm"]
     out["norm"] = module.add_rms_norm(h.clone(), d, w, 1e-5)
     out["silu"] = module.silu_and_mul(data["gu"])
@@ -42,6 +49,7 @@ if out["panels"]:
         out["decode"][hd] = (module.paged_decode_path("float32", hd), fast, module.paged_decode_generic(q, k, v, tables, lens, hd**-0.5))
 torch.save(out, sys.argv[2])
 """
+)
 
 
 def _inputs() -> dict:
@@ -117,6 +125,11 @@ def test_the_avx2_paths_compute_what_torch_computes(capped_avx2):
         exact = x.double() @ w.double().T + (0 if b is None else b.double())
         mkl = (F.linear(x, w, b).double() - exact).abs().max()
         assert (got.double() - exact).abs().max() <= 2 * mkl + 1e-6, (tuple(x.shape), tuple(w.shape))
+    for q in QUANTIZED:
+        for (w, b, x), got in zip(data["linears"], capped_avx2["quantized"][q], strict=True):
+            wq = make_linear(w, b, q, torch.float32).dequantize().double()
+            exact = x.double() @ wq.T + (0 if b is None else b.double())
+            assert (got.double() - exact).abs().max() <= 1e-4 * exact.abs().max(), (q, tuple(x.shape))
     h, d, w = data["norm"]
     got_h, got = capped_avx2["norm"]
     assert torch.equal(got_h, h + d)
@@ -138,6 +151,9 @@ def test_the_avx2_paths_give_the_avx512_paths_bits(capped_avx2, avx512):
     data = capped_avx2["inputs"]
     for (w, b, x), got in zip(data["linears"], capped_avx2["linears"], strict=True):
         assert torch.equal(got, PanelLinear(w, b, avx512)(x)), (tuple(x.shape), tuple(w.shape))
+    for q in QUANTIZED:
+        for (w, b, x), got in zip(data["linears"], capped_avx2["quantized"][q], strict=True):
+            assert torch.equal(got, make_linear(w, b, q, torch.float32, "panels_fp32", avx512)(x)), (q, tuple(x.shape))
     h, d, w = data["norm"]
     for got, want in zip(capped_avx2["norm"], avx512.add_rms_norm(h.clone(), d, w, 1e-5), strict=True):
         assert torch.equal(got, want)

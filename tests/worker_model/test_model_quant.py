@@ -197,3 +197,71 @@ def test_quantized_fp32_models_say_why_their_products_stay_fp32(amx, dtype, quan
     ops, reason = load_quant_amx_ops(dtype, quant, *sizes)
     assert ops is None and why in reason
     assert load_quant_amx_ops(torch.float32, "fp8", 576, 1536, 64)[0] is amx
+
+
+@pytest.mark.parametrize("quant", ["int8", "fp8"])
+@pytest.mark.parametrize(
+    ("rows", "out_features", "bias"),
+    [
+        (1, 50, True),  # one row, a part-filled panel
+        (3, 96, False),  # an AVX2 block's tail
+        (8, 144, True),  # an AVX-512 block
+        (31, 50, False),  # the last pass widened in registers
+        (32, 96, True),  # the first widened into the fp32 scratch
+        (300, 112, True),  # a pass and a half, streaming stores
+    ],
+)
+def test_an_fp32_models_one_byte_layers_multiply_their_codes_on_the_panels(panels, quant, rows, out_features, bias):
+    """int8 and fp8 codes packed in panels, widened to fp32 in the kernel, the scales and the bias applied to its
+    sums: the product with the layer's own dequantized weights, to fp32's rounding."""
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(out_features, 200, generator=gen) * 0.05
+    b = torch.randn(out_features, generator=gen) if bias else None
+    layer = make_linear(w, b, quant, torch.float32, "panels_fp32", panels)
+    plain = make_linear(w, b, quant, torch.float32)  # torch's ops over the same codes
+    assert layer.weight.dim() == 3 and layer.weight.shape[1:] == (200, panels.f32_panel_cols())
+    assert torch.equal(layer.dequantize(), plain.dequantize())
+    x = torch.randn(rows, 200, generator=gen)
+    exact = x.double() @ layer.dequantize().double().t() + (0 if b is None else b.double())
+    y = layer(x)
+    assert y.shape == (rows, out_features) and y.dtype == torch.float32
+    assert (y.double() - exact).abs().max().item() < 1e-5
+    assert torch.equal(layer(x.view(1, rows, 200)), y.view(1, rows, out_features))  # batched rows: the same
+
+
+@pytest.mark.parametrize("quant", ["int8", "fp8"])
+def test_widening_the_panels_first_gives_the_bits_of_widening_them_in_registers(panels, quant):
+    """Batches of 32 rows or more widen each panel once into an fp32 scratch; smaller ones at every step: the same
+    values summed in the same order, so a row's output does not depend on its batch."""
+    gen = torch.Generator().manual_seed(3)
+    layer = make_linear(torch.randn(100, 576, generator=gen), None, quant, torch.float32, "panels_fp32", panels)
+    x = torch.randn(40, 576, generator=gen)
+    assert torch.equal(layer(x), torch.cat([layer(x[i : i + 8]) for i in range(0, 40, 8)]))
+
+
+def test_the_fp8_panels_widen_every_finite_code_exactly(panels):
+    from worker.model.linear import pack_panels
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    finite = codes[~codes.float().isnan()]  # 254 codes: both zeros, the subnormals, +-448
+    w8 = finite.view(1, -1).expand(48, -1).contiguous()
+    eye = torch.eye(finite.numel())
+    y = panels.panel_linear_fp8(eye, pack_panels(w8, 48), 48, torch.full((48,), 2.0**8), None)
+    assert torch.equal(y[:, 7], finite.float())
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda ops, p, s: ops.panel_linear_i8(torch.zeros(2, 32), p.float(), 50, s, None), "weight type"),
+        (lambda ops, p, s: ops.panel_linear_fp8(torch.zeros(2, 32), p, 50, s, None), "weight type"),
+        (lambda ops, p, s: ops.panel_linear_i8(torch.zeros(2, 32), p, 50, s[:49], None), "scale"),
+        (lambda ops, p, s: ops.panel_linear_i8(torch.zeros(2, 32), p, 50, s, torch.zeros(50).double()), "bias"),
+    ],
+)
+def test_the_quantized_panels_refuse_what_they_cannot_take(panels, call, match):
+    from worker.model.linear import pack_panels
+
+    codes, scale = quantize_int8(torch.randn(50, 32, generator=GEN))
+    with pytest.raises(RuntimeError, match=match):
+        call(panels, pack_panels(codes, panels.f32_panel_cols()), scale)

@@ -223,7 +223,8 @@ static void paged_decode_impl(
 // widened to fp32 (a shift) and accumulated with fp32 FMAs.
 #define LLMFLEET_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 #define LLMFLEET_AVX512F __attribute__((target("avx512f")))
-#define LLMFLEET_AVX2 __attribute__((target("avx2,fma")))
+// (F16C too: every CPU with AVX2 + FMA has it, since Ivy Bridge and Piledriver, both before AVX2)
+#define LLMFLEET_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 // 16 elements as fp32: bf16 (as uint16) widened by a shift, fp32 loaded.
 template <typename T>
@@ -1153,19 +1154,51 @@ static constexpr int64_t F32_PANEL_ROWS = 256;  // rows of x per pass over the p
 // the sums run over chunks of this many inputs, added up at the end: blocked summation, whose rounding error stays
 // near MKL's (one running sum over K = 1536 had ~3x its error)
 static constexpr int64_t F32_PANEL_CHUNK = 64;
+static constexpr int64_t F32_PANEL_WIDEN_ROWS = 32;  // quantized panels: passes of this many rows widen them first
 
 int64_t f32_panel_cols() { return F32_PANEL; }
 
 #if defined(__x86_64__)
+// A panel's weights as fp32 lanes, 16 (AVX-512) or 8 (AVX2) at a time: fp32 as they are; int8 codes
+// (`panel_linear_i8`) widened exactly; fp8 e4m3 codes (`panel_linear_fp8`) moved into fp16 bit patterns of the
+// same value / 2**8, as quant.fp8_to_fp16 does (sign-extended to 16 bits and shifted left 7, the copy of the sign
+// that lands on the exponent's top bit cleared), then widened by F16C, which every AVX2 CPU has. Exact for every
+// finite e4m3 value, subnormals included. The codes' scales (one per output column, times 2**8 for fp8) multiply
+// the sums.
+struct Fp8E4m3 {
+  uint8_t bits;
+};
+LLMFLEET_AVX512F static inline __attribute__((always_inline)) __m512 panel_w16(const float* w) { return _mm512_loadu_ps(w); }
+LLMFLEET_AVX512F static inline __attribute__((always_inline)) __m512 panel_w16(const int8_t* w) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+}
+LLMFLEET_AVX512F static inline __attribute__((always_inline)) __m512 panel_w16(const Fp8E4m3* w) {
+  const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(int16_t(0xBFFF))));
+}
+LLMFLEET_AVX2 static inline __attribute__((always_inline)) __m256 panel_w8(const float* w) { return _mm256_loadu_ps(w); }
+LLMFLEET_AVX2 static inline __attribute__((always_inline)) __m256 panel_w8(const int8_t* w) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+}
+LLMFLEET_AVX2 static inline __attribute__((always_inline)) __m256 panel_w8(const Fp8E4m3* w) {
+  const __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)));
+  return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(int16_t(0xBFFF))));
+}
+// n (a multiple of 8) weights as fp32 into dst (32-byte aligned)
+template <typename W>
+LLMFLEET_AVX2 static void widen_panel(const W* __restrict__ src, int64_t n, float* __restrict__ dst) {
+  for (int64_t i = 0; i < n; i += 8) _mm256_store_ps(dst + i, panel_w8(src + i));
+}
+
 // One input step of panel_block: the panel's 48 weights of input k into the MR rows' 24 accumulators. Unrolled
 // by 2 in panel_block (30 streamed SmolLM2 layers, GFLOP/s before -> after: 8 rows 91 -> 100, 128: 348 -> 370,
 // 2048: 353 -> 375; 4 rows 50 -> 47; the same loop unrolled in place ran 8 rows at 80).
-template <int MR>
+template <int MR, typename W>
 LLMFLEET_AVX512F static inline __attribute__((always_inline)) void panel_step(const float* __restrict__ x, int64_t xs,
-                                                                            int64_t k, const float* __restrict__ panel,
+                                                                            int64_t k, const W* __restrict__ panel,
                                                                             __m512 (&acc)[MR][3]) {
-  const float* w = panel + k * F32_PANEL;
-  const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16), w2 = _mm512_loadu_ps(w + 32);
+  const W* w = panel + k * F32_PANEL;
+  const __m512 w0 = panel_w16(w), w1 = panel_w16(w + 16), w2 = panel_w16(w + 32);
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) {
     const __m512 xb = _mm512_set1_ps(x[m * xs + k]);
@@ -1179,11 +1212,13 @@ LLMFLEET_AVX512F static inline __attribute__((always_inline)) void panel_step(co
 // columns (y's rows N floats apart), the sum taken
 // over chunks of F32_PANEL_CHUNK inputs, each from zero, then added up (blocked summation). Lines [l0, l1) of `next`
 // (nullptr: none) are prefetched into L2 along the way. `stream`: whole 16-column vectors of y written with
-// streaming stores (y 64-byte aligned, N a multiple of 16; panel_linear_run says when).
-template <int MR>
-LLMFLEET_AVX512F static void panel_block(const float* __restrict__ x, int64_t xs, int64_t K, const float* __restrict__ panel,
+// streaming stores (y 64-byte aligned, N a multiple of 16; panel_linear_run says when). `scale` (int8 codes): the
+// panel's per-column scales, y = sums * scale + bias.
+template <int MR, typename W = float>
+LLMFLEET_AVX512F static void panel_block(const float* __restrict__ x, int64_t xs, int64_t K, const W* __restrict__ panel,
                                          float* __restrict__ y, int64_t N, int64_t ncols, const float* bias,
-                                         const float* next, int64_t l0, int64_t l1, bool stream = false) {
+                                         const void* next, int64_t l0, int64_t l1, bool stream = false,
+                                         const float* scale = nullptr) {
   __m512 acc[MR][3], total[MR][3];
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < 3; ++j) total[m][j] = _mm512_setzero_ps();
@@ -1197,7 +1232,7 @@ LLMFLEET_AVX512F static void panel_block(const float* __restrict__ x, int64_t xs
       const int64_t ke = std::min(k1, ks + 16);
       if (next) {  // this stretch's share of the next panel's lines, so the FMA loop below has no branch
         for (due += (ke - ks) * span; due >= K; due -= K, ++line)
-          _mm_prefetch((const char*)(next + line * 16), _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(next) + line * 64, _MM_HINT_T1);
       }
 #pragma GCC unroll 2
       for (int64_t k = ks; k < ke; ++k) panel_step<MR>(x, xs, k, panel, acc);
@@ -1209,8 +1244,9 @@ LLMFLEET_AVX512F static void panel_block(const float* __restrict__ x, int64_t xs
     const int64_t left = ncols - 16 * j;
     const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
+    const __m512 sc = scale ? _mm512_maskz_loadu_ps(mask, scale + 16 * j) : _mm512_setzero_ps();
     for (int m = 0; m < MR; ++m) {
-      const __m512 out = _mm512_add_ps(total[m][j], b);
+      const __m512 out = scale ? _mm512_fmadd_ps(total[m][j], sc, b) : _mm512_add_ps(total[m][j], b);
       if (stream && left >= 16)
         _mm512_stream_ps(y + m * N + 16 * j, out);
       else
@@ -1220,17 +1256,18 @@ LLMFLEET_AVX512F static void panel_block(const float* __restrict__ x, int64_t xs
 }
 
 // the last rows < 8 of a pass
-LLMFLEET_AVX512F static void panel_tail(int64_t rows, const float* x, int64_t xs, int64_t K, const float* panel, float* y,
-                                        int64_t N, int64_t ncols, const float* bias, const float* next, int64_t l0,
-                                        int64_t l1, bool stream = false) {
+template <typename W = float>
+LLMFLEET_AVX512F static void panel_tail(int64_t rows, const float* x, int64_t xs, int64_t K, const W* panel, float* y,
+                                        int64_t N, int64_t ncols, const float* bias, const void* next, int64_t l0,
+                                        int64_t l1, bool stream = false, const float* scale = nullptr) {
   switch (rows) {
-    case 1: return panel_block<1>(x, xs, K, panel, y, N, ncols, bias, next, l0, l1, stream);
-    case 2: return panel_block<2>(x, xs, K, panel, y, N, ncols, bias, next, l0, l1, stream);
-    case 3: return panel_block<3>(x, xs, K, panel, y, N, ncols, bias, next, l0, l1, stream);
-    case 4: return panel_block<4>(x, xs, K, panel, y, N, ncols, bias, next, l0, l1, stream);
-    case 5: return panel_block<5>(x, xs, K, panel, y, N, ncols, bias, next, l0, l1, stream);
-    case 6: return panel_block<6>(x, xs, K, panel, y, N, ncols, bias, next, l0, l1, stream);
-    case 7: return panel_block<7>(x, xs, K, panel, y, N, ncols, bias, next, l0, l1, stream);
+    case 1: return panel_block<1, W>(x, xs, K, panel, y, N, ncols, bias, next, l0, l1, stream, scale);
+    case 2: return panel_block<2, W>(x, xs, K, panel, y, N, ncols, bias, next, l0, l1, stream, scale);
+    case 3: return panel_block<3, W>(x, xs, K, panel, y, N, ncols, bias, next, l0, l1, stream, scale);
+    case 4: return panel_block<4, W>(x, xs, K, panel, y, N, ncols, bias, next, l0, l1, stream, scale);
+    case 5: return panel_block<5, W>(x, xs, K, panel, y, N, ncols, bias, next, l0, l1, stream, scale);
+    case 6: return panel_block<6, W>(x, xs, K, panel, y, N, ncols, bias, next, l0, l1, stream, scale);
+    case 7: return panel_block<7, W>(x, xs, K, panel, y, N, ncols, bias, next, l0, l1, stream, scale);
     default: return;
   }
 }
@@ -1240,12 +1277,12 @@ LLMFLEET_AVX512F static void panel_tail(int64_t rows, const float* x, int64_t xs
 // of the panel (12 KB, from L1 after the first half) once per half, and adds the half's chunk sums into its totals
 // in memory, so every column is summed exactly as panel_block sums it (chunk by chunk, inputs in order within a
 // chunk): both paths give the same bits.
-template <int MR>
+template <int MR, typename W>
 LLMFLEET_AVX2 static inline __attribute__((always_inline)) void panel_step_avx2(const float* __restrict__ x, int64_t xs,
-                                                                              int64_t k, const float* __restrict__ half,
+                                                                              int64_t k, const W* __restrict__ half,
                                                                               __m256 (&acc)[MR][3]) {
-  const float* w = half + k * F32_PANEL;
-  const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8), w2 = _mm256_loadu_ps(w + 16);
+  const W* w = half + k * F32_PANEL;
+  const __m256 w0 = panel_w8(w), w1 = panel_w8(w + 8), w2 = panel_w8(w + 16);
 #pragma GCC unroll 4
   for (int m = 0; m < MR; ++m) {
     const __m256 xb = _mm256_broadcast_ss(x + m * xs + k);
@@ -1256,11 +1293,11 @@ LLMFLEET_AVX2 static inline __attribute__((always_inline)) void panel_step_avx2(
 }
 
 // panel_block's contract for MR <= 4 rows
-template <int MR>
+template <int MR, typename W = float>
 LLMFLEET_AVX2 static void panel_block_avx2(const float* __restrict__ x, int64_t xs, int64_t K,
-                                           const float* __restrict__ panel, float* __restrict__ y, int64_t N,
-                                           int64_t ncols, const float* bias, const float* next, int64_t l0, int64_t l1,
-                                           bool stream = false) {
+                                           const W* __restrict__ panel, float* __restrict__ y, int64_t N,
+                                           int64_t ncols, const float* bias, const void* next, int64_t l0, int64_t l1,
+                                           bool stream = false, const float* scale = nullptr) {
   alignas(32) float total[MR][F32_PANEL] = {};
   const int64_t span = l1 - l0;
   int64_t due = 0, line = l0;
@@ -1268,7 +1305,7 @@ LLMFLEET_AVX2 static void panel_block_avx2(const float* __restrict__ x, int64_t 
     const int64_t k1 = std::min(K, k0 + F32_PANEL_CHUNK);
     if (next) {  // this chunk's share of the next panel's lines
       for (due += (k1 - k0) * span; due >= K; due -= K, ++line)
-        _mm_prefetch((const char*)(next + line * 16), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(next) + line * 64, _MM_HINT_T1);
     }
     for (int64_t h = 0; h < F32_PANEL; h += 24) {
       __m256 acc[MR][3];
@@ -1287,8 +1324,10 @@ LLMFLEET_AVX2 static void panel_block_avx2(const float* __restrict__ x, int64_t 
     const int64_t left = ncols - c;
     const __m256i mask = first_lanes(left);
     const __m256 b = bias ? _mm256_maskload_ps(bias + c, mask) : _mm256_setzero_ps();
+    const __m256 sc = scale ? _mm256_maskload_ps(scale + c, mask) : _mm256_setzero_ps();
     for (int m = 0; m < MR; ++m) {
-      const __m256 out = _mm256_add_ps(_mm256_load_ps(total[m] + c), b);
+      const __m256 t = _mm256_load_ps(total[m] + c);
+      const __m256 out = scale ? _mm256_fmadd_ps(t, sc, b) : _mm256_add_ps(t, b);
       if (stream && left >= 8)
         _mm256_stream_ps(y + m * N + c, out);
       else
@@ -1303,23 +1342,37 @@ LLMFLEET_AVX2 static void panel_block_avx2(const float* __restrict__ x, int64_t 
 // outgrows the caches, and plain stores first read each line from DRAM (a line fill per 64 bytes, on the fill
 // buffers the panel prefetches need). 30 streamed layers at 2048 rows: 300 -> 319-342 GFLOP/s, the gate+up
 // projection 295 -> 339; at 256 rows or fewer y stays in cache for the next op, so plain stores.
-template <int BR, typename Block>
-static void panel_linear_run(const float* x, int64_t M, int64_t K, const float* w, int64_t P, int64_t N,
-                             const float* bias, float* y, const Block& block) {
+// Quantized panels (W int8 or fp8) are widened in registers at every k step, which costs a decode batch nothing
+// (the weight streams at 1 byte a weight, not 4) but costs a compute-bound batch its conversions once per block:
+// passes of F32_PANEL_WIDEN_ROWS rows or more widen each panel once into an fp32 scratch (K x 48, in L2) that
+// all their blocks read. The same fp32 values either way, so the same sums.
+template <int BR, typename W, typename Block>
+static void panel_linear_run(const float* x, int64_t M, int64_t K, const W* w, int64_t P, int64_t N,
+                             const float* bias, const float* scale, float* y, const Block& block) {
   const bool stream = M > F32_PANEL_ROWS && N % 16 == 0 && reinterpret_cast<uintptr_t>(y) % 64 == 0;
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    const int64_t lines = K * F32_PANEL / 16;
+    const int64_t lines = K * F32_PANEL * int64_t(sizeof(W)) / 64;  // a panel's 64-byte lines
+    std::unique_ptr<float, decltype(&free)> wide(nullptr, &free);
     for (int64_t m0 = 0; m0 < M; m0 += F32_PANEL_ROWS) {
       const int64_t rows = std::min(F32_PANEL_ROWS, M - m0), blocks = (rows + BR - 1) / BR;
+      const bool widen = !std::is_same_v<W, float> && rows >= F32_PANEL_WIDEN_ROWS;
+      if (widen && !wide) wide.reset(static_cast<float*>(aligned_alloc(64, K * F32_PANEL * sizeof(float))));
       for (int64_t p = p0; p < p1; ++p) {
-        const float* panel = w + p * K * F32_PANEL;
-        const float* next = p + 1 < p1 ? panel + K * F32_PANEL : nullptr;
+        const W* panel = w + p * K * F32_PANEL;
+        const W* next = p + 1 < p1 ? panel + K * F32_PANEL : nullptr;
         const float* b = bias ? bias + p * F32_PANEL : nullptr;
+        const float* sc = scale ? scale + p * F32_PANEL : nullptr;
         const int64_t ncols = std::min(F32_PANEL, N - p * F32_PANEL);
+        if (widen) widen_panel(panel, K * F32_PANEL, wide.get());
         for (int64_t blk = 0; blk < blocks; ++blk) {
           const int64_t m = blk * BR, l0 = blk * lines / blocks, l1 = (blk + 1) * lines / blocks;
-          block(std::min<int64_t>(BR, rows - m), x + (m0 + m) * K, K, K, panel, y + (m0 + m) * N + p * F32_PANEL, N, ncols, b,
-                next, l0, l1, stream);
+          const int64_t r = std::min<int64_t>(BR, rows - m);
+          float* yb = y + (m0 + m) * N + p * F32_PANEL;
+          if (widen)
+            block(r, x + (m0 + m) * K, K, K, static_cast<const float*>(wide.get()), yb, N, ncols, b, next, l0, l1,
+                  stream, sc);
+          else
+            block(r, x + (m0 + m) * K, K, K, panel, yb, N, ncols, b, next, l0, l1, stream, sc);
         }
       }
     }
@@ -1327,16 +1380,17 @@ static void panel_linear_run(const float* x, int64_t M, int64_t K, const float* 
   });
 }
 
-static void panel_linear_any(const float* x, int64_t M, int64_t K, const float* w, int64_t P, int64_t N,
-                             const float* bias, float* y) {
+template <typename W>
+static void panel_linear_any(const float* x, int64_t M, int64_t K, const W* w, int64_t P, int64_t N,
+                             const float* bias, const float* scale, float* y) {
   if (cpu_has_avx512f()) {
-    panel_linear_run<8>(x, M, K, w, P, N, bias, y, [](int64_t rows, auto... a) {
+    panel_linear_run<8>(x, M, K, w, P, N, bias, scale, y, [](int64_t rows, auto... a) {
       if (rows == 8) return panel_block<8>(a...);
       return panel_tail(rows, a...);
     });
     return;
   }
-  panel_linear_run<4>(x, M, K, w, P, N, bias, y, [](int64_t rows, auto... a) {
+  panel_linear_run<4>(x, M, K, w, P, N, bias, scale, y, [](int64_t rows, auto... a) {
     switch (rows) {
       case 4: return panel_block_avx2<4>(a...);
       case 3: return panel_block_avx2<3>(a...);
@@ -1355,31 +1409,66 @@ bool f32_panels_ready() {
 #endif
 }
 
-// y = x @ W^T (+ bias): x [M, K] fp32 contiguous, packed [P, K, F32_PANEL] (W [N, K] in panels, N <= 48P),
-// bias [N] or None -> y [M, N] fp32.
-torch::Tensor panel_linear_f32(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(f32_panels_ready(), "panel_linear_f32: needs a CPU with AVX2 + FMA (ask f32_panels_ready first)");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
-              "panel_linear_f32: x must be [rows, in] fp32 and contiguous");
+// The panel linears' operands (`what`: the kernel, for the messages): x [M, K] fp32 contiguous, packed
+// [P, K, F32_PANEL] of `wtype` (W [N, K] in panels, N <= 48P), bias and (int8) scale [N] fp32 or None.
+static void panel_operands(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, at::ScalarType wtype,
+                           const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& scale,
+                           const char* what) {
+  TORCH_CHECK(f32_panels_ready(), what, ": needs a CPU with AVX2 + FMA (ask f32_panels_ready first)");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, what,
+              ": x must be [rows, in] fp32 and contiguous");
   // (string literals only in these messages: numbers formatted into one (c10::str) crashed the process with
   // SIGSEGV instead of raising, under torch 2.11+cu130 on the GPU machine)
-  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == at::kFloat &&
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == wtype &&
                   packed.size(2) == F32_PANEL && packed.size(1) == x.size(1),
-              "panel_linear_f32: packed must be [panels, in, f32_panel_cols()] fp32, contiguous, with x's in");
+              what, ": packed must be [panels, in, f32_panel_cols()] of its weight type, contiguous, with x's in");
   const int64_t P = packed.size(0);
-  TORCH_CHECK(n > (P - 1) * F32_PANEL && n <= P * F32_PANEL,
-              "panel_linear_f32: n does not fill the panels (more than all but one, at most all)");
-  torch::Tensor b;
-  if (bias.has_value()) {
-    b = *bias;
-    TORCH_CHECK(b.dim() == 1 && b.size(0) == n && b.is_contiguous() && b.scalar_type() == at::kFloat,
-                "panel_linear_f32: bias must be [n] fp32 and contiguous");
-  }
+  TORCH_CHECK(n > (P - 1) * F32_PANEL && n <= P * F32_PANEL, what,
+              ": n does not fill the panels (more than all but one, at most all)");
+  for (const auto* t : {&bias, &scale})
+    TORCH_CHECK(!t->has_value() || ((*t)->dim() == 1 && (*t)->size(0) == n && (*t)->is_contiguous() &&
+                                    (*t)->scalar_type() == at::kFloat),
+                what, ": bias and scale must be [n] fp32 and contiguous");
+}
+
+template <typename W>
+static torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                                  const c10::optional<torch::Tensor>& bias, const float* scale) {
   auto y = torch::empty({x.size(0), n}, x.options());
 #if defined(__x86_64__)
   if (x.size(0) > 0)
-    panel_linear_any(x.data_ptr<float>(), x.size(0), x.size(1), packed.data_ptr<float>(), P, n,
-                     b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>());
+    panel_linear_any(x.data_ptr<float>(), x.size(0), x.size(1), packed.data_ptr<W>(), packed.size(0), n,
+                     bias.has_value() ? bias->data_ptr<float>() : nullptr, scale, y.data_ptr<float>());
+#endif
+  return y;
+}
+
+// y = x @ W^T (+ bias): x [M, K] fp32, W fp32 in panels (panel_operands) -> y [M, N] fp32.
+torch::Tensor panel_linear_f32(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias) {
+  panel_operands(x, packed, n, at::kFloat, bias, c10::nullopt, "panel_linear_f32");
+  return panel_linear<float>(x, packed, n, bias, nullptr);
+}
+
+// y = (x @ C^T) * scale (+ bias): x [M, K] fp32, C int8 codes in panels (panel_operands), one fp32 scale per output
+// column -> y [M, N] fp32. The codes widen to fp32 exactly in registers, so the weight streams at one byte a weight
+// and the sums run as panel_linear_f32's do.
+torch::Tensor panel_linear_i8(torch::Tensor x, torch::Tensor packed, int64_t n, torch::Tensor scale,
+                              c10::optional<torch::Tensor> bias) {
+  panel_operands(x, packed, n, at::kChar, bias, scale, "panel_linear_i8");
+  return panel_linear<int8_t>(x, packed, n, bias, scale.data_ptr<float>());
+}
+
+// The same over fp8 e4m3 codes (float8_e4m3fn panels): y = (x @ C^T) * scale (+ bias), `scale` each column's
+// scale times 2**8 (what one unit of the codes' fp16 pattern is worth, FP8_TO_FP16_EXP_SHIFT in quant.py).
+torch::Tensor panel_linear_fp8(torch::Tensor x, torch::Tensor packed, int64_t n, torch::Tensor scale,
+                               c10::optional<torch::Tensor> bias) {
+  panel_operands(x, packed, n, at::kFloat8_e4m3fn, bias, scale, "panel_linear_fp8");
+  auto y = torch::empty({x.size(0), n}, x.options());
+#if defined(__x86_64__)
+  if (x.size(0) > 0)
+    panel_linear_any(x.data_ptr<float>(), x.size(0), x.size(1), static_cast<const Fp8E4m3*>(packed.data_ptr()),
+                     packed.size(0), n, bias.has_value() ? bias->data_ptr<float>() : nullptr, scale.data_ptr<float>(),
+                     y.data_ptr<float>());
 #endif
   return y;
 }
@@ -1415,9 +1504,9 @@ LLMFLEET_AVX512F static void f32_attention_block(const float* q, int64_t qs, int
   for (int64_t j0 = 0; j0 < nk; j0 += F32_PANEL) {  // S's rows ls floats apart; the score rows past `rows` unset
     const float* panel = kt + j0 * D;
     if (rows == F32_ATTN_ROWS)
-      panel_block<F32_ATTN_ROWS>(q, qs, D, panel, s + j0, ls, F32_PANEL, nullptr, nullptr, 0, 0);
+      panel_block<F32_ATTN_ROWS, float>(q, qs, D, panel, s + j0, ls, F32_PANEL, nullptr, nullptr, 0, 0);
     else
-      panel_tail(rows, q, qs, D, panel, s + j0, ls, F32_PANEL, nullptr, nullptr, 0, 0);
+      panel_tail<float>(rows, q, qs, D, panel, s + j0, ls, F32_PANEL, nullptr, nullptr, 0, 0);
   }
   float inv[F32_ATTN_ROWS];
   for (int64_t m = 0; m < F32_ATTN_ROWS; ++m) {
@@ -2368,6 +2457,14 @@ class FusedOps(Protocol):
         self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
     ) -> torch.Tensor: ...
 
+    def panel_linear_i8(
+        self, x: torch.Tensor, packed: torch.Tensor, n: int, scale: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor: ...
+
+    def panel_linear_fp8(
+        self, x: torch.Tensor, packed: torch.Tensor, n: int, scale: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor: ...
+
     def f32_attention_ready(self) -> bool: ...
 
     def vector_isa(self) -> str: ...
@@ -2447,6 +2544,8 @@ def _load_module() -> tuple[Any, str | None]:
                 "f32_panel_cols",
                 "f32_panels_ready",
                 "panel_linear_f32",
+                "panel_linear_i8",
+                "panel_linear_fp8",
                 "f32_attention_ready",
                 "vector_isa",
                 "f32_attention_",

@@ -260,11 +260,7 @@ class PanelLinear:
         if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
             raise ValueError(f"the panel linear takes an fp32 CPU weight [out, in]; got {weight.dtype} {weight.device}")
         self.out_features, self.in_features = weight.shape
-        cols = native.f32_panel_cols()
-        panels = -(-self.out_features // cols)
-        padded = weight.new_zeros(panels * cols, self.in_features)
-        padded[: self.out_features] = weight
-        self.packed = padded.view(panels, cols, self.in_features).transpose(1, 2).contiguous()
+        self.packed = pack_panels(weight, native.f32_panel_cols())
         self.bias = None if bias is None else bias.contiguous()
         self._native = native
 
@@ -280,11 +276,26 @@ class PanelLinear:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The plain [out, in] weight the layer multiplies by."""
-        return self.packed.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features].to(dtype)
+        return unpack_panels(self.packed, self.out_features).to(dtype)
 
     @property
     def nbytes(self) -> int:
         return nbytes_of(self.packed, self.bias)
+
+
+def pack_panels(weight: torch.Tensor, cols: int) -> torch.Tensor:
+    """weight [out, in] (any dtype) -> [panels, in, cols], panel p = weight[cols p .. cols p + cols - 1].T, the rows
+    past `out` zero: the layout the extension's panel linears read (`panel_linear_f32`, `panel_linear_i8`)."""
+    out, inp = weight.shape
+    panels = -(-out // cols)
+    padded = weight.new_zeros(panels * cols, inp)
+    padded[:out] = weight
+    return padded.view(panels, cols, inp).transpose(1, 2).contiguous()
+
+
+def unpack_panels(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The [out_features, in] weight `pack_panels` packed."""
+    return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:out_features]
 
 
 def amx_fits(weight: torch.Tensor) -> bool:

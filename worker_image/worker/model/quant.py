@@ -105,7 +105,16 @@ import torch
 import torch.nn.functional as F
 
 from worker.model.kernels import FusedOps
-from worker.model.linear import AMX_MAX_ROWS, LinearKernel, amx_fits, make_dense_linear, nbytes_of
+from worker.model.linear import (
+    AMX_MAX_ROWS,
+    LinearKernel,
+    amx_fits,
+    make_dense_linear,
+    nbytes_of,
+    on_rows,
+    pack_panels,
+    unpack_panels,
+)
 
 Quantization = Literal["int8", "fp8", "int4"]
 QUANTIZATIONS: tuple[str, ...] = ("int8", "fp8", "int4")
@@ -165,6 +174,7 @@ class RowFormat:
     native_to_bf16: str
     native_gemv: str
     native_amx: str
+    native_panels: str | None = None  # the extension's panel linear over the codes, for fp32 activations
 
 
 FP8 = RowFormat(
@@ -174,6 +184,7 @@ FP8 = RowFormat(
     native_to_bf16="fp8_to_bf16",
     native_gemv="fp8_gemv_bf16",
     native_amx="amx_linear_fp8",
+    native_panels="panel_linear_fp8",
 )
 INT8 = RowFormat(
     quantize=quantize_int8,
@@ -182,6 +193,7 @@ INT8 = RowFormat(
     native_to_bf16="int8_to_bf16",
     native_gemv="int8_gemv_bf16",
     native_amx="amx_linear_int8",
+    native_panels="panel_linear_i8",
 )
 
 
@@ -235,6 +247,7 @@ class RowScaledLinear:
         "_direct_rows",
         "_dtype",
         "_out_scale",
+        "_panels",
         "_to_bf16",
         "_unit_scale",
         "bias",
@@ -253,9 +266,15 @@ class RowScaledLinear:
     ) -> None:
         """`native`: the extension's fused ops, where the activations are bf16: its dequantizer (one AVX512 pass, the
         same values; fp8's replaces four torch passes, ~1 ns a weight) makes the tiles, and decode-sized batches skip
-        the dequantized copy (`direct_rows`: AMX where `kernel` is amx_bf16, else the GEMV)."""
+        the dequantized copy (`direct_rows`: AMX where `kernel` is amx_bf16, else the GEMV). Where they are fp32 and
+        the dense linears run on the panels (`kernel` panels_fp32), a format with a panel kernel (int8) keeps its
+        codes in panels (`linear.pack_panels`) and multiplies them there at every batch size."""
         fmt = self.FORMAT
         self.weight, self.scale = fmt.quantize(weight)
+        self._panels: Callable[..., torch.Tensor] | None = None
+        if dtype == torch.float32 and kernel == "panels_fp32" and native is not None and fmt.native_panels:
+            self._panels = getattr(native, fmt.native_panels)
+            self.weight = pack_panels(self.weight, native.f32_panel_cols())
         ops = native if dtype == torch.bfloat16 else None
         self._direct_rows, self._amx = direct_rows(ops, kernel, weight)
         # the extension's ops for this format, looked up once (None: torch's ops)
@@ -273,10 +292,13 @@ class RowScaledLinear:
         self._chunk_rows = fp8_chunk_rows(*weight.shape)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.weight.to(torch.float32) * self.scale[:, None]).to(dtype)
+        codes = self.weight if self._panels is None else unpack_panels(self.weight, self.out_features)
+        return (codes.to(torch.float32) * self.scale[:, None]).to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        w, n, direct, to_bf16 = self.weight, self.out_features, self._direct, self._to_bf16
+        w, n, direct, to_bf16, panels = self.weight, self.out_features, self._direct, self._to_bf16, self._panels
+        if panels is not None:  # the scales and the bias applied in the kernel
+            return on_rows(x, n, lambda r: panels(r, w, n, self._unit_scale, self.bias))
         if direct is None or to_bf16 is None:  # torch's ops: the codes' values in the compute dtype, scaled after
             fmt, dtype = self.FORMAT, self._dtype
             y = _tiled_linear(x, n, self._chunk_rows, lambda a, b: fmt.to_dtype(w[a:b], dtype)) * self._out_scale
