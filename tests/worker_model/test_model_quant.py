@@ -265,3 +265,63 @@ def test_the_quantized_panels_refuse_what_they_cannot_take(panels, call, match):
     codes, scale = quantize_int8(torch.randn(50, 32, generator=GEN))
     with pytest.raises(RuntimeError, match=match):
         call(panels, pack_panels(codes, panels.f32_panel_cols()), scale)
+
+
+@pytest.mark.parametrize(
+    ("rows", "out_features", "in_features", "bias"),
+    [(1, 50, 64, True), (5, 96, 576, False), (40, 144, 96, True), (300, 112, 64, False)],
+)
+def test_an_fp32_models_int4_layers_widen_their_panels_in_the_kernel(panels, rows, out_features, in_features, bias):
+    """int4 codes and fp32 group scales/offsets in panels, each panel widened to fp32 once per pass: the product
+    with the layer's own weights, which are `(q - 8) * scale + zero` of the quantizer's groups."""
+    from worker.model.quant import quantize_int4
+
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(out_features, in_features, generator=gen) * 0.05
+    b = torch.randn(out_features, generator=gen) if bias else None
+    layer = make_linear(w, b, "int4", torch.float32, "panels_fp32", panels)
+    cols = panels.f32_panel_cols()
+    assert layer.packed.dtype == torch.uint8 and layer.packed.shape == (
+        -(-out_features // cols),
+        in_features,
+        cols // 2,
+    )
+    q, scale, zero = quantize_int4(w, layer.group_size)
+    g = layer.group_size
+    convention = (q.float() - 8) * scale.repeat_interleave(g, 1) + zero.repeat_interleave(g, 1)
+    torch.testing.assert_close(layer.dequantize(), convention, rtol=0, atol=1e-6)
+    x = torch.randn(rows, in_features, generator=gen)
+    exact = x.double() @ layer.dequantize().double().t() + (0 if b is None else b.double())
+    y = layer(x)
+    assert y.shape == (rows, out_features) and (y.double() - exact).abs().max().item() < 1e-5
+    assert torch.equal(torch.cat([layer(x[i : i + 8]) for i in range(0, rows, 8)]), y)  # a row's batch: no matter
+
+
+def test_the_int4_panels_take_groups_of_any_size_dividing_the_inputs(panels):
+    from worker.model.quant import pack_int4_panels, quantize_int4, unpack_int4_panels
+
+    w = torch.randn(60, 256, generator=GEN)
+    q, scale, zero = quantize_int4(w, 128)
+    codes, groups = pack_int4_panels(q, scale, zero, panels.f32_panel_cols())
+    x = torch.randn(3, 256, generator=GEN)
+    exact = x.double() @ unpack_int4_panels(codes, groups, 60).double().t()
+    assert (panels.panel_linear_int4(x, codes, groups, 60, 128, None).double() - exact).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda ops, c, g: ops.panel_linear_int4(torch.zeros(2, 64), c, g, 50, 48, None), "multiple of group_size"),
+        (lambda ops, c, g: ops.panel_linear_int4(torch.zeros(2, 64), c.to(torch.int8), g, 50, 32, None), "uint8"),
+        (lambda ops, c, g: ops.panel_linear_int4(torch.zeros(2, 64), c, g, 50, 16, None), "sz must be"),
+        (lambda ops, c, g: ops.panel_linear_int4(torch.zeros(2, 64), c, g.double(), 50, 32, None), "sz must be"),
+        (lambda ops, c, g: ops.panel_linear_int4(torch.zeros(2, 64), c, g, 97, 32, None), "does not fill"),
+        (lambda ops, c, g: ops.panel_linear_int4(torch.zeros(2, 64), c, g, 50, 32, torch.zeros(49)), "bias"),
+    ],
+)
+def test_the_int4_panels_refuse_what_they_cannot_take(panels, call, match):
+    from worker.model.quant import pack_int4_panels, quantize_int4
+
+    codes, groups = pack_int4_panels(*quantize_int4(torch.randn(50, 64, generator=GEN), 32), panels.f32_panel_cols())
+    with pytest.raises(RuntimeError, match=match):
+        call(panels, codes, groups)

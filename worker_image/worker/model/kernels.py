@@ -1190,6 +1190,48 @@ LLMFLEET_AVX2 static void widen_panel(const W* __restrict__ src, int64_t n, floa
   for (int64_t i = 0; i < n; i += 8) _mm256_store_ps(dst + i, panel_w8(src + i));
 }
 
+// Where the panel linears read their panels (panel_linear_run): codes of one of the types above, K x 48 a panel,
+// which a block reads directly or which are widened first.
+template <typename W>
+struct CodePanels {
+  static constexpr bool direct = true;  // blocks may read the codes themselves
+  static constexpr bool fp32 = std::is_same_v<W, float>;  // nothing to widen
+  const W* w;
+  int64_t K;
+  const W* panel(int64_t p) const { return w + p * K * F32_PANEL; }
+  int64_t bytes() const { return K * F32_PANEL * int64_t(sizeof(W)); }  // a panel's
+  void widen(int64_t p, float* dst) const { widen_panel(panel(p), K * F32_PANEL, dst); }
+};
+
+// Group-wise int4 (`panel_linear_int4`), always widened first: a panel is K x 24 bytes, byte j of input k holding
+// column j's code (0..15) in its low nibble and column j + 24's in its high one, and per group of G inputs a row of
+// 48 scales and a row of 48 offsets (fp32), weight = code * scale + offset (one fused multiply-add).
+struct Int4Panels {
+  static constexpr bool direct = false, fp32 = false;
+  const uint8_t* q;
+  const float* sz;  // [P, K / G, 2, 48]
+  int64_t K, G;
+  const uint8_t* panel(int64_t p) const { return q + p * K * (F32_PANEL / 2); }
+  int64_t bytes() const { return K * (F32_PANEL / 2); }
+  LLMFLEET_AVX2 void widen(int64_t p, float* __restrict__ dst) const {
+    const uint8_t* codes = panel(p);
+    const float* groups = sz + p * (K / G) * 2 * F32_PANEL;
+    const __m256i low = _mm256_set1_epi32(0xF);
+    for (int64_t k = 0; k < K; ++k) {
+      const float* scale = groups + (k / G) * 2 * F32_PANEL;
+      const float* offset = scale + F32_PANEL;
+      for (int64_t j = 0; j < F32_PANEL / 2; j += 8) {
+        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + k * 24 + j)));
+        const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, low)), hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+        _mm256_store_ps(dst + k * F32_PANEL + j,
+                        _mm256_fmadd_ps(lo, _mm256_loadu_ps(scale + j), _mm256_loadu_ps(offset + j)));
+        _mm256_store_ps(dst + k * F32_PANEL + 24 + j,
+                        _mm256_fmadd_ps(hi, _mm256_loadu_ps(scale + 24 + j), _mm256_loadu_ps(offset + 24 + j)));
+      }
+    }
+  }
+};
+
 // One input step of panel_block: the panel's 48 weights of input k into the MR rows' 24 accumulators. Unrolled
 // by 2 in panel_block (30 streamed SmolLM2 layers, GFLOP/s before -> after: 8 rows 91 -> 100, 128: 348 -> 370,
 // 2048: 353 -> 375; 4 rows 50 -> 47; the same loop unrolled in place ran 8 rows at 80).
@@ -1346,33 +1388,35 @@ LLMFLEET_AVX2 static void panel_block_avx2(const float* __restrict__ x, int64_t 
 // (the weight streams at 1 byte a weight, not 4) but costs a compute-bound batch its conversions once per block:
 // passes of F32_PANEL_WIDEN_ROWS rows or more widen each panel once into an fp32 scratch (K x 48, in L2) that
 // all their blocks read. The same fp32 values either way, so the same sums.
-template <int BR, typename W, typename Block>
-static void panel_linear_run(const float* x, int64_t M, int64_t K, const W* w, int64_t P, int64_t N,
+template <int BR, typename Src, typename Block>
+static void panel_linear_run(const float* x, int64_t M, int64_t K, const Src& src, int64_t P, int64_t N,
                              const float* bias, const float* scale, float* y, const Block& block) {
   const bool stream = M > F32_PANEL_ROWS && N % 16 == 0 && reinterpret_cast<uintptr_t>(y) % 64 == 0;
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    const int64_t lines = K * F32_PANEL * int64_t(sizeof(W)) / 64;  // a panel's 64-byte lines
+    const int64_t lines = src.bytes() / 64;  // a panel's 64-byte lines
     std::unique_ptr<float, decltype(&free)> wide(nullptr, &free);
     for (int64_t m0 = 0; m0 < M; m0 += F32_PANEL_ROWS) {
       const int64_t rows = std::min(F32_PANEL_ROWS, M - m0), blocks = (rows + BR - 1) / BR;
-      const bool widen = !std::is_same_v<W, float> && rows >= F32_PANEL_WIDEN_ROWS;
+      const bool widen = !Src::direct || (!Src::fp32 && rows >= F32_PANEL_WIDEN_ROWS);
       if (widen && !wide) wide.reset(static_cast<float*>(aligned_alloc(64, K * F32_PANEL * sizeof(float))));
       for (int64_t p = p0; p < p1; ++p) {
-        const W* panel = w + p * K * F32_PANEL;
-        const W* next = p + 1 < p1 ? panel + K * F32_PANEL : nullptr;
+        const void* next = p + 1 < p1 ? src.panel(p + 1) : nullptr;
         const float* b = bias ? bias + p * F32_PANEL : nullptr;
         const float* sc = scale ? scale + p * F32_PANEL : nullptr;
         const int64_t ncols = std::min(F32_PANEL, N - p * F32_PANEL);
-        if (widen) widen_panel(panel, K * F32_PANEL, wide.get());
+        if (widen) src.widen(p, wide.get());
         for (int64_t blk = 0; blk < blocks; ++blk) {
           const int64_t m = blk * BR, l0 = blk * lines / blocks, l1 = (blk + 1) * lines / blocks;
           const int64_t r = std::min<int64_t>(BR, rows - m);
           float* yb = y + (m0 + m) * N + p * F32_PANEL;
-          if (widen)
-            block(r, x + (m0 + m) * K, K, K, static_cast<const float*>(wide.get()), yb, N, ncols, b, next, l0, l1,
-                  stream, sc);
-          else
-            block(r, x + (m0 + m) * K, K, K, panel, yb, N, ncols, b, next, l0, l1, stream, sc);
+          if constexpr (Src::direct) {
+            if (!widen) {
+              block(r, x + (m0 + m) * K, K, K, src.panel(p), yb, N, ncols, b, next, l0, l1, stream, sc);
+              continue;
+            }
+          }
+          block(r, x + (m0 + m) * K, K, K, static_cast<const float*>(wide.get()), yb, N, ncols, b, next, l0, l1, stream,
+                sc);
         }
       }
     }
@@ -1380,8 +1424,8 @@ static void panel_linear_run(const float* x, int64_t M, int64_t K, const W* w, i
   });
 }
 
-template <typename W>
-static void panel_linear_any(const float* x, int64_t M, int64_t K, const W* w, int64_t P, int64_t N,
+template <typename Src>
+static void panel_linear_any(const float* x, int64_t M, int64_t K, const Src& w, int64_t P, int64_t N,
                              const float* bias, const float* scale, float* y) {
   if (cpu_has_avx512f()) {
     panel_linear_run<8>(x, M, K, w, P, N, bias, scale, y, [](int64_t rows, auto... a) {
@@ -1437,7 +1481,8 @@ static torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& p
   auto y = torch::empty({x.size(0), n}, x.options());
 #if defined(__x86_64__)
   if (x.size(0) > 0)
-    panel_linear_any(x.data_ptr<float>(), x.size(0), x.size(1), packed.data_ptr<W>(), packed.size(0), n,
+    panel_linear_any(x.data_ptr<float>(), x.size(0), x.size(1),
+                     CodePanels<W>{static_cast<const W*>(packed.data_ptr()), x.size(1)}, packed.size(0), n,
                      bias.has_value() ? bias->data_ptr<float>() : nullptr, scale, y.data_ptr<float>());
 #endif
   return y;
@@ -1463,12 +1508,39 @@ torch::Tensor panel_linear_i8(torch::Tensor x, torch::Tensor packed, int64_t n, 
 torch::Tensor panel_linear_fp8(torch::Tensor x, torch::Tensor packed, int64_t n, torch::Tensor scale,
                                c10::optional<torch::Tensor> bias) {
   panel_operands(x, packed, n, at::kFloat8_e4m3fn, bias, scale, "panel_linear_fp8");
+  return panel_linear<Fp8E4m3>(x, packed, n, bias, scale.data_ptr<float>());
+}
+
+// y = x @ W^T (+ bias) for group-wise int4 weights in panels (Int4Panels): x [M, K] fp32 contiguous, packed uint8
+// [P, K, 24], sz fp32 [P, K / group_size, 2, 48] (per group, 48 scales then 48 offsets: weight = code * scale +
+// offset, code 0..15) -> y [M, N] fp32. Each panel is widened into an fp32 scratch once per pass of rows, so the
+// weight streams at ~0.75 byte a weight (codes and fp32 groups) and the products run as panel_linear_f32's.
+torch::Tensor panel_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor sz, int64_t n, int64_t group_size,
+                                c10::optional<torch::Tensor> bias) {
+  const char* what = "panel_linear_int4";
+  TORCH_CHECK(f32_panels_ready(), what, ": needs a CPU with AVX2 + FMA (ask f32_panels_ready first)");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, what,
+              ": x must be [rows, in] fp32 and contiguous");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(group_size >= 1 && K % group_size == 0, what, ": in must be a multiple of group_size");
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == at::kByte &&
+                  packed.size(1) == K && packed.size(2) == F32_PANEL / 2,
+              what, ": packed must be uint8 [panels, in, f32_panel_cols() / 2], contiguous, with x's in");
+  const int64_t P = packed.size(0);
+  TORCH_CHECK(sz.dim() == 4 && sz.is_contiguous() && sz.scalar_type() == at::kFloat && sz.size(0) == P &&
+                  sz.size(1) == K / group_size && sz.size(2) == 2 && sz.size(3) == F32_PANEL,
+              what, ": sz must be fp32 [panels, in / group_size, 2, f32_panel_cols()], contiguous");
+  TORCH_CHECK(n > (P - 1) * F32_PANEL && n <= P * F32_PANEL, what,
+              ": n does not fill the panels (more than all but one, at most all)");
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() &&
+                                    bias->scalar_type() == at::kFloat),
+              what, ": bias must be [n] fp32 and contiguous");
   auto y = torch::empty({x.size(0), n}, x.options());
 #if defined(__x86_64__)
   if (x.size(0) > 0)
-    panel_linear_any(x.data_ptr<float>(), x.size(0), x.size(1), static_cast<const Fp8E4m3*>(packed.data_ptr()),
-                     packed.size(0), n, bias.has_value() ? bias->data_ptr<float>() : nullptr, scale.data_ptr<float>(),
-                     y.data_ptr<float>());
+    panel_linear_any(x.data_ptr<float>(), x.size(0), K,
+                     Int4Panels{packed.data_ptr<uint8_t>(), sz.data_ptr<float>(), K, group_size}, P, n,
+                     bias.has_value() ? bias->data_ptr<float>() : nullptr, nullptr, y.data_ptr<float>());
 #endif
   return y;
 }
@@ -2465,6 +2537,16 @@ class FusedOps(Protocol):
         self, x: torch.Tensor, packed: torch.Tensor, n: int, scale: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor: ...
 
+    def panel_linear_int4(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        sz: torch.Tensor,
+        n: int,
+        group_size: int,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor: ...
+
     def f32_attention_ready(self) -> bool: ...
 
     def vector_isa(self) -> str: ...
@@ -2546,6 +2628,7 @@ def _load_module() -> tuple[Any, str | None]:
                 "panel_linear_f32",
                 "panel_linear_i8",
                 "panel_linear_fp8",
+                "panel_linear_int4",
                 "f32_attention_ready",
                 "vector_isa",
                 "f32_attention_",

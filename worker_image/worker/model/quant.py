@@ -89,6 +89,23 @@ fp32,bf16,int8,fp8,int4,int8-bf16,fp8-bf16,int4-bf16 --skip hf_static,ours_seq1,
 int8-bf16 582.5 (1.04x our bf16, at 0.61x its weights' memory), fp8-bf16 543.5, int4-bf16 559.5.
 So on this checkpoint int8 is the one-byte format to choose; fp8 stays for checkpoints (and GPUs) made for it.
 
+**fp32 models on the panels** (stop 34): where the dense linears run on the fp32 panels (`linear.PanelLinear`:
+CPUs with AVX-512, or AVX2 + FMA, and no AMX) the quantized layers keep their codes in the same panel layout and
+the extension multiplies them there at every batch size: int8 codes widened to fp32 in registers, fp8 through an
+fp16 bit pattern and F16C (`panel_linear_i8` / `panel_linear_fp8`), one scale per output column applied to the sums;
+passes of 32 rows or more widen each panel once into an fp32 scratch first (the same values, so the same sums).
+int4 (`panel_linear_int4`) always widens a panel first: code * scale + offset with fp32 scales and offsets per
+group of 32 (`pack_int4_panels`; 0.75 byte a weight, not torch's 0.625). Before, these layers ran on torch's ops
+(a dequantized copy per call, then MKL; int4 on torch's int4 kernel) and W ran at 0.60-0.69x the fp32 model.
+Per 30 streamed SmolLM2 layers on an AMD Zen 3 (AVX2 only), GFLOP/s (`bench/linear_kernels.py --layers 30 --groups
+layer --paths fp32_panels,int8_ours_fp32,fp8_ours_fp32,int4_ours_fp32 --rows 1,4,16,32,64,256,2048`), one run:
+
+    rows                 1      4     16     32     64    256   2048
+    fp32 panels        4.5   14.6   47.8   96.8    128    113    146
+    int8 panels       24.9   78.5    132    127    124    124    137
+    fp8 panels        18.8   56.9   80.0   99.1    107   93.7    131
+    int4 panels       12.7   42.4   80.4   91.9   97.9    102    118
+
 W8A8 (activations in int8 too) is not a variant: `bench/int8_study.py` measures why. Plain W8A8 misses the 0.95
 agreement floor (0.89) and keeping the 64 widest-range input channels out of the int8 GEMM recovers it (0.958, KL
 0.0046); `torch._int_mm` alone is ~6x the fp32 GEMM from 64 rows on (AMX int8 here), but quantizing and dequantizing
@@ -358,16 +375,41 @@ def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
     return (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
 
 
+def pack_int4_panels(
+    q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, cols: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-wise int4 (`quantize_int4`'s q [N, K], scale and zero [N, K/G]) in the extension's int4 panels
+    (`kernels.panel_linear_int4`): (codes uint8 [P, K, cols/2], byte j of input k holding column j's code in its low
+    nibble and column j + cols/2's in its high one; groups fp32 [P, K/G, 2, cols], each group's scales then offsets,
+    weight = code * scale + offset: `(q - 8) * scale + zero`). Columns past N: code, scale and offset 0."""
+    half = cols // 2
+    codes = pack_panels(q.to(torch.uint8), cols)
+    groups = torch.stack([pack_panels(scale.float(), cols), pack_panels((zero - 8 * scale).float(), cols)], dim=2)
+    return (codes[..., :half] | (codes[..., half:] << 4)).contiguous(), groups.contiguous()
+
+
+def unpack_int4_panels(codes: torch.Tensor, groups: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The fp32 [out_features, K] weights `pack_int4_panels` packed, computed as the kernel computes them (one
+    rounding: float64 products rounded once)."""
+    q = torch.cat([codes & 0xF, codes >> 4], dim=-1).double()  # [P, K, cols]
+    k = codes.shape[1]
+    scale, offset = (g.repeat_interleave(k // g.shape[1], dim=1).double() for g in groups.unbind(2))
+    return unpack_panels((q * scale + offset).float(), out_features)
+
+
 class Int4Linear:
     """Group-wise int4 weights. With bf16 activations and the extension's ops (`native`) the weights are kept in
     our own nibble layout and dequantized to bf16 in tiles (`kernels.int4_to_bf16`, one AVX512 pass) for a bf16
     GEMM, as fp8 is; otherwise they are packed for torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`, bf16
-    activations inside). Either way 0.5 byte a weight plus bf16 (scale, zero) per group."""
+    activations inside). Either way 0.5 byte a weight plus bf16 (scale, zero) per group. An fp32 model whose dense
+    linears run on the panels (`kernel` panels_fp32) keeps them in int4 panels instead (`pack_int4_panels`: fp32
+    scales and offsets, ~0.75 byte a weight), widened to fp32 a panel at a time in the kernel."""
 
     __slots__ = (
         "_amx",
         "_direct_rows",
         "_native",
+        "_panels",
         "_rows",
         "bias",
         "group_size",
@@ -388,7 +430,10 @@ class Int4Linear:
         self.group_size = int4_group_size(weight.shape[1])
         q, scale, zero = quantize_int4(weight, self.group_size)
         self._native = native if dtype == torch.bfloat16 else None
-        if self._native is not None:
+        self._panels = native if dtype == torch.float32 and kernel == "panels_fp32" else None
+        if self._panels is not None:
+            self.packed, self.scales_zeros = pack_int4_panels(q, scale, zero, self._panels.f32_panel_cols())
+        elif self._native is not None:
             self.packed = pack_int4_rows(q)
             # [N, K/G, 2]: one row's groups together, as int4_to_bf16 reads them
             self.scales_zeros = torch.stack([scale, zero], dim=-1).contiguous().to(torch.bfloat16)
@@ -408,6 +453,8 @@ class Int4Linear:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weights the layer computes with."""
+        if self._panels is not None:
+            return unpack_int4_panels(self.packed, self.scales_zeros, self.out_features).to(dtype)
         if self._native is not None:
             return self._tile(0, self.out_features).to(dtype)
         k = self.packed.shape[1] * 2  # via an identity matmul: torch's packed layout is private
@@ -416,6 +463,9 @@ class Int4Linear:
         return w_t.t().to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._panels is not None:
+            ops, packed, sz, n, g = self._panels, self.packed, self.scales_zeros, self.out_features, self.group_size
+            return on_rows(x, n, lambda r: ops.panel_linear_int4(r, packed, sz, n, g, self.bias))
         if self._native is not None:
             if _few_rows(x, self._direct_rows):
                 direct = self._native.amx_linear_int4 if self._amx else self._native.int4_gemv_bf16
