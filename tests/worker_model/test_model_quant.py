@@ -325,3 +325,10 @@ def test_the_int4_panels_refuse_what_they_cannot_take(panels, call, match):
     codes, groups = pack_int4_panels(*quantize_int4(torch.randn(50, 64, generator=GEN), 32), panels.f32_panel_cols())
     with pytest.raises(RuntimeError, match=match):
         call(panels, codes, groups)
+
+
+@pytest.mark.parametrize("quant", ["int8", "fp8", "int4"])
+def test_quantized_layers_say_which_kernel_multiplies_them(panels, quant):
+    w = torch.randn(96, 64, generator=GEN)
+    assert "fp32 panels" in make_linear(w, None, quant, torch.float32, "panels_fp32", panels).path
+    assert "torch's ops" in make_linear(w, None, quant, torch.float32).path  # no extension: torch's

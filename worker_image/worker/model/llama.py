@@ -170,6 +170,8 @@ class LlamaModel:
                     down=linear([f"{mlp}.down_proj"], cfg.mlp_bias),
                 )
             )
+        if quantization is not None and self.layers:
+            log.info("%s linears run on %s", quantization, getattr(self.layers[0].gate_up, "path", "?"))
         self.norm = take("model.norm.weight")
         # None where a tied head's fp32 panels hold the embedding (`embed_tokens` looks tokens up in them)
         self.embed: torch.Tensor | None = take("model.embed_tokens.weight")

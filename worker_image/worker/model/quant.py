@@ -158,6 +158,10 @@ class Linear(Protocol):
     def nbytes(self) -> int: ...
 
 
+def _torch_path(what: str) -> str:
+    return f"torch's ops ({what})"
+
+
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-output-channel symmetric fp8: returns (`float8_e4m3fn` [N, K], fp32 scales [N])."""
     w = weight.float()
@@ -308,6 +312,17 @@ class RowScaledLinear:
         self._out_scale = self._unit_scale.to(dtype)
         self._chunk_rows = fp8_chunk_rows(*weight.shape)
 
+    @property
+    def path(self) -> str:
+        """Which kernel multiplies this layer, for the worker's log."""
+        fmt = self.FORMAT
+        if self._panels is not None:
+            return f"the fp32 panels over the codes ({fmt.native_panels}), scales applied to the sums"
+        if self._direct is not None:
+            direct = fmt.native_amx if self._amx else fmt.native_gemv
+            return f"{direct} up to {self._direct_rows} rows, {fmt.native_to_bf16} tiles and a bf16 GEMM past"
+        return _torch_path("the codes converted per call, then F.linear")
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         codes = self.weight if self._panels is None else unpack_panels(self.weight, self.out_features)
         return (codes.to(torch.float32) * self.scale[:, None]).to(dtype)
@@ -447,6 +462,16 @@ class Int4Linear:
         self._rows = fp8_chunk_rows(*weight.shape)  # the same bf16 tiles as fp8's, for the same cache reason
         self._direct_rows, self._amx = direct_rows(self._native, kernel, weight)
 
+    @property
+    def path(self) -> str:
+        """Which kernel multiplies this layer, for the worker's log."""
+        if self._panels is not None:
+            return "the fp32 panels (panel_linear_int4: each panel widened to fp32 once per pass)"
+        if self._native is not None:
+            direct = "amx_linear_int4" if self._amx else "int4_gemv_bf16"
+            return f"{direct} up to {self._direct_rows} rows, int4_to_bf16 tiles and a bf16 GEMM past"
+        return _torch_path("_weight_int4pack_mm_for_cpu, bf16 activations inside")
+
     def _tile(self, start: int, end: int) -> torch.Tensor:
         assert self._native is not None
         return self._native.int4_to_bf16(self.packed[start:end], self.scales_zeros[start:end], self.group_size)
@@ -500,6 +525,11 @@ class Bf16Inside:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner(x.to(torch.bfloat16)).to(x.dtype)
+
+    @property
+    def path(self) -> str:
+        """Which kernel multiplies this layer, for the worker's log."""
+        return f"bf16 products: {self.inner.path}"  # type: ignore[attr-defined]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weights the layer computes with."""
