@@ -1398,7 +1398,10 @@ static void panel_linear_run(const float* x, int64_t M, int64_t K, const Src& sr
     for (int64_t m0 = 0; m0 < M; m0 += F32_PANEL_ROWS) {
       const int64_t rows = std::min(F32_PANEL_ROWS, M - m0), blocks = (rows + BR - 1) / BR;
       const bool widen = !Src::direct || (!Src::fp32 && rows >= F32_PANEL_WIDEN_ROWS);
-      if (widen && !wide) wide.reset(static_cast<float*>(aligned_alloc(64, K * F32_PANEL * sizeof(float))));
+      if (widen && !wide) {  // (K x 48 floats: a multiple of 64 bytes, as aligned_alloc wants)
+        wide.reset(static_cast<float*>(aligned_alloc(64, K * F32_PANEL * sizeof(float))));
+        TORCH_CHECK(wide, "panel linear: out of memory for a panel's fp32 scratch");
+      }
       for (int64_t p = p0; p < p1; ++p) {
         const void* next = p + 1 < p1 ? src.panel(p + 1) : nullptr;
         const float* b = bias ? bias + p * F32_PANEL : nullptr;
