@@ -394,12 +394,14 @@ def gemm_ceiling(path: str, work, dtype: str, quantization: str | None = None) -
     kernel, reason = choose_linear_kernel("cpu", dt, read_cpu_flags(), available_kernels(native))
     amx = load_quant_amx_ops(dt, quantization, h, i, cfg.head_dim)[0]  # an fp32 model's fp8/int4: bf16 on AMX
     rows = CEILING_ROWS
+    path = ""
     flops = 0.0
     secs = 0.0
     with torch.inference_mode():
         for n, k in shapes:
             x = torch.randn(rows, k, dtype=dt)
             lin = make_linear(torch.randn(n, k) * k**-0.5, None, quantization, dt, kernel, native, amx)
+            path = getattr(lin, "path", "")  # a quantized layer's kernel, in words
             for _ in range(3):
                 lin(x)
             reps = 20
@@ -415,7 +417,7 @@ def gemm_ceiling(path: str, work, dtype: str, quantization: str | None = None) -
     work_flops += 2.0 * cfg.vocab_size * h * output_tokens  # the output head, for sampled rows only
     return {
         "linear_kernel": kernel if quantization is None else quantization,
-        "kernel_reason": reason if quantization is None else f"{quantization} weight-only (quant.py)",
+        "kernel_reason": reason if quantization is None else f"{quantization} weight-only on {path}",
         "gemm_gflops": round(rate / 1e9, 1),
         "model_gflop_per_token": round(2.0 * (cfg.num_hidden_layers * layer_params + cfg.vocab_size * h) / 1e9, 3),
         "ceiling_tok_s": round(output_tokens / (work_flops / rate), 1),

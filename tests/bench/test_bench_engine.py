@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import get_args
 
 import pytest
 from engine import roofline, step_shape
 from worker.model.config import ModelConfig
+from worker.model.linear import LinearKernel
 from worker.model.testing import make_tiny_llama
 
 
@@ -44,3 +46,17 @@ def test_the_roofline_takes_the_larger_of_compute_and_memory_for_each_step(tmp_p
     assert prefill_flops / 1e9 > (1_000_000 + 100 * 4096) / 1e9  # the case is what it claims
     assert got["memory_bound_steps"] == 1 and got["steps"] == 2
     assert got["floor_s"] == round(decode_s + prefill_flops / 1e9, 2)
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_the_gemm_ceiling_says_which_kernel_it_measured(tmp_path, quantization) -> None:
+    from engine import gemm_ceiling
+
+    root = make_tiny_llama(tmp_path / "m")
+    got = gemm_ceiling(str(root), [([1] * 8, 4)], "float32", quantization)
+    assert got["gemm_gflops"] > 0 and got["ceiling_tok_s"] > 0
+    if quantization is None:
+        assert got["linear_kernel"] in get_args(LinearKernel) and got["kernel_reason"]
+    else:  # the quantized layer's own account of its kernel (quant.py's `path`), not a fixed string
+        assert got["linear_kernel"] == "int8" and got["kernel_reason"].startswith("int8 weight-only on ")
+        assert len(got["kernel_reason"]) > len("int8 weight-only on ") + 10
