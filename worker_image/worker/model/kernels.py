@@ -1217,16 +1217,20 @@ struct Int4Panels {
     const uint8_t* codes = panel(p);
     const float* groups = sz + p * (K / G) * 2 * F32_PANEL;
     const __m256i low = _mm256_set1_epi32(0xF);
-    for (int64_t k = 0; k < K; ++k) {
-      const float* scale = groups + (k / G) * 2 * F32_PANEL;
+    for (int64_t g = 0; g < K / G; ++g) {
+      const float* scale = groups + g * 2 * F32_PANEL;
       const float* offset = scale + F32_PANEL;
-      for (int64_t j = 0; j < F32_PANEL / 2; j += 8) {
-        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + k * 24 + j)));
-        const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, low)), hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
-        _mm256_store_ps(dst + k * F32_PANEL + j,
-                        _mm256_fmadd_ps(lo, _mm256_loadu_ps(scale + j), _mm256_loadu_ps(offset + j)));
-        _mm256_store_ps(dst + k * F32_PANEL + 24 + j,
-                        _mm256_fmadd_ps(hi, _mm256_loadu_ps(scale + 24 + j), _mm256_loadu_ps(offset + 24 + j)));
+      for (int64_t k = g * G; k < (g + 1) * G; ++k) {
+#pragma GCC unroll 3
+        for (int64_t j = 0; j < F32_PANEL / 2; j += 8) {
+          const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + k * 24 + j)));
+          const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, low));
+          const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+          _mm256_store_ps(dst + k * F32_PANEL + j,
+                          _mm256_fmadd_ps(lo, _mm256_loadu_ps(scale + j), _mm256_loadu_ps(offset + j)));
+          _mm256_store_ps(dst + k * F32_PANEL + 24 + j,
+                          _mm256_fmadd_ps(hi, _mm256_loadu_ps(scale + 24 + j), _mm256_loadu_ps(offset + 24 + j)));
+        }
       }
     }
   }
