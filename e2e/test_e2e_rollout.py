@@ -112,7 +112,10 @@ def test_faulty_canary_is_rolled_back_automatically(scene, fleet, figures) -> No
         )
     assert rolled["rejectedRevision"] == canary and rolled["stableRevision"] == stable
     assert rolled["reason"] == "AnalysisFailed" and "error rate" in rolled["message"]
-    assert [a["verdict"] for a in rolled["analysis"]][-2:] == ["Fail", "Fail"]
+    # failureLimit 2 failures in a row; an Inconclusive check (too few canary requests in its window) between them
+    # neither counts nor breaks the run (controllers.rollout), so it may stand between the two Fails
+    decisive = [a["verdict"] for a in rolled["analysis"] if a["verdict"] != "Inconclusive"]
+    assert decisive[-2:] == ["Fail", "Fail"] and rolled["analysis"][-1]["verdict"] == "Fail", rolled["analysis"]
     injected = [o for o in load.failures if "HTTP 500" in o.detail]
     assert injected and all(o.revision == canary for o in injected)  # only the canary failed
     assert all(o.ok for o in load.snapshot() if o.started > after)
