@@ -1258,8 +1258,8 @@ LLMFLEET_AVX512F static inline __attribute__((always_inline)) void panel_step(co
 // columns (y's rows N floats apart), the sum taken
 // over chunks of F32_PANEL_CHUNK inputs, each from zero, then added up (blocked summation). Lines [l0, l1) of `next`
 // (nullptr: none) are prefetched into L2 along the way. `stream`: whole 16-column vectors of y written with
-// streaming stores (y 64-byte aligned, N a multiple of 16; panel_linear_run says when). `scale` (int8 codes): the
-// panel's per-column scales, y = sums * scale + bias.
+// streaming stores (y 64-byte aligned, N a multiple of 16; panel_linear_run says when). `scale` (int8 and fp8
+// codes): the panel's per-column scales, y = sums * scale + bias.
 template <int MR, typename W = float>
 LLMFLEET_AVX512F static void panel_block(const float* __restrict__ x, int64_t xs, int64_t K, const W* __restrict__ panel,
                                          float* __restrict__ y, int64_t N, int64_t ncols, const float* bias,
@@ -1460,20 +1460,18 @@ bool f32_panels_ready() {
 #endif
 }
 
-// The panel linears' operands (`what`: the kernel, for the messages): x [M, K] fp32 contiguous, packed
-// [P, K, F32_PANEL] of `wtype` (W [N, K] in panels, N <= 48P), bias and (int8) scale [N] fp32 or None.
-static void panel_operands(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, at::ScalarType wtype,
-                           const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& scale,
-                           const char* what) {
+// What every panel linear takes (`what`: the kernel, for the messages): the CPU, and x [M, K] fp32 contiguous.
+static void panel_input(const torch::Tensor& x, const char* what) {
   TORCH_CHECK(f32_panels_ready(), what, ": needs a CPU with AVX2 + FMA (ask f32_panels_ready first)");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, what,
               ": x must be [rows, in] fp32 and contiguous");
+}
+
+// ... and n output columns filling P panels, bias and (codes) scale [n] fp32 or None.
+static void panel_output(int64_t P, int64_t n, const c10::optional<torch::Tensor>& bias,
+                         const c10::optional<torch::Tensor>& scale, const char* what) {
   // (string literals only in these messages: numbers formatted into one (c10::str) crashed the process with
   // SIGSEGV instead of raising, under torch 2.11+cu130 on the GPU machine)
-  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == wtype &&
-                  packed.size(2) == F32_PANEL && packed.size(1) == x.size(1),
-              what, ": packed must be [panels, in, f32_panel_cols()] of its weight type, contiguous, with x's in");
-  const int64_t P = packed.size(0);
   TORCH_CHECK(n > (P - 1) * F32_PANEL && n <= P * F32_PANEL, what,
               ": n does not fill the panels (more than all but one, at most all)");
   for (const auto* t : {&bias, &scale})
@@ -1482,6 +1480,19 @@ static void panel_operands(const torch::Tensor& x, const torch::Tensor& packed, 
                 what, ": bias and scale must be [n] fp32 and contiguous");
 }
 
+// The code panels' operands: panel_input, packed [P, K, F32_PANEL] of `wtype` (W [N, K] in panels, N <= 48P),
+// panel_output.
+static void panel_operands(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, at::ScalarType wtype,
+                           const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& scale,
+                           const char* what) {
+  panel_input(x, what);
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == wtype &&
+                  packed.size(2) == F32_PANEL && packed.size(1) == x.size(1),
+              what, ": packed must be [panels, in, f32_panel_cols()] of its weight type, contiguous, with x's in");
+  panel_output(packed.size(0), n, bias, scale, what);
+}
+
+// y [M, n] over code panels of type W (operands checked)
 template <typename W>
 static torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
                                   const c10::optional<torch::Tensor>& bias, const float* scale) {
@@ -1525,9 +1536,7 @@ torch::Tensor panel_linear_fp8(torch::Tensor x, torch::Tensor packed, int64_t n,
 torch::Tensor panel_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor sz, int64_t n, int64_t group_size,
                                 c10::optional<torch::Tensor> bias) {
   const char* what = "panel_linear_int4";
-  TORCH_CHECK(f32_panels_ready(), what, ": needs a CPU with AVX2 + FMA (ask f32_panels_ready first)");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, what,
-              ": x must be [rows, in] fp32 and contiguous");
+  panel_input(x, what);
   const int64_t K = x.size(1);
   TORCH_CHECK(group_size >= 1 && K % group_size == 0, what, ": in must be a multiple of group_size");
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == at::kByte &&
@@ -1537,11 +1546,7 @@ torch::Tensor panel_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Te
   TORCH_CHECK(sz.dim() == 4 && sz.is_contiguous() && sz.scalar_type() == at::kFloat && sz.size(0) == P &&
                   sz.size(1) == K / group_size && sz.size(2) == 2 && sz.size(3) == F32_PANEL,
               what, ": sz must be fp32 [panels, in / group_size, 2, f32_panel_cols()], contiguous");
-  TORCH_CHECK(n > (P - 1) * F32_PANEL && n <= P * F32_PANEL, what,
-              ": n does not fill the panels (more than all but one, at most all)");
-  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() &&
-                                    bias->scalar_type() == at::kFloat),
-              what, ": bias must be [n] fp32 and contiguous");
+  panel_output(P, n, bias, c10::nullopt, what);
   auto y = torch::empty({x.size(0), n}, x.options());
 #if defined(__x86_64__)
   if (x.size(0) > 0)
