@@ -106,7 +106,8 @@ layer --paths fp32_panels,int8_ours_fp32,fp8_ours_fp32,int4_ours_fp32 --rows 1,4
     fp8 panels        18.8   56.9   80.0   99.1    107   93.7    131
     int4 panels       12.7   42.4   80.4   91.9   97.9    102    118
 
-(int4 at one row reads 17.0-17.3 since its widening walks group by group: a division per input cost ~20%), and W (`bench/engine.py --variants fp32,int8,fp8,int4 --skip hf_static,ours_seq1,vllm`, one run): fp32 84.5 tok/s,
+(int4 at one row reads 17.0-17.3 since its widening walks group by group: a division per input cost ~20%), and W
+(`bench/engine.py --variants fp32,int8,fp8,int4 --skip hf_static,ours_seq1,vllm`, one run): fp32 84.5 tok/s,
 int8 86.3 (1.02x), fp8 88.0 (1.04x), int4 92.2 (1.09x; it was 0.60x on torch's int4 kernel; 1.17x in a later run
 with the faster widening). Agreement
 (`bench/quant.py`, 24 positions): int8 0.984, fp8 0.948, int4 1.000 with KL under 5e-6: the fp32 scales and offsets
@@ -295,8 +296,8 @@ class RowScaledLinear:
         """`native`: the extension's fused ops, where the activations are bf16: its dequantizer (one AVX512 pass, the
         same values; fp8's replaces four torch passes, ~1 ns a weight) makes the tiles, and decode-sized batches skip
         the dequantized copy (`direct_rows`: AMX where `kernel` is amx_bf16, else the GEMV). Where they are fp32 and
-        the dense linears run on the panels (`kernel` panels_fp32), a format with a panel kernel (int8) keeps its
-        codes in panels (`linear.pack_panels`) and multiplies them there at every batch size."""
+        the dense linears run on the panels (`kernel` panels_fp32), a format with a panel kernel (int8, fp8) keeps
+        its codes in panels (`linear.pack_panels`) and multiplies them there at every batch size."""
         fmt = self.FORMAT
         self.weight, self.scale = fmt.quantize(weight)
         self._panels: Callable[..., torch.Tensor] | None = None
