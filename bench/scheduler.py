@@ -11,8 +11,13 @@ timed. It prints, per phase, mean / p50 / p99 in microseconds:
 in wall-clock and in thread CPU time (on a shared machine, p99 wall time mostly shows the OS scheduling other
 processes), and as its LAST line one JSON object with those figures.
 
+`--cold MB` reads a buffer of that size between steps, as a real model step does (SmolLM2's fp32 weights are 540
+MB): the engine's Python objects are then evicted from the caches when its step begins, which is what
+`bench/engine.py` measures on W (its overhead at 64 running was ~2x this benchmark's warm figure on a Zen 3).
+
     .venv/bin/python bench/scheduler.py                      # 64 requests, 300 timed decode steps
     .venv/bin/python bench/scheduler.py --requests 256 --steps 100 --tokenizer /path/to/model   # real tokenizer
+    .venv/bin/python bench/scheduler.py --tokenizer /path/to/model --no-prefix-caching --cold 256   # as on W
 """
 
 from __future__ import annotations
@@ -31,17 +36,21 @@ from worker.engine.toy import ByteTokenizer
 
 
 class InstantRunner:
-    """Samples a fixed token for every request that asks, at no cost: only the engine's own work is timed."""
+    """Samples a fixed token for every request that asks, at no cost: only the engine's own work is timed. With a
+    `flush` buffer it first reads all of it (not timed as the engine's), as a model step streams its weights."""
 
-    def __init__(self, num_blocks: int, block_size: int, tokenizer) -> None:
+    def __init__(self, num_blocks: int, block_size: int, tokenizer, flush: bytearray | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_model_len = 1 << 20
         self.tokenizer = tokenizer
         self.eos_token_id = None
         self.token = tokenizer.encode("a", add_special_tokens=False)[0]
+        self.flush = flush
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.flush is not None:
+            self.flush.count(b"\x01")  # reads every byte: the caches now hold this buffer, not the engine's objects
         return ModelRunnerOutput(sampled_token_ids={s.req_id: self.token for s in scheduler_output.seqs if s.sample})
 
 
@@ -54,7 +63,7 @@ def _stats(samples_s: list[float]) -> dict[str, float]:
     }
 
 
-def _build(args, tokenizer) -> EngineCore:
+def _build(args, tokenizer, flush: bytearray | None = None) -> EngineCore:
     config = EngineConfig(
         block_size=16,
         max_num_seqs=args.requests,
@@ -63,7 +72,7 @@ def _build(args, tokenizer) -> EngineCore:
     )
     max_tokens = args.steps * 2 + 64
     num_blocks = args.requests * (-(-(512 + max_tokens) // 16) + 1)
-    core = EngineCore.from_config(config, InstantRunner(num_blocks, 16, tokenizer))
+    core = EngineCore.from_config(config, InstantRunner(num_blocks, 16, tokenizer, flush))
     rnd = random.Random(0)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, stop=("never-seen",))
     for i in range(args.requests):
@@ -82,6 +91,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--tokenizer", help="model folder whose tokenizer to use (default: the byte tokenizer)")
+    parser.add_argument("--cold", type=int, default=0, metavar="MB", help="read MB of memory between steps")
     args = parser.parse_args()
     if args.tokenizer:
         from worker.model.tokenizer import Tokenizer
@@ -90,9 +100,10 @@ def main() -> None:
     else:
         tokenizer = ByteTokenizer()
 
+    flush = bytearray(args.cold << 20) if args.cold else None
     # Phase timings of the scheduler alone. Wall time includes moments the OS gives the core to another
     # process (4 ms ticks on a shared machine show up in p99); thread CPU time does not.
-    core = _build(args, tokenizer)
+    core = _build(args, tokenizer, flush)
     sched, runner = core.scheduler, core.runner
     wall = {"schedule": [], "update": [], "scheduler": []}
     cpu = {"schedule": [], "update": [], "scheduler": []}
@@ -111,7 +122,7 @@ def main() -> None:
             clock["scheduler"].append(t1 - t0 + t3 - t2)
 
     # Whole EngineCore.step() minus the runner, on a fresh engine.
-    core = _build(args, tokenizer)
+    core = _build(args, tokenizer, flush)
     runner = core.runner
     execute = runner.execute_model
     runner_time = [0.0, 0.0]
@@ -138,6 +149,7 @@ def main() -> None:
         "steps": args.steps,
         "prefix_caching": not args.no_prefix_caching,
         "tokenizer": args.tokenizer or "byte",
+        "cold_mb": args.cold,
         "wall": {phase: _stats(wall[phase]) for phase in phases},
         "cpu": {phase: _stats(cpu[phase]) for phase in phases},
         "target_us": 1000,

@@ -171,9 +171,18 @@ def _native_or_skip(ready: str, missing: str):
 
 @pytest.fixture(scope="session")
 def avx512():
-    """The native extension, on a CPU with AVX512F, where its fp32 prompt attention runs (else the test is
-    skipped)."""
-    return _native_or_skip("f32_attention_ready", "this CPU has no AVX512F")
+    """The native extension, on a CPU where its kernels take their AVX-512 paths (else the test is skipped)."""
+    module = _native_or_skip("f32_panels_ready", "this CPU has neither AVX-512 nor AVX2 + FMA")
+    if module.vector_isa() != "avx512":
+        pytest.skip("this CPU has no AVX512F")
+    return module
+
+
+@pytest.fixture(scope="session")
+def f32_attention():
+    """The native extension, on a CPU where its fp32 prompt attention runs: AVX-512, or AVX2 + FMA (else the test
+    is skipped)."""
+    return _native_or_skip("f32_attention_ready", "this CPU has neither AVX-512 nor AVX2 + FMA")
 
 
 @pytest.fixture(scope="session")

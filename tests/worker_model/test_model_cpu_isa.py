@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from worker.model.linear import PanelLinear
 from worker.model.llama import rms_norm
 from worker.model.quant import make_linear
+from worker.model.testing import causal_attention
 
 QUANTIZED = ("int8", "fp8", "int4")  # the formats an fp32 model multiplies on the panels
 
@@ -39,7 +40,7 @@ module, why = _load_module()
 if module is None:
     raise SystemExit(why)
 data = torch.load(sys.argv[1])
-out = {"isa": module.vector_isa(), "panels": module.f32_panels_ready(), "attention": module.f32_attention_ready(),
+out = {"isa": module.vector_isa(), "panels": module.f32_panels_ready(), "prompt": module.f32_attention_ready(),
        "fused": module.fused_ops_available("float32", 64, 64, 64)}
 if out["panels"]:
     out["linears"] = [PanelLinear(w, b, module)(x) for w, b, x in data["linears"]]
@@ -52,6 +53,11 @@ if out["panels"]:
     x = x.clone()
     module.rope_(x, 3, 64, cos, sin)
     out["rope"] = x
+    out["attention"] = []
+    for q, k, v, start in data["attention"]:
+        o = torch.empty(q.shape[0], q.shape[1] * q.shape[2])
+        module.f32_attention_(o, q, k, v, start, q.shape[2] ** -0.5)
+        out["attention"].append(o)
     out["decode"] = {}
     for hd, (q, k, v, tables, lens) in data["decode"].items():
         fast = module.paged_decode(q, k, v, tables, lens, hd**-0.5)
@@ -84,7 +90,12 @@ def _inputs() -> dict:
         k, v = torch.randn(2, 70, 16, 2, hd, generator=gen)
         tables = torch.randperm(70, generator=gen)[:66].view(6, 11)
         decode[hd] = (torch.randn(6, 8, hd, generator=gen), k, v, tables, torch.tensor([1, 9, 17, 90, 160, 176]))
+    attention = []  # prompt chunks: 8-query blocks and tails, a causal offset, grouped heads, head dims 64 and 128
+    for n, start, heads, kv_heads, hd in [(1, 0, 9, 3, 64), (13, 0, 9, 3, 64), (100, 7, 4, 2, 128), (61, 50, 8, 1, 64)]:
+        k, v = torch.randn(2, start + n, kv_heads, hd, generator=gen)
+        attention.append((torch.randn(n, heads, hd, generator=gen), k, v, start))
     return {
+        "attention": attention,
         "decode": decode,
         "linears": linears,
         "norm": (
@@ -122,10 +133,9 @@ def capped_avx2(panels, tmp_path_factory):
     return _run_capped("avx2", tmp_path_factory.mktemp("avx2"))
 
 
-def test_the_avx2_cap_runs_the_fp32_kernels_on_avx2_and_turns_the_avx512_attention_off(capped_avx2):
+def test_the_avx2_cap_runs_the_fp32_kernels_on_avx2(capped_avx2):
     assert capped_avx2["isa"] == "avx2"
-    assert capped_avx2["panels"] and capped_avx2["fused"]
-    assert not capped_avx2["attention"]  # the fp32 prompt attention is AVX-512 only: SDPA runs
+    assert capped_avx2["panels"] and capped_avx2["fused"] and capped_avx2["prompt"]
 
 
 def test_the_avx2_paths_compute_what_torch_computes(capped_avx2, panels):
@@ -152,6 +162,9 @@ def test_the_avx2_paths_compute_what_torch_computes(capped_avx2, panels):
     turned = head * cos[:, None] + torch.cat((head[..., 32:], head[..., :32]), -1) * sin[:, None]
     torch.testing.assert_close(capped_avx2["rope"][:, : 3 * 64], turned.reshape(6, -1), rtol=1e-5, atol=1e-6)
     assert torch.equal(capped_avx2["rope"][:, 3 * 64 :], x[:, 3 * 64 :])  # the heads past `heads` stay
+    for (q, k, v, start), got in zip(data["attention"], capped_avx2["attention"], strict=True):
+        want = causal_attention(q.double(), k.double(), v.double(), start, q.shape[2] ** -0.5)
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5, msg=f"{tuple(q.shape)} from {start}")
     for hd, (path, fast, portable) in capped_avx2["decode"].items():
         assert path.startswith("avx2_fp32"), path
         torch.testing.assert_close(fast, portable, rtol=1e-5, atol=1e-6, msg=f"head dim {hd}")
@@ -175,9 +188,13 @@ def test_the_avx2_paths_give_the_avx512_paths_bits(capped_avx2, avx512):
     x = x.clone()
     avx512.rope_(x, 3, 64, cos, sin)
     assert torch.equal(capped_avx2["rope"], x)
+    for (q, k, v, start), got in zip(data["attention"], capped_avx2["attention"], strict=True):
+        want = torch.empty_like(got)
+        avx512.f32_attention_(want, q, k, v, start, q.shape[2] ** -0.5)
+        assert torch.equal(got, want), (tuple(q.shape), start)
 
 
 def test_the_default_cap_turns_the_vector_kernels_off(panels, tmp_path):
     got = _run_capped("default", tmp_path)
     assert got["isa"] == "none"
-    assert not (got["panels"] or got["attention"] or got["fused"])
+    assert not (got["panels"] or got["prompt"] or got["fused"])

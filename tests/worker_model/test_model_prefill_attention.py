@@ -1,27 +1,14 @@
 """Prompt attention: the native kernels (`kernels.amx_attention_`, bf16 on AMX; `kernels.f32_attention_`, fp32 on
-AVX-512) against a reference, and how `attention.paged_attention` hands prompt chunks to them (the routing tests run
+AVX-512 or AVX2 + FMA) against a reference, and how `attention.paged_attention` hands prompt chunks to them (the routing tests run
 on any CPU, with a recording fake)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from worker.model.attention import EAGER, NativeAttention, SeqSpan, build_metadata, paged_attention
 from worker.model.kernels import load_prefill_attention
-
-
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
-    """Attention in fp32 (float64 for float64 inputs) of queries at positions start .. start + n over keys 0 ..
-    start + n, query i seeing keys up to start + i. Returns [n, heads * head_dim]."""
-    n, heads, hd = q.shape
-    kv = k.shape[0]
-    dtype = torch.promote_types(q.dtype, torch.float32)
-    mask = torch.zeros(n, kv, dtype=dtype)
-    mask.masked_fill_(torch.arange(kv)[None, :] > start + torch.arange(n)[:, None], float("-inf"))
-    qf, kf, vf = (x.to(dtype).transpose(0, 1)[None] for x in (q, k, v))
-    out = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out[0].transpose(0, 1).reshape(n, heads * hd)
+from worker.model.testing import causal_attention
 
 
 def qkv_views(n: int, start: int, heads: int, kv_heads: int, hd: int, seed: int, dtype: torch.dtype = torch.bfloat16):
@@ -45,13 +32,16 @@ def test_amx_attention_matches_an_fp32_reference(amx, heads, kv_heads, hd, n, st
     scale = hd**-0.5
     out = torch.full((n + 2, heads * hd), 7.0, dtype=torch.bfloat16)
     amx.amx_attention_(out[1 : n + 1], q, k, v, start, scale)
-    torch.testing.assert_close(out[1 : n + 1].float(), reference(q, k, v, start, scale), atol=1.6e-2, rtol=1.6e-2)
+    torch.testing.assert_close(
+        out[1 : n + 1].float(), causal_attention(q, k, v, start, scale), atol=1.6e-2, rtol=1.6e-2
+    )
     assert (out[0] == 7).all() and (out[n + 1] == 7).all()
 
 
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize(
-    "fixture,kernel,dtype", [("amx", "amx_attention_", torch.bfloat16), ("avx512", "f32_attention_", torch.float32)]
+    "fixture,kernel,dtype",
+    [("amx", "amx_attention_", torch.bfloat16), ("f32_attention", "f32_attention_", torch.float32)],
 )
 def test_prompt_attention_is_the_same_whatever_the_thread_count(request, fixture, kernel, dtype, threads):
     attend = getattr(request.getfixturevalue(fixture), kernel)
@@ -95,13 +85,13 @@ def test_amx_attention_rejects_what_it_cannot_take(amx, out, q, k, start, match)
     "n,start",
     [(1, 0), (2, 0), (7, 0), (8, 0), (9, 0), (47, 0), (49, 0), (100, 0), (300, 0), (5, 3), (40, 100), (31, 33)],
 )
-def test_f32_attention_matches_a_float64_reference(avx512, heads, kv_heads, hd, n, start):
+def test_f32_attention_matches_a_float64_reference(f32_attention, heads, kv_heads, hd, n, start):
     """Tails of 8 queries and of 48 keys, a causal offset, grouped heads; only the chunk's output rows change."""
     q, k, v = qkv_views(n, start, heads, kv_heads, hd, seed=n * 1000 + start + hd, dtype=torch.float32)
     scale = hd**-0.5
     out = torch.full((n + 2, heads * hd), 7.0)
-    avx512.f32_attention_(out[1 : n + 1], q, k, v, start, scale)
-    want = reference(q.double(), k.double(), v.double(), start, scale)
+    f32_attention.f32_attention_(out[1 : n + 1], q, k, v, start, scale)
+    want = causal_attention(q.double(), k.double(), v.double(), start, scale)
     torch.testing.assert_close(out[1 : n + 1].double(), want, atol=1e-5, rtol=1e-5)
     assert (out[0] == 7).all() and (out[n + 1] == 7).all()
 
@@ -117,14 +107,14 @@ def test_f32_attention_matches_a_float64_reference(avx512, heads, kv_heads, hd, 
         (torch.zeros(4, 4 * 64), torch.zeros(0, 4, 64), torch.zeros(0, 2, 64), 0, "n >= 1"),
     ],
 )
-def test_f32_attention_rejects_what_it_cannot_take(avx512, out, q, k, start, match):
+def test_f32_attention_rejects_what_it_cannot_take(f32_attention, out, q, k, start, match):
     with pytest.raises(RuntimeError, match=match):
-        avx512.f32_attention_(out, q, k, k.clone(), start, 1.0)
+        f32_attention.f32_attention_(out, q, k, k.clone(), start, 1.0)
 
 
-def test_the_loader_picks_the_kernel_of_the_models_dtype(avx512):
+def test_the_loader_picks_the_kernel_of_the_models_dtype(f32_attention):
     fp32, why = load_prefill_attention(torch.float32, 64)
-    assert fp32 is avx512.f32_attention_ and "fp32" in why
+    assert fp32 is f32_attention.f32_attention_ and "fp32" in why
     assert load_prefill_attention(torch.float32, 96) == (None, "SDPA: the native kernels take head dims of 64 or 128")
     assert load_prefill_attention(torch.float16, 64)[0] is None
 
@@ -178,7 +168,7 @@ def test_q_rows_with_heads_apart_stay_on_sdpa():
     assert torch.equal(out, paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.3, EAGER))
 
 
-def test_a_mixed_batch_on_the_f32_kernel_matches_sdpa(avx512):
+def test_a_mixed_batch_on_the_f32_kernel_matches_sdpa(f32_attention):
     """The real fp32 kernel inside paged_attention: decode rows, a fresh chunk and a continuing one."""
     heads, kv_heads, hd, bs = 9, 3, 64, 16
     gen = torch.Generator().manual_seed(3)
@@ -189,7 +179,7 @@ def test_a_mixed_batch_on_the_f32_kernel_matches_sdpa(avx512):
     t = 1 + 37 + 19
     q, k, v = (torch.randn(t, h, hd, generator=gen) for h in (heads, kv_heads, kv_heads))
     eager = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.125)
-    out = paged_attention(q, k, v, k_cache, v_cache, meta, 0.125, NativeAttention(prefill=avx512.f32_attention_))
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, 0.125, NativeAttention(prefill=f32_attention.f32_attention_))
     torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-5)
 
 

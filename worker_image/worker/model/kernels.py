@@ -1570,8 +1570,9 @@ static void prompt_attention_shapes(const torch::Tensor& out, const torch::Tenso
               what, ": k and v must be [start + n, kv_heads, head_dim] and out [n, heads * head_dim]");
 }
 
-// ---- fp32 causal attention of a prompt chunk (AVX-512): torch's SDPA ran W's fp32 prompt chunks at ~70 GFLOP/s
-// (4.5 ms for 512 tokens of SmolLM2's 9 heads; its CPU kernel reads the strided q/k/v views). A task is one head's
+// ---- fp32 causal attention of a prompt chunk (AVX-512, and AVX2 + FMA with the same bits): torch's SDPA ran W's
+// fp32 prompt chunks at ~70 GFLOP/s (4.5 ms for 512 tokens of SmolLM2's 9 heads; its CPU kernel reads the strided
+// q/k/v views). A task is one head's
 // block of 8 queries: S = Q K^T by the panel linear's kernel (panel_block), each KV head's keys packed once per call
 // into panels of F32_PANEL keys as a linear's output rows are; an exact softmax per row of scale * S (exp_ps, ~1
 // ulp); O = P V from V's rows in place, divided by the row sums. Tasks go to threads in the order 0, last, 1,
@@ -1639,6 +1640,78 @@ LLMFLEET_AVX512F static void f32_attention_block(const float* q, int64_t qs, int
   }
 }
 
+// f32_attention_block's task on AVX2 + FMA, with its bits: S = Q K^T by panel_block_avx2 (4 rows at a time, the
+// sums panel_block takes, in its order); the softmax in 8 lanes, the row sums in two accumulators (the even and odd
+// 8-key halves of each 16) added up as _mm512_reduce_add_ps adds its lanes; O = P V 2 rows x 32 columns at a time
+// (8 accumulators, 4 vectors of V and 2 broadcasts: 14 of the 16 registers), V's column slice walked in order once
+// per pair of rows, each output summed over the keys in order as the AVX-512 block sums it.
+template <int D>
+LLMFLEET_AVX2 static void f32_attention_block_avx2(const float* q, int64_t qs, int64_t rows, int64_t first_vis,
+                                                   const float* kt, int64_t ls, const float* v, int64_t vs,
+                                                   float scale, float* s, float* out, int64_t os) {
+  const int64_t nk = first_vis + rows - 1;  // keys the block's last row sees
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (int64_t j0 = 0; j0 < nk; j0 += F32_PANEL) {  // S's rows ls floats apart; the score rows past `rows` unset
+    const float* panel = kt + j0 * D;
+    for (int64_t m = 0; m < rows; m += 4) {
+      const float* qm = q + m * qs;
+      float* sm = s + m * ls + j0;
+      switch (std::min<int64_t>(4, rows - m)) {
+        case 4: panel_block_avx2<4, float>(qm, qs, D, panel, sm, ls, F32_PANEL, nullptr, nullptr, 0, 0); break;
+        case 3: panel_block_avx2<3, float>(qm, qs, D, panel, sm, ls, F32_PANEL, nullptr, nullptr, 0, 0); break;
+        case 2: panel_block_avx2<2, float>(qm, qs, D, panel, sm, ls, F32_PANEL, nullptr, nullptr, 0, 0); break;
+        default: panel_block_avx2<1, float>(qm, qs, D, panel, sm, ls, F32_PANEL, nullptr, nullptr, 0, 0); break;
+      }
+    }
+  }
+  const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  float inv[F32_ATTN_ROWS];
+  for (int64_t m = 0; m < F32_ATTN_ROWS; ++m) {
+    float* row = s + m * ls;
+    const int64_t vis = m < rows ? first_vis + m : 0;  // row m sees keys 0 .. vis - 1; extra rows none
+    __m256 mx = minus_inf;
+    int64_t j = 0;
+    for (; j + 8 <= vis; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(row + j));
+    if (vis > j) {
+      const __m256i tail = first_lanes(vis - j);
+      mx = _mm256_max_ps(mx, _mm256_blendv_ps(minus_inf, _mm256_maskload_ps(row + j, tail), _mm256_castsi256_ps(tail)));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const __m256 top = _mm256_set1_ps(vis ? _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))) : 0.f);  // of S
+    __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (j = 0; j < nk; j += 8) {  // the visible keys, and zeros past them up to the block's last key
+      const __m256 e = _mm256_and_ps(exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(row + j), top), sc)),
+                                     _mm256_castsi256_ps(first_lanes(vis - j)));
+      _mm256_storeu_ps(row + j, e);
+      sum[(j / 8) % 2] = _mm256_add_ps(sum[(j / 8) % 2], e);
+    }
+    inv[m] = vis ? 1.f / hsum8(_mm256_add_ps(sum[1], sum[0])) : 0.f;
+  }
+  constexpr int R = 2, C = 4;
+  for (int64_t c0 = 0; c0 < D; c0 += 8 * C) {
+    for (int64_t m0 = 0; m0 < rows; m0 += R) {
+      __m256 acc[R][C];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+      const float* p0 = s + m0 * ls;
+      for (int64_t j = 0; j < nk; ++j) {
+        const float* vr = v + j * vs + c0;
+        __m256 vv[C];
+        for (int c = 0; c < C; ++c) vv[c] = _mm256_loadu_ps(vr + 8 * c);
+        for (int r = 0; r < R; ++r) {
+          const __m256 p = _mm256_broadcast_ss(p0 + r * ls + j);
+          for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(p, vv[c], acc[r][c]);
+        }
+      }
+      for (int r = 0; r < R && m0 + r < rows; ++r) {
+        const __m256 iv = _mm256_set1_ps(inv[m0 + r]);
+        for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + (m0 + r) * os + c0 + 8 * c, _mm256_mul_ps(acc[r][c], iv));
+      }
+    }
+  }
+}
+
 static void f32_attention_run(const float* q, int64_t qs, const float* k, int64_t ks, const float* v, int64_t vs,
                               float* out, int64_t os, int64_t n, int64_t start, int64_t H, int64_t KVH, int64_t D,
                               float scale) {
@@ -1655,7 +1728,8 @@ static void f32_attention_run(const float* q, int64_t qs, const float* k, int64_
   });
   std::vector<int64_t> order(nqb);
   for (int64_t i = 0; i < nqb; ++i) order[i] = i % 2 == 0 ? i / 2 : nqb - 1 - i / 2;
-  const auto block = D == 64 ? f32_attention_block<64> : f32_attention_block<128>;
+  const auto block = cpu_has_avx512f() ? (D == 64 ? f32_attention_block<64> : f32_attention_block<128>)
+                                        : (D == 64 ? f32_attention_block_avx2<64> : f32_attention_block_avx2<128>);
   const int64_t G = H / KVH;  // query heads per KV head
   // KV head by KV head (a thread's tasks then share one head's K^T and V, ~1 MB at 2048 keys: all three of
   // SmolLM2's at once overflowed L2), the query blocks in zigzag order, the group's heads side by side
@@ -1683,7 +1757,7 @@ std::string vector_isa() {
 
 bool f32_attention_ready() {
 #if defined(__x86_64__)
-  return cpu_has_avx512f();
+  return cpu_has_avx2_fma();
 #else
   return false;
 #endif
@@ -1692,7 +1766,7 @@ bool f32_attention_ready() {
 // Causal attention of a prompt chunk in fp32, into out's rows: q [n, heads, D] (rows at positions start .. start +
 // n - 1), k and v [start + n, kv_heads, D], out [n, heads * D]; rows may be strided, heads back to back.
 void f32_attention_(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t start, double scale) {
-  TORCH_CHECK(f32_attention_ready(), "f32_attention_: needs a CPU with AVX512F (ask f32_attention_ready first)");
+  TORCH_CHECK(f32_attention_ready(), "f32_attention_: needs a CPU with AVX-512, or AVX2 + FMA (ask f32_attention_ready first)");
   prompt_attention_shapes(out, q, k, v, start, "f32_attention_");
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
   for (const torch::Tensor* t : {&q, &k, &v, &out})
@@ -2688,7 +2762,7 @@ def load_argmax() -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, str | 
 
 def load_prefill_attention(dtype: torch.dtype, head_dim: int) -> tuple[PrefillAttention | None, str]:
     """(the kernel, why), or (None, why not): causal attention of prompt chunks, head dims of 64 or 128: bf16 on
-    AMX (`amx_attention_`, CPUs with AMX-BF16), fp32 on AVX-512 (`f32_attention_`, CPUs with AVX512F). Elsewhere
+    AMX (`amx_attention_`, CPUs with AMX-BF16), fp32 on AVX-512 or AVX2 + FMA (`f32_attention_`). Elsewhere
     torch's SDPA runs."""
     module, why = _load_module()
     if module is None:
@@ -2697,8 +2771,8 @@ def load_prefill_attention(dtype: torch.dtype, head_dim: int) -> tuple[PrefillAt
         return None, "SDPA: the native kernels take head dims of 64 or 128"
     if dtype == torch.float32:
         if not module.f32_attention_ready():
-            return None, "SDPA: this CPU has no AVX512F"
-        return module.f32_attention_, "AVX-512 kernel (fp32)"
+            return None, "SDPA: this CPU has neither AVX-512 nor AVX2 + FMA"
+        return module.f32_attention_, f"{module.vector_isa().upper()} kernel (fp32)"
     if dtype != torch.bfloat16:
         return None, "SDPA: the native kernels take bfloat16 (AMX) or float32 (AVX-512) models"
     if not module.amx_linear_ready():

@@ -9,7 +9,7 @@ has clear winners (fp32 rounding differences between implementations then never 
 
 `make_random_lora(path, model_dir)` writes a random LoRA adapter in PEFT's format for such a folder (or any
 Llama folder), and `merge_lora_into` merges one into a transformers state dict: the reference an adapter served
-by our engine must equal.
+by our engine must equal. `causal_attention` is the reference the native prompt-attention kernels are held to.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -221,3 +222,16 @@ def merge_lora_into(state: dict[str, torch.Tensor], tensors: dict[str, torch.Ten
         b = tensors[key.replace("lora_A", "lora_B")]
         w = state[f"{base}.weight"]
         w += (scale * (b.double() @ a.double())).to(w.dtype)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """Attention in fp32 (float64 for float64 inputs) of queries at positions start .. start + n over keys 0 ..
+    start + n, query i seeing keys up to start + i. Returns [n, heads * head_dim]."""
+    n, heads, hd = q.shape
+    kv = k.shape[0]
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    mask = torch.zeros(n, kv, dtype=dtype)
+    mask.masked_fill_(torch.arange(kv)[None, :] > start + torch.arange(n)[:, None], float("-inf"))
+    qf, kf, vf = (x.to(dtype).transpose(0, 1)[None] for x in (q, k, v))
+    out = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1).reshape(n, heads * hd)
