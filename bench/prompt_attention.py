@@ -3,8 +3,8 @@
 Why: a prompt chunk's causal attention was torch's SDPA on CPUs without AVX-512 (6% of workload W on an AVX2 Zen 3,
 more of a prompt-heavy step), and the native kernel ran only on AVX-512. It now runs on AVX2 + FMA too; this times
 both on the same inputs, interleaved, exactly as `attention.paged_attention` calls them (q, k and v as strided views
-into the fused QKV rows; SDPA through the same transposes, `is_causal` from position 0 and a lower-right mask after
-a cached prefix), and prints milliseconds per layer call, the ratio and the largest difference between outputs.
+into the fused QKV rows, `testing.qkv_views`; SDPA through `attention.prefill_attention_sdpa`, plain causal from
+position 0 and `causal_chunk_mask` after a cached prefix), and prints milliseconds per layer call, the ratio and the largest difference between outputs.
 
 Shapes: SmolLM2-135M (9 query / 3 KV heads of 64) and a Llama-3-8B layer (32 / 8 heads of 128), chunks of `--chunks`
 queries after `--start` cached tokens.
@@ -23,39 +23,11 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
+from worker.model.attention import causal_chunk_mask, prefill_attention_sdpa
 from worker.model.kernels import load_prefill_attention
+from worker.model.testing import qkv_views
 
 SHAPES = {"smollm2-135m": (9, 3, 64), "llama3-8b": (32, 8, 128)}
-
-
-def _views(n: int, start: int, heads: int, kv_heads: int, hd: int, seed: int):
-    """q, k, v as the model hands them over: views into fused QKV rows (q for the chunk's own rows)."""
-    gen = torch.Generator().manual_seed(seed)
-    qkv = torch.randn(start + n, (heads + 2 * kv_heads) * hd, generator=gen)
-    q = qkv[start:, : heads * hd].view(n, heads, hd)
-    k = qkv[:, heads * hd : (heads + kv_heads) * hd].view(start + n, kv_heads, hd)
-    v = qkv[:, (heads + kv_heads) * hd :].view(start + n, kv_heads, hd)
-    return q, k, v
-
-
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
-    n, heads, hd = q.shape
-    mask = None
-    if start:  # what build_metadata makes for a chunk after a cached prefix
-        kv = start + n
-        mask = torch.zeros(1, 1, n, kv)
-        mask.masked_fill_(torch.arange(kv)[None, :] > start + torch.arange(n)[:, None], float("-inf"))
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None],
-        k.transpose(0, 1)[None],
-        v.transpose(0, 1)[None],
-        attn_mask=mask,
-        is_causal=mask is None,
-        scale=scale,
-        enable_gqa=True,
-    )
-    return out[0].transpose(0, 1).reshape(n, heads * hd)
 
 
 def _time(fn, rounds: int) -> float:
@@ -72,13 +44,14 @@ def _case(kernel, shape: str, n: int, start: int, rounds: int) -> dict:
     """Both paths on one chunk of `n` queries after `start` cached tokens, in halves interleaved (drift on a
     shared machine hits both alike)."""
     heads, kv_heads, hd = SHAPES[shape]
-    q, k, v = _views(n, start, heads, kv_heads, hd, seed=n + start)
+    q, k, v = qkv_views(n, start, heads, kv_heads, hd, seed=n + start, dtype=torch.float32)
     scale = hd**-0.5
     out = torch.empty(n, heads * hd)
+    mask = causal_chunk_mask(start, n, torch.float32, "cpu") if start else None  # as build_metadata makes it
     native_s = sdpa_s = 0.0
     for _ in range(2):
         native_s += _time(lambda: kernel(out, q, k, v, start, scale), rounds)
-        sdpa_s += _time(lambda: _sdpa(q, k, v, start, scale), rounds)
+        sdpa_s += _time(lambda: prefill_attention_sdpa(q, k, v, mask, scale), rounds)
     return {
         "shape": shape,
         "chunk": n,
@@ -86,7 +59,7 @@ def _case(kernel, shape: str, n: int, start: int, rounds: int) -> dict:
         "native_ms": round(native_s / 2 * 1e3, 3),
         "sdpa_ms": round(sdpa_s / 2 * 1e3, 3),
         "x_sdpa": round(sdpa_s / native_s, 2),
-        "max_abs_diff": (out - _sdpa(q, k, v, start, scale)).abs().max().item(),
+        "max_abs_diff": (out - prefill_attention_sdpa(q, k, v, mask, scale)).abs().max().item(),
     }
 
 

@@ -8,17 +8,7 @@ import pytest
 import torch
 from worker.model.attention import EAGER, NativeAttention, SeqSpan, build_metadata, paged_attention
 from worker.model.kernels import load_prefill_attention
-from worker.model.testing import causal_attention
-
-
-def qkv_views(n: int, start: int, heads: int, kv_heads: int, hd: int, seed: int, dtype: torch.dtype = torch.bfloat16):
-    """q, k, v as the model has them: strided views into fused QKV rows (q for the chunk's own rows only)."""
-    gen = torch.Generator().manual_seed(seed)
-    qkv = torch.randn(start + n, (heads + 2 * kv_heads) * hd, generator=gen).to(dtype)
-    q = qkv[start:, : heads * hd].view(n, heads, hd)
-    k = qkv[:, heads * hd : (heads + kv_heads) * hd].view(start + n, kv_heads, hd)
-    v = qkv[:, (heads + kv_heads) * hd :].view(start + n, kv_heads, hd)
-    return q, k, v
+from worker.model.testing import causal_attention, qkv_views
 
 
 @pytest.mark.parametrize("heads,kv_heads,hd", [(9, 3, 64), (4, 4, 128), (8, 1, 64), (6, 2, 128)])

@@ -118,11 +118,7 @@ def build_metadata(
             block_idx = mask = None
             if start > 0:
                 block_idx = torch.tensor(table[:num_blocks], dtype=torch.int64, device=device)
-                q_pos = torch.arange(start, end, device=device)[:, None]
-                k_pos = torch.arange(end, device=device)[None, :]
-                mask = torch.zeros(n, end, dtype=mask_dtype, device=device)
-                mask.masked_fill_(k_pos > q_pos, float("-inf"))
-                mask = mask[None, None]
+                mask = causal_chunk_mask(start, n, mask_dtype, device)
             prefills.append(PrefillChunk(q_start, n, start, block_idx, mask))
         q_start += n
     tables = lens = decode_mask = None
@@ -145,6 +141,34 @@ def build_metadata(
         decode_mask=decode_mask,
         prefills=tuple(prefills),
     )
+
+
+def causal_chunk_mask(start: int, n: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """The additive [1, 1, n, start + n] mask of a chunk of n queries after `start` cached tokens: query i sees keys
+    0 .. start + i (lower-right causal)."""
+    q_pos = torch.arange(start, start + n, device=device)[:, None]
+    k_pos = torch.arange(start + n, device=device)[None, :]
+    mask = torch.zeros(n, start + n, dtype=dtype, device=device)
+    mask.masked_fill_(k_pos > q_pos, float("-inf"))
+    return mask[None, None]
+
+
+def prefill_attention_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """Torch's path for one prompt chunk: q [n, H, D], k and v [kv_len, KVH, D] (its whole context), `mask` from
+    `causal_chunk_mask` (None: the chunk starts at position 0, plain causal). Returns [n, H * D]."""
+    n, num_heads, head_dim = q.shape
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1).reshape(n, num_heads * head_dim)
 
 
 def decode_attention_sdpa(
@@ -205,16 +229,7 @@ def paged_attention(
         if prefill is not None:
             prefill(out[rows], q[rows], kc, vc, chunk.start_pos, scale)
             continue
-        oc = F.scaled_dot_product_attention(
-            q[rows].transpose(0, 1)[None],
-            kc.transpose(0, 1)[None],
-            vc.transpose(0, 1)[None],
-            attn_mask=chunk.mask,
-            is_causal=chunk.mask is None,
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[rows] = oc[0].transpose(0, 1).reshape(chunk.q_len, num_heads * head_dim)
+        out[rows] = prefill_attention_sdpa(q[rows], kc, vc, chunk.mask, scale)
     return out
 
 

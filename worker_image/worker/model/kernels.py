@@ -510,6 +510,13 @@ LLMFLEET_AVX2 static inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// The largest of v's 8 lanes.
+LLMFLEET_AVX2 static inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
 // x[g * len + j] = q_g . k_j for the group's `gn` query heads (qs: their queries, already scaled) over rows 0..n
 // of one block of their KV head (kb: its row 0, rows token_stride apart); nb: the next block's rows, asked for
 // beside this block's (nullptr: none).
@@ -569,9 +576,7 @@ LLMFLEET_AVX2 static float softmax_avx2(float* __restrict__ x, int64_t len) {
   __m256 mxv = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t t = 0;
   for (; t + 8 <= len; t += 8) mxv = _mm256_max_ps(mxv, _mm256_loadu_ps(x + t));
-  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mxv), _mm256_extractf128_ps(mxv, 1));
-  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  float mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  float mx = hmax8(mxv);
   for (int64_t u = t; u < len; ++u) mx = std::max(mx, x[u]);
   const __m256 mv = _mm256_set1_ps(mx);
   __m256 sv = _mm256_setzero_ps();
@@ -1384,6 +1389,17 @@ LLMFLEET_AVX2 static void panel_block_avx2(const float* __restrict__ x, int64_t 
   }
 }
 
+// panel_block_avx2 for 1..4 rows (panel_tail's role on AVX2)
+template <typename... A>
+LLMFLEET_AVX2 static void panel_rows_avx2(int64_t rows, A... a) {
+  switch (rows) {
+    case 4: return panel_block_avx2<4>(a...);
+    case 3: return panel_block_avx2<3>(a...);
+    case 2: return panel_block_avx2<2>(a...);
+    default: return panel_block_avx2<1>(a...);
+  }
+}
+
 // Per thread, its panels; per pass of F32_PANEL_ROWS rows, per panel, every block of BR rows of the pass (8 on
 // AVX-512, 4 on AVX2; the panel from L2 after the first). The next panel's lines are spread over the pass's blocks.
 // Past one pass (a prompt chunk), y is written with streaming stores: y (4.7-25 MB per SmolLM2 layer at 2048 rows)
@@ -1443,14 +1459,7 @@ static void panel_linear_any(const float* x, int64_t M, int64_t K, const Src& w,
     });
     return;
   }
-  panel_linear_run<4>(x, M, K, w, P, N, bias, scale, y, [](int64_t rows, auto... a) {
-    switch (rows) {
-      case 4: return panel_block_avx2<4>(a...);
-      case 3: return panel_block_avx2<3>(a...);
-      case 2: return panel_block_avx2<2>(a...);
-      default: return panel_block_avx2<1>(a...);
-    }
-  });
+  panel_linear_run<4>(x, M, K, w, P, N, bias, scale, y, [](int64_t rows, auto... a) { panel_rows_avx2(rows, a...); });
 }
 #endif
 
@@ -1645,8 +1654,8 @@ LLMFLEET_AVX512F static void f32_attention_block(const float* q, int64_t qs, int
 // f32_attention_block's task on AVX2 + FMA, with its bits: S = Q K^T by panel_block_avx2 (4 rows at a time, the
 // sums panel_block takes, in its order); the softmax in 8 lanes, the row sums in two accumulators (the even and odd
 // 8-key halves of each 16) added up as _mm512_reduce_add_ps adds its lanes; O = P V 2 rows x 32 columns at a time
-// (8 accumulators, 4 vectors of V and 2 broadcasts: 14 of the 16 registers), V's column slice walked in order once
-// per pair of rows, each output summed over the keys in order as the AVX-512 block sums it.
+// (8 accumulators, 4 vectors of V and 2 broadcasts: 14 of the 16 registers) over blocks of keys, each output summed
+// over the keys in order as the AVX-512 block sums it.
 template <int D>
 LLMFLEET_AVX2 static void f32_attention_block_avx2(const float* q, int64_t qs, int64_t rows, int64_t first_vis,
                                                    const float* kt, int64_t ls, const float* v, int64_t vs,
@@ -1655,16 +1664,9 @@ LLMFLEET_AVX2 static void f32_attention_block_avx2(const float* q, int64_t qs, i
   const __m256 sc = _mm256_set1_ps(scale);
   for (int64_t j0 = 0; j0 < nk; j0 += F32_PANEL) {  // S's rows ls floats apart; the score rows past `rows` unset
     const float* panel = kt + j0 * D;
-    for (int64_t m = 0; m < rows; m += 4) {
-      const float* qm = q + m * qs;
-      float* sm = s + m * ls + j0;
-      switch (std::min<int64_t>(4, rows - m)) {
-        case 4: panel_block_avx2<4, float>(qm, qs, D, panel, sm, ls, F32_PANEL, nullptr, nullptr, 0, 0); break;
-        case 3: panel_block_avx2<3, float>(qm, qs, D, panel, sm, ls, F32_PANEL, nullptr, nullptr, 0, 0); break;
-        case 2: panel_block_avx2<2, float>(qm, qs, D, panel, sm, ls, F32_PANEL, nullptr, nullptr, 0, 0); break;
-        default: panel_block_avx2<1, float>(qm, qs, D, panel, sm, ls, F32_PANEL, nullptr, nullptr, 0, 0); break;
-      }
-    }
+    for (int64_t m = 0; m < rows; m += 4)
+      panel_rows_avx2(std::min<int64_t>(4, rows - m), q + m * qs, qs, int64_t(D), panel, s + m * ls + j0, ls, F32_PANEL,
+                      static_cast<const float*>(nullptr), static_cast<const void*>(nullptr), int64_t(0), int64_t(0));
   }
   const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   float inv[F32_ATTN_ROWS];
@@ -1678,9 +1680,7 @@ LLMFLEET_AVX2 static void f32_attention_block_avx2(const float* q, int64_t qs, i
       const __m256i tail = first_lanes(vis - j);
       mx = _mm256_max_ps(mx, _mm256_blendv_ps(minus_inf, _mm256_maskload_ps(row + j, tail), _mm256_castsi256_ps(tail)));
     }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    const __m256 top = _mm256_set1_ps(vis ? _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))) : 0.f);  // of S
+    const __m256 top = _mm256_set1_ps(vis ? hmax8(mx) : 0.f);  // of S
     __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (j = 0; j < nk; j += 8) {  // the visible keys, and zeros past them up to the block's last key
       const __m256 e = _mm256_and_ps(exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(row + j), top), sc)),

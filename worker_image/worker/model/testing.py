@@ -9,7 +9,8 @@ has clear winners (fp32 rounding differences between implementations then never 
 
 `make_random_lora(path, model_dir)` writes a random LoRA adapter in PEFT's format for such a folder (or any
 Llama folder), and `merge_lora_into` merges one into a transformers state dict: the reference an adapter served
-by our engine must equal. `causal_attention` is the reference the native prompt-attention kernels are held to.
+by our engine must equal. `causal_attention` is the reference the native prompt-attention kernels are held to, `qkv_views` their inputs as
+the model hands them over.
 """
 
 from __future__ import annotations
@@ -235,3 +236,13 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
     qf, kf, vf = (x.to(dtype).transpose(0, 1)[None] for x in (q, k, v))
     out = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1).reshape(n, heads * hd)
+
+
+def qkv_views(n: int, start: int, heads: int, kv_heads: int, hd: int, seed: int, dtype: torch.dtype = torch.bfloat16):
+    """q, k, v as the model has them: strided views into fused QKV rows (q for the chunk's own rows only)."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(start + n, (heads + 2 * kv_heads) * hd, generator=gen).to(dtype)
+    q = qkv[start:, : heads * hd].view(n, heads, hd)
+    k = qkv[:, heads * hd : (heads + kv_heads) * hd].view(start + n, kv_heads, hd)
+    v = qkv[:, (heads + kv_heads) * hd :].view(start + n, kv_heads, hd)
+    return q, k, v
