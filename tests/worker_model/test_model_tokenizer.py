@@ -77,7 +77,7 @@ def test_incremental_detokenizer_never_splits_characters(tok, text):
     deltas = [det.add_tokens([i]) for i in ids]
     deltas.append(det.flush())
     assert all(REPLACEMENT_CHAR not in d for d in deltas)
-    assert "".join(deltas) == det.text == text
+    assert "".join(deltas) == text
     multibyte = [c for c in text if len(c.encode()) > 1]
     if multibyte:  # some single tokens carry partial characters: the detokenizer must have held them back
         assert len(ids) > len([d for d in deltas if d])
@@ -96,7 +96,7 @@ def test_flush_emits_incomplete_tail(tok):
     det = IncrementalDetokenizer(tok)
     assert det.add_tokens(ids[:-1]) == ""
     tail = det.flush()
-    assert tail and set(tail) == {REPLACEMENT_CHAR} and det.text == tail
+    assert tail and set(tail) == {REPLACEMENT_CHAR}
 
 
 class _PythonOnly:
@@ -113,7 +113,6 @@ def _deltas(decoder, prompt: list[int], ids: list[int], per_call: int = 1) -> li
     det = IncrementalDetokenizer(decoder, prompt)
     deltas = [det.add_tokens(ids[i : i + per_call]) for i in range(0, len(ids), per_call)]
     deltas.append(det.flush())
-    assert "".join(deltas) == det.text
     return deltas
 
 

@@ -32,6 +32,10 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "finished_aborted"
     FINISHED_ERROR = "finished_error"
 
+    # Members are singletons compared by identity, so identity hashing is sound; Enum's own hashes the name in
+    # Python, and the engine asks `is_finished` of every running request in every step.
+    __hash__ = object.__hash__
+
     @property
     def is_finished(self) -> bool:
         return self in FINISHED_STATUSES

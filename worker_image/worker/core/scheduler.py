@@ -156,19 +156,21 @@ class Scheduler:
 
         # 1. Running requests, in admission order.
         i = 0
+        allocate = self.kv.allocate_slots
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if speculate and n == req.num_tokens - req.num_computed_tokens == 1:
+            known = len(req.prompt_token_ids) + len(req.output_token_ids) - req.num_computed_tokens
+            n = min(known, budget)
+            if speculate and n == known == 1:
                 draft = self._propose(req, budget)
                 # Drafts only where their slots fit: a draft is never worth a preemption.
-                if draft and self.kv.allocate_slots(req, 1 + len(draft)) is not None:
+                if draft and allocate(req, 1 + len(draft)) is not None:
                     drafts[req.request_id] = draft
                     num_new[req.request_id] = 1 + len(draft)
                     budget -= 1 + len(draft)
                     i += 1
                     continue
-            while self.kv.allocate_slots(req, n) is None:
+            while allocate(req, n) is None:
                 victim = max(self.running, key=lambda r: self._keys[r.request_id])
                 victim_index = self.running.index(victim)
                 self._preempt(victim, victim_index)
@@ -265,24 +267,31 @@ class Scheduler:
         return self._preempted if self._preempted[0][0] < self._waiting[0][0] else self._waiting
 
     def _scheduled_seq(self, req: Request, n: int, draft: Sequence[int] = ()) -> ScheduledSeq:
+        # Runs for every scheduled request in every step: a decode (one token, the last one) takes no slicing,
+        # and the arguments go positionally (a 13-field dataclass takes keywords at 3x the cost).
         start = req.num_computed_tokens
         end = start + n - len(draft)  # end of the known tokens this step computes
-        token_ids = token_slice(req, start, end)
+        outputs = req.output_token_ids
+        num_tokens = len(req.prompt_token_ids) + len(outputs)
+        if end - start == 1 and end == num_tokens and outputs:
+            token_ids = [outputs[-1]]
+        else:
+            token_ids = token_slice(req, start, end)
         if draft:
             token_ids = token_ids + list(draft)
         return ScheduledSeq(
-            req_id=req.request_id,
-            token_ids=token_ids,
-            start_pos=start,
-            block_ids=list(self.kv.get_block_ids(req.request_id)),
-            sample=end == req.num_tokens,
-            sampling_params=req.sampling_params,
-            num_output_tokens=req.num_output_tokens,
-            eos_token_id=req.eos_token_id,
-            prompt_targets=prompt_targets(req, start, end),
-            draft_token_ids=tuple(draft),
-            lora=req.lora,
-            lora_slot=-1 if req.lora_slot is None else req.lora_slot,
+            req.request_id,
+            token_ids,
+            start,
+            list(self.kv.get_block_ids(req.request_id)),
+            end == num_tokens,  # sample
+            req.sampling_params,
+            len(outputs),  # num_output_tokens
+            req.eos_token_id,
+            () if req.sampling_params.prompt_logprobs is None else prompt_targets(req, start, end),
+            tuple(draft),
+            req.lora,
+            -1 if req.lora_slot is None else req.lora_slot,
         )
 
     def _speculation_on(self) -> bool:
@@ -353,11 +362,14 @@ class Scheduler:
         """Advance the scheduled requests; return those that got a new token or ended (the runner failed them)."""
         sampled = runner_output.sampled_token_ids
         logprobs = runner_output.logprobs
+        failed = runner_output.failed
+        requests = self.requests
+        cache_blocks = self.kv.cache_computed_blocks if self.kv.enable_caching else None
         updated = []
         finished = []
         for seq in scheduler_output.seqs:
-            req = self.requests[seq.req_id]
-            error = runner_output.failed.get(seq.req_id)
+            req = requests[seq.req_id]
+            error = failed.get(seq.req_id) if failed else None
             if error is not None:  # its KV of this step may be missing: never cache it, end the request
                 req.status = RequestStatus.FINISHED_ERROR
                 req.error = error
@@ -372,7 +384,8 @@ class Scheduler:
                 updated.append(req)
                 continue
             req.num_computed_tokens += len(seq.token_ids)
-            self.kv.cache_computed_blocks(req)
+            if cache_blocks is not None:
+                cache_blocks(req)
             if seq.prompt_targets:
                 record_prompt_logprobs(req, seq, runner_output.prompt_logprobs[seq.req_id])
             if not seq.sample:
@@ -417,13 +430,14 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params
-        if req.num_output_tokens >= params.min_tokens:
+        num_output = len(req.output_token_ids)
+        if num_output >= params.min_tokens:
             if token == req.eos_token_id and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
             if token in params.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_request_len:
+        if num_output >= params.max_tokens or len(req.prompt_token_ids) + num_output >= self.max_request_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

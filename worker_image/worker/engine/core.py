@@ -171,7 +171,7 @@ class EngineCore:
         for request_id, stop in processed.stop_requests:
             self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_STOPPED, stop_reason=stop)
         failed = dict(processed.failed_requests)
-        for req in advanced:
+        for req in advanced if failed else ():
             failure = failed.get(req.request_id)
             if failure is None:
                 continue

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from worker.core.request import FinishReason, Request, RequestStatus
+from worker.core.request import FINISHED_STATUSES, FinishReason, Request, RequestStatus
 from worker.engine.protocol import RequestOutput
 from worker.engine.stop_strings import StopMatcher
 from worker.model.tokenizer import Decoder, IncrementalDetokenizer
@@ -73,44 +73,54 @@ class OutputProcessor:
         return self._output(request, [], "", True, request.status.finish_reason, None, request.error)
 
     def _process_one(self, req: Request) -> tuple[RequestOutput, str | None]:
+        # Runs for every running request in every step: locals, no properties, one call per token.
         st = self._states[req.request_id]
-        new_ids = req.output_token_ids[st.num_sent_tokens :]
+        out_ids = req.output_token_ids
         first_index = st.num_sent_tokens
-        st.num_sent_tokens = req.num_output_tokens
-        finished = req.is_finished
+        new_ids = out_ids[first_index:]
+        st.num_sent_tokens = len(out_ids)
+        status = req.status
+        finished = status in FINISHED_STATUSES
+        params = req.sampling_params
         stop_str = None
-        pieces: list[str] = []
-        if st.detokenizer is not None:
+        new_text = ""
+        detok = st.detokenizer
+        if detok is not None:
             # A request ended by EOS or a stop token id shows no text for that token.
-            stopped_by_token = req.status is RequestStatus.FINISHED_STOPPED
-            to_decode = new_ids[:-1] if stopped_by_token else new_ids
-            min_tokens = req.sampling_params.min_tokens
-            for offset, token in enumerate(to_decode):
-                delta = st.detokenizer.add_tokens([token])
-                if not delta:
-                    continue
-                if st.stops is None:
-                    pieces.append(delta)
-                    continue
-                safe, stop_str = st.stops.feed(delta, enabled=first_index + offset + 1 >= min_tokens)
-                pieces.append(safe)
-                if stop_str is not None:
-                    finished = True
-                    new_ids = _truncate(req, first_index + offset + 1, new_ids)
-                    break
-            if finished and stop_str is None:
-                if st.stops is not None:
-                    pieces.append(st.stops.release())
-                pieces.append(st.detokenizer.flush())
-        new_text = "".join(pieces)
+            to_decode = new_ids[:-1] if status is RequestStatus.FINISHED_STOPPED else new_ids
+            stops = st.stops
+            if stops is None:
+                if len(to_decode) == 1:
+                    new_text = detok.add_token(to_decode[0])
+                elif to_decode:
+                    new_text = "".join([detok.add_token(token) for token in to_decode])
+                if finished:
+                    new_text += detok.flush()
+            else:
+                pieces: list[str] = []
+                min_tokens = params.min_tokens
+                for offset, token in enumerate(to_decode):
+                    delta = detok.add_token(token)
+                    if not delta:
+                        continue
+                    safe, stop_str = stops.feed(delta, enabled=first_index + offset + 1 >= min_tokens)
+                    pieces.append(safe)
+                    if stop_str is not None:
+                        finished = True
+                        new_ids = _truncate(req, first_index + offset + 1, new_ids)
+                        break
+                if finished and stop_str is None:
+                    pieces.append(stops.release())
+                    pieces.append(detok.flush())
+                new_text = "".join(pieces)
         if finished:
             del self._states[req.request_id]
-        reason = FinishReason.STOP if stop_str is not None else req.status.finish_reason
-        logprobs = req.output_logprobs[first_index:] if req.sampling_params.logprobs else None
+        reason = FinishReason.STOP if stop_str is not None else status.finish_reason
+        logprobs = req.output_logprobs[first_index:] if params.logprobs else None
         output = self._output(req, new_ids, new_text, finished, reason, logprobs, req.error)
-        if req.sampling_params.top_logprobs:
+        if params.top_logprobs:
             output.new_top_logprobs = req.output_top_logprobs[first_index:]
-        if req.sampling_params.prompt_logprobs is not None and not st.prompt_logprobs_sent:
+        if params.prompt_logprobs is not None and not st.prompt_logprobs_sent:
             output.prompt_logprobs = list(req.prompt_logprobs)
             st.prompt_logprobs_sent = True
         return output, stop_str
@@ -125,17 +135,20 @@ class OutputProcessor:
         logprobs: list[float] | None,
         error: str | None = None,
     ) -> RequestOutput:
+        # Positional: keyword arguments cost a dataclass __init__ 0.8 us where these take 0.3 (64 a step).
         return RequestOutput(
-            request_id=req.request_id,
-            new_token_ids=new_ids,
-            new_text=new_text,
-            finished=finished,
-            finish_reason=reason if finished else None,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_output_tokens=req.num_output_tokens,
-            num_cached_tokens=req.num_cached_tokens,
-            new_logprobs=logprobs,
-            error=error if finished else None,
+            req.request_id,
+            new_ids,
+            new_text,
+            finished,
+            reason if finished else None,
+            len(req.prompt_token_ids),
+            len(req.output_token_ids),
+            req.num_cached_tokens,
+            logprobs,
+            None,  # new_top_logprobs
+            None,  # prompt_logprobs
+            error if finished else None,
         )
 
 

@@ -264,7 +264,6 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(prompt_token_ids[-self.CONTEXT_TOKENS :])
         self.prefix_offset = 0
         self.read_offset = len(self._ids)
-        self.text = ""
         # The stream starts from the context's text only when that text is whole: a context ending in part of a
         # character is text the stream has yet to send, where the Python rule counts it as sent.
         make_stream = getattr(tokenizer, "decode_stream", None)
@@ -277,28 +276,28 @@ class IncrementalDetokenizer:
 
     def add_tokens(self, new_ids: Sequence[int]) -> str:
         """Append generated ids; return the newly completed text (may be empty)."""
+        return "".join([self.add_token(token) for token in new_ids])
+
+    def add_token(self, token: int) -> str:
+        """Append one generated id; return the newly completed text (may be empty). The engine's call: one per
+        token of every running request in every step, so it does no more than the token needs."""
+        ids = self._ids
+        ids.append(token)
         step = self._step
         if step is None:
-            self._ids.extend(new_ids)
             return self._advance()
-        pieces = []
-        for i, token in enumerate(new_ids):
-            self._ids.append(token)
-            failed = False
-            try:
-                delta = step(token)
-            except Exception:  # noqa: BLE001 - the stream's own prefix check: the Python rule takes over
-                delta, failed = None, True
-            if delta is not None:
-                self.prefix_offset, self.read_offset = self.read_offset, len(self._ids)
-                self.text += delta
-                pieces.append(delta)
-            elif failed or len(self._ids) - self.read_offset >= self.MAX_HELD_TOKENS:
-                self._step = None
-                self._ids.extend(new_ids[i + 1 :])
-                pieces.append(self._advance())
-                break
-        return "".join(pieces)
+        try:
+            delta = step(token)
+        except Exception:  # noqa: BLE001 - the stream's own prefix check: the Python rule takes over
+            self._step = None
+            return self._advance()
+        if delta is not None:
+            self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+            return delta
+        if len(ids) - self.read_offset >= self.MAX_HELD_TOKENS:
+            self._step = None
+            return self._advance()
+        return ""
 
     def _advance(self) -> str:
         """The Python rule: the text the ids past `read_offset` complete, if any."""
@@ -312,7 +311,6 @@ class IncrementalDetokenizer:
         held = len(self._ids) - self.read_offset
         self.prefix_offset = self.read_offset if held < self.MAX_HELD_TOKENS else len(self._ids) - self.CONTEXT_TOKENS
         self.read_offset = len(self._ids)
-        self.text += delta
         return delta
 
     def flush(self) -> str:
@@ -321,5 +319,4 @@ class IncrementalDetokenizer:
         full_text = self._decode(self._ids[self.prefix_offset :])
         delta = full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""
         self.prefix_offset = self.read_offset = len(self._ids)
-        self.text += delta
         return delta
