@@ -99,7 +99,7 @@ def _check_float(name: str, value: object, low: float, high: float, low_open: bo
         raise ValueError(f"{name} must be in {'(' if low_open else '['}{low:g}, {high:g}], got {value!r}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to sample one request. `temperature == 0` means greedy.
 
@@ -182,7 +182,7 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: one object to touch per request in every step, not an object and its dict
 class Request:
     """One generation request as the engine tracks it.
 

@@ -21,7 +21,7 @@ from worker.engine.stop_strings import StopMatcher
 from worker.model.tokenizer import Decoder, IncrementalDetokenizer
 
 
-@dataclass
+@dataclass(slots=True)
 class _State:
     detokenizer: IncrementalDetokenizer | None
     stops: StopMatcher | None  # None: no stop strings (all decoded text is sent at once)

@@ -255,6 +255,7 @@ class IncrementalDetokenizer:
 
     CONTEXT_TOKENS = 5
     MAX_HELD_TOKENS = 64
+    __slots__ = ("_tokenizer", "_skip", "_ids", "prefix_offset", "read_offset", "_step")
 
     def __init__(
         self, tokenizer: Decoder, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True
