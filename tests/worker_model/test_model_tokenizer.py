@@ -175,6 +175,21 @@ def test_the_fast_paths_on_any_token_sequence(tok, sentencepiece_tok, seed):
             assert "".join(_deltas(t, prompt, ids, per_call)) == "".join(python)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_the_byte_level_step_sends_what_an_incremental_utf8_decoder_sends(tok, seed):
+    # token by token, the same deltas as `codecs`' decoder over the same bytes (the step skips it for whole pieces)
+    import codecs
+    import random
+
+    rng = random.Random(seed)
+    partial = [i for i, piece in enumerate(tok._pieces) if tok._piece_texts[i] is None and piece]
+    assert partial  # pieces that are parts of characters (or never form one) are in the mix
+    ids = [rng.choice(partial) if rng.random() < 0.4 else rng.randrange(tok.vocab_size) for _ in range(400)]
+    step = tok.decode_stream([])
+    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    assert [step(i) for i in ids] == [utf8.decode(tok._pieces[i]) or None for i in ids]
+
+
 def test_the_fast_path_keeps_the_held_back_bound(sentencepiece_tok):
     # a byte that never completes a character, repeated past MAX_HELD_TOKENS: DecodeStream would hold it forever;
     # the detokenizer sends it at the bound, as the Python rule does, and goes on in Python

@@ -131,6 +131,39 @@ def byte_level_pieces(tok: HFTokenizer, spec: dict[str, Any]) -> list[bytes] | N
     return pieces
 
 
+def whole_piece_texts(pieces: list[bytes]) -> list[str | None]:
+    """Each piece's text where its bytes are whole UTF-8 characters by themselves (most tokens), else None."""
+    texts: list[str | None] = []
+    for piece in pieces:
+        try:
+            texts.append(piece.decode("utf-8") or None)
+        except UnicodeDecodeError:
+            texts.append(None)
+    return texts
+
+
+def _byte_level_step(pieces: list[bytes], texts: list[str | None]) -> TokenStep:
+    """An incremental UTF-8 decoder over a byte-level tokenizer's pieces (what `codecs`' incremental decoder does,
+    without its Python object): a whole-character token with nothing pending is its precomputed text; otherwise
+    the pending bytes and the token's go through `utf_8_decode`, which keeps an unfinished character's bytes back."""
+    pending = b""
+
+    def step(token: int) -> str | None:
+        nonlocal pending
+        if not pending:
+            text = texts[token]
+            if text is not None:
+                return text
+            data = pieces[token]
+        else:
+            data = pending + pieces[token]
+        decoded, used = codecs.utf_8_decode(data, "replace", False)
+        pending = data[used:]
+        return decoded or None
+
+    return step
+
+
 class Tokenizer:
     """Encode/decode text and render chat prompts for one model folder."""
 
@@ -143,6 +176,7 @@ class Tokenizer:
         spec = json.loads(path.read_text())
         self.max_bytes_per_token = max_bytes_per_token(spec)
         self._pieces = byte_level_pieces(self._tok, spec)
+        self._piece_texts = None if self._pieces is None else whole_piece_texts(self._pieces)
         cfg_path = root / "tokenizer_config.json"
         cfg: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         template = cfg.get("chat_template")
@@ -210,8 +244,7 @@ class Tokenizer:
         which follows the same prefix/read-offset rule as `IncrementalDetokenizer`'s own."""
         pieces = self._pieces
         if pieces is not None and skip_special_tokens:
-            utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-            return lambda token: utf8.decode(pieces[token]) or None
+            return _byte_level_step(pieces, self._piece_texts)
         stream = DecodeStream(ids=list(context_ids), skip_special_tokens=skip_special_tokens)
         tok = self._tok
         return lambda token: stream.step(tok, token)
@@ -255,7 +288,7 @@ class IncrementalDetokenizer:
 
     CONTEXT_TOKENS = 5
     MAX_HELD_TOKENS = 64
-    __slots__ = ("_tokenizer", "_skip", "_ids", "prefix_offset", "read_offset", "_step")
+    __slots__ = ("_ids", "_skip", "_step", "_tokenizer", "prefix_offset", "read_offset")
 
     def __init__(
         self, tokenizer: Decoder, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True
