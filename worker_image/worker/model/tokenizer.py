@@ -242,9 +242,9 @@ class Tokenizer:
         context: each token's bytes go through an incremental UTF-8 decoder, which holds back only the bytes of an
         unfinished character. Others go through `tokenizers`' DecodeStream (Rust, `context_ids` as left context),
         which follows the same prefix/read-offset rule as `IncrementalDetokenizer`'s own."""
-        pieces = self._pieces
-        if pieces is not None and skip_special_tokens:
-            return _byte_level_step(pieces, self._piece_texts)
+        pieces, texts = self._pieces, self._piece_texts
+        if pieces is not None and texts is not None and skip_special_tokens:
+            return _byte_level_step(pieces, texts)
         stream = DecodeStream(ids=list(context_ids), skip_special_tokens=skip_special_tokens)
         tok = self._tok
         return lambda token: stream.step(tok, token)
