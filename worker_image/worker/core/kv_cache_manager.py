@@ -54,7 +54,7 @@ class KVCacheManager:
         return self.pool.num_blocks * self.block_size
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        """The request's block table (a live list: copy it before handing it on)."""
+        """The request's block table: a live list, extended as the request grows (`ScheduledSeq.block_ids` is it)."""
         return self._block_ids.get(request_id, [])
 
     def _block_hashes(self, request: Request) -> list[BlockHash]:

@@ -27,7 +27,9 @@ class ScheduledSeq:  # seq, 64 of them in every step at 64 running
     req_id: str
     token_ids: list[int]  # tokens whose KV this step computes (prefill chunk, recompute chunk or 1 decode token)
     start_pos: int  # position of token_ids[0] == num_computed_tokens before the step
-    block_ids: list[int]  # the request's whole block table (covers start_pos + len(token_ids) tokens)
+    # The request's whole block table (covers start_pos + len(token_ids) tokens): the KV manager's own list, valid
+    # for this step only (the next schedule() may extend it), so a runner reads it and never keeps it.
+    block_ids: list[int]
     sample: bool  # True when this step reaches the end of the known tokens: sample the next token
     sampling_params: SamplingParams
     num_output_tokens: int = 0  # tokens generated so far (sampler state such as min_tokens)

@@ -283,7 +283,7 @@ class Scheduler:
             req.request_id,
             token_ids,
             start,
-            list(self.kv.get_block_ids(req.request_id)),
+            self.kv.get_block_ids(req.request_id),  # live: no copy of every id per request per step
             end == num_tokens,  # sample
             req.sampling_params,
             len(outputs),  # num_output_tokens
