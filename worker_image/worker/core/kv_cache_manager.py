@@ -103,10 +103,6 @@ class KVCacheManager:
         """
         req_id = request.request_id
         blocks = self._blocks.get(req_id)
-        if blocks is not None and not new_computed_blocks:  # a running request (every decode step): no hits
-            num_needed = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - len(blocks)
-            if num_needed <= 0:
-                return self._block_ids[req_id]
         hits = new_computed_blocks or []
         num_held = (len(blocks) if blocks else 0) + len(hits)
         total_tokens = request.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
