@@ -71,6 +71,7 @@ CPP_SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -422,9 +423,9 @@ LLMFLEET_AVX512F static float softmax_avx512(float* __restrict__ x, int64_t len)
 }
 
 // Scratch floats the decode passes need for a sequence of `len` tokens: scores, accumulators, (AVX2) the scaled
-// queries, 1 / sums.
+// queries, 1 / sums, (AVX2) 8 rows' partial Q.K sums per head (8 vectors of 8) and the room to align them.
 static int64_t decode_scratch(int64_t num_heads, int64_t head_dim, int64_t len) {
-  return num_heads * (len + 2 * head_dim + 1);
+  return num_heads * (len + 2 * head_dim + 1 + 64) + 8;
 }
 
 // One sequence, block by block: each cache block's K rows are read once (all KV heads, while the block is in
@@ -487,13 +488,20 @@ static void decode_seq_avx512(const T* __restrict__ qs, const T* __restrict__ k_
     for (int64_t d = 0; d < D; ++d) os[i * D + d] = static_cast<O>(acc[i * D + d] * inv[i]);
 }
 
-// ---- fp32 decode on CPUs with AVX2 + FMA and no AVX-512, the same passes as decode_seq_avx512 in 8 lanes: the
-// query's scaled copy and each block's rows stay in L1, 8 rows' Q.K sums are folded into one vector (reduce8),
-// the softmax runs 8 scores at a time (exp8), and P.V keeps one head's 64 columns in 8 accumulators. On a Zen 3,
-// SmolLM2 fp32 at 64 x 256 tokens (bench/attention_kernel.py, three runs): 1.13-1.33x the portable path (2.5-3.4 ms
-// a layer), Llama-3-8B's shape 1.11-1.13x. Both stay near 9 GB/s, where one thread reads 4 GB/s: the blocks lie
-// anywhere, and one block ahead the prefetches hide little. Asked for all 8 rows at once they cost Llama's shape
-// 8% against the portable path; one row beside each row computed, as the AVX-512 passes ask, gained it 11-13%.
+// ---- fp32 decode on CPUs with AVX2 + FMA and no AVX-512: decode_seq_avx512's contract, but each block walked
+// row by row, every KV head of a row before the next row, so that its bytes are read in ascending order. Out of
+// cache that order is what counts: the L2's stream prefetcher follows ascending lines, and a head-by-head walk
+// (256 of a row's 768 bytes, rows 768 apart, three times) defeats it. Measured on a Zen 3 (2 threads, 64
+// sequences of 352 tokens, SmolLM2's 9/3 heads of 64, caches of 30 layers so that nothing stays cached), per
+// layer: just reading every K and V byte once, block by block, 1.7-2.1 ms; reading them head by head 2.5-2.8 ms;
+// the head-by-head passes with their arithmetic 3.0-4.1 ms; these row-by-row passes 2.1-2.7 ms, 1.38-1.56x the
+// head-by-head ones in five interleaved runs (the same passes with the data in L1 take 1.0-1.3 ms: arithmetic and
+// memory now overlap, where before they added up). Prefetching the next block's row beside each row computed
+// still gains 15%; two blocks ahead, bursts of a whole block, and hints other than T0 changed nothing. Q.K keeps a
+// head's 64-float K slice in 8 registers and reads the queries (scaled) from L1; each row's per-head sums wait in
+// `tmp` until 8 rows are done, then fold into one vector (reduce8). P.V keeps its accumulators in L1 (9 heads x
+// 64 floats do not fit the 16 registers) and adds each V row to them in place. The sums are the head-by-head
+// passes' in the same order, so the outputs are unchanged, bit for bit.
 
 // Lane r of the result = the sum of v[r]'s 8 lanes.
 LLMFLEET_AVX2 static inline __m256 reduce8(const __m256* v) {
@@ -517,52 +525,65 @@ LLMFLEET_AVX2 static inline float hmax8(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
-// x[g * len + j] = q_g . k_j for the group's `gn` query heads (qs: their queries, already scaled) over rows 0..n
-// of one block of their KV head (kb: its row 0, rows token_stride apart); nb: the next block's rows, asked for
-// beside this block's (nullptr: none).
+// Asks for one row of the pass's next block (nb: its row, `bytes` long) while this block's row is computed.
+static inline void prefetch_bytes(const float* nb, int64_t bytes) {
+  for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(reinterpret_cast<const char*>(nb) + c, 0, 3);
+}
+
+// x[i * len + j] = q_i . k_j for every query head i (qs: their queries, already scaled, a KV head's `group` of
+// them together) over rows 0..n of one block (kb: its row 0, rows `ts` floats apart); nb: the next block's row 0
+// (nullptr: none). tmp: 8 * num_heads vectors.
 template <int D>
-LLMFLEET_AVX2 static void qk_block_avx2(const float* __restrict__ qs, int64_t gn, const float* __restrict__ kb,
-                                        const float* nb, int64_t n, int64_t token_stride, int64_t len,
-                                        float* __restrict__ x) {
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    const float* kp = kb + j * token_stride;
-    for (int64_t g = 0; g < gn; ++g) {
-      const float* q = qs + g * D;
-      __m256 a[8];
-      for (int r = 0; r < 8; ++r) {
-        if (g == 0 && nb) prefetch_row<4 * D>(nb + (j + r) * token_stride);
-        a[r] = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(kp + r * token_stride));
-        for (int c = 8; c < D; c += 8)
-          a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(kp + r * token_stride + c), a[r]);
-      }
-      _mm256_storeu_ps(x + g * len + j, reduce8(a));
+LLMFLEET_AVX2 static void qk_rows_avx2(const float* __restrict__ qs, int64_t kv_heads, int64_t group,
+                                       const float* __restrict__ kb, const float* nb, int64_t n, int64_t ts,
+                                       int64_t len, float* __restrict__ x, __m256* __restrict__ tmp) {
+  for (int64_t j0 = 0; j0 < n; j0 += 8) {
+    const int64_t m = std::min<int64_t>(8, n - j0);
+    for (int64_t r = 0; r < m; ++r) {
+      const float* kp = kb + (j0 + r) * ts;
+      if (nb) prefetch_bytes(nb + (j0 + r) * ts, ts * 4);
+      for (int64_t h = 0; h < kv_heads; ++h)
+        for (int c0 = 0; c0 < D; c0 += 64) {  // 64 columns at a time: 8 registers of K
+          __m256 k[8];
+          for (int c = 0; c < 8; ++c) k[c] = _mm256_loadu_ps(kp + h * D + c0 + 8 * c);
+          for (int64_t g = 0; g < group; ++g) {
+            const float* q = qs + (h * group + g) * D + c0;
+            __m256* t = tmp + (h * group + g) * 8 + r;
+            __m256 a = c0 ? _mm256_fmadd_ps(_mm256_loadu_ps(q), k[0], *t) : _mm256_mul_ps(_mm256_loadu_ps(q), k[0]);
+            for (int c = 1; c < 8; ++c) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), k[c], a);
+            *t = a;
+          }
+        }
     }
-  }
-  for (; j < n; ++j) {
-    const float* kp = kb + j * token_stride;
-    if (nb) prefetch_row<4 * D>(nb + j * token_stride);
-    for (int64_t g = 0; g < gn; ++g) {
-      const float* q = qs + g * D;
-      __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(kp));
-      for (int c = 8; c < D; c += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(kp + c), a);
-      x[g * len + j] = hsum8(a);
-    }
+    const int64_t heads = kv_heads * group;
+    if (m == 8)
+      for (int64_t i = 0; i < heads; ++i) _mm256_storeu_ps(x + i * len + j0, reduce8(tmp + i * 8));
+    else
+      for (int64_t i = 0; i < heads; ++i)
+        for (int64_t r = 0; r < m; ++r) x[i * len + j0 + r] = hsum8(tmp[i * 8 + r]);
   }
 }
 
-// acc[c0 .. c0 + 64) += sum_j x[j] * v_j[c0 .. c0 + 64) over rows 0..n of one block (vb: its row 0)
-LLMFLEET_AVX2 static void pv_block_avx2(const float* __restrict__ x, const float* __restrict__ vb, const float* nb,
-                                        int64_t n, int64_t token_stride, float* __restrict__ acc) {
-  __m256 a[8];
-  for (int c = 0; c < 8; ++c) a[c] = _mm256_loadu_ps(acc + 8 * c);
+// acc[i * D .. (i + 1) * D) += sum_j x[i * len + j] * v_j (query head i's slice of the row) for every query head i,
+// over rows 0..n of one block (vb: its row 0); nb as in qk_rows_avx2.
+template <int D>
+LLMFLEET_AVX2 static void pv_rows_avx2(const float* __restrict__ x, int64_t len, int64_t kv_heads, int64_t group,
+                                       const float* __restrict__ vb, const float* nb, int64_t n, int64_t ts,
+                                       float* __restrict__ acc) {
   for (int64_t j = 0; j < n; ++j) {
-    const float* vp = vb + j * token_stride;
-    if (nb) prefetch_row<256>(nb + j * token_stride);
-    const __m256 p = _mm256_broadcast_ss(x + j);
-    for (int c = 0; c < 8; ++c) a[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + 8 * c), a[c]);
+    const float* vp = vb + j * ts;
+    if (nb) prefetch_bytes(nb + j * ts, ts * 4);
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int c0 = 0; c0 < D; c0 += 64) {
+        __m256 v[8];
+        for (int c = 0; c < 8; ++c) v[c] = _mm256_loadu_ps(vp + h * D + c0 + 8 * c);
+        for (int64_t g = 0; g < group; ++g) {
+          const __m256 p = _mm256_broadcast_ss(x + (h * group + g) * len + j);
+          float* a = acc + (h * group + g) * D + c0;
+          for (int c = 0; c < 8; ++c) _mm256_storeu_ps(a + 8 * c, _mm256_fmadd_ps(p, v[c], _mm256_loadu_ps(a + 8 * c)));
+        }
+      }
   }
-  for (int c = 0; c < 8; ++c) _mm256_storeu_ps(acc + 8 * c, a[c]);
 }
 
 // The mask of lanes 0 .. n - 1 (all 8 from n = 8 up) for maskload / maskstore.
@@ -605,27 +626,19 @@ static void decode_seq_avx2(const float* __restrict__ qs, const float* __restric
   float* acc = sh + num_heads * len;
   float* q = acc + num_heads * D;
   float* inv = q + num_heads * D;
+  // 8 rows' partial sums per head, 32-byte aligned (decode_scratch leaves room to align)
+  __m256* tmp = reinterpret_cast<__m256*>((reinterpret_cast<uintptr_t>(inv + num_heads) + 31) & ~uintptr_t{31});
   for (int64_t i = 0; i < num_heads * D; ++i) q[i] = qs[i] * scale;
-  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-    const int64_t n = std::min(block_size, len - t0);
-    const float* kb = k_cache + table[t0 / block_size] * block_stride;
-    const float* nb = next_block(k_cache, table, t0, len, block_size, block_stride);
-    for (int64_t h = 0; h < kv_heads; ++h)
-      qk_block_avx2<D>(q + h * group * D, group, kb + h * D, nb ? nb + h * D : nullptr, n, token_stride, len,
-                       sh + h * group * len + t0);
-  }
+  for (int64_t t0 = 0; t0 < len; t0 += block_size)
+    qk_rows_avx2<D>(q, kv_heads, group, k_cache + table[t0 / block_size] * block_stride,
+                    next_block(k_cache, table, t0, len, block_size, block_stride), std::min(block_size, len - t0),
+                    token_stride, len, sh + t0, tmp);
   for (int64_t i = 0; i < num_heads; ++i) inv[i] = softmax_avx2(sh + i * len, len);
   std::fill(acc, acc + num_heads * D, 0.f);
-  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-    const int64_t n = std::min(block_size, len - t0);
-    const float* vb = v_cache + table[t0 / block_size] * block_stride;
-    const float* nb = next_block(v_cache, table, t0, len, block_size, block_stride);
-    for (int64_t h = 0; h < kv_heads; ++h)
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t c = 0; c < D; c += 64)
-          pv_block_avx2(sh + (h * group + g) * len + t0, vb + h * D + c, (nb && g == 0) ? nb + h * D + c : nullptr, n,
-                        token_stride, acc + (h * group + g) * D + c);
-  }
+  for (int64_t t0 = 0; t0 < len; t0 += block_size)
+    pv_rows_avx2<D>(sh + t0, len, kv_heads, group, v_cache + table[t0 / block_size] * block_stride,
+                    next_block(v_cache, table, t0, len, block_size, block_stride), std::min(block_size, len - t0),
+                    token_stride, acc);
   for (int64_t i = 0; i < num_heads; ++i)
     for (int64_t d = 0; d < D; ++d) os[i * D + d] = acc[i * D + d] * inv[i];
 }
