@@ -65,7 +65,11 @@ async def test_client_disconnect_frees_the_workers_request_and_kv_cache() -> Non
 
 async def test_a_draining_workers_503_is_retried_on_another_worker() -> None:
     async with workers(2) as [(draining, d_engine, d_url), (_, engine, url)]:
-        eps = tuple(Endpoint(url=u, name=u, variant="default", revision="r") for u in (d_url, url))
+        # named, not by URL (a port changes from run to run): prefix affinity's order is then fixed, and some of the
+        # six prompts below try the draining pod first (the retries counter says so)
+        eps = tuple(
+            Endpoint(url=u, name=f"pod-{i}", variant="default", revision="r") for i, u in enumerate((d_url, url))
+        )
         table = RoutingTable(
             {
                 "fake-model": DeploymentRoute(
@@ -78,9 +82,12 @@ async def test_a_draining_workers_503_is_retried_on_another_worker() -> None:
         draining.service.begin_drain("test")  # lame duck: answers 503 + Retry-After to new requests
         async with run_gateway(FixedSource(table), open_mode=True) as gw, gw.client() as c:
             for i in range(6):
-                r = await c.post("/v1/chat/completions", json=chat(model="fake-model", stream=i % 2 == 0, max_tokens=4))
+                body = chat(model="fake-model", stream=i % 2 == 0, content=f"q{i}", max_tokens=4)
+                r = await c.post("/v1/chat/completions", json=body)
                 assert r.status_code == 200, r.text
+            retries = await gw.metrics_text()
     assert d_engine.submitted == [] and len(engine.submitted) == 6
+    assert 'llmfleet_gateway_retries_total{model="fake-model",reason="503"}' in retries
 
 
 class LoraFakeEngine(fake_engine.FakeEngine):
@@ -111,13 +118,18 @@ class LoraFakeEngine(fake_engine.FakeEngine):
 
 
 def lora_table(urls: list[str], adapters: dict[str, list[str]]) -> RoutingTable:
-    """Both workers in variant `default` (weight 1) and in variant `cheap` (weight 0: only by suffix)."""
-    routes = {name: AdapterRoute(name, pods=frozenset(pods)) for name, pods in adapters.items()}
+    """Both workers in variant `default` (weight 1) and in variant `cheap` (weight 0: only by suffix); `adapters`
+    lists each adapter's pods by URL. The pods are named `pod-0`, `pod-1`, ... in `urls`' order, not by URL: prefix
+    affinity ranks pods by hashing their names, and a URL's port changes from run to run."""
+    names = {u: f"pod-{i}" for i, u in enumerate(urls)}
+    routes = {name: AdapterRoute(name, pods=frozenset(names[u] for u in pods)) for name, pods in adapters.items()}
     variants = tuple(
         VariantRoute(
             v,
             w,
-            revisions=(RevisionRoute("r", 1, tuple(Endpoint(url=u, name=u, variant=v, revision="r") for u in urls)),),
+            revisions=(
+                RevisionRoute("r", 1, tuple(Endpoint(url=u, name=names[u], variant=v, revision="r") for u in urls)),
+            ),
         )
         for v, w in (("default", 1), ("cheap", 0))
     )
