@@ -495,7 +495,7 @@ static void decode_seq_avx512(const T* __restrict__ qs, const T* __restrict__ k_
 // sequences of 352 tokens, SmolLM2's 9/3 heads of 64, caches of 30 layers so that nothing stays cached), per
 // layer: just reading every K and V byte once, block by block, 1.7-2.1 ms; reading them head by head 2.5-2.8 ms;
 // the head-by-head passes with their arithmetic 3.0-4.1 ms; these row-by-row passes 2.1-2.7 ms, 1.38-1.56x the
-// head-by-head ones in five interleaved runs (the same passes with the data in L1 take 1.0-1.3 ms: arithmetic and
+// head-by-head ones in five interleaved runs (the same passes with the data in L1 take 1.2-1.4 ms: arithmetic and
 // memory now overlap, where before they added up). Prefetching the next block's row beside each row computed
 // still gains 15%; two blocks ahead, bursts of a whole block, and hints other than T0 changed nothing. Q.K keeps a
 // head's 64-float K slice in 8 registers and reads the queries (scaled) from L1; each row's per-head sums wait in
