@@ -14,10 +14,11 @@ For each it prints useful tokens/s (generated tokens the requests asked for, per
 p50/p99, and the ratios to `hf_static` and to `vllm`; plus the GEMM rate measured here on the model's layer
 shapes (256 rows) with the SAME linear layers the engine builds for that variant (the kernel
 `worker.model.linear.choose_linear_kernel` picks: our fp32 panels on CPUs with AVX2 + FMA (MKL without them),
-oneDNN prepacked for bf16 on CPUs with native bf16; `quant.make_linear`'s kernels for the quantized variants), the throughput ceiling it implies for this workload
-(all linear-layer FLOPs of prompt and output tokens at that rate, attention ignored) and ours as a fraction of
-it, and the engine's per-step overhead outside the model (scheduler, KV bookkeeping, detokenisation: step time
-minus runner time) at the largest batch. The LAST line printed is one JSON object.
+oneDNN prepacked for bf16 on CPUs with native bf16; `quant.make_linear`'s kernels for the quantized variants),
+the throughput ceiling it implies for this workload (all linear-layer FLOPs of prompt and output tokens at that
+rate, attention ignored) and ours as a fraction of it, and the engine's per-step overhead outside the model
+(scheduler, KV bookkeeping, detokenisation: step time minus runner time) at the largest batch. The LAST line
+printed is one JSON object.
 
 The GEMM ceiling ignores memory, and on these machines most steps are bound by it: every decode step reads all
 the weights and the KV of every running request. So each variant also gets a roofline (`roofline`): for each step
@@ -28,8 +29,8 @@ over vLLM on this machine and workload.
 
 `--variants` runs several variants in one process run (so their ratios share the machine's state): fp32 and
 bf16 run every system; int8/int4/fp8 (weights quantized, activations fp32) and int8-bf16/int4-bf16/fp8-bf16 (bf16
-activations) run `ours` only, and their `x_vllm` is against vLLM in their activations' dtype and `x_fp32` against our fp32
-when those ran.
+activations) run `ours` only, and their `x_vllm` is against vLLM in their activations' dtype and `x_fp32` against
+our fp32 when those ran.
 
     .venv/bin/python bench/engine.py                # SmolLM2-135M fp32, full workload (~10-20 min on 2 cores)
     .venv/bin/python bench/engine.py --quick        # 12 short requests: a smoke run in about a minute

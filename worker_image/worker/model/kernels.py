@@ -525,11 +525,6 @@ LLMFLEET_AVX2 static inline float hmax8(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
-// Asks for one row of the pass's next block (nb: its row, `bytes` long) while this block's row is computed.
-static inline void prefetch_bytes(const float* nb, int64_t bytes) {
-  for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(reinterpret_cast<const char*>(nb) + c, 0, 3);
-}
-
 // x[i * len + j] = q_i . k_j for every query head i (qs: their queries, already scaled, a KV head's `group` of
 // them together) over rows 0..n of one block (kb: its row 0, rows `ts` floats apart); nb: the next block's row 0
 // (nullptr: none). tmp: 8 * num_heads vectors.
@@ -541,7 +536,8 @@ LLMFLEET_AVX2 static void qk_rows_avx2(const float* __restrict__ qs, int64_t kv_
     const int64_t m = std::min<int64_t>(8, n - j0);
     for (int64_t r = 0; r < m; ++r) {
       const float* kp = kb + (j0 + r) * ts;
-      if (nb) prefetch_bytes(nb + (j0 + r) * ts, ts * 4);
+      if (nb)
+        for (int64_t h = 0; h < kv_heads; ++h) prefetch_row<4 * D>(nb + (j0 + r) * ts + h * D);
       for (int64_t h = 0; h < kv_heads; ++h)
         for (int c0 = 0; c0 < D; c0 += 64) {  // 64 columns at a time: 8 registers of K
           __m256 k[8];
@@ -572,7 +568,8 @@ LLMFLEET_AVX2 static void pv_rows_avx2(const float* __restrict__ x, int64_t len,
                                        float* __restrict__ acc) {
   for (int64_t j = 0; j < n; ++j) {
     const float* vp = vb + j * ts;
-    if (nb) prefetch_bytes(nb + j * ts, ts * 4);
+    if (nb)
+      for (int64_t h = 0; h < kv_heads; ++h) prefetch_row<4 * D>(nb + j * ts + h * D);
     for (int64_t h = 0; h < kv_heads; ++h)
       for (int c0 = 0; c0 < D; c0 += 64) {
         __m256 v[8];
