@@ -13,13 +13,15 @@ perf_counter timer around each part:
 * `sampler`; `runner, rest`: the rest of the runner's time (embedding, step metadata, Python between the parts);
 * `outside the model`: what a step spends around the runner (scheduling, output processing).
 
-The parts add up to the wall time.
+The parts add up to the wall time. `--by-rows` also splits the decoder linears by their input's row count (a decode
+step multiplies one row per running request, a prompt chunk hundreds), with each bucket's GFLOP/s.
 
 The timers cost a few microseconds each (~2% of a bf16 run). Prints a table and, as its last line, one JSON object.
 
     .venv/bin/python bench/engine_parts.py --dtype bfloat16
     .venv/bin/python bench/engine_parts.py --dtype float32 --requests 8
     .venv/bin/python bench/engine_parts.py --dtype bfloat16 --quantization int8
+    .venv/bin/python bench/engine_parts.py --dtype float32 --by-rows   # the linears by row count, decode vs prompt
 """
 
 from __future__ import annotations
@@ -50,6 +52,47 @@ class _Timers:
         return timed
 
 
+# Row counts of a linear's input, for `--by-rows`: decode steps (up to 64 running) by how many rows they
+# multiply, then prompt chunks. Upper bounds, inclusive.
+ROW_BUCKETS = ((8, "1-8"), (16, "9-16"), (32, "17-32"), (64, "33-64"), (512, "65-512"), (None, "513+"))
+
+
+def row_bucket(rows: int) -> str:
+    """The `ROW_BUCKETS` label of a linear call on `rows` rows."""
+    return next(label for top, label in ROW_BUCKETS if top is None or rows <= top)
+
+
+class _RowTimers:
+    """A decoder linear's calls by row bucket: [calls, seconds, FLOPs] (`--by-rows`)."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+
+    def wrap(self, layer: Any, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        flops_per_row = 2 * layer.in_features * layer.out_features
+
+        def timed(x: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(x)
+            finally:
+                entry = self.calls[row_bucket(x.shape[0])]
+                entry[0] += 1
+                entry[1] += time.perf_counter() - start
+                entry[2] += flops_per_row * x.shape[0]
+
+        return timed
+
+    def table(self) -> dict[str, dict[str, float]]:
+        """Per bucket (in `ROW_BUCKETS` order): calls, seconds, GFLOP/s."""
+        return {
+            label: {"calls": int(c), "s": round(secs, 3), "gflop_s": round(flops / secs / 1e9, 1) if secs else 0.0}
+            for _, label in ROW_BUCKETS
+            if label in self.calls
+            for c, secs, flops in [self.calls[label]]
+        }
+
+
 class _CallProxy:
     """`obj` with its calls timed under `name`; its attributes (e.g. the sampler's `verify`) pass through."""
 
@@ -77,8 +120,9 @@ class _FusedProxy:
         return getattr(self._fused, name)
 
 
-def instrument(llm: Any, timers: _Timers) -> None:
-    """Put timers around the parts of `llm`'s model and runner (an `worker.engine.llm.LLM`)."""
+def instrument(llm: Any, timers: _Timers, rows: _RowTimers | None = None) -> None:
+    """Put timers around the parts of `llm`'s model and runner (an `worker.engine.llm.LLM`); `rows`: the decoder
+    linears' calls by row count too."""
     import torch.nn.functional as F
     import worker.model.attention as attention
 
@@ -86,7 +130,9 @@ def instrument(llm: Any, timers: _Timers) -> None:
     model = runner.model
     for layer in model.layers:
         for name in ("qkv", "o_proj", "gate_up", "down"):
-            object.__setattr__(layer, name, timers.wrap("linears", getattr(layer, name)))
+            linear = getattr(layer, name)
+            timed = linear if rows is None else rows.wrap(linear, linear)
+            object.__setattr__(layer, name, timers.wrap("linears", timed))
     model.lm_head = timers.wrap("output head", model.lm_head)
     if model.fused is not None:
         model.fused = _FusedProxy(model.fused, timers)
@@ -123,8 +169,10 @@ def run(
     output_len: tuple[int, int],
     seed: int = 0,
     quantization: str | None = None,
+    by_rows: bool = False,
 ) -> dict:
-    """One run of the workload; seconds per part (`attention, rest` derived), wall time, steps."""
+    """One run of the workload; seconds per part (`attention, rest` derived), wall time, steps; `by_rows`: the
+    decoder linears by row count too (`linears_by_rows`)."""
     from engine import make_workload
     from worker.core.request import SamplingParams
     from worker.engine.llm import LLM
@@ -145,7 +193,8 @@ def run(
     )
     llm.generate([work[0][0][:32]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     timers = _Timers()
-    instrument(llm, timers)
+    rows = _RowTimers() if by_rows else None
+    instrument(llm, timers, rows)
     try:
         core = llm.engine
         for i, (prompt, n) in enumerate(work):
@@ -163,7 +212,7 @@ def run(
     runner = parts.pop("runner", 0.0)
     parts["runner, rest"] = max(runner - sum(parts.values()), 0.0)  # embedding, metadata, per-layer Python
     parts["outside the model"] = max(wall - runner, 0.0)
-    return {
+    result = {
         "dtype": dtype,
         "quantization": quantization,
         "requests": requests,
@@ -171,6 +220,9 @@ def run(
         "wall_s": round(wall, 3),
         "parts_s": parts,
     }
+    if rows is not None:
+        result["linears_by_rows"] = rows.table()
+    return result
 
 
 def main() -> None:
@@ -180,16 +232,21 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--prompt-len", default="32,512", help="min,max prompt tokens (W: 32,512)")
     ap.add_argument("--output-len", default="16,256", help="min,max output tokens (W: 16,256)")
+    ap.add_argument("--by-rows", action="store_true", help="also the decoder linears by row count (decode steps)")
     args = ap.parse_args()
     p_lo, p_hi = (int(v) for v in args.prompt_len.split(","))
     o_lo, o_hi = (int(v) for v in args.output_len.split(","))
-    result = run(args.dtype, args.requests, (p_lo, p_hi), (o_lo, o_hi), quantization=args.quantization)
+    result = run(
+        args.dtype, args.requests, (p_lo, p_hi), (o_lo, o_hi), quantization=args.quantization, by_rows=args.by_rows
+    )
     wall = result["wall_s"]
     print(
         f"{args.dtype} {args.quantization or 'dense'}, {args.requests} requests, {result['steps']} steps, wall {wall:.2f} s"
     )
     for name, secs in sorted(result["parts_s"].items(), key=lambda kv: -kv[1]):
         print(f"  {name:20s} {secs:7.2f} s  {100 * secs / wall:5.1f}%")
+    for label, cell in result.get("linears_by_rows", {}).items():
+        print(f"  linears, {label:>6s} rows: {cell['s']:7.2f} s  {cell['gflop_s']:6.1f} GFLOP/s  ({cell['calls']} calls)")
     result["parts_s"] = {k: round(v, 3) for k, v in result["parts_s"].items()}
     print(json.dumps(result))
 

@@ -23,3 +23,23 @@ def test_parts_are_timed_and_fit_in_the_wall_time(dtype):
     assert sum(parts.values()) == pytest.approx(result["wall_s"], rel=0.02)
     assert result["steps"] >= 6
     assert attention.F is F and llama.paged_attention is attention.paged_attention
+
+
+@pytest.mark.parametrize(
+    ("rows", "label"),
+    [(1, "1-8"), (8, "1-8"), (9, "9-16"), (32, "17-32"), (33, "33-64"), (64, "33-64"), (65, "65-512"), (2048, "513+")],
+)
+def test_row_buckets_are_inclusive_upper_bounds(rows, label):
+    assert engine_parts.row_bucket(rows) == label
+
+
+def test_by_rows_splits_every_linear_call_of_the_run():
+    result = engine_parts.run("float32", requests=3, prompt_len=(8, 40), output_len=(3, 6), by_rows=True)
+    table = result["linears_by_rows"]
+    assert set(table) <= {label for _, label in engine_parts.ROW_BUCKETS}
+    assert "1-8" in table  # decode steps of at most 3 requests
+    calls = sum(cell["calls"] for cell in table.values())
+    assert calls % 4 == 0 and calls >= 4 * result["steps"]  # four projections a layer, every layer, every step
+    seconds = sum(cell["s"] for cell in table.values())
+    assert 0 < seconds <= result["parts_s"]["linears"] + 0.01
+    assert all(cell["gflop_s"] > 0 for cell in table.values())
