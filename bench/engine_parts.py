@@ -246,7 +246,9 @@ def main() -> None:
     for name, secs in sorted(result["parts_s"].items(), key=lambda kv: -kv[1]):
         print(f"  {name:20s} {secs:7.2f} s  {100 * secs / wall:5.1f}%")
     for label, cell in result.get("linears_by_rows", {}).items():
-        print(f"  linears, {label:>6s} rows: {cell['s']:7.2f} s  {cell['gflop_s']:6.1f} GFLOP/s  ({cell['calls']} calls)")
+        print(
+            f"  linears, {label:>6s} rows: {cell['s']:7.2f} s  {cell['gflop_s']:6.1f} GFLOP/s  ({cell['calls']} calls)"
+        )
     result["parts_s"] = {k: round(v, 3) for k, v in result["parts_s"].items()}
     print(json.dumps(result))
 
