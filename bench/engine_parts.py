@@ -68,13 +68,13 @@ class _RowTimers:
     def __init__(self) -> None:
         self.calls: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
 
-    def wrap(self, layer: Any, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
-        flops_per_row = 2 * layer.in_features * layer.out_features
+    def wrap(self, linear: Any) -> Callable[[Any], Any]:
+        flops_per_row = 2 * linear.in_features * linear.out_features
 
         def timed(x: Any) -> Any:
             start = time.perf_counter()
             try:
-                return fn(x)
+                return linear(x)
             finally:
                 entry = self.calls[row_bucket(x.shape[0])]
                 entry[0] += 1
@@ -85,12 +85,13 @@ class _RowTimers:
 
     def table(self) -> dict[str, dict[str, float]]:
         """Per bucket (in `ROW_BUCKETS` order): calls, seconds, GFLOP/s."""
-        return {
-            label: {"calls": int(c), "s": round(secs, 3), "gflop_s": round(flops / secs / 1e9, 1) if secs else 0.0}
-            for _, label in ROW_BUCKETS
-            if label in self.calls
-            for c, secs, flops in [self.calls[label]]
-        }
+        table = {}
+        for _, label in ROW_BUCKETS:
+            if label in self.calls:
+                calls, secs, flops = self.calls[label]
+                gflop_s = round(flops / secs / 1e9, 1) if secs else 0.0
+                table[label] = {"calls": int(calls), "s": round(secs, 3), "gflop_s": gflop_s}
+        return table
 
 
 class _CallProxy:
@@ -131,7 +132,7 @@ def instrument(llm: Any, timers: _Timers, rows: _RowTimers | None = None) -> Non
     for layer in model.layers:
         for name in ("qkv", "o_proj", "gate_up", "down"):
             linear = getattr(layer, name)
-            timed = linear if rows is None else rows.wrap(linear, linear)
+            timed = linear if rows is None else rows.wrap(linear)
             object.__setattr__(layer, name, timers.wrap("linears", timed))
     model.lm_head = timers.wrap("output head", model.lm_head)
     if model.fused is not None:

@@ -1724,7 +1724,7 @@ LLMFLEET_AVX2 static void f32_attention_block_avx2(const float* q, int64_t qs, i
     }
     inv[m] = vis ? 1.f / hsum8(_mm256_add_ps(sum[1], sum[0])) : 0.f;
   }
-  // O = P V by blocks of JB keys (16 KB of V, from L1 for every pair of rows and column slice), each block's sums
+  // O = P V by blocks of JB keys (16 KB of V, from L1 for every R rows and column slice), each block's sums
   // carried on from the last in `o` (unscaled): the same running sum per output as in one pass over the keys
   constexpr int R = 4, C = 2;
   constexpr int64_t JB = 4096 / D;
