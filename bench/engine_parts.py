@@ -69,17 +69,16 @@ class _RowTimers:
         self.calls: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
 
     def wrap(self, linear: Any) -> Callable[[Any], Any]:
-        flops_per_row = 2 * linear.in_features * linear.out_features
+        """`linear` timed; its FLOPs from the call's shapes (a quantized layer does not keep `in_features`)."""
 
         def timed(x: Any) -> Any:
             start = time.perf_counter()
-            try:
-                return linear(x)
-            finally:
-                entry = self.calls[row_bucket(x.shape[0])]
-                entry[0] += 1
-                entry[1] += time.perf_counter() - start
-                entry[2] += flops_per_row * x.shape[0]
+            y = linear(x)
+            entry = self.calls[row_bucket(x.shape[0])]
+            entry[0] += 1
+            entry[1] += time.perf_counter() - start
+            entry[2] += 2 * x.shape[0] * x.shape[-1] * y.shape[-1]
+            return y
 
         return timed
 

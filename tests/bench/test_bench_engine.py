@@ -60,3 +60,69 @@ def test_the_gemm_ceiling_says_which_kernel_it_measured(tmp_path, quantization) 
     else:  # the quantized layer's own account of its kernel (quant.py's `path`), not a fixed string
         assert got["linear_kernel"] == "int8" and got["kernel_reason"].startswith("int8 weight-only on ")
         assert len(got["kernel_reason"]) > len("int8 weight-only on ") + 10
+
+
+def _entry(variant: str, system: str, tok_s: float | None, **extra: float) -> dict:
+    if tok_s is None:
+        return {"variant": variant, "system": system, "error": "boom"}
+    return {"variant": variant, "system": system, "tok_s": tok_s, "useful_tokens": 100, **extra}
+
+
+_CEILINGS = {
+    "fp32": {"ceiling_tok_s": 200.0, "roofline": {"floor_tok_s": 100.0}},
+    "int8": {"ceiling_tok_s": 250.0},
+}
+
+
+@pytest.mark.parametrize(
+    ("found", "expected"),
+    [
+        (  # ours against vLLM of the same round, its ceiling and the roofline; vLLM only against the roofline
+            [_entry("fp32", "ours", 150.0), _entry("fp32", "vllm", 100.0)],
+            {
+                ("fp32", "ours"): {"x_vllm": 1.5, "x_ceiling": 0.75, "x_roofline": 1.5},
+                ("fp32", "vllm"): {"x_vllm": 1.0, "x_roofline": 1.0},
+            },
+        ),
+        (  # a quantized variant: against our fp32 and vLLM in fp32 (its activations' dtype), no roofline here
+            [_entry("fp32", "ours", 100.0), _entry("fp32", "vllm", 80.0), _entry("int8", "ours", 110.0)],
+            {("int8", "ours"): {"x_fp32": 1.1, "x_vllm": 1.375, "x_ceiling": 0.44}},
+        ),
+        (  # a failed vLLM gives no ratio
+            [_entry("fp32", "ours", 100.0), _entry("fp32", "vllm", None)],
+            {("fp32", "ours"): {"x_ceiling": 0.5, "x_roofline": 1.0}},
+        ),
+    ],
+)
+def test_a_rounds_ratios_are_taken_within_it(found, expected) -> None:
+    from engine import add_ratios
+
+    add_ratios(found, _CEILINGS)
+    for r in found:
+        want = expected.get((r["variant"], r["system"]))
+        if want is not None:
+            assert {k: v for k, v in r.items() if k.startswith("x_")} == want
+
+
+def test_rounds_report_the_median_round_and_the_median_of_each_ratio() -> None:
+    from engine import summarize_rounds
+
+    rounds = [
+        [_entry("fp32", "ours", 120.0, x_vllm=1.6, ttft_p50_s=20.0), _entry("fp32", "vllm", 75.0, x_vllm=1.0)],
+        [_entry("fp32", "ours", 100.0, x_vllm=1.4, ttft_p50_s=25.0), _entry("fp32", "vllm", None)],
+        [_entry("fp32", "ours", 110.0, x_vllm=1.7, ttft_p50_s=22.0), _entry("fp32", "vllm", 65.0, x_vllm=1.0)],
+    ]
+    ours, vllm = summarize_rounds(rounds)
+    assert (ours["system"], vllm["system"]) == ("ours", "vllm")
+    assert ours["tok_s"] == 110.0 and ours["ttft_p50_s"] == 22.0  # the median round's latencies
+    assert ours["x_vllm"] == 1.6  # the median ratio, not a ratio of medians (110 / 70 = 1.57)
+    assert ours["tok_s_rounds"] == [120.0, 100.0, 110.0] and ours["x_vllm_rounds"] == [1.6, 1.4, 1.7]
+    assert ours["rounds"] == 3 and vllm["rounds"] == 2  # a failed round does not count
+    assert vllm["tok_s"] == 70.0  # two rounds: the mean of the middle two; the lower one's latencies
+
+
+def test_a_system_that_failed_every_round_keeps_its_error() -> None:
+    from engine import summarize_rounds
+
+    rounds = [[_entry("fp32", "vllm", None)], [_entry("fp32", "vllm", None)]]
+    assert summarize_rounds(rounds) == [{"variant": "fp32", "system": "vllm", "error": "boom"}]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import engine_parts
 import pytest
+import torch
 import torch.nn.functional as F
 import worker.model.attention as attention
 import worker.model.llama as llama
@@ -33,8 +34,23 @@ def test_row_buckets_are_inclusive_upper_bounds(rows, label):
     assert engine_parts.row_bucket(rows) == label
 
 
-def test_by_rows_splits_every_linear_call_of_the_run():
-    result = engine_parts.run("float32", requests=3, prompt_len=(8, 40), output_len=(3, 6), by_rows=True)
+def test_a_row_timer_counts_flops_from_the_call_shapes():
+    """A quantized layer keeps no `in_features`: the FLOPs come from x's and y's shapes (the timer once read them
+    from the layer, and `--by-rows --quantization int8` failed)."""
+    timers = engine_parts._RowTimers()
+    timed = timers.wrap(lambda x: torch.zeros(x.shape[0], 5))
+    assert timed(torch.ones(3, 7)).shape == (3, 5)
+    timed(torch.ones(40, 7))
+    calls, _, flops = timers.calls["1-8"]
+    assert (calls, flops) == (1, 2 * 3 * 7 * 5)
+    assert timers.calls["33-64"][2] == 2 * 40 * 7 * 5
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_by_rows_splits_every_linear_call_of_the_run(quantization):
+    result = engine_parts.run(
+        "float32", requests=3, prompt_len=(8, 40), output_len=(3, 6), quantization=quantization, by_rows=True
+    )
     table = result["linears_by_rows"]
     assert set(table) <= {label for _, label in engine_parts.ROW_BUCKETS}
     assert "1-8" in table  # decode steps of at most 3 requests
