@@ -1366,40 +1366,67 @@ LLMFLEET_AVX2 static inline __attribute__((always_inline)) void panel_step_avx2(
   }
 }
 
-// panel_block's contract for MR <= 4 rows. The next panel's lines are asked for in stretches of 8 inputs (all of a
-// chunk's at its start stalled the core on its fill buffers: 30 streamed SmolLM2 layers, 2 threads, GFLOP/s before
-// -> after at 4 rows 21-35 -> 28-46, 16: 59-82 -> 75-101, 32: 95-136 -> 108-144); a block that is its pass's only
-// one (1 or 2 rows) asks for none: the hardware streams its ascending reads faster (1 row: 8.1 -> 10.3).
-template <int MR, typename W = float>
-LLMFLEET_AVX2 static void panel_block_avx2(const float* __restrict__ x, int64_t xs, int64_t K,
-                                           const W* __restrict__ panel, float* __restrict__ y, int64_t N,
-                                           int64_t ncols, const float* bias, const void* next, int64_t l0, int64_t l1,
-                                           bool stream = false, const float* scale = nullptr) {
+// One 64-input chunk of the panel for MR <= 4 rows of x (xs floats apart): its sums added into the rows' totals
+// (48 floats a row, `total`), which the pass's first chunk starts from zero (no memset: `0 + x`, the same bits).
+// Lines of `next` (nullptr: none) are asked for in stretches of 8 inputs, one for every `denom` of `due`, which each
+// stretch of a pass over the chunk raises by its inputs times `span` (all of a chunk's at its start stalled the
+// core on its fill buffers: 30 streamed SmolLM2 layers, 2 threads, GFLOP/s before -> after at 4 rows 21-35 ->
+// 28-46, 16: 59-82 -> 75-101, 32: 95-136 -> 108-144).
+template <int MR, typename W>
+LLMFLEET_AVX2 static inline void panel_chunk_avx2(const float* __restrict__ x, int64_t xs, int64_t k0, int64_t k1,
+                                                  const W* __restrict__ panel, float* __restrict__ total,
+                                                  const char* next, int64_t& due, int64_t& line, int64_t span,
+                                                  int64_t denom) {
   constexpr int J = MR <= 2 ? 6 : 3, HW = 8 * J;  // vectors a step, columns a pass
-  alignas(32) float total[MR][F32_PANEL];  // (the first chunk's sums are added to zeros: no memset, same bits)
-  const int64_t span = l1 - l0, passes = F32_PANEL / HW;
-  if (MR <= 2 && span == K * F32_PANEL * int64_t(sizeof(W)) / 64) next = nullptr;
-  int64_t due = 0, line = l0;
+  for (int64_t h = 0; h < F32_PANEL; h += HW) {
+    __m256 acc[MR][J];
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < J; ++j) acc[m][j] = _mm256_setzero_ps();
+    for (int64_t ks = k0; ks < k1; ks += 8) {
+      const int64_t ke = std::min(k1, ks + 8);
+      if (next) {  // this stretch's share of the next panel's lines, so the FMA loop below has no branch
+        for (due += (ke - ks) * span; due >= denom; due -= denom, ++line) _mm_prefetch(next + line * 64, _MM_HINT_T1);
+      }
+#pragma GCC unroll 2
+      for (int64_t k = ks; k < ke; ++k) panel_step_avx2<MR, J>(x, xs, k, panel + h, acc);
+    }
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < J; ++j) {
+        float* t = total + m * F32_PANEL + h + 8 * j;
+        _mm256_store_ps(t, _mm256_add_ps(k0 ? _mm256_load_ps(t) : _mm256_setzero_ps(), acc[m][j]));
+      }
+  }
+}
+
+// The 64-input steps a block of `rows` (<= 4) takes per chunk: passes over it (two halves, or one for 1-2 rows)
+static int64_t avx2_passes(int64_t rows) { return rows <= 2 ? 1 : 2; }
+
+// panel_block's contract for all `rows` (<= F32_PANEL_ROWS) of a pass, `total` a scratch of rows x 48 floats
+// (32-byte aligned). Chunk by chunk, every block of 4 rows takes the chunk (12 KB: it stays in L1 for all of them,
+// where block after block over the whole K re-read the panel from L2 for each block; 30 streamed SmolLM2 layers,
+// GFLOP/s, a standalone copy with both orders interleaved: 16 rows 85 -> 104, 32: 109 -> 125, 64: 108 -> 121,
+// 256: 120 -> 133, 2048: 110 -> 120), then the totals go out. A lone block of 1 or 2 rows (one decode step of one
+// or two sequences) asks for no prefetch: the hardware streams its ascending reads faster (1 row: 8.1 -> 10.3).
+template <typename W = float>
+LLMFLEET_AVX2 static void panel_pass_avx2(int64_t rows, const float* __restrict__ x, int64_t xs, int64_t K,
+                                          const W* __restrict__ panel, float* __restrict__ y, int64_t N, int64_t ncols,
+                                          const float* bias, const void* next, int64_t lines, bool stream,
+                                          const float* scale, float* __restrict__ total) {
+  const int64_t tail = rows % 4, full = rows / 4;
+  const int64_t denom = K * (full * avx2_passes(4) + (tail ? avx2_passes(tail) : 0));
+  const char* pf = rows <= 2 ? nullptr : static_cast<const char*>(next);
+  int64_t due = 0, line = 0;
   for (int64_t k0 = 0; k0 < K; k0 += F32_PANEL_CHUNK) {
     const int64_t k1 = std::min(K, k0 + F32_PANEL_CHUNK);
-    for (int64_t h = 0; h < F32_PANEL; h += HW) {
-      __m256 acc[MR][J];
-      for (int m = 0; m < MR; ++m)
-        for (int j = 0; j < J; ++j) acc[m][j] = _mm256_setzero_ps();
-      for (int64_t ks = k0; ks < k1; ks += 8) {
-        const int64_t ke = std::min(k1, ks + 8);
-        if (next) {  // this stretch's share of the next panel's lines (the block reads each k `passes` times)
-          for (due += (ke - ks) * span; due >= passes * K; due -= passes * K, ++line)
-            _mm_prefetch(reinterpret_cast<const char*>(next) + line * 64, _MM_HINT_T1);
-        }
-#pragma GCC unroll 2
-        for (int64_t k = ks; k < ke; ++k) panel_step_avx2<MR, J>(x, xs, k, panel + h, acc);
-      }
-      for (int m = 0; m < MR; ++m)
-        for (int j = 0; j < J; ++j) {
-          float* t = total[m] + h + 8 * j;
-          _mm256_store_ps(t, _mm256_add_ps(k0 ? _mm256_load_ps(t) : _mm256_setzero_ps(), acc[m][j]));
-        }
+    for (int64_t b = 0; b < full; ++b)
+      panel_chunk_avx2<4>(x + 4 * b * xs, xs, k0, k1, panel, total + 4 * b * F32_PANEL, pf, due, line, lines, denom);
+    const float* xt = x + 4 * full * xs;
+    float* tt = total + 4 * full * F32_PANEL;
+    switch (tail) {
+      case 3: panel_chunk_avx2<3>(xt, xs, k0, k1, panel, tt, pf, due, line, lines, denom); break;
+      case 2: panel_chunk_avx2<2>(xt, xs, k0, k1, panel, tt, pf, due, line, lines, denom); break;
+      case 1: panel_chunk_avx2<1>(xt, xs, k0, k1, panel, tt, pf, due, line, lines, denom); break;
+      default: break;
     }
   }
   for (int64_t c = 0; c < ncols; c += 8) {
@@ -1407,8 +1434,8 @@ LLMFLEET_AVX2 static void panel_block_avx2(const float* __restrict__ x, int64_t 
     const __m256i mask = first_lanes(left);
     const __m256 b = bias ? _mm256_maskload_ps(bias + c, mask) : _mm256_setzero_ps();
     const __m256 sc = scale ? _mm256_maskload_ps(scale + c, mask) : _mm256_setzero_ps();
-    for (int m = 0; m < MR; ++m) {
-      const __m256 t = _mm256_load_ps(total[m] + c);
+    for (int64_t m = 0; m < rows; ++m) {
+      const __m256 t = _mm256_load_ps(total + m * F32_PANEL + c);
       const __m256 out = scale ? _mm256_fmadd_ps(t, sc, b) : _mm256_add_ps(t, b);
       if (left < 8)  // (a masked store is microcoded on AMD: ~12 cycles where a plain one takes 1)
         _mm256_maskstore_ps(y + m * N + c, mask, out);
@@ -1420,19 +1447,25 @@ LLMFLEET_AVX2 static void panel_block_avx2(const float* __restrict__ x, int64_t 
   }
 }
 
-// panel_block_avx2 for 1..4 rows (panel_tail's role on AVX2)
-template <typename... A>
-LLMFLEET_AVX2 static void panel_rows_avx2(int64_t rows, A... a) {
-  switch (rows) {
-    case 4: return panel_block_avx2<4>(a...);
-    case 3: return panel_block_avx2<3>(a...);
-    case 2: return panel_block_avx2<2>(a...);
-    default: return panel_block_avx2<1>(a...);
+// The AVX-512 pass: block after block of 8 rows (panel_block, the last one panel_tail), each over the whole K, the
+// next panel's lines spread over the blocks
+template <typename W = float>
+LLMFLEET_AVX512F static void panel_pass_avx512(int64_t rows, const float* x, int64_t xs, int64_t K, const W* panel,
+                                               float* y, int64_t N, int64_t ncols, const float* bias, const void* next,
+                                               int64_t lines, bool stream, const float* scale, float*) {
+  const int64_t blocks = (rows + 7) / 8;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t m = blk * 8, r = std::min<int64_t>(8, rows - m);
+    const int64_t l0 = blk * lines / blocks, l1 = (blk + 1) * lines / blocks;
+    if (r == 8)
+      panel_block<8, W>(x + m * xs, xs, K, panel, y + m * N, N, ncols, bias, next, l0, l1, stream, scale);
+    else
+      panel_tail<W>(r, x + m * xs, xs, K, panel, y + m * N, N, ncols, bias, next, l0, l1, stream, scale);
   }
 }
 
-// Per thread, its panels; per pass of F32_PANEL_ROWS rows, per panel, every block of BR rows of the pass (8 on
-// AVX-512, 4 on AVX2; the panel from L2 after the first). The next panel's lines are spread over the pass's blocks.
+// Per thread, its panels; per pass of F32_PANEL_ROWS rows, per panel, the pass's rows (`pass`: panel_pass_avx512 or
+// panel_pass_avx2). The next panel's lines are asked for while the pass multiplies this one.
 // Past one pass (a prompt chunk), y is written with streaming stores: y (4.7-25 MB per SmolLM2 layer at 2048 rows)
 // outgrows the caches, and plain stores first read each line from DRAM (a line fill per 64 bytes, on the fill
 // buffers the panel prefetches need). 30 streamed layers at 2048 rows: 300 -> 319-342 GFLOP/s, the gate+up
@@ -1441,15 +1474,16 @@ LLMFLEET_AVX2 static void panel_rows_avx2(int64_t rows, A... a) {
 // (the weight streams at 1 byte a weight, not 4) but costs a compute-bound batch its conversions once per block:
 // passes of F32_PANEL_WIDEN_ROWS rows or more widen each panel once into an fp32 scratch (K x 48, in L2) that
 // all their blocks read. The same fp32 values either way, so the same sums.
-template <int BR, typename Src, typename Block>
+template <typename Src, typename Pass>
 static void panel_linear_run(const float* x, int64_t M, int64_t K, const Src& src, int64_t P, int64_t N,
-                             const float* bias, const float* scale, float* y, const Block& block) {
+                             const float* bias, const float* scale, float* y, const Pass& pass) {
   const bool stream = M > F32_PANEL_ROWS && N % 16 == 0 && reinterpret_cast<uintptr_t>(y) % 64 == 0;
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     const int64_t lines = src.bytes() / 64;  // a panel's 64-byte lines
     std::unique_ptr<float, decltype(&free)> wide(nullptr, &free);
+    alignas(64) float total[F32_PANEL_ROWS * F32_PANEL];  // a pass's sums (panel_pass_avx2)
     for (int64_t m0 = 0; m0 < M; m0 += F32_PANEL_ROWS) {
-      const int64_t rows = std::min(F32_PANEL_ROWS, M - m0), blocks = (rows + BR - 1) / BR;
+      const int64_t rows = std::min(F32_PANEL_ROWS, M - m0);
       const bool widen = !Src::direct || (!Src::fp32 && rows >= F32_PANEL_WIDEN_ROWS);
       if (widen && !wide) {  // (K x 48 floats: a multiple of 64 bytes, as aligned_alloc wants)
         wide.reset(static_cast<float*>(aligned_alloc(64, K * F32_PANEL * sizeof(float))));
@@ -1460,20 +1494,16 @@ static void panel_linear_run(const float* x, int64_t M, int64_t K, const Src& sr
         const float* b = bias ? bias + p * F32_PANEL : nullptr;
         const float* sc = scale ? scale + p * F32_PANEL : nullptr;
         const int64_t ncols = std::min(F32_PANEL, N - p * F32_PANEL);
+        float* yp = y + m0 * N + p * F32_PANEL;
         if (widen) src.widen(p, wide.get());
-        for (int64_t blk = 0; blk < blocks; ++blk) {
-          const int64_t m = blk * BR, l0 = blk * lines / blocks, l1 = (blk + 1) * lines / blocks;
-          const int64_t r = std::min<int64_t>(BR, rows - m);
-          float* yb = y + (m0 + m) * N + p * F32_PANEL;
-          if constexpr (Src::direct) {
-            if (!widen) {
-              block(r, x + (m0 + m) * K, K, K, src.panel(p), yb, N, ncols, b, next, l0, l1, stream, sc);
-              continue;
-            }
+        if constexpr (Src::direct) {
+          if (!widen) {
+            pass(rows, x + m0 * K, K, K, src.panel(p), yp, N, ncols, b, next, lines, stream, sc, total);
+            continue;
           }
-          block(r, x + (m0 + m) * K, K, K, static_cast<const float*>(wide.get()), yb, N, ncols, b, next, l0, l1, stream,
-                sc);
         }
+        pass(rows, x + m0 * K, K, K, static_cast<const float*>(wide.get()), yp, N, ncols, b, next, lines, stream, sc,
+             total);
       }
     }
     if (stream) _mm_sfence();  // streaming stores are weakly ordered: done before the join hands y on
@@ -1484,13 +1514,16 @@ template <typename Src>
 static void panel_linear_any(const float* x, int64_t M, int64_t K, const Src& w, int64_t P, int64_t N,
                              const float* bias, const float* scale, float* y) {
   if (cpu_has_avx512f()) {
-    panel_linear_run<8>(x, M, K, w, P, N, bias, scale, y, [](int64_t rows, auto... a) {
-      if (rows == 8) return panel_block<8>(a...);
-      return panel_tail(rows, a...);
+    panel_linear_run(x, M, K, w, P, N, bias, scale, y, [](int64_t rows, const float* xp, int64_t xs, int64_t k,
+                                                          const auto* panel, auto... a) {
+      panel_pass_avx512(rows, xp, xs, k, panel, a...);
     });
     return;
   }
-  panel_linear_run<4>(x, M, K, w, P, N, bias, scale, y, [](int64_t rows, auto... a) { panel_rows_avx2(rows, a...); });
+  panel_linear_run(x, M, K, w, P, N, bias, scale, y, [](int64_t rows, const float* xp, int64_t xs, int64_t k,
+                                                        const auto* panel, auto... a) {
+    panel_pass_avx2(rows, xp, xs, k, panel, a...);
+  });
 }
 #endif
 
@@ -1682,7 +1715,7 @@ LLMFLEET_AVX512F static void f32_attention_block(const float* q, int64_t qs, int
   }
 }
 
-// f32_attention_block's task on AVX2 + FMA, with its bits: S = Q K^T by panel_block_avx2 (4 rows at a time, the
+// f32_attention_block's task on AVX2 + FMA, with its bits: S = Q K^T by panel_pass_avx2 (4 rows at a time, the
 // sums panel_block takes, in its order); the softmax in 8 lanes, the row sums in two accumulators (the even and odd
 // 8-key halves of each 16) added up as _mm512_reduce_add_ps adds its lanes; O = P V 4 rows x 16 columns at a time
 // (8 accumulators, 2 vectors of V and the broadcast) over blocks of keys, each output summed over the keys in order
@@ -1696,12 +1729,10 @@ LLMFLEET_AVX2 static void f32_attention_block_avx2(const float* q, int64_t qs, i
                                                    float scale, float* s, float* out, int64_t os) {
   const int64_t nk = first_vis + rows - 1;  // keys the block's last row sees
   const __m256 sc = _mm256_set1_ps(scale);
-  for (int64_t j0 = 0; j0 < nk; j0 += F32_PANEL) {  // S's rows ls floats apart; the score rows past `rows` unset
-    const float* panel = kt + j0 * D;
-    for (int64_t m = 0; m < rows; m += 4)
-      panel_rows_avx2(std::min<int64_t>(4, rows - m), q + m * qs, qs, int64_t(D), panel, s + m * ls + j0, ls, F32_PANEL,
-                      static_cast<const float*>(nullptr), static_cast<const void*>(nullptr), int64_t(0), int64_t(0));
-  }
+  alignas(64) float total[F32_ATTN_ROWS * F32_PANEL];
+  for (int64_t j0 = 0; j0 < nk; j0 += F32_PANEL)  // S's rows ls floats apart; the score rows past `rows` unset
+    panel_pass_avx2(rows, q, qs, int64_t(D), kt + j0 * D, s + j0, ls, F32_PANEL, nullptr, nullptr, 0, false, nullptr,
+                    total);
   const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   float inv[F32_ATTN_ROWS];
   for (int64_t m = 0; m < F32_ATTN_ROWS; ++m) {
