@@ -1403,10 +1403,13 @@ static int64_t avx2_passes(int64_t rows) { return rows <= 2 ? 1 : 2; }
 
 // panel_block's contract for all `rows` (<= F32_PANEL_ROWS) of a pass, `total` a scratch of rows x 48 floats
 // (32-byte aligned). Chunk by chunk, every block of 4 rows takes the chunk (12 KB: it stays in L1 for all of them,
-// where block after block over the whole K re-read the panel from L2 for each block; 30 streamed SmolLM2 layers,
-// GFLOP/s, a standalone copy with both orders interleaved: 16 rows 85 -> 104, 32: 109 -> 125, 64: 108 -> 121,
-// 256: 120 -> 133, 2048: 110 -> 120), then the totals go out. A lone block of 1 or 2 rows (one decode step of one
-// or two sequences) asks for no prefetch: the hardware streams its ascending reads faster (1 row: 8.1 -> 10.3).
+// where block after block over the whole K re-read the panel from L2 for each block), then the totals go out. 30
+// streamed SmolLM2 layers, both builds loaded in one process, rounds interleaved, the median of the rounds' speed
+// ratios: 8 rows 1.22x, 16: 1.14x, 32: 1.17x, 48: 1.04x, 64: 1.00-1.08x, 128: 1.07x, 256: 1.01x, 1-4 and 2048
+// rows unchanged. (Widening int8 codes a chunk at a time into L1 for all blocks, instead of in registers by each,
+// was slower: 8 rows 0.69x, 16: 0.88x; so was reading codes directly past F32_PANEL_WIDEN_ROWS: 64 rows 0.90x.)
+// A lone block of 1 or 2 rows (one decode step of one or two sequences) asks for no prefetch: the hardware
+// streams its ascending reads faster (1 row: 8.1 -> 10.3).
 template <typename W = float>
 LLMFLEET_AVX2 static void panel_pass_avx2(int64_t rows, const float* __restrict__ x, int64_t xs, int64_t K,
                                           const W* __restrict__ panel, float* __restrict__ y, int64_t N, int64_t ncols,
@@ -1448,7 +1451,8 @@ LLMFLEET_AVX2 static void panel_pass_avx2(int64_t rows, const float* __restrict_
 }
 
 // The AVX-512 pass: block after block of 8 rows (panel_block, the last one panel_tail), each over the whole K, the
-// next panel's lines spread over the blocks
+// next panel's lines spread over the blocks. (panel_pass_avx2's chunk-by-chunk order gained 1.14-1.22x at 8-32 rows
+// on Zen 3; not measured on an AVX-512 CPU, whose blocks read the panel half as often: try it there.)
 template <typename W = float>
 LLMFLEET_AVX512F static void panel_pass_avx512(int64_t rows, const float* x, int64_t xs, int64_t K, const W* panel,
                                                float* y, int64_t N, int64_t ncols, const float* bias, const void* next,
