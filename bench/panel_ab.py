@@ -1,0 +1,186 @@
+"""Two builds of the extension's panel linears, timed in one process, rounds interleaved: is a kernel change faster?
+
+Why it exists: on the shared 2-CPU hosts these benchmarks run on, the machine's speed moves by 1.5x within minutes
+(one W run read 60 s of wall, the next 90), so two builds timed one after the other, even alternated run by run,
+compare the host's moments more than the kernels. The extension's module name carries a hash of its source, so the
+build of another commit loads beside this tree's in the same process; each round times both on the same weights and
+inputs, in alternating order, and the figure that counts is the median over rounds of the within-round speed
+ratio. What it times: the panel linears (`panel_linear_f32`, `_i8`, `_fp8`) on SmolLM2-135M's four projections
+(QKV and gate+up fused), `--layers` copies each so that the weights stream from DRAM as a decode step's do.
+
+    .venv/bin/python bench/panel_ab.py --base HEAD~1 --rows 1,8,16,32,64,256,2048
+    .venv/bin/python bench/panel_ab.py --base 9f305a9 --paths f32,i8 --rounds 9
+
+`--base` is built once in a temporary git worktree (about a minute when its source is new; torch caches it); the
+other side is this tree's `worker_image`. Prints one line per (path, rows): GFLOP/s of each side (median round)
+and the within-round ratio new / base (median, min, max), then one JSON object as its LAST line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+HIDDEN, INTER, Q, KV = 576, 1536, 576, 192
+SHAPES = [(Q + 2 * KV, HIDDEN), (HIDDEN, Q), (2 * INTER, HIDDEN), (HIDDEN, INTER)]  # [N, K], as the engine runs them
+PATHS = ("f32", "i8", "fp8")
+_BUILD = (
+    "import sys; sys.path.insert(0, sys.argv[1]); from worker.model.kernels import _load_module; "
+    "m, why = _load_module(); print(m.__file__ if m is not None else 'ERROR ' + str(why))"
+)
+
+
+def module_file(worker_image: Path) -> str:
+    """The built extension's shared object for the `worker_image` folder given (built in a child process)."""
+    out = (
+        subprocess.run([sys.executable, "-c", _BUILD, str(worker_image)], capture_output=True, text=True, check=True)
+        .stdout.strip()
+        .splitlines()[-1]
+    )
+    if out.startswith("ERROR"):
+        raise RuntimeError(f"the extension does not build from {worker_image}: {out[6:]}")
+    return out
+
+
+def base_module_file(rev: str) -> str:
+    """The extension of commit `rev`, built from a temporary worktree (removed afterwards)."""
+    with tempfile.TemporaryDirectory(prefix="panel_ab_") as tmp:
+        tree = Path(tmp) / "tree"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-f", str(tree), rev], check=True)
+        try:
+            return module_file(tree / "worker_image")
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
+
+
+def load_module_file(path: str) -> Any:
+    """Import an extension's shared object by path (its file name is its module name)."""
+    name = Path(path).name.split(".")[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise RuntimeError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def ratio_summary(base_s: list[float], new_s: list[float], flops: float) -> dict[str, float]:
+    """Rounds' seconds of both sides -> GFLOP/s of each side's median round and the within-round speed ratio
+    new / base (base seconds over new seconds): its median, min and max."""
+    if len(base_s) != len(new_s) or not base_s:
+        raise ValueError("both sides need the same, non-zero number of rounds")
+    ratios = [b / n for b, n in zip(base_s, new_s, strict=True)]
+    return {
+        "base_gflops": round(flops / statistics.median(base_s) / 1e9, 1),
+        "new_gflops": round(flops / statistics.median(new_s) / 1e9, 1),
+        "ratio": round(statistics.median(ratios), 3),
+        "ratio_min": round(min(ratios), 3),
+        "ratio_max": round(max(ratios), 3),
+    }
+
+
+def make_layers(layers: int, paths: tuple[str, ...], seed: int = 0) -> list[dict[str, Any]]:
+    """`layers` copies of the four projections: per weight its panels for each path asked (and the codes' scales)."""
+    import torch
+    from worker.model.linear import pack_panels
+    from worker.model.quant import FP8, quantize_int8
+
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(layers):
+        for n, k in SHAPES:
+            w = torch.randn(n, k, generator=gen) * k**-0.5
+            entry: dict[str, Any] = {"n": n, "k": k}
+            if "f32" in paths:
+                entry["f32"] = pack_panels(w, 48)
+            if "i8" in paths:
+                codes, scale = quantize_int8(w)
+                entry["i8"] = (pack_panels(codes, 48), scale.float().contiguous())
+            if "fp8" in paths:
+                codes, scale = FP8.quantize(w)
+                entry["fp8"] = (pack_panels(codes, 48), (scale * FP8.unit).float().contiguous())
+            out.append(entry)
+    return out
+
+
+def one_pass(module: Any, path: str, layers: list[dict[str, Any]], xs: dict[int, Any]) -> float:
+    """Seconds for one pass over every layer's projections on `path`."""
+    start = time.perf_counter()
+    for layer in layers:
+        x, n = xs[layer["k"]], layer["n"]
+        if path == "f32":
+            module.panel_linear_f32(x, layer["f32"], n, None)
+        else:
+            packed, scale = layer[path]
+            getattr(module, f"panel_linear_{path}")(x, packed, n, scale, None)
+    return time.perf_counter() - start
+
+
+def compare(base: Any, new: Any, paths: tuple[str, ...], rows: list[int], layers: int, rounds: int) -> dict:
+    """{path: {rows: ratio_summary}}, both modules timed round by round, the first alternating."""
+    import torch
+
+    weights = make_layers(layers, paths)
+    result: dict[str, dict[str, dict[str, float]]] = {}
+    with torch.inference_mode():
+        for path in paths:
+            result[path] = {}
+            for m in rows:
+                xs = {k: torch.randn(m, k) for k in {k for _, k in SHAPES}}
+                flops = sum(2.0 * m * layer["n"] * layer["k"] for layer in weights)
+                for module in (base, new):  # warm-up: first-touch of outputs, thread pool
+                    one_pass(module, path, weights, xs)
+                times: dict[str, list[float]] = {"base": [], "new": []}
+                for r in range(rounds):
+                    order = (("base", base), ("new", new)) if r % 2 == 0 else (("new", new), ("base", base))
+                    for side, module in order:
+                        times[side].append(one_pass(module, path, weights, xs))
+                result[path][str(m)] = ratio_summary(times["base"], times["new"], flops)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base", default="HEAD", help="the commit to compare this tree against (default HEAD)")
+    ap.add_argument("--base-module", default=None, help="an already built extension (.so) instead of --base")
+    ap.add_argument("--rows", default="1,8,16,32,64,256,2048")
+    ap.add_argument("--paths", default="f32", help=f"comma-separated: {','.join(PATHS)}")
+    ap.add_argument("--layers", type=int, default=30, help="copies of the projections (30: SmolLM2's, from DRAM)")
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
+    paths = tuple(p for p in args.paths.split(",") if p)
+    if not paths or any(p not in PATHS for p in paths):
+        ap.error(f"--paths takes {','.join(PATHS)}")
+    if args.rounds < 1 or args.layers < 1:
+        ap.error("--rounds and --layers must be at least 1")
+    rows = [int(r) for r in args.rows.split(",")]
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "worker_image"))
+    new_file = module_file(ROOT / "worker_image")
+    base_file = args.base_module or base_module_file(args.base)
+    base, new = load_module_file(base_file), load_module_file(new_file)
+    print(f"base {Path(base_file).name} ({args.base_module or args.base}), new {Path(new_file).name} (this tree)")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.layers} layers, {args.rounds} rounds")
+    result = compare(base, new, paths, rows, args.layers, args.rounds)
+    for path, by_rows in result.items():
+        for m, cell in by_rows.items():
+            print(
+                f"{path:4s} {int(m):5d} rows: base {cell['base_gflops']:6.1f}  new {cell['new_gflops']:6.1f} GFLOP/s"
+                f"   new / base {cell['ratio']:.3f} (rounds {cell['ratio_min']:.3f}-{cell['ratio_max']:.3f})"
+            )
+    print(json.dumps({"base": args.base_module or args.base, "layers": args.layers, "rounds": args.rounds, **result}))
+
+
+if __name__ == "__main__":
+    main()
