@@ -1170,6 +1170,7 @@ static constexpr int64_t F32_PANEL_ROWS = 256;  // rows of x per pass over the p
 // near MKL's (one running sum over K = 1536 had ~3x its error)
 static constexpr int64_t F32_PANEL_CHUNK = 64;
 static constexpr int64_t F32_PANEL_WIDEN_ROWS = 32;  // quantized panels: passes of this many rows widen them first
+static constexpr int64_t F32_PANEL_L1_BYTES = 32 * 1024;  // AVX2 passes: a panel this small is taken block by block
 
 int64_t f32_panel_cols() { return F32_PANEL; }
 
@@ -1398,16 +1399,28 @@ LLMFLEET_AVX2 static inline void panel_chunk_avx2(const float* __restrict__ x, i
   }
 }
 
+// panel_chunk_avx2 for a block of 1..4 rows
+template <typename W, typename... A>
+LLMFLEET_AVX2 static inline void panel_block_chunk_avx2(int64_t rows, A&&... a) {  // (due and line by reference)
+  switch (rows) {
+    case 4: return panel_chunk_avx2<4, W>(std::forward<A>(a)...);
+    case 3: return panel_chunk_avx2<3, W>(std::forward<A>(a)...);
+    case 2: return panel_chunk_avx2<2, W>(std::forward<A>(a)...);
+    default: return panel_chunk_avx2<1, W>(std::forward<A>(a)...);
+  }
+}
+
 // The 64-input steps a block of `rows` (<= 4) takes per chunk: passes over it (two halves, or one for 1-2 rows)
 static int64_t avx2_passes(int64_t rows) { return rows <= 2 ? 1 : 2; }
 
 // panel_block's contract for all `rows` (<= F32_PANEL_ROWS) of a pass, `total` a scratch of rows x 48 floats
 // (32-byte aligned). Chunk by chunk, every block of 4 rows takes the chunk (12 KB: it stays in L1 for all of them,
-// where block after block over the whole K re-read the panel from L2 for each block), then the totals go out. 30
-// streamed SmolLM2 layers, both builds loaded in one process, rounds interleaved, the median of the rounds' speed
-// ratios: 8 rows 1.22x, 16: 1.14x, 32: 1.17x, 48: 1.04x, 64: 1.00-1.08x, 128: 1.07x, 256: 1.01x, 1-4 and 2048
-// rows unchanged. (Widening int8 codes a chunk at a time into L1 for all blocks, instead of in registers by each,
+// where block after block over the whole K re-read the panel from L2 for each block), then the totals go out.
+// bench/panel_ab.py (30 streamed SmolLM2 layers, both builds in one process, the median of the rounds' speed
+// ratios): 8 rows 1.22-1.26x, 16: 1.14-1.24x, 32: 1.07-1.17x, 48-128: 1.03-1.08x, 1-4 and 2048 rows unchanged. (Widening int8 codes a chunk at a time into L1 for all blocks, instead of in registers by each,
 // was slower: 8 rows 0.69x, 16: 0.88x; so was reading codes directly past F32_PANEL_WIDEN_ROWS: 64 rows 0.90x.)
+// A panel that fits in L1 whole (int8 or fp8 codes of up to 682 inputs: SmolLM2's QKV, o and gate+up) is taken
+// block by block instead, as before: chunk by chunk ran int8 at 8-16 rows at 0.91x (bench/panel_ab.py).
 // A lone block of 1 or 2 rows (one decode step of one or two sequences) asks for no prefetch: the hardware
 // streams its ascending reads faster (1 row: 8.1 -> 10.3).
 template <typename W = float>
@@ -1419,18 +1432,17 @@ LLMFLEET_AVX2 static void panel_pass_avx2(int64_t rows, const float* __restrict_
   const int64_t denom = K * (full * avx2_passes(4) + (tail ? avx2_passes(tail) : 0));
   const char* pf = rows <= 2 ? nullptr : static_cast<const char*>(next);
   int64_t due = 0, line = 0;
-  for (int64_t k0 = 0; k0 < K; k0 += F32_PANEL_CHUNK) {
-    const int64_t k1 = std::min(K, k0 + F32_PANEL_CHUNK);
-    for (int64_t b = 0; b < full; ++b)
-      panel_chunk_avx2<4>(x + 4 * b * xs, xs, k0, k1, panel, total + 4 * b * F32_PANEL, pf, due, line, lines, denom);
-    const float* xt = x + 4 * full * xs;
-    float* tt = total + 4 * full * F32_PANEL;
-    switch (tail) {
-      case 3: panel_chunk_avx2<3>(xt, xs, k0, k1, panel, tt, pf, due, line, lines, denom); break;
-      case 2: panel_chunk_avx2<2>(xt, xs, k0, k1, panel, tt, pf, due, line, lines, denom); break;
-      case 1: panel_chunk_avx2<1>(xt, xs, k0, k1, panel, tt, pf, due, line, lines, denom); break;
-      default: break;
-    }
+  const int64_t blocks = full + (tail ? 1 : 0);
+  if (K * F32_PANEL * int64_t(sizeof(W)) <= F32_PANEL_L1_BYTES) {  // the whole panel stays in L1: block by block
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int64_t k0 = 0; k0 < K; k0 += F32_PANEL_CHUNK)
+        panel_block_chunk_avx2<W>(b < full ? 4 : tail, x + 4 * b * xs, xs, k0, std::min(K, k0 + F32_PANEL_CHUNK), panel,
+                               total + 4 * b * F32_PANEL, pf, due, line, lines, denom);
+  } else {
+    for (int64_t k0 = 0; k0 < K; k0 += F32_PANEL_CHUNK)
+      for (int64_t b = 0; b < blocks; ++b)
+        panel_block_chunk_avx2<W>(b < full ? 4 : tail, x + 4 * b * xs, xs, k0, std::min(K, k0 + F32_PANEL_CHUNK), panel,
+                               total + 4 * b * F32_PANEL, pf, due, line, lines, denom);
   }
   for (int64_t c = 0; c < ncols; c += 8) {
     const int64_t left = ncols - c;
