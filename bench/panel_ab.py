@@ -29,9 +29,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from linear_kernels import GROUPS
+
 ROOT = Path(__file__).resolve().parent.parent
-HIDDEN, INTER, Q, KV = 576, 1536, 576, 192
-SHAPES = [(Q + 2 * KV, HIDDEN), (HIDDEN, Q), (2 * INTER, HIDDEN), (HIDDEN, INTER)]  # [N, K], as the engine runs them
+SHAPES = GROUPS["layer"]  # [N, K] of one decoder layer, as the engine runs them (QKV and gate+up fused)
 PATHS = ("f32", "i8", "fp8")
 _BUILD = (
     "import sys; sys.path.insert(0, sys.argv[1]); from worker.model.kernels import _load_module; "
@@ -92,8 +93,9 @@ def make_layers(layers: int, paths: tuple[str, ...], seed: int = 0) -> list[dict
     """`layers` copies of the four projections: per weight its panels for each path asked (and the codes' scales)."""
     import torch
     from worker.model.linear import pack_panels
-    from worker.model.quant import FP8, quantize_int8
+    from worker.model.quant import FP8, INT8
 
+    formats = {"i8": INT8, "fp8": FP8}
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(layers):
@@ -102,12 +104,10 @@ def make_layers(layers: int, paths: tuple[str, ...], seed: int = 0) -> list[dict
             entry: dict[str, Any] = {"n": n, "k": k}
             if "f32" in paths:
                 entry["f32"] = pack_panels(w, 48)
-            if "i8" in paths:
-                codes, scale = quantize_int8(w)
-                entry["i8"] = (pack_panels(codes, 48), scale.float().contiguous())
-            if "fp8" in paths:
-                codes, scale = FP8.quantize(w)
-                entry["fp8"] = (pack_panels(codes, 48), (scale * FP8.unit).float().contiguous())
+            for path in paths:
+                if path in formats:  # the codes and what one unit of a code is worth, as RowScaledLinear keeps them
+                    codes, scale = formats[path].quantize(w)
+                    entry[path] = (pack_panels(codes, 48), (scale * formats[path].unit).float().contiguous())
             out.append(entry)
     return out
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import panel_ab
@@ -54,8 +55,6 @@ def test_the_base_is_built_from_a_worktree_that_is_removed_afterwards() -> None:
     _built()
     path = Path(panel_ab.base_module_file("HEAD"))
     assert path.is_file() and path.name.startswith("llmfleet_paged_decode_")
-    import subprocess
-
     trees = subprocess.run(
         ["git", "-C", str(panel_ab.ROOT), "worktree", "list"], capture_output=True, text=True, check=True
     ).stdout

@@ -1417,8 +1417,9 @@ static int64_t avx2_passes(int64_t rows) { return rows <= 2 ? 1 : 2; }
 // (32-byte aligned). Chunk by chunk, every block of 4 rows takes the chunk (12 KB: it stays in L1 for all of them,
 // where block after block over the whole K re-read the panel from L2 for each block), then the totals go out.
 // bench/panel_ab.py (30 streamed SmolLM2 layers, both builds in one process, the median of the rounds' speed
-// ratios): 8 rows 1.22-1.26x, 16: 1.14-1.24x, 32: 1.07-1.17x, 48-128: 1.03-1.08x, 1-4 and 2048 rows unchanged. (Widening int8 codes a chunk at a time into L1 for all blocks, instead of in registers by each,
-// was slower: 8 rows 0.69x, 16: 0.88x; so was reading codes directly past F32_PANEL_WIDEN_ROWS: 64 rows 0.90x.)
+// ratios): 8 rows 1.22-1.26x, 16: 1.14-1.24x, 32: 1.07-1.17x, 48-128: 1.03-1.08x, 1-4 and 2048 rows unchanged.
+// (Widening int8 codes a chunk at a time into L1 for all blocks, instead of in registers by each, was slower: 8
+// rows 0.69x, 16: 0.88x; so was reading codes directly past F32_PANEL_WIDEN_ROWS: 64 rows 0.90x.)
 // A panel that fits in L1 whole (int8 or fp8 codes of up to 682 inputs: SmolLM2's QKV, o and gate+up) is taken
 // block by block instead, as before: chunk by chunk ran int8 at 8-16 rows at 0.91x (bench/panel_ab.py).
 // A lone block of 1 or 2 rows (one decode step of one or two sequences) asks for no prefetch: the hardware
