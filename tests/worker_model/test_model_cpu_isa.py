@@ -34,14 +34,15 @@ CHILD = (
     + """
 import sys, torch
 from worker.model.kernels import _load_module
-from worker.model.linear import PanelLinear
+from worker.model.linear import PanelLinear, available_kernels, choose_linear_kernel, read_cpu_flags
 from worker.model.quant import make_linear
 module, why = _load_module()
 if module is None:
     raise SystemExit(why)
 data = torch.load(sys.argv[1])
 out = {"isa": module.vector_isa(), "panels": module.f32_panels_ready(), "prompt": module.f32_attention_ready(),
-       "fused": module.fused_ops_available("float32", 64, 64, 64)}
+       "fused": module.fused_ops_available("float32", 64, 64, 64),
+       "linear": choose_linear_kernel("cpu", torch.float32, read_cpu_flags(), available_kernels(module))}
 if out["panels"]:
     out["linears"] = [PanelLinear(w, b, module)(x) for w, b, x in data["linears"]]
     out["quantized"] = {q: [make_linear(w, b, q, torch.float32, "panels_fp32", module)(x) if takes(q, w) else None
@@ -136,6 +137,8 @@ def capped_avx2(panels, tmp_path_factory):
 def test_the_avx2_cap_runs_the_fp32_kernels_on_avx2(capped_avx2):
     assert capped_avx2["isa"] == "avx2"
     assert capped_avx2["panels"] and capped_avx2["fused"] and capped_avx2["prompt"]
+    kind, reason = capped_avx2["linear"]  # what the worker logs says the path that runs, not the CPU's widest
+    assert kind == "panels_fp32" and "AVX2 + FMA" in reason and "AVX512" not in reason, reason
 
 
 def test_the_avx2_paths_compute_what_torch_computes(capped_avx2, panels):
@@ -198,3 +201,4 @@ def test_the_default_cap_turns_the_vector_kernels_off(panels, tmp_path):
     got = _run_capped("default", tmp_path)
     assert got["isa"] == "none"
     assert not (got["panels"] or got["prompt"] or got["fused"])
+    assert got["linear"][0] == "aten", got["linear"]

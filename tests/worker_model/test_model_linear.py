@@ -12,6 +12,7 @@ from worker.model.linear import (
     AMX_LINEAR,
     AMX_MAX_ROWS,
     F32_PANELS,
+    F32_PANELS_AVX512,
     ONEDNN_LINEAR,
     AmxLinear,
     DenseLinear,
@@ -32,7 +33,8 @@ AMX_CPU = frozenset({"avx512f", "amx_bf16", "amx_tile"})
 OLD_CPU = frozenset({"avx2", "fma"})
 ONEDNN = frozenset({ONEDNN_LINEAR})
 AMX = frozenset({AMX_LINEAR})
-PANELS = frozenset({F32_PANELS})
+PANELS = frozenset({F32_PANELS})  # the panels on their AVX2 path (no AVX-512, or ATEN_CPU_CAPABILITY=avx2)
+PANELS_512 = PANELS | {F32_PANELS_AVX512}
 needs_onednn = pytest.mark.skipif(ONEDNN_LINEAR not in available_kernels(), reason="torch without oneDNN bf16")
 GEN = torch.Generator().manual_seed(0)
 
@@ -47,12 +49,13 @@ GEN = torch.Generator().manual_seed(0)
         ("cpu", torch.bfloat16, BF16_CPU, ONEDNN | AMX, "onednn_bf16", "avx512_bf16"),  # the CPU lacks AMX
         ("cpu", torch.bfloat16, AMX_CPU - {"amx_tile"}, ONEDNN | AMX, "onednn_bf16", "amx_bf16"),
         ("cpu", torch.float32, AMX_CPU, ONEDNN | AMX, "aten", "MKL"),  # no panel kernel built: MKL
-        ("cpu", torch.float32, AMX_CPU, ONEDNN | AMX | PANELS, "panels_fp32", "AVX512F"),
-        ("cpu", torch.float32, BF16_CPU, PANELS, "panels_fp32", "panels"),
+        ("cpu", torch.float32, AMX_CPU, ONEDNN | AMX | PANELS_512, "panels_fp32", "AVX512F"),
+        ("cpu", torch.float32, BF16_CPU, PANELS_512, "panels_fp32", "AVX512F"),
+        # The path the extension says it takes, whatever the CPU has (ATEN_CPU_CAPABILITY=avx2 caps it)
+        ("cpu", torch.float32, BF16_CPU, PANELS, "panels_fp32", "AVX2 + FMA"),
         ("cpu", torch.float32, OLD_CPU, PANELS, "panels_fp32", "AVX2 + FMA"),  # no AVX-512: the AVX2 path
-        ("cpu", torch.float32, OLD_CPU, frozenset(), "aten", "MKL"),  # no panel kernel built: MKL
-        ("cpu", torch.float32, frozenset({"avx2"}), PANELS, "aten", "MKL"),  # AVX2 without FMA
-        ("cpu", torch.bfloat16, BF16_CPU, PANELS, "aten", "lacks oneDNN"),  # panels are fp32 only
+        ("cpu", torch.float32, OLD_CPU, frozenset(), "aten", "MKL"),  # no panel kernel built (or capped off): MKL
+        ("cpu", torch.bfloat16, BF16_CPU, PANELS_512, "aten", "lacks oneDNN"),  # panels are fp32 only
         ("cuda", torch.float32, AMX_CPU, PANELS, "aten", "device cuda"),
         ("cuda", torch.bfloat16, AMX_CPU, AMX, "aten", "device cuda"),
         ("cpu", torch.bfloat16, OLD_CPU, ONEDNN, "aten", "without avx512_bf16"),

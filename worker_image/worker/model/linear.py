@@ -81,7 +81,9 @@ AMX_LINEAR = "amx_linear"  # the capability of our extension's AMX linear (`Fuse
 AMX_CPU_FLAGS = ("amx_bf16", "amx_tile")  # both: the tile unit and its bf16 dot products
 AMX_MAX_ROWS = 256  # up to here the AMX kernel beats F.linear on the same plain weight (the table above)
 F32_PANELS = "f32_panels"  # the capability of our extension's fp32 panel linear (`FusedOps.f32_panels_ready`)
-AVX2_CPU_FLAGS = frozenset({"avx2", "fma"})  # both: the panels' AVX2 path (CPUs without AVX-512)
+# ... and that it takes its AVX-512 path (`FusedOps.vector_isa`: the CPU's widest, capped by ATEN_CPU_CAPABILITY as
+# torch's own kernels are; without it the panels take their AVX2 + FMA path)
+F32_PANELS_AVX512 = "f32_panels_avx512"
 
 
 class AmxOps(Protocol):
@@ -94,6 +96,8 @@ class AmxOps(Protocol):
     ) -> torch.Tensor: ...
 
     def f32_panels_ready(self) -> bool: ...
+
+    def vector_isa(self) -> str: ...
 
     def f32_panel_cols(self) -> int: ...
 
@@ -117,12 +121,15 @@ def read_cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> frozenset[str]:
 
 def available_kernels(native: AmxOps | None = None) -> frozenset[str]:
     """Which optional kernels this build has: oneDNN's prepacked linear (a torch build with mkldnn), and with
-    `native` (the extension's ops, where it builds) its AMX linear where the CPU and OS let it run."""
+    `native` (the extension's ops, where it builds) its AMX linear where the CPU and OS let it run, and its fp32
+    panels with the vector path they take here (the extension's own choice, so the log says what runs)."""
     have: set[str] = set()
     if native is not None and native.amx_linear_ready():
         have.add(AMX_LINEAR)
     if native is not None and native.f32_panels_ready():
         have.add(F32_PANELS)
+        if native.vector_isa() == "avx512":
+            have.add(F32_PANELS_AVX512)
     try:
         if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
             torch.ops.mkldnn._reorder_linear_weight  # noqa: B018 (raises when the op is absent)
@@ -141,11 +148,11 @@ def choose_linear_kernel(
     if dev != "cpu":
         return "aten", f"device {dev}: torch's default matmul"
     if dtype == torch.float32:
-        if F32_PANELS in kernels and "avx512f" in cpu_flags:
+        if F32_PANELS_AVX512 in kernels:
             return "panels_fp32", (
                 "fp32 on a CPU with AVX512F: our kernel on weights packed once in panels (1.3-1.7x MKL at 4-128 rows, 1.0x at 2048)"
             )
-        if F32_PANELS in kernels and cpu_flags >= AVX2_CPU_FLAGS:
+        if F32_PANELS in kernels:
             return "panels_fp32", (
                 "fp32 on a CPU with AVX2 + FMA: our kernel on weights packed once in panels (1.7-2.3x MKL at 4-64 rows, 1.2x at 2048)"
             )
