@@ -1165,7 +1165,10 @@ void rope_(torch::Tensor x, int64_t heads, int64_t head_dim, torch::Tensor cos, 
 // threads, GFLOP/s, ours / MKL): 1 row 13.9 / 13.2, 4: 48 / 30, 16: 147 / 86, 32: 220 / 151, 64: 311 / 216,
 // 128: 376 / 286, 512: 382 / 361, 2048: 379 / 378 (linear.py has the table).
 static constexpr int64_t F32_PANEL = 48;
-static constexpr int64_t F32_PANEL_ROWS = 256;  // rows of x per pass over the panels (its rows stay in L2)
+// Rows of x per pass over the panels (its rows stay in L2). On a Zen 3 (512 KB of L2, where 256 rows of K = 576
+// or 1536 do not fit) passes of 64-168 rows, sized to fit, read 0.96-1.04x at 256-2048 rows (bench/panel_ab.py,
+// three runs): the x rows re-read from L3 are not what holds a prompt chunk's GEMM below the FMA peak.
+static constexpr int64_t F32_PANEL_ROWS = 256;
 // the sums run over chunks of this many inputs, added up at the end: blocked summation, whose rounding error stays
 // near MKL's (one running sum over K = 1536 had ~3x its error)
 static constexpr int64_t F32_PANEL_CHUNK = 64;
