@@ -137,7 +137,7 @@ def capped_avx2(panels, tmp_path_factory):
 def test_the_avx2_cap_runs_the_fp32_kernels_on_avx2(capped_avx2):
     assert capped_avx2["isa"] == "avx2"
     assert capped_avx2["panels"] and capped_avx2["fused"] and capped_avx2["prompt"]
-    kind, reason = capped_avx2["linear"]  # what the worker logs says the path that runs, not the CPU's widest
+    kind, reason = capped_avx2["linear"]  # the worker's log line names the path that runs, not the CPU's widest
     assert kind == "panels_fp32" and "AVX2 + FMA" in reason and "AVX512" not in reason, reason
 
 
