@@ -1468,8 +1468,11 @@ LLMFLEET_AVX2 static void panel_pass_avx2(int64_t rows, const float* __restrict_
 }
 
 // The AVX-512 pass: block after block of 8 rows (panel_block, the last one panel_tail), each over the whole K, the
-// next panel's lines spread over the blocks. (panel_pass_avx2's chunk-by-chunk order gained 1.14-1.22x at 8-32 rows
-// on Zen 3; not measured on an AVX-512 CPU, whose blocks read the panel half as often: try it there.)
+// next panel's lines spread over the blocks. (panel_pass_avx2's chunk-by-chunk order, which gained 1.14-1.22x at
+// 8-32 rows on Zen 3, lost here: on a Zen 5 (48 KB L1d, 1 MB L2), every 8-row block taking each 64-input chunk
+// with its sums in a scratch read fp32 16 rows 0.94x, 32: 0.89x, 64-256: 0.87x, 2048: 0.80x, int8 0.84-0.96x
+// at 16-2048, in one bench/panel_ab.py run of 7 rounds, where this order already runs fp32 at 441 GFLOP/s at 64
+// rows and 474 at 2048, the oneDNN fp32 ceiling's ~455: the blocks' sums belong in registers.)
 template <typename W = float>
 LLMFLEET_AVX512F static void panel_pass_avx512(int64_t rows, const float* x, int64_t xs, int64_t K, const W* panel,
                                                float* y, int64_t N, int64_t ncols, const float* bias, const void* next,
