@@ -1,5 +1,5 @@
 """Prompt attention: the native kernels (`kernels.amx_attention_`, bf16 on AMX; `kernels.f32_attention_`, fp32 on
-AVX-512 or AVX2 + FMA) against a reference, and how `attention.paged_attention` hands prompt chunks to them (the routing tests run
+AVX-512 or AVX2 + FMA, and bf16 widened onto it without AMX) against a reference, and how `attention.paged_attention` hands prompt chunks to them (the routing tests run
 on any CPU, with a recording fake)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from worker.model.attention import EAGER, NativeAttention, SeqSpan, build_metadata, paged_attention
-from worker.model.kernels import load_prefill_attention
+from worker.model.kernels import load_prefill_attention, widened_attention
 from worker.model.testing import causal_attention, qkv_views
 
 
@@ -102,11 +102,36 @@ def test_f32_attention_rejects_what_it_cannot_take(f32_attention, out, q, k, sta
         f32_attention.f32_attention_(out, q, k, k.clone(), start, 1.0)
 
 
+@pytest.mark.parametrize("heads,kv_heads,hd", [(9, 3, 64), (6, 2, 128)])
+@pytest.mark.parametrize("n,start", [(1, 0), (9, 0), (100, 0), (40, 100), (31, 33)])
+def test_a_widened_bf16_chunk_is_the_fp32_result_rounded_once(f32_attention, heads, kv_heads, hd, n, start):
+    """bf16 q, k, v through the fp32 kernel (CPUs without AMX): each output is the float64 result rounded to bf16
+    (within half a bf16 step, plus the fp32 kernel's own error), and only the chunk's rows change."""
+    q, k, v = qkv_views(n, start, heads, kv_heads, hd, seed=n * 1000 + start + hd, dtype=torch.bfloat16)
+    scale = hd**-0.5
+    out = torch.full((n + 2, heads * hd), 7.0, dtype=torch.bfloat16)
+    widened_attention(f32_attention.f32_attention_)(out[1 : n + 1], q, k, v, start, scale)
+    want = causal_attention(q.double(), k.double(), v.double(), start, scale)
+    err = (out[1 : n + 1].double() - want).abs()
+    assert (err <= want.abs() * 2.0**-8 + 1e-5).all(), err.max()
+    assert (out[0] == 7).all() and (out[n + 1] == 7).all()
+
+
 def test_the_loader_picks_the_kernel_of_the_models_dtype(f32_attention):
     fp32, why = load_prefill_attention(torch.float32, 64)
     assert fp32 is f32_attention.f32_attention_ and "fp32" in why
     assert load_prefill_attention(torch.float32, 96) == (None, "SDPA: the native kernels take head dims of 64 or 128")
     assert load_prefill_attention(torch.float16, 64)[0] is None
+    bf16, why = load_prefill_attention(torch.bfloat16, 128)
+    if f32_attention.amx_linear_ready():
+        assert bf16 is f32_attention.amx_attention_ and why == "AMX kernel (bf16)"
+    else:  # the fp32 kernel on the widened chunk
+        assert bf16 is not None and "widened to fp32" in why
+        q, k, v = qkv_views(20, 5, 4, 2, 128, seed=3, dtype=torch.bfloat16)
+        out, want = torch.empty(20, 4 * 128, dtype=torch.bfloat16), torch.empty(20, 4 * 128)
+        bf16(out, q, k, v, 5, 0.1)
+        f32_attention.f32_attention_(want, q.float(), k.float(), v.float(), 5, 0.1)
+        assert torch.equal(out, want.bfloat16())
 
 
 class _Recorder:

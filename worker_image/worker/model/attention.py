@@ -17,8 +17,8 @@ The per-step `AttentionMetadata` is built once (`build_metadata`) and shared by 
   K/V; a chunk with `start_pos > 0` (chunked prefill, prefix-cache hit, recompute) reads its whole context back
   through its block table with a lower-right causal mask (query `i` sees keys `0 .. start_pos + i`). On CPU the
   chunks go to a native kernel where one runs (bf16 on AMX: `kernels.amx_attention_`; fp32 on AVX-512 or AVX2 +
-  FMA: `kernels.f32_attention_`; each takes the causal offset itself and writes the chunk's rows of the output in
-  place); elsewhere to torch's SDPA.
+  FMA: `kernels.f32_attention_`, which also takes bf16 chunks widened where there is no AMX; each takes the causal
+  offset itself and writes the chunk's rows of the output in place); elsewhere to torch's SDPA.
 
 The native pieces travel together as a `NativeAttention` (the runner loads them once; each is None where it
 does not run, and the torch path takes its place).

@@ -165,7 +165,8 @@ class ModelRunner:
         # Decode attention through the native paged kernel (reads K/V straight from the cache: 3x faster than
         # gather + SDPA on CPU); the eager torch path remains when asked for, on other devices, or when the
         # kernel cannot be built here.
-        # The native cache write, prompt attention (bf16 on AMX) and greedy argmax come from the same extension.
+        # The native cache write, prompt attention (`load_prefill_attention` says which) and greedy argmax come
+        # from the same extension.
         self.native = EAGER
         argmax = None
         self.kernel_error: str | None = None
