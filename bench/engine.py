@@ -13,8 +13,9 @@ tokens), run on the same machine in one process run, by:
 For each it prints useful tokens/s (generated tokens the requests asked for, per wall second), TTFT and ITL
 p50/p99, and the ratios to `hf_static` and to `vllm`; plus the GEMM rate measured here on the model's layer
 shapes (256 rows) with the SAME linear layers the engine builds for that variant (the kernel
-`worker.model.linear.choose_linear_kernel` picks: our fp32 panels on CPUs with AVX2 + FMA (MKL without them),
-oneDNN prepacked for bf16 on CPUs with native bf16; `quant.make_linear`'s kernels for the quantized variants;
+`worker.model.linear.choose_linear_kernel` picks: our fp32 panels on CPUs with AVX2 + FMA (MKL without them), for
+bf16 our AMX kernel with AMX, our bf16 panels with AVX512-BF16 alone, oneDNN prepacked where torch has it;
+`quant.make_linear`'s kernels for the quantized variants;
 probed before and after the variant's systems run, each shape its best of 5 rounds, the better probe kept), the
 throughput ceiling it implies for this workload (all linear-layer FLOPs of prompt and output tokens at that
 rate, attention ignored) and ours as a fraction of it, and the engine's per-step overhead outside the model

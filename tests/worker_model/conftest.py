@@ -193,6 +193,12 @@ def panels():
 
 
 @pytest.fixture(scope="session")
+def bf16_panels():
+    """The native extension, on a CPU where its bf16 panel linear runs: AVX512-BF16 (else the test is skipped)."""
+    return _native_or_skip("bf16_panels_ready", "this CPU has no AVX512-BF16")
+
+
+@pytest.fixture(scope="session")
 def amx():
     """The native extension, on a CPU whose AMX-BF16 the OS lets it use (else the test is skipped)."""
     return _native_or_skip("amx_linear_ready", "this CPU (or its kernel) offers no AMX-BF16")

@@ -1,5 +1,5 @@
-"""Dense linear kernels: the pure kernel choice, CPU flag parsing, the oneDNN packed layer and the fp32 panel
-layer against `F.linear`, and the model building its linears (fused projections and the head) with the chosen
+"""Dense linear kernels: the pure kernel choice, CPU flag parsing, the oneDNN packed layer and the fp32 and bf16
+panel layers against `F.linear` (bf16: a float64 product), and the model building its linears (fused projections and the head) with the chosen
 kernel."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from worker.model.config import ModelConfig
 from worker.model.linear import (
     AMX_LINEAR,
     AMX_MAX_ROWS,
+    BF16_PANELS,
     F32_PANELS,
     F32_PANELS_AVX512,
     ONEDNN_LINEAR,
@@ -35,6 +36,7 @@ ONEDNN = frozenset({ONEDNN_LINEAR})
 AMX = frozenset({AMX_LINEAR})
 PANELS = frozenset({F32_PANELS})  # the panels on their AVX2 path (no AVX-512, or ATEN_CPU_CAPABILITY=avx2)
 PANELS_512 = PANELS | {F32_PANELS_AVX512}
+BF16_PANELS_ = frozenset({BF16_PANELS})
 needs_onednn = pytest.mark.skipif(ONEDNN_LINEAR not in available_kernels(), reason="torch without oneDNN bf16")
 GEN = torch.Generator().manual_seed(0)
 
@@ -55,7 +57,12 @@ GEN = torch.Generator().manual_seed(0)
         ("cpu", torch.float32, BF16_CPU, PANELS, "panels_fp32", "AVX2 + FMA"),
         ("cpu", torch.float32, OLD_CPU, PANELS, "panels_fp32", "AVX2 + FMA"),  # no AVX-512: the AVX2 path
         ("cpu", torch.float32, OLD_CPU, frozenset(), "aten", "MKL"),  # no panel kernel built (or capped off): MKL
-        ("cpu", torch.bfloat16, BF16_CPU, PANELS_512, "aten", "lacks oneDNN"),  # panels are fp32 only
+        ("cpu", torch.bfloat16, BF16_CPU, PANELS_512, "aten", "lacks oneDNN"),  # the fp32 panels do not take bf16
+        ("cpu", torch.bfloat16, BF16_CPU, ONEDNN | PANELS_512 | BF16_PANELS_, "panels_bf16", "no AMX"),
+        ("cpu", torch.bfloat16, BF16_CPU, BF16_PANELS_, "panels_bf16", "avx512_bf16"),  # needs no oneDNN
+        ("cpu", torch.bfloat16, AMX_CPU, ONEDNN | AMX | BF16_PANELS_, "amx_bf16", "AMX kernel"),  # AMX first
+        ("cpu", torch.float32, BF16_CPU, PANELS_512 | BF16_PANELS_, "panels_fp32", "AVX512F"),
+        ("cuda", torch.bfloat16, BF16_CPU, BF16_PANELS_, "aten", "device cuda"),
         ("cuda", torch.float32, AMX_CPU, PANELS, "aten", "device cuda"),
         ("cuda", torch.bfloat16, AMX_CPU, AMX, "aten", "device cuda"),
         ("cpu", torch.bfloat16, OLD_CPU, ONEDNN, "aten", "without avx512_bf16"),
@@ -361,8 +368,97 @@ def test_panel_linear_refuses_what_it_cannot_take(panels, call, match):
     packed = PanelLinear(torch.randn(50, 32, generator=GEN), None, panels).packed  # 2 panels, 50 columns
     with pytest.raises(RuntimeError, match=match):
         call(panels, packed)
-    with pytest.raises(ValueError, match="fp32 CPU weight"):
-        PanelLinear(torch.randn(50, 32, generator=GEN).bfloat16(), None, panels)
+    with pytest.raises(ValueError, match="fp32 or bf16 CPU weight"):
+        PanelLinear(torch.randn(50, 32, generator=GEN).half(), None, panels)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 7, 8, 9, 17, 64, 300])  # 8-row blocks and tails; 300: two passes
+@pytest.mark.parametrize("out_in", [(96, 64), (112, 64), (100, 38), (48, 576), (577, 40), (50, 1536)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_panel_linear_rounds_the_exact_product_once(bf16_panels, rows, out_in, bias):
+    """Each output is the float64 product of the bf16 operands (plus an fp32 bias) rounded once to bf16: within
+    half a bf16 step, plus what fp32 sums of up to 1536 terms may lose. The layer's packing round-trips."""
+    w = torch.randn(*out_in, generator=GEN).bfloat16()
+    b = torch.randn(out_in[0], generator=GEN).bfloat16() if bias else None
+    layer = PanelLinear(w, b, bf16_panels)
+    x = torch.randn(rows, out_in[1], generator=GEN).bfloat16()
+    got = layer(x)
+    assert got.shape == (rows, out_in[0]) and got.dtype == torch.bfloat16
+    exact = x.double() @ w.double().t() + (0 if b is None else b.double())
+    err = (got.double() - exact).abs()
+    assert (err <= exact.abs() * 2.0**-8 + 1e-4).all(), err.max()
+    assert torch.equal(layer.dequantize(torch.bfloat16), w)
+    ids = torch.tensor([0, out_in[0] - 1, out_in[0] // 2, 0])
+    assert torch.equal(layer.rows(ids), w[ids])  # the embedding lookups a tied head serves
+
+
+@pytest.mark.parametrize("out_features", [96, 112, 100])  # streamed (whole panels; a part-filled one), plain stores
+def test_bf16_panel_linear_writes_a_prompt_chunk_as_it_writes_its_parts(bf16_panels, out_features):
+    w = torch.randn(out_features, 64, generator=GEN).bfloat16()
+    layer = PanelLinear(w, torch.randn(out_features, generator=GEN), bf16_panels)
+    x = torch.randn(600, 64, generator=GEN).bfloat16()
+    assert torch.equal(layer(x), torch.cat([layer(x[:256]), layer(x[256:512]), layer(x[512:])]))
+    wide = torch.randn(5, 128, generator=GEN).bfloat16()[:, :64]  # strided rows, and a batch
+    assert torch.equal(layer(wide), layer(wide.contiguous()))
+    assert torch.equal(layer(x[:6].view(2, 3, 64)), layer(x[:6]).view(2, 3, out_features))
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_bf16_panel_linear_is_the_same_whatever_the_thread_count(bf16_panels, threads):
+    layer = PanelLinear(torch.randn(300, 96, generator=GEN).bfloat16(), None, bf16_panels)
+    x = torch.randn(40, 96, generator=GEN).bfloat16()
+    want = layer(x)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert torch.equal(layer(x), want)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _bf(*shape: int) -> torch.Tensor:
+    return torch.zeros(*shape, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda ops, p: ops.panel_linear_bf16(torch.zeros(2, 32), p, 50, None), "bf16"),
+        (lambda ops, p: ops.panel_linear_bf16(_bf(2, 31), p, 50, None), "in even"),
+        (lambda ops, p: ops.panel_linear_bf16(_bf(2, 30), p, 50, None), "x's in"),
+        (lambda ops, p: ops.panel_linear_bf16(_bf(2, 32), p, 97, None), "does not fill"),
+        (lambda ops, p: ops.panel_linear_bf16(_bf(2, 32), p, 50, _bf(50)), "bias"),
+        (lambda ops, p: ops.panel_linear_bf16(_bf(2, 32), p.float(), 50, None), "packed"),
+        (lambda ops, p: ops.panel_linear_bf16(_bf(2, 32), p[:, :, :16].contiguous(), 50, None), "packed"),
+    ],
+)
+def test_bf16_panel_linear_refuses_what_it_cannot_take(bf16_panels, call, match):
+    packed = PanelLinear(_bf(50, 32), None, bf16_panels).packed  # 2 panels, 50 columns
+    with pytest.raises(RuntimeError, match=match):
+        call(bf16_panels, packed)
+    with pytest.raises(ValueError, match="even number of inputs"):
+        PanelLinear(_bf(50, 33), None, bf16_panels)
+    assert isinstance(make_dense_linear(_bf(50, 33), None, torch.bfloat16, "panels_bf16", bf16_panels), DenseLinear)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_bf16_model_on_panels_matches_plain_torch_and_looks_tokens_up_in_a_tied_heads_panels(
+    bf16_panels, tmp_path, tied
+):
+    root = make_tiny_llama(
+        tmp_path / "m", hidden_size=64, intermediate_size=96, num_attention_heads=4, tie_word_embeddings=tied
+    )
+    cfg, weights = ModelConfig.from_dir(root), load_weights(root, torch.bfloat16)
+    embedding = weights["model.embed_tokens.weight"].clone()
+    plain = LlamaModel(cfg, weights, dtype=torch.bfloat16, linear_kernel="aten")
+    model = LlamaModel(cfg, weights, dtype=torch.bfloat16, fused=bf16_panels)
+    assert model.linear_kernel == "panels_bf16" and "no AMX" in model.linear_kernel_reason
+    assert all(isinstance(lin, PanelLinear) for lin in _linears(model))
+    ids = torch.tensor([3, 0, cfg.vocab_size - 1, 3])
+    assert torch.equal(model.embed_tokens(ids), embedding[ids])
+    assert (model.embed is None) == tied  # a tied head's panels are the embedding: no second copy
+    hidden = torch.randn(9, cfg.hidden_size, generator=GEN).bfloat16()
+    torch.testing.assert_close(model.compute_logits(hidden), plain.compute_logits(hidden), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("tied", [False, True])

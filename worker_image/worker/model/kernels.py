@@ -1649,6 +1649,132 @@ torch::Tensor panel_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Te
   return y;
 }
 
+// ---- bf16 linear on CPUs with AVX512-BF16 and no AMX (Zen 4/5; Cooper Lake): the weight packed once into panels
+// of F32_PANEL output columns whose rows are input pairs, [P, K / 2, 48, 2] bf16, so a step's 3 vectors hold the
+// panel's 48 columns for inputs 2kk and 2kk + 1 and `vdpbf16ps` multiplies a row's pair of x (one 32-bit
+// broadcast) into them: 16 columns x 2 inputs per instruction, twice fp32 FMA's work. The blocks (8 rows x 48
+// columns in 24 accumulators), the next panel's prefetch and the chunked sums (32 pairs) are panel_block's; the
+// sums are fp32 and rounded to bf16 once, with the bias (fp32) added first.
+#if defined(__x86_64__)
+template <int MR>
+LLMFLEET_AVX512_BF16 static inline __attribute__((always_inline)) void pair_step(const uint32_t* __restrict__ x,
+                                                                               int64_t xs, int64_t kk,
+                                                                               const uint32_t* __restrict__ panel,
+                                                                               __m512 (&acc)[MR][3]) {
+  const uint32_t* w = panel + kk * F32_PANEL;
+  const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 16),
+                 w2 = (__m512bh)_mm512_loadu_si512(w + 32);
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) {
+    const __m512bh xb = (__m512bh)_mm512_set1_epi32(int(x[m * xs + kk]));
+    acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xb, w0);
+    acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xb, w1);
+    acc[m][2] = _mm512_dpbf16_ps(acc[m][2], xb, w2);
+  }
+}
+
+// y[m, c] = bias[c] + sum_k x[m, k] * W[c, k] for MR rows of x (pairs, xs pairs apart), K2 input pairs and the
+// panel's first ncols columns (y's rows N apart, bf16); lines [l0, l1) of `next` prefetched into L2 on the way.
+template <int MR>
+LLMFLEET_AVX512_BF16 static void pair_block(const uint32_t* __restrict__ x, int64_t xs, int64_t K2,
+                                            const uint32_t* __restrict__ panel, at::BFloat16* __restrict__ y,
+                                            int64_t N, int64_t ncols, const float* bias, const void* next,
+                                            int64_t l0, int64_t l1, bool stream) {
+  __m512 acc[MR][3], total[MR][3];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 3; ++j) total[m][j] = _mm512_setzero_ps();
+  const int64_t span = l1 - l0;
+  int64_t due = 0, line = l0;
+  for (int64_t k0 = 0; k0 < K2; k0 += F32_PANEL_CHUNK / 2) {
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < 3; ++j) acc[m][j] = _mm512_setzero_ps();
+    const int64_t k1 = std::min(K2, k0 + F32_PANEL_CHUNK / 2);
+    for (int64_t ks = k0; ks < k1; ks += 8) {
+      const int64_t ke = std::min(k1, ks + 8);
+      if (next) {
+        for (due += (ke - ks) * span; due >= K2; due -= K2, ++line)
+          _mm_prefetch(reinterpret_cast<const char*>(next) + line * 64, _MM_HINT_T1);
+      }
+#pragma GCC unroll 2
+      for (int64_t k = ks; k < ke; ++k) pair_step<MR>(x, xs, k, panel, acc);
+    }
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < 3; ++j) total[m][j] = _mm512_add_ps(total[m][j], acc[m][j]);
+  }
+  for (int j = 0; j < 3 && 16 * j < ncols; ++j) {
+    const int64_t left = ncols - 16 * j;
+    const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) {
+      const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(total[m][j], b));
+      if (stream && left >= 16)
+        _mm256_stream_si256(reinterpret_cast<__m256i*>(y + m * N + 16 * j), out);
+      else
+        _mm256_mask_storeu_epi16(y + m * N + 16 * j, mask, out);
+    }
+  }
+}
+
+// A pass of up to F32_PANEL_ROWS rows over one panel: blocks of 8 rows (the last 1-7), the next panel's lines
+// spread over the blocks.
+LLMFLEET_AVX512_BF16 static void pair_pass(int64_t rows, const uint32_t* x, int64_t xs, int64_t K2,
+                                           const uint32_t* panel, at::BFloat16* y, int64_t N, int64_t ncols,
+                                           const float* bias, const void* next, int64_t lines, bool stream) {
+  const int64_t blocks = (rows + 7) / 8;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t m = blk * 8, r = std::min<int64_t>(8, rows - m);
+    const int64_t l0 = blk * lines / blocks, l1 = (blk + 1) * lines / blocks;
+    const auto block = r == 8 ? pair_block<8> : r == 7 ? pair_block<7> : r == 6 ? pair_block<6> : r == 5 ? pair_block<5>
+                       : r == 4 ? pair_block<4> : r == 3 ? pair_block<3> : r == 2 ? pair_block<2> : pair_block<1>;
+    block(x + m * xs, xs, K2, panel, y + m * N, N, ncols, bias, next, l0, l1, stream);
+  }
+}
+#endif
+
+bool bf16_panels_ready() {
+#if defined(__x86_64__)
+  return cpu_has_avx512_bf16();
+#else
+  return false;
+#endif
+}
+
+// y = x @ W^T (+ bias): x [M, K] bf16 contiguous (K even), W bf16 in pair panels [P, K / 2, F32_PANEL, 2]
+// (linear.pack_pair_panels), bias [n] fp32 or None -> y [M, n] bf16. Each thread takes its own panels, every pass
+// of F32_PANEL_ROWS rows.
+torch::Tensor panel_linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias) {
+  const char* what = "panel_linear_bf16";
+  TORCH_CHECK(bf16_panels_ready(), what, ": needs a CPU with AVX512-BF16 (ask bf16_panels_ready first)");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.size(1) % 2 == 0, what,
+              ": x must be [rows, in] bf16 and contiguous, in even");
+  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
+  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 &&
+                  packed.size(1) * 2 == K && packed.size(2) == F32_PANEL && packed.size(3) == 2,
+              what, ": packed must be bf16 [panels, in / 2, f32_panel_cols(), 2], contiguous, with x's in");
+  panel_output(P, n, bias, c10::nullopt, what);
+  auto y = torch::empty({M, n}, x.options());
+#if defined(__x86_64__)
+  if (M > 0) {
+    const auto* xp = static_cast<const uint32_t*>(x.data_ptr());
+    const auto* wp = static_cast<const uint32_t*>(packed.data_ptr());
+    const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+    at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+    const int64_t K2 = K / 2, lines = K2 * F32_PANEL * 4 / 64;
+    const bool stream = M > F32_PANEL_ROWS && n % 16 == 0 && reinterpret_cast<uintptr_t>(yp) % 32 == 0;
+    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t m0 = 0; m0 < M; m0 += F32_PANEL_ROWS)
+        for (int64_t p = p0; p < p1; ++p)
+          pair_pass(std::min(F32_PANEL_ROWS, M - m0), xp + m0 * K2, K2, K2, wp + p * K2 * F32_PANEL,
+                    yp + m0 * n + p * F32_PANEL, n, std::min(F32_PANEL, n - p * F32_PANEL),
+                    bp ? bp + p * F32_PANEL : nullptr, p + 1 < p1 ? wp + (p + 1) * K2 * F32_PANEL : nullptr, lines,
+                    stream);
+      if (stream) _mm_sfence();
+    });
+  }
+#endif
+  return y;
+}
+
 // The shapes both prompt-attention kernels take (`what`: the kernel, for the messages).
 static void prompt_attention_shapes(const torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k,
                                     const torch::Tensor& v, int64_t start, const char* what) {
@@ -2726,6 +2852,12 @@ class FusedOps(Protocol):
         bias: torch.Tensor | None,
     ) -> torch.Tensor: ...
 
+    def bf16_panels_ready(self) -> bool: ...
+
+    def panel_linear_bf16(
+        self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
+    ) -> torch.Tensor: ...
+
     def f32_attention_ready(self) -> bool: ...
 
     def vector_isa(self) -> str: ...
@@ -2808,6 +2940,8 @@ def _load_module() -> tuple[Any, str | None]:
                 "panel_linear_i8",
                 "panel_linear_fp8",
                 "panel_linear_int4",
+                "bf16_panels_ready",
+                "panel_linear_bf16",
                 "f32_attention_ready",
                 "vector_isa",
                 "f32_attention_",

@@ -74,7 +74,8 @@ from typing import Literal, Protocol
 import torch
 import torch.nn.functional as F
 
-LinearKernel = Literal["aten", "onednn_bf16", "amx_bf16", "panels_fp32"]
+LinearKernel = Literal["aten", "onednn_bf16", "amx_bf16", "panels_fp32", "panels_bf16"]
+PANEL_KERNELS = ("panels_fp32", "panels_bf16")  # the kinds `PanelLinear` runs
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # any one: oneDNN then has native bf16 dot products
 ONEDNN_LINEAR = "onednn_linear"  # name of the capability `available_kernels` reports
 AMX_LINEAR = "amx_linear"  # the capability of our extension's AMX linear (`FusedOps.amx_linear_ready`)
@@ -84,6 +85,7 @@ F32_PANELS = "f32_panels"  # the capability of our extension's fp32 panel linear
 # ... and that it takes its AVX-512 path (`FusedOps.vector_isa`: the CPU's widest, capped by ATEN_CPU_CAPABILITY as
 # torch's own kernels are; without it the panels take their AVX2 + FMA path)
 F32_PANELS_AVX512 = "f32_panels_avx512"
+BF16_PANELS = "bf16_panels"  # the capability of our extension's bf16 panel linear (`FusedOps.bf16_panels_ready`)
 
 
 class AmxOps(Protocol):
@@ -102,6 +104,12 @@ class AmxOps(Protocol):
     def f32_panel_cols(self) -> int: ...
 
     def panel_linear_f32(
+        self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
+    ) -> torch.Tensor: ...
+
+    def bf16_panels_ready(self) -> bool: ...
+
+    def panel_linear_bf16(
         self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
     ) -> torch.Tensor: ...
 
@@ -130,6 +138,8 @@ def available_kernels(native: AmxOps | None = None) -> frozenset[str]:
         have.add(F32_PANELS)
         if native.vector_isa() == "avx512":
             have.add(F32_PANELS_AVX512)
+    if native is not None and native.bf16_panels_ready():
+        have.add(BF16_PANELS)
     try:
         if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
             torch.ops.mkldnn._reorder_linear_weight  # noqa: B018 (raises when the op is absent)
@@ -166,6 +176,11 @@ def choose_linear_kernel(
         )
     if not units:
         return "aten", f"bf16 on a CPU without {' or '.join(BF16_CPU_FLAGS)}: torch's default matmul"
+    if BF16_PANELS in kernels:
+        return "panels_bf16", (
+            "bf16 on a CPU with avx512_bf16 and no AMX: our kernel on weights packed once in panels of input pairs"
+            " (1.25-1.55x oneDNN at 1-64 rows, 1.0x at 2048)"
+        )
     if ONEDNN_LINEAR not in kernels:
         return "aten", "bf16: this torch build lacks oneDNN's prepacked linear (mkldnn), torch's default matmul"
     return "onednn_bf16", f"bf16 on a CPU with {'+'.join(units)}: oneDNN linear, weights reordered once at load"
@@ -257,33 +272,48 @@ class AmxLinear(DenseLinear):
 
 
 class PanelLinear:
-    """fp32 on our kernel over the weight packed once into panels of `f32_panel_cols()` output columns, [panels,
-    in, cols] (the kernel's comment in kernels.py says why). `rows(ids)` reads weight rows back out of the panels:
-    a tied head's embedding lookups, so the embedding is not held twice."""
+    """Our panel kernels over the weight packed once into panels of `f32_panel_cols()` output columns (the
+    kernels' comments in kernels.py say why): fp32 [panels, in, cols] (`panel_linear_f32`), or bf16 in panels of
+    input pairs, [panels, in / 2, cols, 2] (`panel_linear_bf16`, AVX512-BF16's dot products; a bias is added in
+    fp32 before the one rounding). `rows(ids)` reads weight rows back out of the panels: a tied head's embedding
+    lookups, so the embedding is not held twice."""
 
-    __slots__ = ("_native", "bias", "in_features", "out_features", "packed")
+    __slots__ = ("_run", "bias", "in_features", "out_features", "packed")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, native: AmxOps) -> None:
-        if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
-            raise ValueError(f"the panel linear takes an fp32 CPU weight [out, in]; got {weight.dtype} {weight.device}")
+        if weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu" or weight.dim() != 2:
+            raise ValueError(
+                f"the panel linear takes an fp32 or bf16 CPU weight [out, in]; got {weight.dtype} {weight.device}"
+            )
         self.out_features, self.in_features = weight.shape
-        self.packed = pack_panels(weight, native.f32_panel_cols())
-        self.bias = None if bias is None else bias.contiguous()
-        self._native = native
+        cols = native.f32_panel_cols()
+        self._run: Callable[..., torch.Tensor]
+        if weight.dtype == torch.float32:
+            self.packed, self._run = pack_panels(weight, cols), native.panel_linear_f32
+            self.bias = None if bias is None else bias.contiguous()
+        else:
+            if not native.bf16_panels_ready():
+                raise ValueError("the bf16 panel linear needs a CPU with AVX512-BF16 (FusedOps.bf16_panels_ready)")
+            if self.in_features % 2:
+                raise ValueError(f"the bf16 panel linear takes an even number of inputs; got {self.in_features}")
+            self.packed, self._run = pack_pair_panels(weight, cols), native.panel_linear_bf16
+            self.bias = None if bias is None else bias.float().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return on_rows(
-            x, self.out_features, lambda r: self._native.panel_linear_f32(r, self.packed, self.out_features, self.bias)
-        )
+        return on_rows(x, self.out_features, lambda r: self._run(r, self.packed, self.out_features, self.bias))
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """weight[ids] ([len(ids), in]): F.embedding over the packed weight."""
         cols = self.packed.shape[2]
-        return self.packed[ids // cols, :, ids % cols]
+        if self.packed.dim() == 3:
+            return self.packed[ids // cols, :, ids % cols]
+        return self.packed[ids // cols, :, ids % cols, :].reshape(ids.shape[0], self.in_features)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The plain [out, in] weight the layer multiplies by."""
-        return unpack_panels(self.packed, self.out_features).to(dtype)
+        if self.packed.dim() == 3:
+            return unpack_panels(self.packed, self.out_features).to(dtype)
+        return unpack_pair_panels(self.packed, self.out_features).to(dtype)
 
     @property
     def nbytes(self) -> int:
@@ -303,6 +333,27 @@ def pack_panels(weight: torch.Tensor, cols: int) -> torch.Tensor:
 def unpack_panels(packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """The [out_features, in] weight `pack_panels` packed."""
     return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:out_features]
+
+
+def pack_pair_panels(weight: torch.Tensor, cols: int) -> torch.Tensor:
+    """weight [out, in] (in even) -> [panels, in / 2, cols, 2]: panel p holds columns cols p .. cols p + cols - 1
+    (past `out` zero), each row of it one pair of inputs for every column: what `panel_linear_bf16` reads."""
+    out, inp = weight.shape
+    panels = -(-out // cols)
+    padded = weight.new_zeros(panels * cols, inp)
+    padded[:out] = weight
+    return padded.view(panels, cols, inp // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_pair_panels(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The [out_features, in] weight `pack_pair_panels` packed."""
+    panels, pairs, cols, _ = packed.shape
+    return packed.permute(0, 2, 1, 3).reshape(panels * cols, pairs * 2)[:out_features]
+
+
+def panels_fit(weight: torch.Tensor) -> bool:
+    """Whether `PanelLinear` takes this weight's shape (bf16 panels hold pairs of inputs: an even count)."""
+    return weight.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0
 
 
 def amx_fits(weight: torch.Tensor) -> bool:
@@ -327,10 +378,10 @@ def make_dense_linear(
         return AmxLinear(w, b, native) if amx_fits(w) else DenseLinear(w, b)
     if kernel == "onednn_bf16":
         return PackedLinear(w, b)
-    if kernel == "panels_fp32":
+    if kernel in PANEL_KERNELS:
         if native is None:
-            raise ValueError("the panels_fp32 kernel needs the native extension's ops (kernels.load_fused_ops)")
-        return PanelLinear(w, b, native)
+            raise ValueError(f"the {kernel} kernel needs the native extension's ops (kernels.load_fused_ops)")
+        return PanelLinear(w, b, native) if panels_fit(w) else DenseLinear(w, b)
     return DenseLinear(w, b)
 
 

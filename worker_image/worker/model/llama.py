@@ -22,6 +22,7 @@ from worker.model.attention import EAGER, AttentionMetadata, NativeAttention, pa
 from worker.model.config import ModelConfig
 from worker.model.kernels import FusedOps
 from worker.model.linear import (
+    PANEL_KERNELS,
     AmxLinear,
     DenseLinear,
     LinearKernel,
@@ -30,6 +31,7 @@ from worker.model.linear import (
     available_kernels,
     choose_linear_kernel,
     make_dense_linear,
+    panels_fit,
     read_cpu_flags,
 )
 from worker.model.lora import LoraBatch
@@ -173,19 +175,20 @@ class LlamaModel:
         if quantization is not None and self.layers:
             log.info("%s linears run on %s", quantization, getattr(self.layers[0].gate_up, "path", "?"))
         self.norm = take("model.norm.weight")
-        # None where a tied head's fp32 panels hold the embedding (`embed_tokens` looks tokens up in them)
+        # None where a tied head's panels hold the embedding (`embed_tokens` looks tokens up in them)
         self.embed: torch.Tensor | None = take("model.embed_tokens.weight")
         self._embed_panels: PanelLinear | None = None
         # The output head stays dense (as in vLLM's weight-only schemes): it is one matmul per sampled row. A tied
         # head shares the embedding's storage: oneDNN's packing would hold a second copy (+57 MB bf16 for SmolLM2),
         # so with that kernel it runs torch's matmul; the AMX kernel multiplies by the embedding itself (SmolLM2 at
-        # 64 rows: 1.3 s of a 17 s run on W with F.linear); fp32 panels replace it (the lookups read the panels).
+        # 64 rows: 1.3 s of a 17 s run on W with F.linear); the panels (fp32 or bf16) replace it (the lookups read
+        # the panels).
         # An untied head runs the chosen kernel.
         head = self.embed if cfg.tie_word_embeddings else take("lm_head.weight")
         self.lm_head: Linear
         if linear_kernel == "amx_bf16" and fused is not None and amx_fits(head):
             self.lm_head = AmxLinear(head, None, fused, fp32_out=True)  # fp32 logits straight from the sums
-        elif linear_kernel == "panels_fp32" and fused is not None:
+        elif linear_kernel in PANEL_KERNELS and fused is not None and panels_fit(head):
             self.lm_head = PanelLinear(head, None, fused)
             if cfg.tie_word_embeddings:
                 self._embed_panels, self.embed = self.lm_head, None
