@@ -20,7 +20,9 @@ than folklore. Paths:
   past those);
 * `int8_ours_fp32`, `fp8_ours_fp32`, `int4_ours_fp32`: the same for an fp32 model (int8 on the panels where the
   dense linears run on them; bf16 products on AMX where the CPU has it; else torch's ops);
-* `bf16_amx`: the engine's `linear.AmxLinear` on CPUs with AMX (our kernel up to `AMX_MAX_ROWS` rows, F.linear past).
+* `bf16_amx`: the engine's `linear.AmxLinear` on CPUs with AMX (our kernel up to `AMX_MAX_ROWS` rows, F.linear past);
+* `fp32_panels`, `bf16_panels`: the engine's `linear.PanelLinear` (fp32 on AVX2 + FMA or AVX-512; bf16 on
+  AVX512-BF16, in panels of input pairs).
 
 `--layers N` builds N copies of each group with their own weights and times a pass over all of them, as a decode
 step walks a model's layers: the weights then stream from DRAM instead of sitting in cache (30 SmolLM2 layers are
@@ -141,14 +143,15 @@ def _amx(w: torch.Tensor) -> tuple[Call, torch.dtype]:
     return AmxLinear(w.to(torch.bfloat16), None, module), torch.bfloat16
 
 
-def _panels(w: torch.Tensor) -> tuple[Call, torch.dtype]:
+def _panels(w: torch.Tensor, dtype: torch.dtype) -> tuple[Call, torch.dtype]:
     from worker.model.kernels import _load_module
     from worker.model.linear import PanelLinear
 
     module, why = _load_module()
-    if module is None or not module.f32_panels_ready():
-        raise RuntimeError(why or "this CPU offers no AVX512F")
-    return PanelLinear(w.float(), None, module), torch.float32
+    ready = module is not None and (module.f32_panels_ready() if dtype == torch.float32 else module.bf16_panels_ready())
+    if module is None or not ready:
+        raise RuntimeError(why or f"this CPU offers no {'AVX2 + FMA' if dtype == torch.float32 else 'AVX512-BF16'}")
+    return PanelLinear(w.to(dtype), None, module), dtype
 
 
 PATHS: dict[str, Callable[[torch.Tensor], tuple[Call, torch.dtype]]] = {
@@ -168,7 +171,8 @@ PATHS: dict[str, Callable[[torch.Tensor], tuple[Call, torch.dtype]]] = {
     "fp8_ours_fp32": lambda w: _ours(w, "fp8", torch.float32),
     "int4_ours_fp32": lambda w: _ours(w, "int4", torch.float32),
     "bf16_amx": _amx,
-    "fp32_panels": _panels,
+    "fp32_panels": lambda w: _panels(w, torch.float32),
+    "bf16_panels": lambda w: _panels(w, torch.bfloat16),
 }
 
 

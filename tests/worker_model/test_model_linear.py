@@ -390,6 +390,9 @@ def test_bf16_panel_linear_rounds_the_exact_product_once(bf16_panels, rows, out_
     assert torch.equal(layer.dequantize(torch.bfloat16), w)
     ids = torch.tensor([0, out_in[0] - 1, out_in[0] // 2, 0])
     assert torch.equal(layer.rows(ids), w[ids])  # the embedding lookups a tied head serves
+    sums = PanelLinear(w, b, bf16_panels, fp32_out=True)(x)  # the same sums, unrounded: an output head's logits
+    assert sums.dtype == torch.float32 and torch.equal(sums.bfloat16(), got)
+    assert ((sums.double() - exact).abs() <= exact.abs() * 2.0**-20 + 1e-4).all()
 
 
 @pytest.mark.parametrize("out_features", [96, 112, 100])  # streamed (whole panels; a part-filled one), plain stores
@@ -398,6 +401,8 @@ def test_bf16_panel_linear_writes_a_prompt_chunk_as_it_writes_its_parts(bf16_pan
     layer = PanelLinear(w, torch.randn(out_features, generator=GEN), bf16_panels)
     x = torch.randn(600, 64, generator=GEN).bfloat16()
     assert torch.equal(layer(x), torch.cat([layer(x[:256]), layer(x[256:512]), layer(x[512:])]))
+    logits = PanelLinear(w, None, bf16_panels, fp32_out=True)
+    assert torch.equal(logits(x), torch.cat([logits(x[:256]), logits(x[256:512]), logits(x[512:])]))
     wide = torch.randn(5, 128, generator=GEN).bfloat16()[:, :64]  # strided rows, and a batch
     assert torch.equal(layer(wide), layer(wide.contiguous()))
     assert torch.equal(layer(x[:6].view(2, 3, 64)), layer(x[:6]).view(2, 3, out_features))
@@ -423,13 +428,13 @@ def _bf(*shape: int) -> torch.Tensor:
 @pytest.mark.parametrize(
     "call,match",
     [
-        (lambda ops, p: ops.panel_linear_bf16(torch.zeros(2, 32), p, 50, None), "bf16"),
-        (lambda ops, p: ops.panel_linear_bf16(_bf(2, 31), p, 50, None), "in even"),
-        (lambda ops, p: ops.panel_linear_bf16(_bf(2, 30), p, 50, None), "x's in"),
-        (lambda ops, p: ops.panel_linear_bf16(_bf(2, 32), p, 97, None), "does not fill"),
-        (lambda ops, p: ops.panel_linear_bf16(_bf(2, 32), p, 50, _bf(50)), "bias"),
-        (lambda ops, p: ops.panel_linear_bf16(_bf(2, 32), p.float(), 50, None), "packed"),
-        (lambda ops, p: ops.panel_linear_bf16(_bf(2, 32), p[:, :, :16].contiguous(), 50, None), "packed"),
+        (lambda ops, p: ops.panel_linear_bf16(torch.zeros(2, 32), p, 50, None, False), "bf16"),
+        (lambda ops, p: ops.panel_linear_bf16(_bf(2, 31), p, 50, None, False), "in even"),
+        (lambda ops, p: ops.panel_linear_bf16(_bf(2, 30), p, 50, None, False), "x's in"),
+        (lambda ops, p: ops.panel_linear_bf16(_bf(2, 32), p, 97, None, False), "does not fill"),
+        (lambda ops, p: ops.panel_linear_bf16(_bf(2, 32), p, 50, _bf(50), False), "bias"),
+        (lambda ops, p: ops.panel_linear_bf16(_bf(2, 32), p.float(), 50, None, False), "packed"),
+        (lambda ops, p: ops.panel_linear_bf16(_bf(2, 32), p[:, :, :16].contiguous(), 50, None, False), "packed"),
     ],
 )
 def test_bf16_panel_linear_refuses_what_it_cannot_take(bf16_panels, call, match):

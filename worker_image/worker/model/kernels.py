@@ -1674,10 +1674,11 @@ LLMFLEET_AVX512_BF16 static inline __attribute__((always_inline)) void pair_step
 }
 
 // y[m, c] = bias[c] + sum_k x[m, k] * W[c, k] for MR rows of x (pairs, xs pairs apart), K2 input pairs and the
-// panel's first ncols columns (y's rows N apart, bf16); lines [l0, l1) of `next` prefetched into L2 on the way.
-template <int MR>
+// panel's first ncols columns (y's rows N apart, bf16, or fp32 unrounded where Y is float); lines [l0, l1) of
+// `next` prefetched into L2 on the way.
+template <int MR, typename Y>
 LLMFLEET_AVX512_BF16 static void pair_block(const uint32_t* __restrict__ x, int64_t xs, int64_t K2,
-                                            const uint32_t* __restrict__ panel, at::BFloat16* __restrict__ y,
+                                            const uint32_t* __restrict__ panel, Y* __restrict__ y,
                                             int64_t N, int64_t ncols, const float* bias, const void* next,
                                             int64_t l0, int64_t l1, bool stream) {
   __m512 acc[MR][3], total[MR][3];
@@ -1706,26 +1707,36 @@ LLMFLEET_AVX512_BF16 static void pair_block(const uint32_t* __restrict__ x, int6
     const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
     for (int m = 0; m < MR; ++m) {
-      const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(total[m][j], b));
-      if (stream && left >= 16)
-        _mm256_stream_si256(reinterpret_cast<__m256i*>(y + m * N + 16 * j), out);
-      else
-        _mm256_mask_storeu_epi16(y + m * N + 16 * j, mask, out);
+      const __m512 sum = _mm512_add_ps(total[m][j], b);
+      if constexpr (std::is_same_v<Y, float>) {
+        if (stream && left >= 16)
+          _mm512_stream_ps(y + m * N + 16 * j, sum);
+        else
+          _mm512_mask_storeu_ps(y + m * N + 16 * j, mask, sum);
+      } else {
+        const __m256i out = (__m256i)_mm512_cvtneps_pbh(sum);
+        if (stream && left >= 16)
+          _mm256_stream_si256(reinterpret_cast<__m256i*>(y + m * N + 16 * j), out);
+        else
+          _mm256_mask_storeu_epi16(y + m * N + 16 * j, mask, out);
+      }
     }
   }
 }
 
 // A pass of up to F32_PANEL_ROWS rows over one panel: blocks of 8 rows (the last 1-7), the next panel's lines
 // spread over the blocks.
+template <typename Y>
 LLMFLEET_AVX512_BF16 static void pair_pass(int64_t rows, const uint32_t* x, int64_t xs, int64_t K2,
-                                           const uint32_t* panel, at::BFloat16* y, int64_t N, int64_t ncols,
+                                           const uint32_t* panel, Y* y, int64_t N, int64_t ncols,
                                            const float* bias, const void* next, int64_t lines, bool stream) {
   const int64_t blocks = (rows + 7) / 8;
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const int64_t m = blk * 8, r = std::min<int64_t>(8, rows - m);
     const int64_t l0 = blk * lines / blocks, l1 = (blk + 1) * lines / blocks;
-    const auto block = r == 8 ? pair_block<8> : r == 7 ? pair_block<7> : r == 6 ? pair_block<6> : r == 5 ? pair_block<5>
-                       : r == 4 ? pair_block<4> : r == 3 ? pair_block<3> : r == 2 ? pair_block<2> : pair_block<1>;
+    const auto block = r == 8 ? pair_block<8, Y> : r == 7 ? pair_block<7, Y> : r == 6 ? pair_block<6, Y>
+                       : r == 5 ? pair_block<5, Y> : r == 4 ? pair_block<4, Y> : r == 3 ? pair_block<3, Y>
+                       : r == 2 ? pair_block<2, Y> : pair_block<1, Y>;
     block(x + m * xs, xs, K2, panel, y + m * N, N, ncols, bias, next, l0, l1, stream);
   }
 }
@@ -1740,9 +1751,28 @@ bool bf16_panels_ready() {
 }
 
 // y = x @ W^T (+ bias): x [M, K] bf16 contiguous (K even), W bf16 in pair panels [P, K / 2, F32_PANEL, 2]
-// (linear.pack_pair_panels), bias [n] fp32 or None -> y [M, n] bf16. Each thread takes its own panels, every pass
-// of F32_PANEL_ROWS rows.
-torch::Tensor panel_linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias) {
+// (linear.pack_pair_panels), bias [n] fp32 or None -> y [M, n] bf16, or fp32 (the sums unrounded) with fp32_out
+// (an output head's logits). Each thread takes its own panels, every pass of F32_PANEL_ROWS rows.
+#if defined(__x86_64__)
+template <typename Y>
+static void pair_linear_run(const uint32_t* xp, int64_t M, int64_t K2, const uint32_t* wp, int64_t P, int64_t n,
+                            const float* bp, Y* yp) {
+  const int64_t lines = K2 * F32_PANEL * 4 / 64;
+  const bool stream = M > F32_PANEL_ROWS && n % 16 == 0 && reinterpret_cast<uintptr_t>(yp) % 64 == 0;
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t m0 = 0; m0 < M; m0 += F32_PANEL_ROWS)
+      for (int64_t p = p0; p < p1; ++p)
+        pair_pass(std::min(F32_PANEL_ROWS, M - m0), xp + m0 * K2, K2, K2, wp + p * K2 * F32_PANEL,
+                  yp + m0 * n + p * F32_PANEL, n, std::min(F32_PANEL, n - p * F32_PANEL),
+                  bp ? bp + p * F32_PANEL : nullptr, p + 1 < p1 ? wp + (p + 1) * K2 * F32_PANEL : nullptr, lines,
+                  stream);
+    if (stream) _mm_sfence();
+  });
+}
+#endif
+
+torch::Tensor panel_linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias,
+                                bool fp32_out) {
   const char* what = "panel_linear_bf16";
   TORCH_CHECK(bf16_panels_ready(), what, ": needs a CPU with AVX512-BF16 (ask bf16_panels_ready first)");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.size(1) % 2 == 0, what,
@@ -1752,24 +1782,16 @@ torch::Tensor panel_linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t n
                   packed.size(1) * 2 == K && packed.size(2) == F32_PANEL && packed.size(3) == 2,
               what, ": packed must be bf16 [panels, in / 2, f32_panel_cols(), 2], contiguous, with x's in");
   panel_output(P, n, bias, c10::nullopt, what);
-  auto y = torch::empty({M, n}, x.options());
+  auto y = torch::empty({M, n}, x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
 #if defined(__x86_64__)
   if (M > 0) {
     const auto* xp = static_cast<const uint32_t*>(x.data_ptr());
     const auto* wp = static_cast<const uint32_t*>(packed.data_ptr());
     const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-    at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-    const int64_t K2 = K / 2, lines = K2 * F32_PANEL * 4 / 64;
-    const bool stream = M > F32_PANEL_ROWS && n % 16 == 0 && reinterpret_cast<uintptr_t>(yp) % 32 == 0;
-    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-      for (int64_t m0 = 0; m0 < M; m0 += F32_PANEL_ROWS)
-        for (int64_t p = p0; p < p1; ++p)
-          pair_pass(std::min(F32_PANEL_ROWS, M - m0), xp + m0 * K2, K2, K2, wp + p * K2 * F32_PANEL,
-                    yp + m0 * n + p * F32_PANEL, n, std::min(F32_PANEL, n - p * F32_PANEL),
-                    bp ? bp + p * F32_PANEL : nullptr, p + 1 < p1 ? wp + (p + 1) * K2 * F32_PANEL : nullptr, lines,
-                    stream);
-      if (stream) _mm_sfence();
-    });
+    if (fp32_out)
+      pair_linear_run(xp, M, K / 2, wp, P, n, bp, y.data_ptr<float>());
+    else
+      pair_linear_run(xp, M, K / 2, wp, P, n, bp, y.data_ptr<at::BFloat16>());
   }
 #endif
   return y;
@@ -2855,7 +2877,7 @@ class FusedOps(Protocol):
     def bf16_panels_ready(self) -> bool: ...
 
     def panel_linear_bf16(
-        self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
+        self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None, fp32_out: bool
     ) -> torch.Tensor: ...
 
     def f32_attention_ready(self) -> bool: ...

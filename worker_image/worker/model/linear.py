@@ -44,6 +44,21 @@ an AMD EPYC Zen 3 (AVX2 only; stop 33):
     panels (ours, AVX2)       5.9   20.0   54.3   90.1    110    116    126    113    135
     MKL (F.linear)            3.6    8.6   23.9   43.3   64.3   94.2   98.9    108    113
 
+bf16 on CPUs with AVX512-BF16 and no AMX (Zen 4/5, Cooper Lake) runs the same panels with each row of a panel
+holding one pair of inputs for its 48 columns, [panels, in / 2, 48, 2] (`pack_pair_panels`), so that one
+`vdpbf16ps` multiplies a row's pair of x (a 32-bit broadcast) into 16 columns: twice an fp32 FMA's work (a
+register-only loop on the Zen 5 of stop 42 reads 960 GFLOP/s against 520 for fp32 FMAs, 2 threads). The sums are
+fp32, rounded once (an output head keeps them: `fp32_out`). oneDNN's prepacked bf16 linear was the path before.
+Same command with `--paths bf16_onednn,bf16_panels,bf16_aten` on that Zen 5 (stop 42), GFLOP/s:
+
+    rows                        1      4     16     32     64    128    256    512   2048
+    bf16 panels (ours)       43.8    169    637    866    911    956    981    989    992
+    oneDNN, prepacked        37.4    137    379    520    614    780    869    923    960
+    F.linear, plain weight   24.3   90.7    281    413    550    717    834    896    920
+
+Past one 256-row pass y goes out with streaming stores (0.88 -> 1.0x oneDNN at 2048 rows), and a tied head's
+panels serve the embedding, so one copy of each weight is held.
+
 On CPUs with AMX (Sapphire Rapids and later) our own AMX kernel (`kernels.amx_linear`) runs batches of up to
 `AMX_MAX_ROWS` rows on the plain weight, and torch's matmul the rest. Over 30 SmolLM2 layers with their own weights
 (so they stream from DRAM, as in a decode step: 212 MB), GFLOP/s, 2 threads, one run (`bench/linear_kernels.py
@@ -110,7 +125,7 @@ class AmxOps(Protocol):
     def bf16_panels_ready(self) -> bool: ...
 
     def panel_linear_bf16(
-        self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
+        self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None, fp32_out: bool
     ) -> torch.Tensor: ...
 
 
@@ -275,12 +290,13 @@ class PanelLinear:
     """Our panel kernels over the weight packed once into panels of `f32_panel_cols()` output columns (the
     kernels' comments in kernels.py say why): fp32 [panels, in, cols] (`panel_linear_f32`), or bf16 in panels of
     input pairs, [panels, in / 2, cols, 2] (`panel_linear_bf16`, AVX512-BF16's dot products; a bias is added in
-    fp32 before the one rounding). `rows(ids)` reads weight rows back out of the panels: a tied head's embedding
-    lookups, so the embedding is not held twice."""
+    fp32 before the one rounding; `fp32_out`: no rounding, the sums come out in fp32, as an output head's logits
+    are wanted). `rows(ids)` reads weight rows back out of the panels: a tied head's embedding lookups, so the
+    embedding is not held twice."""
 
     __slots__ = ("_run", "bias", "in_features", "out_features", "packed")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, native: AmxOps) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, native: AmxOps, fp32_out: bool = False) -> None:
         if weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu" or weight.dim() != 2:
             raise ValueError(
                 f"the panel linear takes an fp32 or bf16 CPU weight [out, in]; got {weight.dtype} {weight.device}"
@@ -296,7 +312,8 @@ class PanelLinear:
                 raise ValueError("the bf16 panel linear needs a CPU with AVX512-BF16 (FusedOps.bf16_panels_ready)")
             if self.in_features % 2:
                 raise ValueError(f"the bf16 panel linear takes an even number of inputs; got {self.in_features}")
-            self.packed, self._run = pack_pair_panels(weight, cols), native.panel_linear_bf16
+            self.packed = pack_pair_panels(weight, cols)
+            self._run = lambda x, packed, n, bias: native.panel_linear_bf16(x, packed, n, bias, fp32_out)
             self.bias = None if bias is None else bias.float().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -189,7 +189,7 @@ class LlamaModel:
         if linear_kernel == "amx_bf16" and fused is not None and amx_fits(head):
             self.lm_head = AmxLinear(head, None, fused, fp32_out=True)  # fp32 logits straight from the sums
         elif linear_kernel in PANEL_KERNELS and fused is not None and panels_fit(head):
-            self.lm_head = PanelLinear(head, None, fused)
+            self.lm_head = PanelLinear(head, None, fused, fp32_out=True)  # bf16: fp32 logits straight from the sums
             if cfg.tie_word_embeddings:
                 self._embed_panels, self.embed = self.lm_head, None
         elif cfg.tie_word_embeddings:
