@@ -193,6 +193,15 @@ def panels():
 
 
 @pytest.fixture(scope="session")
+def fp32_code_panels(panels):
+    """`panels` as a CPU without AVX512-BF16 sees it (`testing.Fp32PanelsOnly`): quantized layers of an fp32 model
+    on the fp32 code panels."""
+    from worker.model.testing import Fp32PanelsOnly
+
+    return Fp32PanelsOnly(panels)
+
+
+@pytest.fixture(scope="session")
 def bf16_panels():
     """The native extension, on a CPU where its bf16 panel linear runs: AVX512-BF16 (else the test is skipped)."""
     return _native_or_skip("bf16_panels_ready", "this CPU has no AVX512-BF16")

@@ -211,12 +211,15 @@ def test_quantized_fp32_models_say_why_their_products_stay_fp32(amx, dtype, quan
         (300, 112, True),  # a pass and a half, streaming stores
     ],
 )
-def test_an_fp32_models_one_byte_layers_multiply_their_codes_on_the_panels(panels, quant, rows, out_features, bias):
+def test_an_fp32_models_one_byte_layers_multiply_their_codes_on_the_panels(
+    fp32_code_panels, quant, rows, out_features, bias
+):
     """int8 and fp8 codes packed in panels, widened to fp32 in the kernel, the scales and the bias applied to its
     sums: the product with the layer's own dequantized weights, to fp32's rounding."""
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(out_features, 200, generator=gen) * 0.05
     b = torch.randn(out_features, generator=gen) if bias else None
+    panels = fp32_code_panels
     layer = make_linear(w, b, quant, torch.float32, "panels_fp32", panels)
     plain = make_linear(w, b, quant, torch.float32)  # torch's ops over the same codes
     assert layer.weight.dim() == 3 and layer.weight.shape[1:] == (200, panels.f32_panel_cols())
@@ -230,11 +233,13 @@ def test_an_fp32_models_one_byte_layers_multiply_their_codes_on_the_panels(panel
 
 
 @pytest.mark.parametrize("quant", ["int8", "fp8"])
-def test_widening_the_panels_first_gives_the_bits_of_widening_them_in_registers(panels, quant):
+def test_widening_the_panels_first_gives_the_bits_of_widening_them_in_registers(fp32_code_panels, quant):
     """Batches of 32 rows or more widen each panel once into an fp32 scratch; smaller ones at every step: the same
     values summed in the same order, so a row's output does not depend on its batch."""
     gen = torch.Generator().manual_seed(3)
-    layer = make_linear(torch.randn(100, 576, generator=gen), None, quant, torch.float32, "panels_fp32", panels)
+    layer = make_linear(
+        torch.randn(100, 576, generator=gen), None, quant, torch.float32, "panels_fp32", fp32_code_panels
+    )
     x = torch.randn(40, 576, generator=gen)
     assert torch.equal(layer(x), torch.cat([layer(x[i : i + 8]) for i in range(0, 40, 8)]))
 
@@ -328,7 +333,69 @@ def test_the_int4_panels_refuse_what_they_cannot_take(panels, call, match):
 
 
 @pytest.mark.parametrize("quant", ["int8", "fp8", "int4"])
-def test_quantized_layers_say_which_kernel_multiplies_them(panels, quant):
+def test_quantized_layers_say_which_kernel_multiplies_them(fp32_code_panels, quant):
     w = torch.randn(96, 64, generator=GEN)
-    assert "fp32 panels" in make_linear(w, None, quant, torch.float32, "panels_fp32", panels).path
+    assert "fp32 panels" in make_linear(w, None, quant, torch.float32, "panels_fp32", fp32_code_panels).path
     assert "torch's ops" in make_linear(w, None, quant, torch.float32).path  # no extension: torch's
+
+
+@pytest.mark.parametrize("quant", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    ("rows", "out_features", "bias"),
+    [(1, 50, True), (7, 96, False), (8, 144, True), (9, 50, False), (64, 96, True), (300, 112, True)],
+)
+def test_one_byte_layers_multiply_their_codes_on_the_bf16_pair_panels(
+    bf16_panels, quant, dtype, rows, out_features, bias
+):
+    """On CPUs with AVX512-BF16 (no AMX) int8 and fp8 codes go into bf16 pair panels, widened exactly in the kernel,
+    the scales and the bias applied to the fp32 sums: a bf16 model's output is the exact product rounded once to
+    bf16; an fp32 model's activations are rounded to bf16 first (as on AMX) and its output is the fp32 sums."""
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(out_features, 200, generator=gen) * 0.05
+    b = torch.randn(out_features, generator=gen) if bias else None
+    layer = make_linear(w, b, quant, dtype, "panels_bf16" if dtype == torch.bfloat16 else "panels_fp32", bf16_panels)
+    assert layer.weight.dim() == 4 and "bf16 pair panels" in layer.path
+    assert torch.equal(layer.dequantize(), make_linear(w, b, quant, torch.float32).dequantize())
+    x = torch.randn(rows, 200, generator=gen).to(dtype)
+    exact = x.bfloat16().double() @ layer.dequantize().double().t() + (0 if b is None else b.to(dtype).double())
+    y = layer(x)
+    assert y.shape == (rows, out_features) and y.dtype == dtype
+    err = (y.double() - exact).abs()
+    assert (err <= exact.abs() * (2.0**-8 if dtype == torch.bfloat16 else 2.0**-20) + 1e-5).all(), err.max()
+    assert torch.equal(layer(x.view(1, rows, 200)), y.view(1, rows, out_features))  # batched rows: the same
+
+
+def test_the_bf16_pair_panels_widen_every_finite_fp8_code_exactly(bf16_panels):
+    from worker.model.linear import pack_pair_panels
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    finite = codes[~codes.float().isnan()]  # 254 codes: both zeros, the subnormals, +-448
+    w8 = finite.view(1, -1).expand(48, -1).contiguous()
+    eye = torch.eye(finite.numel(), dtype=torch.bfloat16)
+    y = bf16_panels.panel_linear_bf16_codes(eye, pack_pair_panels(w8, 48), 48, torch.full((48,), 2.0**8), None, True)
+    assert torch.equal(y[:, 7], finite.float())
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (
+            lambda ops, p, s: ops.panel_linear_bf16_codes(
+                torch.zeros(2, 32).bfloat16(), p.bfloat16(), 50, s, None, False
+            ),
+            "weight type",
+        ),
+        (
+            lambda ops, p, s: ops.panel_linear_bf16_codes(torch.zeros(2, 32).bfloat16(), p, 50, s[:49], None, False),
+            "scale",
+        ),
+        (lambda ops, p, s: ops.panel_linear_bf16_codes(torch.zeros(2, 32), p, 50, s, None, False), "bf16"),
+    ],
+)
+def test_the_bf16_pair_code_panels_refuse_what_they_cannot_take(bf16_panels, call, match):
+    from worker.model.linear import pack_pair_panels
+
+    packed = pack_pair_panels(torch.zeros(50, 32, dtype=torch.int8), 48)
+    with pytest.raises(RuntimeError, match=match):
+        call(bf16_panels, packed, torch.ones(50))

@@ -1679,8 +1679,8 @@ LLMFLEET_AVX512_BF16 static inline __attribute__((always_inline)) void pair_step
 template <int MR, typename Y>
 LLMFLEET_AVX512_BF16 static void pair_block(const uint32_t* __restrict__ x, int64_t xs, int64_t K2,
                                             const uint32_t* __restrict__ panel, Y* __restrict__ y,
-                                            int64_t N, int64_t ncols, const float* bias, const void* next,
-                                            int64_t l0, int64_t l1, bool stream) {
+                                            int64_t N, int64_t ncols, const float* bias, const float* scale,
+                                            const void* next, int64_t l0, int64_t l1, bool stream) {
   __m512 acc[MR][3], total[MR][3];
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < 3; ++j) total[m][j] = _mm512_setzero_ps();
@@ -1706,8 +1706,9 @@ LLMFLEET_AVX512_BF16 static void pair_block(const uint32_t* __restrict__ x, int6
     const int64_t left = ncols - 16 * j;
     const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
+    const __m512 sc = scale ? _mm512_maskz_loadu_ps(mask, scale + 16 * j) : _mm512_setzero_ps();
     for (int m = 0; m < MR; ++m) {
-      const __m512 sum = _mm512_add_ps(total[m][j], b);
+      const __m512 sum = scale ? _mm512_fmadd_ps(total[m][j], sc, b) : _mm512_add_ps(total[m][j], b);
       if constexpr (std::is_same_v<Y, float>) {
         if (stream && left >= 16)
           _mm512_stream_ps(y + m * N + 16 * j, sum);
@@ -1729,7 +1730,8 @@ LLMFLEET_AVX512_BF16 static void pair_block(const uint32_t* __restrict__ x, int6
 template <typename Y>
 LLMFLEET_AVX512_BF16 static void pair_pass(int64_t rows, const uint32_t* x, int64_t xs, int64_t K2,
                                            const uint32_t* panel, Y* y, int64_t N, int64_t ncols,
-                                           const float* bias, const void* next, int64_t lines, bool stream) {
+                                           const float* bias, const float* scale, const void* next, int64_t lines,
+                                           bool stream) {
   const int64_t blocks = (rows + 7) / 8;
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const int64_t m = blk * 8, r = std::min<int64_t>(8, rows - m);
@@ -1737,7 +1739,7 @@ LLMFLEET_AVX512_BF16 static void pair_pass(int64_t rows, const uint32_t* x, int6
     const auto block = r == 8 ? pair_block<8, Y> : r == 7 ? pair_block<7, Y> : r == 6 ? pair_block<6, Y>
                        : r == 5 ? pair_block<5, Y> : r == 4 ? pair_block<4, Y> : r == 3 ? pair_block<3, Y>
                        : r == 2 ? pair_block<2, Y> : pair_block<1, Y>;
-    block(x + m * xs, xs, K2, panel, y + m * N, N, ncols, bias, next, l0, l1, stream);
+    block(x + m * xs, xs, K2, panel, y + m * N, N, ncols, bias, scale, next, l0, l1, stream);
   }
 }
 #endif
@@ -1750,51 +1752,105 @@ bool bf16_panels_ready() {
 #endif
 }
 
-// y = x @ W^T (+ bias): x [M, K] bf16 contiguous (K even), W bf16 in pair panels [P, K / 2, F32_PANEL, 2]
-// (linear.pack_pair_panels), bias [n] fp32 or None -> y [M, n] bf16, or fp32 (the sums unrounded) with fp32_out
-// (an output head's logits). Each thread takes its own panels, every pass of F32_PANEL_ROWS rows.
 #if defined(__x86_64__)
-template <typename Y>
-static void pair_linear_run(const uint32_t* xp, int64_t M, int64_t K2, const uint32_t* wp, int64_t P, int64_t n,
-                            const float* bp, Y* yp) {
-  const int64_t lines = K2 * F32_PANEL * 4 / 64;
+// One panel of int8 or fp8 e4m3 codes in the pair layout as bf16 pairs into `dst` (64-byte aligned): `n` codes (a
+// multiple of 32), each widened as panel_w16 widens it (exact: int8 and e4m3 values are bf16 values; fp8's as its
+// fp16 pattern's value, 2**-8 of the code's, which the scale makes up).
+template <typename W>
+LLMFLEET_AVX512_BF16 static void widen_pairs(const W* __restrict__ src, int64_t n, uint32_t* __restrict__ dst) {
+  for (int64_t i = 0; i < n; i += 32)
+    _mm512_store_si512(dst + i / 2, (__m512i)_mm512_cvtne2ps_pbh(panel_w16(src + i + 16), panel_w16(src + i)));
+}
+
+// y [M, n] = x @ W^T (* scale) (+ bias) over pair panels of W: bf16 pairs (W uint32_t), read in place, or codes
+// (int8, Fp8E4m3), each panel widened into a per-thread bf16 scratch (K x 96 bytes, in L2) once per pass, its next
+// panel's codes prefetched meanwhile. Each thread takes its own panels, every pass of F32_PANEL_ROWS rows.
+template <typename W, typename Y>
+static void pair_linear_run(const uint32_t* xp, int64_t M, int64_t K2, const W* wp, int64_t P, int64_t n,
+                            const float* bp, const float* scale, Y* yp) {
+  constexpr bool codes = !std::is_same_v<W, uint32_t>;
+  const int64_t per_panel = K2 * F32_PANEL * (codes ? 2 : 1);  // a panel's W elements
+  const int64_t lines = per_panel * int64_t(sizeof(W)) / 64;
   const bool stream = M > F32_PANEL_ROWS && n % 16 == 0 && reinterpret_cast<uintptr_t>(yp) % 64 == 0;
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    std::unique_ptr<uint32_t, decltype(&free)> wide(nullptr, &free);
+    if constexpr (codes) {
+      wide.reset(static_cast<uint32_t*>(aligned_alloc(64, K2 * F32_PANEL * sizeof(uint32_t))));
+      TORCH_CHECK(wide, "panel linear: out of memory for a panel's bf16 scratch");
+    }
     for (int64_t m0 = 0; m0 < M; m0 += F32_PANEL_ROWS)
-      for (int64_t p = p0; p < p1; ++p)
-        pair_pass(std::min(F32_PANEL_ROWS, M - m0), xp + m0 * K2, K2, K2, wp + p * K2 * F32_PANEL,
-                  yp + m0 * n + p * F32_PANEL, n, std::min(F32_PANEL, n - p * F32_PANEL),
-                  bp ? bp + p * F32_PANEL : nullptr, p + 1 < p1 ? wp + (p + 1) * K2 * F32_PANEL : nullptr, lines,
+      for (int64_t p = p0; p < p1; ++p) {
+        const uint32_t* panel;
+        if constexpr (codes) {
+          widen_pairs(wp + p * per_panel, per_panel, wide.get());
+          panel = wide.get();
+        } else {
+          panel = wp + p * per_panel;
+        }
+        pair_pass(std::min(F32_PANEL_ROWS, M - m0), xp + m0 * K2, K2, K2, panel, yp + m0 * n + p * F32_PANEL, n,
+                  std::min(F32_PANEL, n - p * F32_PANEL), bp ? bp + p * F32_PANEL : nullptr,
+                  scale ? scale + p * F32_PANEL : nullptr, p + 1 < p1 ? wp + (p + 1) * per_panel : nullptr, lines,
                   stream);
+      }
     if (stream) _mm_sfence();
   });
 }
 #endif
 
-torch::Tensor panel_linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias,
-                                bool fp32_out) {
-  const char* what = "panel_linear_bf16";
+// What both pair-panel linears take (`what`: the kernel, for the messages): the CPU; x [M, K] bf16 contiguous, K
+// even; packed [P, K / 2, F32_PANEL, 2] of `wtype`, contiguous; n filling the panels; bias and scale [n] fp32 or None.
+static void pair_operands(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool wtype_ok,
+                          const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& scale,
+                          const char* what) {
   TORCH_CHECK(bf16_panels_ready(), what, ": needs a CPU with AVX512-BF16 (ask bf16_panels_ready first)");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.size(1) % 2 == 0, what,
               ": x must be [rows, in] bf16 and contiguous, in even");
-  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
-  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 &&
-                  packed.size(1) * 2 == K && packed.size(2) == F32_PANEL && packed.size(3) == 2,
-              what, ": packed must be bf16 [panels, in / 2, f32_panel_cols(), 2], contiguous, with x's in");
-  panel_output(P, n, bias, c10::nullopt, what);
-  auto y = torch::empty({M, n}, x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
+  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && wtype_ok && packed.size(1) * 2 == x.size(1) &&
+                  packed.size(2) == F32_PANEL && packed.size(3) == 2,
+              what, ": packed must be [panels, in / 2, f32_panel_cols(), 2] of its weight type, contiguous, with x's in");
+  panel_output(packed.size(0), n, bias, scale, what);
+}
+
+// y [M, n], bf16 or fp32 (fp32_out), over pair panels whose elements are W (operands checked)
+template <typename W>
+static torch::Tensor pair_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                                 const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& scale,
+                                 bool fp32_out) {
+  auto y = torch::empty({x.size(0), n}, x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
 #if defined(__x86_64__)
-  if (M > 0) {
+  if (x.size(0) > 0) {
     const auto* xp = static_cast<const uint32_t*>(x.data_ptr());
-    const auto* wp = static_cast<const uint32_t*>(packed.data_ptr());
+    const auto* wp = static_cast<const W*>(packed.data_ptr());
     const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+    const float* sp = scale.has_value() ? scale->data_ptr<float>() : nullptr;
+    const int64_t M = x.size(0), K2 = x.size(1) / 2, P = packed.size(0);
     if (fp32_out)
-      pair_linear_run(xp, M, K / 2, wp, P, n, bp, y.data_ptr<float>());
+      pair_linear_run(xp, M, K2, wp, P, n, bp, sp, y.data_ptr<float>());
     else
-      pair_linear_run(xp, M, K / 2, wp, P, n, bp, y.data_ptr<at::BFloat16>());
+      pair_linear_run(xp, M, K2, wp, P, n, bp, sp, y.data_ptr<at::BFloat16>());
   }
 #endif
   return y;
+}
+
+// y = x @ W^T (+ bias): x [M, K] bf16 contiguous (K even), W bf16 in pair panels [P, K / 2, F32_PANEL, 2]
+// (linear.pack_pair_panels), bias [n] fp32 or None -> y [M, n] bf16, or fp32 (the sums unrounded) with fp32_out
+// (an output head's logits).
+torch::Tensor panel_linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias,
+                                bool fp32_out) {
+  pair_operands(x, packed, n, packed.scalar_type() == at::kBFloat16, bias, c10::nullopt, "panel_linear_bf16");
+  return pair_linear<uint32_t>(x, packed, n, bias, c10::nullopt, fp32_out);
+}
+
+// y = (x @ C^T) * scale (+ bias) over int8 or fp8 e4m3 codes C in pair panels (as panel_linear_bf16's weight), one
+// fp32 scale per output column (fp8's times 2**8, as for panel_linear_fp8): each panel widened to bf16 exactly, once
+// per pass of rows, then multiplied as panel_linear_bf16 multiplies; the scale applied to the fp32 sums.
+torch::Tensor panel_linear_bf16_codes(torch::Tensor x, torch::Tensor packed, int64_t n, torch::Tensor scale,
+                                      c10::optional<torch::Tensor> bias, bool fp32_out) {
+  const auto t = packed.scalar_type();
+  pair_operands(x, packed, n, t == at::kChar || t == at::kFloat8_e4m3fn, bias, scale, "panel_linear_bf16_codes");
+  if (t == at::kChar) return pair_linear<int8_t>(x, packed, n, bias, scale, fp32_out);
+  return pair_linear<Fp8E4m3>(x, packed, n, bias, scale, fp32_out);
 }
 
 // The shapes both prompt-attention kernels take (`what`: the kernel, for the messages).
@@ -2880,6 +2936,16 @@ class FusedOps(Protocol):
         self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None, fp32_out: bool
     ) -> torch.Tensor: ...
 
+    def panel_linear_bf16_codes(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        n: int,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        fp32_out: bool,
+    ) -> torch.Tensor: ...
+
     def f32_attention_ready(self) -> bool: ...
 
     def vector_isa(self) -> str: ...
@@ -2964,6 +3030,7 @@ def _load_module() -> tuple[Any, str | None]:
                 "panel_linear_int4",
                 "bf16_panels_ready",
                 "panel_linear_bf16",
+                "panel_linear_bf16_codes",
                 "f32_attention_ready",
                 "vector_isa",
                 "f32_attention_",

@@ -114,6 +114,18 @@ with the faster widening). Agreement
 give back SmolLM2's weights bit for bit (they were 4-bit, groups of 32, before they were fp32; torch's bf16 group
 scales cost that int4 0.984). A checkpoint not made on that grid will not do so well.
 
+**On the bf16 pair panels** (stop 42): on CPUs with AVX512-BF16 and no AMX (a Zen 5) the dense bf16 linears run on
+`linear.PanelLinear`'s pair panels, and int8 and fp8 codes go into the same layout (`pack_pair_panels`):
+`panel_linear_bf16_codes` widens each panel's codes to bf16 once per pass of rows (exact for both formats) into a
+per-thread scratch and multiplies it there, the scales applied to the fp32 sums. A bf16 model's layers take their
+activations as they are; an fp32 model's are rounded to bf16 for it, as on AMX (`Bf16Inside`), which twice the
+fp32 FMA's work per instruction pays for. Over 30 streamed SmolLM2 layers on that Zen 5, int8 codes ran 1.14-1.51x
+the dense bf16 panels at 1-16 rows and 0.91-0.99x from 32 (the widening), ~1.9x the fp32 panels at 64. W (`bench/
+engine_parts.py`, one run each): the fp32 model's int8 14.6 s against fp32's 22.1 (the fp32 code panels ran it at
+~1.0x); the bf16 model's int8 11.5 s against dense bf16's 11.7. Agreement (`bench/quant.py`): int8 0.984 and fp8
+0.948 as on the fp32 panels; int8-bf16 0.969, fp8-bf16 0.943. int4 keeps its fp32 panels (an fp32 model) and the
+GEMV / dequantized tiles (a bf16 model): its group offsets are not bf16 values.
+
 W8A8 (activations in int8 too) is not a variant: `bench/int8_study.py` measures why. Plain W8A8 misses the 0.95
 agreement floor (0.89) and keeping the 64 widest-range input channels out of the int8 GEMM recovers it (0.958, KL
 0.0046); `torch._int_mm` alone is ~6x the fp32 GEMM from 64 rows on (AMX int8 here), but quantizing and dequantizing
@@ -132,12 +144,15 @@ import torch.nn.functional as F
 from worker.model.kernels import FusedOps
 from worker.model.linear import (
     AMX_MAX_ROWS,
+    PANEL_KERNELS,
     LinearKernel,
     amx_fits,
     make_dense_linear,
     nbytes_of,
     on_rows,
+    pack_pair_panels,
     pack_panels,
+    unpack_pair_panels,
     unpack_panels,
 )
 
@@ -295,13 +310,20 @@ class RowScaledLinear:
     ) -> None:
         """`native`: the extension's fused ops, where the activations are bf16: its dequantizer (one AVX512 pass, the
         same values; fp8's replaces four torch passes, ~1 ns a weight) makes the tiles, and decode-sized batches skip
-        the dequantized copy (`direct_rows`: AMX where `kernel` is amx_bf16, else the GEMV). Where they are fp32 and
-        the dense linears run on the panels (`kernel` panels_fp32), a format with a panel kernel (int8, fp8) keeps
-        its codes in panels (`linear.pack_panels`) and multiplies them there at every batch size."""
+        the dequantized copy (`direct_rows`: AMX where `kernel` is amx_bf16, else the GEMV). Where the dense linears
+        run on the panels (`kernel` panels_fp32 or panels_bf16) and the CPU has AVX512-BF16, the codes go into bf16
+        pair panels (`linear.pack_pair_panels`), widened to bf16 a panel at a time in the kernel
+        (`panel_linear_bf16_codes`; an fp32 model's activations rounded to bf16 for it, as on AMX, `Bf16Inside`).
+        Else where they are fp32 and the dense linears run on the fp32 panels, a format with a panel kernel (int8,
+        fp8) keeps its codes in panels (`linear.pack_panels`) and multiplies them there at every batch size."""
         fmt = self.FORMAT
         self.weight, self.scale = fmt.quantize(weight)
         self._panels: Callable[..., torch.Tensor] | None = None
-        if dtype == torch.float32 and kernel == "panels_fp32" and native is not None and fmt.native_panels:
+        if kernel in PANEL_KERNELS and native is not None and native.bf16_panels_ready() and weight.shape[1] % 2 == 0:
+            self._panels = _pair_codes(native, dtype)
+            self.weight = pack_pair_panels(self.weight, native.f32_panel_cols())
+            bias = None if bias is None else bias.float().contiguous()
+        elif dtype == torch.float32 and kernel == "panels_fp32" and native is not None and fmt.native_panels:
             self._panels = getattr(native, fmt.native_panels)
             self.weight = pack_panels(self.weight, native.f32_panel_cols())
         ops = native if dtype == torch.bfloat16 else None
@@ -324,6 +346,9 @@ class RowScaledLinear:
     def path(self) -> str:
         """Which kernel multiplies this layer, for the worker's log."""
         fmt = self.FORMAT
+        if self.weight.dim() == 4:
+            inside = "" if self._dtype == torch.bfloat16 else ", the fp32 activations rounded to bf16"
+            return f"the bf16 pair panels over the codes (panel_linear_bf16_codes), scales applied to the sums{inside}"
         if self._panels is not None:
             return f"the fp32 panels over the codes ({fmt.native_panels}), scales applied to the sums"
         if self._direct is not None:
@@ -332,7 +357,11 @@ class RowScaledLinear:
         return _torch_path("the codes converted per call, then F.linear")
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        codes = self.weight if self._panels is None else unpack_panels(self.weight, self.out_features)
+        codes = self.weight
+        if self.weight.dim() == 4:
+            codes = unpack_pair_panels(self.weight, self.out_features)
+        elif self._panels is not None:
+            codes = unpack_panels(self.weight, self.out_features)
         return (codes.to(torch.float32) * self.scale[:, None]).to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -352,6 +381,15 @@ class RowScaledLinear:
     @property
     def nbytes(self) -> int:
         return nbytes_of(self.weight, self.scale, self.bias)
+
+
+def _pair_codes(native: FusedOps, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
+    """`panel_linear_bf16_codes` as `RowScaledLinear` calls a panel kernel, (x, codes, n, scale, bias): a bf16
+    model's y in bf16; an fp32 model's x rounded to bf16 and its y the fp32 sums."""
+    run = native.panel_linear_bf16_codes
+    if dtype == torch.bfloat16:
+        return lambda x, w, n, scale, bias: run(x, w, n, scale, bias, False)
+    return lambda x, w, n, scale, bias: run(x.to(torch.bfloat16), w, n, scale, bias, True)
 
 
 class Fp8Linear(RowScaledLinear):

@@ -10,7 +10,8 @@ has clear winners (fp32 rounding differences between implementations then never 
 `make_random_lora(path, model_dir)` writes a random LoRA adapter in PEFT's format for such a folder (or any
 Llama folder), and `merge_lora_into` merges one into a transformers state dict: the reference an adapter served
 by our engine must equal. `causal_attention` is the reference the native prompt-attention kernels are held to, `qkv_views` their inputs as
-the model hands them over.
+the model hands them over. `Fp32PanelsOnly` shows the extension as a CPU without AVX512-BF16 sees it, so the fp32
+code panels such CPUs run are tested on any CPU that has them.
 """
 
 from __future__ import annotations
@@ -246,3 +247,17 @@ def qkv_views(n: int, start: int, heads: int, kv_heads: int, hd: int, seed: int,
     k = qkv[:, heads * hd : (heads + kv_heads) * hd].view(start + n, kv_heads, hd)
     v = qkv[:, (heads + kv_heads) * hd :].view(start + n, kv_heads, hd)
     return q, k, v
+
+
+class Fp32PanelsOnly:
+    """The native extension with its bf16 panels refused (`bf16_panels_ready` False), as on a CPU without
+    AVX512-BF16: an fp32 model's int8/fp8 layers then take the fp32 code panels (`panel_linear_i8` / `_fp8`)."""
+
+    def __init__(self, module: object) -> None:
+        self._module = module
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._module, name)
+
+    def bf16_panels_ready(self) -> bool:
+        return False
