@@ -151,7 +151,7 @@ def test_the_avx2_paths_compute_what_torch_computes(capped_avx2, panels):
         for (w, b, x), got in zip(data["linears"], capped_avx2["quantized"][q], strict=True):
             if not takes(q, w):
                 continue
-            wq = make_linear(w, b, q, torch.float32, "panels_fp32", panels).dequantize().double()
+            wq = make_linear(w, b, q, torch.float32, "panels_fp32", Fp32PanelsOnly(panels)).dequantize().double()
             exact = x.double() @ wq.T + (0 if b is None else b.double())
             assert (got.double() - exact).abs().max() <= 1e-4 * exact.abs().max(), (q, tuple(x.shape))
     h, d, w = data["norm"]

@@ -19,7 +19,7 @@ from worker.model.quant import (
     quantize_int8,
 )
 from worker.model.runner import ModelRunner
-from worker.model.testing import make_tiny_llama
+from worker.model.testing import Fp32PanelsOnly, make_tiny_llama
 
 GEN = torch.Generator().manual_seed(0)
 
@@ -276,7 +276,9 @@ def test_the_quantized_panels_refuse_what_they_cannot_take(panels, call, match):
     ("rows", "out_features", "in_features", "bias"),
     [(1, 50, 64, True), (5, 96, 576, False), (40, 144, 96, True), (300, 112, 64, False)],
 )
-def test_an_fp32_models_int4_layers_widen_their_panels_in_the_kernel(panels, rows, out_features, in_features, bias):
+def test_an_fp32_models_int4_layers_widen_their_panels_in_the_kernel(
+    fp32_code_panels, rows, out_features, in_features, bias
+):
     """int4 codes and fp32 group scales/offsets in panels, each panel widened to fp32 once per pass: the product
     with the layer's own weights, which are `(q - 8) * scale + zero` of the quantizer's groups."""
     from worker.model.quant import quantize_int4
@@ -284,6 +286,7 @@ def test_an_fp32_models_int4_layers_widen_their_panels_in_the_kernel(panels, row
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(out_features, in_features, generator=gen) * 0.05
     b = torch.randn(out_features, generator=gen) if bias else None
+    panels = fp32_code_panels
     layer = make_linear(w, b, "int4", torch.float32, "panels_fp32", panels)
     cols = panels.f32_panel_cols()
     assert layer.packed.dtype == torch.uint8 and layer.packed.shape == (
@@ -399,3 +402,58 @@ def test_the_bf16_pair_code_panels_refuse_what_they_cannot_take(bf16_panels, cal
     packed = pack_pair_panels(torch.zeros(50, 32, dtype=torch.int8), 48)
     with pytest.raises(RuntimeError, match=match):
         call(bf16_panels, packed, torch.ones(50))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    ("rows", "out_features", "in_features", "bias"),
+    [(1, 50, 64, True), (5, 96, 576, False), (9, 144, 96, True), (300, 112, 64, False)],
+)
+def test_int4_layers_round_their_panels_to_bf16_pairs_in_the_kernel(
+    bf16_panels, dtype, rows, out_features, in_features, bias
+):
+    """On CPUs with AVX512-BF16 (no AMX) the int4 panels are widened and rounded to bf16 pairs a panel at a time:
+    the layer's weights are the fp32 panels' weights rounded to bf16, and its output their exact product with
+    the bf16 activations, rounded once to bf16 (a bf16 model) or the fp32 sums (an fp32 model)."""
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(out_features, in_features, generator=gen) * 0.05
+    b = torch.randn(out_features, generator=gen) if bias else None
+    kernel = "panels_bf16" if dtype == torch.bfloat16 else "panels_fp32"
+    layer = make_linear(w, b, "int4", dtype, kernel, bf16_panels)
+    assert "bf16 pair panels" in layer.path
+    wide = make_linear(w, b, "int4", torch.float32, "panels_fp32", Fp32PanelsOnly(bf16_panels)).dequantize()
+    assert torch.equal(layer.dequantize(), wide.bfloat16().float())
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    exact = x.bfloat16().double() @ layer.dequantize().double().t() + (0 if b is None else b.to(dtype).double())
+    y = layer(x)
+    assert y.shape == (rows, out_features) and y.dtype == dtype
+    err = (y.double() - exact).abs()
+    assert (err <= exact.abs() * (2.0**-8 if dtype == torch.bfloat16 else 2.0**-20) + 1e-5).all(), err.max()
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda ops, p, sz: ops.panel_linear_bf16_int4(torch.zeros(2, 64), p, sz, 50, 32, None, False), "bf16"),
+        (
+            lambda ops, p, sz: ops.panel_linear_bf16_int4(torch.zeros(2, 64).bfloat16(), p, sz, 50, 48, None, False),
+            "group_size",
+        ),
+        (
+            lambda ops, p, sz: ops.panel_linear_bf16_int4(
+                torch.zeros(2, 64).bfloat16(), p, sz[:, :1].contiguous(), 50, 32, None, False
+            ),
+            "sz",
+        ),
+        (
+            lambda ops, p, sz: ops.panel_linear_bf16_int4(torch.zeros(2, 64).bfloat16(), p, sz, 97, 32, None, False),
+            "does not fill",
+        ),
+    ],
+)
+def test_the_int4_pair_panels_refuse_what_they_cannot_take(bf16_panels, call, match):
+    from worker.model.quant import pack_int4_panels, quantize_int4
+
+    codes, groups = pack_int4_panels(*quantize_int4(torch.randn(50, 64, generator=GEN), 32), 48)
+    with pytest.raises(RuntimeError, match=match):
+        call(bf16_panels, codes, groups)

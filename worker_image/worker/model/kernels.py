@@ -1625,19 +1625,24 @@ torch::Tensor panel_linear_fp8(torch::Tensor x, torch::Tensor packed, int64_t n,
 // [P, K, 24], sz fp32 [P, K / group_size, 2, 48] (per group, 48 scales then 48 offsets: weight = code * scale +
 // offset, code 0..15) -> y [M, N] fp32. Each panel is widened into an fp32 scratch once per pass of rows, so the
 // weight streams at ~0.75 byte a weight (codes and fp32 groups) and the products run as panel_linear_f32's.
-torch::Tensor panel_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor sz, int64_t n, int64_t group_size,
-                                c10::optional<torch::Tensor> bias) {
-  const char* what = "panel_linear_int4";
-  panel_input(x, what);
-  const int64_t K = x.size(1);
+// The int4 panels' own operands, for K inputs: packed uint8 [P, K, 24], sz fp32 [P, K / group_size, 2, 48].
+static void int4_operands(int64_t K, const torch::Tensor& packed, const torch::Tensor& sz, int64_t group_size,
+                          const char* what) {
   TORCH_CHECK(group_size >= 1 && K % group_size == 0, what, ": in must be a multiple of group_size");
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == at::kByte &&
                   packed.size(1) == K && packed.size(2) == F32_PANEL / 2,
               what, ": packed must be uint8 [panels, in, f32_panel_cols() / 2], contiguous, with x's in");
-  const int64_t P = packed.size(0);
-  TORCH_CHECK(sz.dim() == 4 && sz.is_contiguous() && sz.scalar_type() == at::kFloat && sz.size(0) == P &&
+  TORCH_CHECK(sz.dim() == 4 && sz.is_contiguous() && sz.scalar_type() == at::kFloat && sz.size(0) == packed.size(0) &&
                   sz.size(1) == K / group_size && sz.size(2) == 2 && sz.size(3) == F32_PANEL,
               what, ": sz must be fp32 [panels, in / group_size, 2, f32_panel_cols()], contiguous");
+}
+
+torch::Tensor panel_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor sz, int64_t n, int64_t group_size,
+                                c10::optional<torch::Tensor> bias) {
+  const char* what = "panel_linear_int4";
+  panel_input(x, what);
+  const int64_t K = x.size(1), P = packed.size(0);
+  int4_operands(K, packed, sz, group_size, what);
   panel_output(P, n, bias, c10::nullopt, what);
   auto y = torch::empty({x.size(0), n}, x.options());
 #if defined(__x86_64__)
@@ -1762,35 +1767,79 @@ LLMFLEET_AVX512_BF16 static void widen_pairs(const W* __restrict__ src, int64_t 
     _mm512_store_si512(dst + i / 2, (__m512i)_mm512_cvtne2ps_pbh(panel_w16(src + i + 16), panel_w16(src + i)));
 }
 
-// y [M, n] = x @ W^T (* scale) (+ bias) over pair panels of W: bf16 pairs (W uint32_t), read in place, or codes
-// (int8, Fp8E4m3), each panel widened into a per-thread bf16 scratch (K x 96 bytes, in L2) once per pass, its next
-// panel's codes prefetched meanwhile. Each thread takes its own panels, every pass of F32_PANEL_ROWS rows.
-template <typename W, typename Y>
-static void pair_linear_run(const uint32_t* xp, int64_t M, int64_t K2, const W* wp, int64_t P, int64_t n,
+// fp32 rows 2kk and 2kk + 1 of a panel ([K, 48], 64-byte aligned) as its K / 2 rows of bf16 pairs (pack_pair_panels'
+// layout), each value rounded to bf16 once.
+LLMFLEET_AVX512_BF16 static void pair_up(const float* __restrict__ src, int64_t K, uint32_t* __restrict__ dst) {
+  alignas(64) static constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                           8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i idx = _mm512_load_si512(kInterleave);
+  for (int64_t kk = 0; kk < K / 2; ++kk)
+    for (int64_t c = 0; c < F32_PANEL; c += 16) {
+      const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_load_ps(src + (2 * kk + 1) * F32_PANEL + c),
+                                                _mm512_load_ps(src + 2 * kk * F32_PANEL + c));
+      _mm512_store_si512(dst + kk * F32_PANEL + c, _mm512_permutexvar_epi16(idx, (__m512i)both));
+    }
+}
+
+// Where the pair-panel linears read their panels (pair_linear_run): bf16 pairs read in place; int8 or fp8 codes
+// in the pair layout, widened exactly (widen_pairs); group-wise int4 (Int4Panels), widened to fp32 and rounded to
+// bf16 pairs (pair_up).
+struct Bf16Pairs {
+  static constexpr bool direct = true, via_fp32 = false;
+  const uint32_t* w;
+  int64_t K;
+  const uint32_t* panel(int64_t p) const { return w + p * (K / 2) * F32_PANEL; }
+  int64_t bytes() const { return K * F32_PANEL * 2; }
+  void widen(int64_t, uint32_t*, float*) const {}
+};
+template <typename W>
+struct CodePairs {
+  static constexpr bool direct = false, via_fp32 = false;
+  const W* w;
+  int64_t K;
+  const W* panel(int64_t p) const { return w + p * K * F32_PANEL; }
+  int64_t bytes() const { return K * F32_PANEL * int64_t(sizeof(W)); }
+  void widen(int64_t p, uint32_t* dst, float*) const { widen_pairs(panel(p), K * F32_PANEL, dst); }
+};
+struct Int4Pairs {
+  static constexpr bool direct = false, via_fp32 = true;
+  Int4Panels src;
+  const uint8_t* panel(int64_t p) const { return src.panel(p); }
+  int64_t bytes() const { return src.bytes(); }
+  void widen(int64_t p, uint32_t* dst, float* fp32) const {
+    src.widen(p, fp32);
+    pair_up(fp32, src.K, dst);
+  }
+};
+
+// y [M, n] = x @ W^T (* scale) (+ bias) over the pair panels of `src`: widened (where not bf16 already) into a
+// per-thread bf16 scratch (K x 96 bytes, in L2) once per pass, the next panel's lines prefetched meanwhile. Each
+// thread takes its own panels, every pass of F32_PANEL_ROWS rows.
+template <typename Src, typename Y>
+static void pair_linear_run(const uint32_t* xp, int64_t M, int64_t K, const Src& src, int64_t P, int64_t n,
                             const float* bp, const float* scale, Y* yp) {
-  constexpr bool codes = !std::is_same_v<W, uint32_t>;
-  const int64_t per_panel = K2 * F32_PANEL * (codes ? 2 : 1);  // a panel's W elements
-  const int64_t lines = per_panel * int64_t(sizeof(W)) / 64;
+  const int64_t K2 = K / 2, lines = src.bytes() / 64;
   const bool stream = M > F32_PANEL_ROWS && n % 16 == 0 && reinterpret_cast<uintptr_t>(yp) % 64 == 0;
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     std::unique_ptr<uint32_t, decltype(&free)> wide(nullptr, &free);
-    if constexpr (codes) {
+    std::unique_ptr<float, decltype(&free)> fp32(nullptr, &free);
+    if constexpr (!Src::direct) {
       wide.reset(static_cast<uint32_t*>(aligned_alloc(64, K2 * F32_PANEL * sizeof(uint32_t))));
-      TORCH_CHECK(wide, "panel linear: out of memory for a panel's bf16 scratch");
+      if constexpr (Src::via_fp32) fp32.reset(static_cast<float*>(aligned_alloc(64, K * F32_PANEL * sizeof(float))));
+      TORCH_CHECK(wide && (fp32 || !Src::via_fp32), "panel linear: out of memory for a panel's bf16 scratch");
     }
     for (int64_t m0 = 0; m0 < M; m0 += F32_PANEL_ROWS)
       for (int64_t p = p0; p < p1; ++p) {
         const uint32_t* panel;
-        if constexpr (codes) {
-          widen_pairs(wp + p * per_panel, per_panel, wide.get());
-          panel = wide.get();
+        if constexpr (Src::direct) {
+          panel = src.panel(p);
         } else {
-          panel = wp + p * per_panel;
+          src.widen(p, wide.get(), fp32.get());
+          panel = wide.get();
         }
         pair_pass(std::min(F32_PANEL_ROWS, M - m0), xp + m0 * K2, K2, K2, panel, yp + m0 * n + p * F32_PANEL, n,
                   std::min(F32_PANEL, n - p * F32_PANEL), bp ? bp + p * F32_PANEL : nullptr,
-                  scale ? scale + p * F32_PANEL : nullptr, p + 1 < p1 ? wp + (p + 1) * per_panel : nullptr, lines,
-                  stream);
+                  scale ? scale + p * F32_PANEL : nullptr, p + 1 < p1 ? src.panel(p + 1) : nullptr, lines, stream);
       }
     if (stream) _mm_sfence();
   });
@@ -1811,23 +1860,22 @@ static void pair_operands(const torch::Tensor& x, const torch::Tensor& packed, i
   panel_output(packed.size(0), n, bias, scale, what);
 }
 
-// y [M, n], bf16 or fp32 (fp32_out), over pair panels whose elements are W (operands checked)
-template <typename W>
-static torch::Tensor pair_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
-                                 const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& scale,
-                                 bool fp32_out) {
+// y [M, n], bf16 or fp32 (fp32_out), over the pair panels `make(K)` gives (operands checked)
+template <typename Make>
+static torch::Tensor pair_linear(const torch::Tensor& x, int64_t P, int64_t n, const c10::optional<torch::Tensor>& bias,
+                                 const c10::optional<torch::Tensor>& scale, bool fp32_out, const Make& make) {
   auto y = torch::empty({x.size(0), n}, x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
 #if defined(__x86_64__)
   if (x.size(0) > 0) {
     const auto* xp = static_cast<const uint32_t*>(x.data_ptr());
-    const auto* wp = static_cast<const W*>(packed.data_ptr());
     const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
     const float* sp = scale.has_value() ? scale->data_ptr<float>() : nullptr;
-    const int64_t M = x.size(0), K2 = x.size(1) / 2, P = packed.size(0);
+    const int64_t M = x.size(0), K = x.size(1);
+    const auto src = make(K);
     if (fp32_out)
-      pair_linear_run(xp, M, K2, wp, P, n, bp, sp, y.data_ptr<float>());
+      pair_linear_run(xp, M, K, src, P, n, bp, sp, y.data_ptr<float>());
     else
-      pair_linear_run(xp, M, K2, wp, P, n, bp, sp, y.data_ptr<at::BFloat16>());
+      pair_linear_run(xp, M, K, src, P, n, bp, sp, y.data_ptr<at::BFloat16>());
   }
 #endif
   return y;
@@ -1839,7 +1887,8 @@ static torch::Tensor pair_linear(const torch::Tensor& x, const torch::Tensor& pa
 torch::Tensor panel_linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias,
                                 bool fp32_out) {
   pair_operands(x, packed, n, packed.scalar_type() == at::kBFloat16, bias, c10::nullopt, "panel_linear_bf16");
-  return pair_linear<uint32_t>(x, packed, n, bias, c10::nullopt, fp32_out);
+  const auto* w = static_cast<const uint32_t*>(packed.data_ptr());
+  return pair_linear(x, packed.size(0), n, bias, c10::nullopt, fp32_out, [&](int64_t K) { return Bf16Pairs{w, K}; });
 }
 
 // y = (x @ C^T) * scale (+ bias) over int8 or fp8 e4m3 codes C in pair panels (as panel_linear_bf16's weight), one
@@ -1849,8 +1898,31 @@ torch::Tensor panel_linear_bf16_codes(torch::Tensor x, torch::Tensor packed, int
                                       c10::optional<torch::Tensor> bias, bool fp32_out) {
   const auto t = packed.scalar_type();
   pair_operands(x, packed, n, t == at::kChar || t == at::kFloat8_e4m3fn, bias, scale, "panel_linear_bf16_codes");
-  if (t == at::kChar) return pair_linear<int8_t>(x, packed, n, bias, scale, fp32_out);
-  return pair_linear<Fp8E4m3>(x, packed, n, bias, scale, fp32_out);
+  const int64_t P = packed.size(0);
+  if (t == at::kChar) {
+    const auto* w = static_cast<const int8_t*>(packed.data_ptr());
+    return pair_linear(x, P, n, bias, scale, fp32_out, [&](int64_t K) { return CodePairs<int8_t>{w, K}; });
+  }
+  const auto* w = static_cast<const Fp8E4m3*>(packed.data_ptr());
+  return pair_linear(x, P, n, bias, scale, fp32_out, [&](int64_t K) { return CodePairs<Fp8E4m3>{w, K}; });
+}
+
+// y = x @ W^T (+ bias) for group-wise int4 weights in panels (panel_linear_int4's packed and sz), x [M, K] bf16
+// contiguous (K even) -> y [M, n] bf16, or fp32 with fp32_out: each panel widened to fp32 (code * scale + offset)
+// and rounded to bf16 pairs once per pass of rows, then multiplied as panel_linear_bf16 multiplies.
+torch::Tensor panel_linear_bf16_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor sz, int64_t n,
+                                     int64_t group_size, c10::optional<torch::Tensor> bias, bool fp32_out) {
+  const char* what = "panel_linear_bf16_int4";
+  TORCH_CHECK(bf16_panels_ready(), what, ": needs a CPU with AVX512-BF16 (ask bf16_panels_ready first)");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.size(1) % 2 == 0, what,
+              ": x must be [rows, in] bf16 and contiguous, in even");
+  const int64_t K = x.size(1);
+  int4_operands(K, packed, sz, group_size, what);
+  panel_output(packed.size(0), n, bias, c10::nullopt, what);
+  const auto* q = packed.data_ptr<uint8_t>();
+  const float* g = sz.data_ptr<float>();
+  return pair_linear(x, packed.size(0), n, bias, c10::nullopt, fp32_out,
+                     [&](int64_t k) { return Int4Pairs{Int4Panels{q, g, k, group_size}}; });
 }
 
 // The shapes both prompt-attention kernels take (`what`: the kernel, for the messages).
@@ -2946,6 +3018,17 @@ class FusedOps(Protocol):
         fp32_out: bool,
     ) -> torch.Tensor: ...
 
+    def panel_linear_bf16_int4(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        sz: torch.Tensor,
+        n: int,
+        group_size: int,
+        bias: torch.Tensor | None,
+        fp32_out: bool,
+    ) -> torch.Tensor: ...
+
     def f32_attention_ready(self) -> bool: ...
 
     def vector_isa(self) -> str: ...
@@ -3031,6 +3114,7 @@ def _load_module() -> tuple[Any, str | None]:
                 "bf16_panels_ready",
                 "panel_linear_bf16",
                 "panel_linear_bf16_codes",
+                "panel_linear_bf16_int4",
                 "f32_attention_ready",
                 "vector_isa",
                 "f32_attention_",

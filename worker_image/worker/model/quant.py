@@ -123,8 +123,11 @@ fp32 FMA's work per instruction pays for. Over 30 streamed SmolLM2 layers on tha
 the dense bf16 panels at 1-16 rows and 0.91-0.99x from 32 (the widening), ~1.9x the fp32 panels at 64. W (`bench/
 engine_parts.py`, one run each): the fp32 model's int8 14.6 s against fp32's 22.1 (the fp32 code panels ran it at
 ~1.0x); the bf16 model's int8 11.5 s against dense bf16's 11.7. Agreement (`bench/quant.py`): int8 0.984 and fp8
-0.948 as on the fp32 panels; int8-bf16 0.969, fp8-bf16 0.943. int4 keeps its fp32 panels (an fp32 model) and the
-GEMV / dequantized tiles (a bf16 model): its group offsets are not bf16 values.
+0.948 as on the fp32 panels; int8-bf16 0.969, fp8-bf16 0.943. int4 keeps its fp32 int4 panels and
+`panel_linear_bf16_int4` widens each to fp32 (code * scale + offset) and rounds it to bf16 pairs, once per pass:
+0.64-0.94x the dense bf16 panels (the two-step widening), ~1.4-1.6x the fp32 panels at 32-64 rows; W fp32-model
+int4 20.2 -> 16.2 s (agreement 1.000 -> 0.995: its weights are now rounded to bf16), bf16-model int4 17.1 -> 12.8 s
+(0.984 -> 0.974; it keeps fp32 group scales now, 0.75 byte a weight against the GEMV layout's 0.625).
 
 W8A8 (activations in int8 too) is not a variant: `bench/int8_study.py` measures why. Plain W8A8 misses the 0.95
 agreement floor (0.89) and keeping the 64 widest-range input channels out of the int8 GEMM recovers it (0.958, KL
@@ -392,6 +395,14 @@ def _pair_codes(native: FusedOps, dtype: torch.dtype) -> Callable[..., torch.Ten
     return lambda x, w, n, scale, bias: run(x.to(torch.bfloat16), w, n, scale, bias, True)
 
 
+def _pair_int4(native: FusedOps, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
+    """`panel_linear_bf16_int4` as `Int4Linear` calls it, (x, packed, sz, n, group_size, bias): as `_pair_codes`."""
+    run = native.panel_linear_bf16_int4
+    if dtype == torch.bfloat16:
+        return lambda x, p, sz, n, g, bias: run(x, p, sz, n, g, bias, False)
+    return lambda x, p, sz, n, g, bias: run(x.to(torch.bfloat16), p, sz, n, g, bias, True)
+
+
 class Fp8Linear(RowScaledLinear):
     """fp8 (e4m3) weights, one scale per output row."""
 
@@ -464,12 +475,16 @@ class Int4Linear:
     GEMM, as fp8 is; otherwise they are packed for torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`, bf16
     activations inside). Either way 0.5 byte a weight plus bf16 (scale, zero) per group. An fp32 model whose dense
     linears run on the panels (`kernel` panels_fp32) keeps them in int4 panels instead (`pack_int4_panels`: fp32
-    scales and offsets, ~0.75 byte a weight), widened to fp32 a panel at a time in the kernel."""
+    scales and offsets, ~0.75 byte a weight), widened to fp32 a panel at a time in the kernel. Where the dense
+    linears run on the panels and the CPU has AVX512-BF16 (no AMX), the same int4 panels are widened to fp32 and
+    rounded to bf16 pairs a panel at a time (`panel_linear_bf16_int4`), for a bf16 model and for an fp32 one (its
+    activations rounded to bf16, as on AMX)."""
 
     __slots__ = (
         "_amx",
         "_direct_rows",
         "_native",
+        "_pairs",
         "_panels",
         "_rows",
         "bias",
@@ -490,10 +505,14 @@ class Int4Linear:
     ) -> None:
         self.group_size = int4_group_size(weight.shape[1])
         q, scale, zero = quantize_int4(weight, self.group_size)
-        self._native = native if dtype == torch.bfloat16 else None
-        self._panels = native if dtype == torch.float32 and kernel == "panels_fp32" else None
-        if self._panels is not None:
-            self.packed, self.scales_zeros = pack_int4_panels(q, scale, zero, self._panels.f32_panel_cols())
+        pairs = (
+            kernel in PANEL_KERNELS and native is not None and native.bf16_panels_ready() and weight.shape[1] % 2 == 0
+        )
+        self._pairs = _pair_int4(native, dtype) if native is not None and pairs else None
+        self._native = native if dtype == torch.bfloat16 and not pairs else None
+        self._panels = native if dtype == torch.float32 and kernel == "panels_fp32" and not pairs else None
+        if native is not None and (pairs or self._panels is not None):
+            self.packed, self.scales_zeros = pack_int4_panels(q, scale, zero, native.f32_panel_cols())
         elif self._native is not None:
             self.packed = pack_int4_rows(q)
             # [N, K/G, 2]: one row's groups together, as int4_to_bf16 reads them
@@ -502,7 +521,7 @@ class Int4Linear:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
             # [K/G, N, 2] as the kernel wants it.
             self.scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous().to(torch.bfloat16)
-        self.bias = bias
+        self.bias = bias.float().contiguous() if pairs and bias is not None else bias  # (the kernel adds it in fp32)
         self.out_features = weight.shape[0]
         self.out_dtype = dtype
         self._rows = fp8_chunk_rows(*weight.shape)  # the same bf16 tiles as fp8's, for the same cache reason
@@ -511,6 +530,8 @@ class Int4Linear:
     @property
     def path(self) -> str:
         """Which kernel multiplies this layer, for the worker's log."""
+        if self._pairs is not None:
+            return "the bf16 pair panels (panel_linear_bf16_int4: each panel widened, rounded to bf16 once per pass)"
         if self._panels is not None:
             return "the fp32 panels (panel_linear_int4: each panel widened to fp32 once per pass)"
         if self._native is not None:
@@ -524,6 +545,8 @@ class Int4Linear:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weights the layer computes with."""
+        if self._pairs is not None:  # rounded to bf16 in the kernel
+            return unpack_int4_panels(self.packed, self.scales_zeros, self.out_features).bfloat16().to(dtype)
         if self._panels is not None:
             return unpack_int4_panels(self.packed, self.scales_zeros, self.out_features).to(dtype)
         if self._native is not None:
@@ -534,6 +557,9 @@ class Int4Linear:
         return w_t.t().to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._pairs is not None:
+            run, packed, sz, n, g = self._pairs, self.packed, self.scales_zeros, self.out_features, self.group_size
+            return on_rows(x, n, lambda r: run(r, packed, sz, n, g, self.bias))
         if self._panels is not None:
             ops, packed, sz, n, g = self._panels, self.packed, self.scales_zeros, self.out_features, self.group_size
             return on_rows(x, n, lambda r: ops.panel_linear_int4(r, packed, sz, n, g, self.bias))
