@@ -498,7 +498,9 @@ def test_runner_resolves_auto_dtype_as_the_pure_rule_says(tmp_path):
 
     root = make_tiny_llama(tmp_path / "m")
     runner = ModelRunner(str(root), dtype="auto", num_blocks=8)
-    expected, reason = resolve_auto_dtype("cpu", read_cpu_flags(), available_kernels())
+    from worker.model.kernels import load_extension
+
+    expected, reason = resolve_auto_dtype("cpu", read_cpu_flags(), available_kernels(load_extension()))
     assert runner.dtype == getattr(torch, expected)
     assert runner.dtype_reason == reason
     assert runner.kv_cache.dtype == runner.dtype

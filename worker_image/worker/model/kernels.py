@@ -3219,6 +3219,12 @@ def load_paged_decode_generic() -> tuple[PagedDecode | None, str | None]:
     return (module.paged_decode_generic, None) if module is not None else (None, why)
 
 
+def load_extension() -> FusedOps | None:
+    """The built extension, whose capabilities `linear.available_kernels` reads (None where it cannot be built)."""
+    module: FusedOps | None = _load_module()[0]
+    return module
+
+
 def load_fused_ops(dtype: torch.dtype, hidden: int, intermediate: int, head_dim: int) -> tuple[FusedOps | None, str]:
     """(the fused residual-add + RMSNorm, SiLU-and-mul and in-place RoPE, why), or (None, why not): they take fp32
     on CPUs with AVX2 + FMA or AVX-512 and bf16 on CPUs with AVX512-BF16, sizes in multiples of 16 lanes (head

@@ -31,6 +31,7 @@ from worker.model.attention import EAGER, NativeAttention, SeqSpan, build_metada
 from worker.model.config import ModelConfig
 from worker.model.kernels import (
     load_argmax,
+    load_extension,
     load_fused_ops,
     load_kv_write,
     load_paged_decode,
@@ -103,8 +104,11 @@ class ModelRunner:
         """`max_loras` > 0 serves LoRA adapters (that many resident at once) of rank at most `max_lora_rank`."""
         self.dtype_reason = "asked for"
         if dtype == "auto":
-            flags = read_cpu_flags() if torch.device(device).type == "cpu" else frozenset()
-            dtype, self.dtype_reason = resolve_auto_dtype(device, flags, available_kernels())
+            cpu = torch.device(device).type == "cpu"
+            flags = read_cpu_flags() if cpu else frozenset()
+            # the extension's kernels where they will run, so the reason names the kernel the model then takes
+            native = load_extension() if cpu and not enforce_eager else None
+            dtype, self.dtype_reason = resolve_auto_dtype(device, flags, available_kernels(native))
             logging.getLogger(__name__).info("dtype auto -> %s: %s", dtype, self.dtype_reason)
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
