@@ -450,13 +450,7 @@ def test_bf16_panel_linear_refuses_what_it_cannot_take(bf16_panels, call, match)
 def test_bf16_model_on_panels_matches_plain_torch_and_looks_tokens_up_in_a_tied_heads_panels(
     bf16_panels, tmp_path, tied
 ):
-    root = make_tiny_llama(
-        tmp_path / "m", hidden_size=64, intermediate_size=96, num_attention_heads=4, tie_word_embeddings=tied
-    )
-    cfg, weights = ModelConfig.from_dir(root), load_weights(root, torch.bfloat16)
-    embedding = weights["model.embed_tokens.weight"].clone()
-    plain = LlamaModel(cfg, weights, dtype=torch.bfloat16, linear_kernel="aten")
-    model = LlamaModel(cfg, weights, dtype=torch.bfloat16, fused=bf16_panels)
+    cfg, embedding, plain, model = _tiny_on_panels(tmp_path, tied, torch.bfloat16, bf16_panels)
     assert model.linear_kernel == "panels_bf16" and "no AMX" in model.linear_kernel_reason
     assert all(isinstance(lin, PanelLinear) for lin in _linears(model))
     ids = torch.tensor([3, 0, cfg.vocab_size - 1, 3])
@@ -468,13 +462,7 @@ def test_bf16_model_on_panels_matches_plain_torch_and_looks_tokens_up_in_a_tied_
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_fp32_model_on_panels_matches_plain_torch_and_looks_tokens_up_in_a_tied_heads_panels(panels, tmp_path, tied):
-    root = make_tiny_llama(
-        tmp_path / "m", hidden_size=64, intermediate_size=96, num_attention_heads=4, tie_word_embeddings=tied
-    )
-    cfg, weights = ModelConfig.from_dir(root), load_weights(root, torch.float32)
-    embedding = weights["model.embed_tokens.weight"].clone()
-    plain = LlamaModel(cfg, weights, dtype=torch.float32, linear_kernel="aten")
-    model = LlamaModel(cfg, weights, dtype=torch.float32, fused=panels)
+    cfg, embedding, plain, model = _tiny_on_panels(tmp_path, tied, torch.float32, panels)
     assert model.linear_kernel == "panels_fp32"
     assert {"avx512": "AVX512F", "avx2": "AVX2 + FMA"}[panels.vector_isa()] in model.linear_kernel_reason
     assert all(isinstance(lin, PanelLinear) for lin in _linears(model))
@@ -486,6 +474,17 @@ def test_fp32_model_on_panels_matches_plain_torch_and_looks_tokens_up_in_a_tied_
     assert model.nbytes == plain.nbytes + padding
     hidden = torch.randn(9, cfg.hidden_size, generator=GEN)
     torch.testing.assert_close(model.compute_logits(hidden), plain.compute_logits(hidden), rtol=1e-5, atol=1e-5)
+
+
+def _tiny_on_panels(tmp_path, tied: bool, dtype: torch.dtype, native) -> tuple:
+    """A tiny model (its head tied or not) in `dtype`: (config, embedding, on torch's matmul, on the native panels)."""
+    root = make_tiny_llama(
+        tmp_path / "m", hidden_size=64, intermediate_size=96, num_attention_heads=4, tie_word_embeddings=tied
+    )
+    cfg, weights = ModelConfig.from_dir(root), load_weights(root, dtype)
+    embedding = weights["model.embed_tokens.weight"].clone()
+    plain = LlamaModel(cfg, weights, dtype=dtype, linear_kernel="aten")
+    return cfg, embedding, plain, LlamaModel(cfg, weights, dtype=dtype, fused=native)
 
 
 def _linears(model: LlamaModel) -> list:
