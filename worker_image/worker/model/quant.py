@@ -124,10 +124,11 @@ the dense bf16 panels at 1-16 rows and 0.91-0.99x from 32 (the widening), ~1.9x 
 engine_parts.py`, one run each): the fp32 model's int8 14.6 s against fp32's 22.1 (the fp32 code panels ran it at
 ~1.0x); the bf16 model's int8 11.5 s against dense bf16's 11.7. Agreement (`bench/quant.py`): int8 0.984 and fp8
 0.948 as on the fp32 panels; int8-bf16 0.969, fp8-bf16 0.943. int4 keeps its fp32 int4 panels and
-`panel_linear_bf16_int4` widens each to fp32 (code * scale + offset) and rounds it to bf16 pairs, once per pass:
-0.64-0.94x the dense bf16 panels (the two-step widening), ~1.4-1.6x the fp32 panels at 32-64 rows; W fp32-model
-int4 20.2 -> 16.2 s (agreement 1.000 -> 0.995: its weights are now rounded to bf16), bf16-model int4 17.1 -> 12.8 s
-(0.984 -> 0.974; it keeps fp32 group scales now, 0.75 byte a weight against the GEMV layout's 0.625).
+`panel_linear_bf16_int4` widens each to fp32 (code * scale + offset) and rounds it to bf16 pairs in registers,
+once per pass: 0.96-1.0x the dense bf16 panels at 1-16 rows, 0.75-0.83x at 32-64, 0.97x past (through an fp32
+scratch first it ran 0.64-0.81x at 1-32 rows), ~1.4-1.6x the fp32 panels at 32-64 rows; W fp32-model int4 20.2 ->
+16.2-16.4 s (agreement 1.000 -> 0.995: its weights are now rounded to bf16), bf16-model int4 17.1 -> 12.3 s (0.984
+-> 0.974; it keeps fp32 group scales now, 0.75 byte a weight against the GEMV layout's 0.625).
 
 W8A8 (activations in int8 too) is not a variant: `bench/int8_study.py` measures why. Plain W8A8 misses the 0.95
 agreement floor (0.89) and keeping the 64 widest-range input channels out of the int8 GEMM recovers it (0.958, KL
