@@ -52,6 +52,12 @@ And on CPUs with AMX, `amx_linear`: the bf16 linear layers of decode-sized batch
 weight (linear.py's `AmxLinear` picks it; the section's comment says why and what it measures); and
 `amx_attention_`: causal attention of a prompt chunk in bf16 (`load_prefill_attention`; W's prompt attention
 1.28 -> 0.48 s against torch's SDPA).
+
+Where there is no AMX the panel linears carry the model: `panel_linear_f32` (and `_i8`, `_fp8`, `_int4` over codes)
+multiply fp32 activations by weights packed once into 48-column panels (AVX-512, or AVX2 + FMA with the same bits);
+`panel_linear_bf16` (and `_bf16_codes`, `_bf16_int4`) multiply bf16 activations by panels of input pairs with
+`vdpbf16ps` (AVX512-BF16). linear.py and quant.py say what they measure; `f32_attention_` serves fp32 prompt chunks,
+and bf16 ones widened (`widened_attention`).
 """
 
 from __future__ import annotations
