@@ -323,8 +323,8 @@ class RowScaledLinear:
         fmt = self.FORMAT
         self.weight, self.scale = fmt.quantize(weight)
         self._panels: Callable[..., torch.Tensor] | None = None
-        if kernel in PANEL_KERNELS and native is not None and native.bf16_panels_ready() and weight.shape[1] % 2 == 0:
-            self._panels = _pair_codes(native, dtype)
+        if native is not None and on_pairs(native, kernel, weight):
+            self._panels = _pair_kernel(native.panel_linear_bf16_codes, dtype)
             self.weight = pack_pair_panels(self.weight, native.f32_panel_cols())
             bias = None if bias is None else bias.float().contiguous()
         elif dtype == torch.float32 and kernel == "panels_fp32" and native is not None and fmt.native_panels:
@@ -387,21 +387,18 @@ class RowScaledLinear:
         return nbytes_of(self.weight, self.scale, self.bias)
 
 
-def _pair_codes(native: FusedOps, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
-    """`panel_linear_bf16_codes` as `RowScaledLinear` calls a panel kernel, (x, codes, n, scale, bias): a bf16
-    model's y in bf16; an fp32 model's x rounded to bf16 and its y the fp32 sums."""
-    run = native.panel_linear_bf16_codes
-    if dtype == torch.bfloat16:
-        return lambda x, w, n, scale, bias: run(x, w, n, scale, bias, False)
-    return lambda x, w, n, scale, bias: run(x.to(torch.bfloat16), w, n, scale, bias, True)
+def on_pairs(native: FusedOps, kernel: LinearKernel, weight: torch.Tensor) -> bool:
+    """Whether a quantized layer's codes go into bf16 pair panels: the dense linears run on the panels and the CPU
+    has AVX512-BF16 (`panel_linear_bf16_codes` / `_int4`), and the weight has an even number of inputs."""
+    return kernel in PANEL_KERNELS and native.bf16_panels_ready() and weight.shape[1] % 2 == 0
 
 
-def _pair_int4(native: FusedOps, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
-    """`panel_linear_bf16_int4` as `Int4Linear` calls it, (x, packed, sz, n, group_size, bias): as `_pair_codes`."""
-    run = native.panel_linear_bf16_int4
+def _pair_kernel(run: Callable[..., torch.Tensor], dtype: torch.dtype) -> Callable[..., torch.Tensor]:
+    """A pair-panel kernel (x first, `fp32_out` last) as a layer of a `dtype` model calls it, without `fp32_out`: a
+    bf16 model's y in bf16; an fp32 model's x rounded to bf16 and its y the fp32 sums."""
     if dtype == torch.bfloat16:
-        return lambda x, p, sz, n, g, bias: run(x, p, sz, n, g, bias, False)
-    return lambda x, p, sz, n, g, bias: run(x.to(torch.bfloat16), p, sz, n, g, bias, True)
+        return lambda x, *operands: run(x, *operands, False)
+    return lambda x, *operands: run(x.to(torch.bfloat16), *operands, True)
 
 
 class Fp8Linear(RowScaledLinear):
@@ -506,10 +503,8 @@ class Int4Linear:
     ) -> None:
         self.group_size = int4_group_size(weight.shape[1])
         q, scale, zero = quantize_int4(weight, self.group_size)
-        pairs = (
-            kernel in PANEL_KERNELS and native is not None and native.bf16_panels_ready() and weight.shape[1] % 2 == 0
-        )
-        self._pairs = _pair_int4(native, dtype) if native is not None and pairs else None
+        pairs = native is not None and on_pairs(native, kernel, weight)
+        self._pairs = _pair_kernel(native.panel_linear_bf16_int4, dtype) if native is not None and pairs else None
         self._native = native if dtype == torch.bfloat16 and not pairs else None
         self._panels = native if dtype == torch.float32 and kernel == "panels_fp32" and not pairs else None
         if native is not None and (pairs or self._panels is not None):
