@@ -1261,6 +1261,42 @@ struct Int4Panels {
   }
 };
 
+// The share of the next panel's lines a stretch of `steps` input steps asks for (into L2): one line for every
+// `denom` of `due`, which the stretch raises by its steps times `span`, so a panel's lines spread evenly over the
+// steps of the pass before it (all at once stalled the core on its fill buffers). Plain x86-64, so every vector
+// path (panel_block, pair_block, panel_chunk_avx2) inlines it.
+static inline __attribute__((always_inline)) void ask_for_lines(const char* next, int64_t steps, int64_t span,
+                                                                int64_t denom, int64_t& due, int64_t& line) {
+  for (due += steps * span; due >= denom; due -= denom, ++line) _mm_prefetch(next + line * 64, _MM_HINT_T1);
+}
+
+// The output columns 16 j .. 16 j + 15 of a block of 48 (ncols of them real): their mask, and their bias and scale
+// (zero where none), as panel_block's and pair_block's epilogues apply them: out = sum * scale + bias, or sum + bias.
+struct OutCols {
+  int64_t left;  // columns from 16 j on (>= 16: the whole vector)
+  __mmask16 mask;
+  __m512 b, sc;
+};
+LLMFLEET_AVX512F static inline __attribute__((always_inline)) OutCols out_cols(int j, int64_t ncols, const float* bias,
+                                                                              const float* scale) {
+  const int64_t left = ncols - 16 * j;
+  const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+  return {left, mask, bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps(),
+          scale ? _mm512_maskz_loadu_ps(mask, scale + 16 * j) : _mm512_setzero_ps()};
+}
+LLMFLEET_AVX512F static inline __attribute__((always_inline)) __m512 out_sum(__m512 total, const OutCols& c,
+                                                                            bool scaled) {
+  return scaled ? _mm512_fmadd_ps(total, c.sc, c.b) : _mm512_add_ps(total, c.b);
+}
+// fp32 out: the whole vector with a streaming store where `stream`, else its columns
+LLMFLEET_AVX512F static inline __attribute__((always_inline)) void out_store(float* y, __m512 v, const OutCols& c,
+                                                                            bool stream) {
+  if (stream && c.left >= 16)
+    _mm512_stream_ps(y, v);
+  else
+    _mm512_mask_storeu_ps(y, c.mask, v);
+}
+
 // One input step of panel_block: the panel's 48 weights of input k into the MR rows' 24 accumulators. Unrolled
 // by 2 in panel_block (30 streamed SmolLM2 layers, GFLOP/s before -> after: 8 rows 91 -> 100, 128: 348 -> 370,
 // 2048: 353 -> 375; 4 rows 50 -> 47; the same loop unrolled in place ran 8 rows at 80).
@@ -1301,10 +1337,8 @@ LLMFLEET_AVX512F static void panel_block(const float* __restrict__ x, int64_t xs
     const int64_t k1 = std::min(K, k0 + F32_PANEL_CHUNK);
     for (int64_t ks = k0; ks < k1; ks += 16) {
       const int64_t ke = std::min(k1, ks + 16);
-      if (next) {  // this stretch's share of the next panel's lines, so the FMA loop below has no branch
-        for (due += (ke - ks) * span; due >= K; due -= K, ++line)
-          _mm_prefetch(reinterpret_cast<const char*>(next) + line * 64, _MM_HINT_T1);
-      }
+      // this stretch's share of the next panel's lines, so the FMA loop below has no branch
+      if (next) ask_for_lines(static_cast<const char*>(next), ke - ks, span, K, due, line);
 #pragma GCC unroll 2
       for (int64_t k = ks; k < ke; ++k) panel_step<MR>(x, xs, k, panel, acc);
     }
@@ -1312,17 +1346,8 @@ LLMFLEET_AVX512F static void panel_block(const float* __restrict__ x, int64_t xs
       for (int j = 0; j < 3; ++j) total[m][j] = _mm512_add_ps(total[m][j], acc[m][j]);
   }
   for (int j = 0; j < 3 && 16 * j < ncols; ++j) {
-    const int64_t left = ncols - 16 * j;
-    const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
-    const __m512 sc = scale ? _mm512_maskz_loadu_ps(mask, scale + 16 * j) : _mm512_setzero_ps();
-    for (int m = 0; m < MR; ++m) {
-      const __m512 out = scale ? _mm512_fmadd_ps(total[m][j], sc, b) : _mm512_add_ps(total[m][j], b);
-      if (stream && left >= 16)
-        _mm512_stream_ps(y + m * N + 16 * j, out);
-      else
-        _mm512_mask_storeu_ps(y + m * N + 16 * j, mask, out);
-    }
+    const OutCols c = out_cols(j, ncols, bias, scale);
+    for (int m = 0; m < MR; ++m) out_store(y + m * N + 16 * j, out_sum(total[m][j], c, scale), c, stream);
   }
 }
 
@@ -1394,9 +1419,7 @@ LLMFLEET_AVX2 static inline void panel_chunk_avx2(const float* __restrict__ x, i
       for (int j = 0; j < J; ++j) acc[m][j] = _mm256_setzero_ps();
     for (int64_t ks = k0; ks < k1; ks += 8) {
       const int64_t ke = std::min(k1, ks + 8);
-      if (next) {  // this stretch's share of the next panel's lines, so the FMA loop below has no branch
-        for (due += (ke - ks) * span; due >= denom; due -= denom, ++line) _mm_prefetch(next + line * 64, _MM_HINT_T1);
-      }
+      if (next) ask_for_lines(next, ke - ks, span, denom, due, line);  // so the FMA loop below has no branch
 #pragma GCC unroll 2
       for (int64_t k = ks; k < ke; ++k) panel_step_avx2<MR, J>(x, xs, k, panel + h, acc);
     }
@@ -1703,10 +1726,7 @@ LLMFLEET_AVX512_BF16 static void pair_block(const uint32_t* __restrict__ x, int6
     const int64_t k1 = std::min(K2, k0 + F32_PANEL_CHUNK / 2);
     for (int64_t ks = k0; ks < k1; ks += 8) {
       const int64_t ke = std::min(k1, ks + 8);
-      if (next) {
-        for (due += (ke - ks) * span; due >= K2; due -= K2, ++line)
-          _mm_prefetch(reinterpret_cast<const char*>(next) + line * 64, _MM_HINT_T1);
-      }
+      if (next) ask_for_lines(static_cast<const char*>(next), ke - ks, span, K2, due, line);
 #pragma GCC unroll 2
       for (int64_t k = ks; k < ke; ++k) pair_step<MR>(x, xs, k, panel, acc);
     }
@@ -1714,23 +1734,17 @@ LLMFLEET_AVX512_BF16 static void pair_block(const uint32_t* __restrict__ x, int6
       for (int j = 0; j < 3; ++j) total[m][j] = _mm512_add_ps(total[m][j], acc[m][j]);
   }
   for (int j = 0; j < 3 && 16 * j < ncols; ++j) {
-    const int64_t left = ncols - 16 * j;
-    const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
-    const __m512 sc = scale ? _mm512_maskz_loadu_ps(mask, scale + 16 * j) : _mm512_setzero_ps();
+    const OutCols c = out_cols(j, ncols, bias, scale);
     for (int m = 0; m < MR; ++m) {
-      const __m512 sum = scale ? _mm512_fmadd_ps(total[m][j], sc, b) : _mm512_add_ps(total[m][j], b);
+      const __m512 sum = out_sum(total[m][j], c, scale);
       if constexpr (std::is_same_v<Y, float>) {
-        if (stream && left >= 16)
-          _mm512_stream_ps(y + m * N + 16 * j, sum);
-        else
-          _mm512_mask_storeu_ps(y + m * N + 16 * j, mask, sum);
-      } else {
+        out_store(y + m * N + 16 * j, sum, c, stream);
+      } else {  // rounded to bf16 once
         const __m256i out = (__m256i)_mm512_cvtneps_pbh(sum);
-        if (stream && left >= 16)
+        if (stream && c.left >= 16)
           _mm256_stream_si256(reinterpret_cast<__m256i*>(y + m * N + 16 * j), out);
         else
-          _mm256_mask_storeu_epi16(y + m * N + 16 * j, mask, out);
+          _mm256_mask_storeu_epi16(y + m * N + 16 * j, c.mask, out);
       }
     }
   }
@@ -1782,7 +1796,6 @@ struct Bf16Pairs {
   int64_t K;
   const uint32_t* panel(int64_t p) const { return w + p * (K / 2) * F32_PANEL; }
   int64_t bytes() const { return K * F32_PANEL * 2; }
-  void widen(int64_t, uint32_t*) const {}
 };
 template <typename W>
 struct CodePairs {
@@ -1872,14 +1885,20 @@ static void pair_linear_run(const uint32_t* xp, int64_t M, int64_t K, const Src&
 }
 #endif
 
-// What both pair-panel linears take (`what`: the kernel, for the messages): the CPU; x [M, K] bf16 contiguous, K
-// even; packed [P, K / 2, F32_PANEL, 2] of `wtype`, contiguous; n filling the panels; bias and scale [n] fp32 or None.
-static void pair_operands(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool wtype_ok,
-                          const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& scale,
-                          const char* what) {
+// What every pair-panel linear takes (`what`: the kernel, for the messages): the CPU, and x [M, K] bf16
+// contiguous, K even.
+static void pair_input(const torch::Tensor& x, const char* what) {
   TORCH_CHECK(bf16_panels_ready(), what, ": needs a CPU with AVX512-BF16 (ask bf16_panels_ready first)");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.size(1) % 2 == 0, what,
               ": x must be [rows, in] bf16 and contiguous, in even");
+}
+
+// ... and (bf16 and code pairs) packed [P, K / 2, F32_PANEL, 2] of `wtype`, contiguous; n filling the panels; bias
+// and scale [n] fp32 or None.
+static void pair_operands(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool wtype_ok,
+                          const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& scale,
+                          const char* what) {
+  pair_input(x, what);
   TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && wtype_ok && packed.size(1) * 2 == x.size(1) &&
                   packed.size(2) == F32_PANEL && packed.size(3) == 2,
               what, ": packed must be [panels, in / 2, f32_panel_cols(), 2] of its weight type, contiguous, with x's in");
@@ -1939,9 +1958,7 @@ torch::Tensor panel_linear_bf16_codes(torch::Tensor x, torch::Tensor packed, int
 torch::Tensor panel_linear_bf16_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor sz, int64_t n,
                                      int64_t group_size, c10::optional<torch::Tensor> bias, bool fp32_out) {
   const char* what = "panel_linear_bf16_int4";
-  TORCH_CHECK(bf16_panels_ready(), what, ": needs a CPU with AVX512-BF16 (ask bf16_panels_ready first)");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.size(1) % 2 == 0, what,
-              ": x must be [rows, in] bf16 and contiguous, in even");
+  pair_input(x, what);
   const int64_t K = x.size(1);
   int4_operands(K, packed, sz, group_size, what);
   panel_output(packed.size(0), n, bias, c10::nullopt, what);
