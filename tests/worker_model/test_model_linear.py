@@ -334,6 +334,15 @@ def test_panel_linear_writes_a_prompt_chunk_as_it_writes_its_parts(panels, out_f
     assert torch.equal(whole, torch.cat([layer(x[:256]), layer(x[256:512]), layer(x[512:])]))
 
 
+@pytest.mark.parametrize("out_features", [48000, 48008])  # streamed (whole panels; a part-filled one), plain stores
+def test_panel_linear_writes_an_output_heads_logits_as_it_writes_their_parts(panels, out_features):
+    """A decode batch's y bigger than the kernel's STREAM_OUT_BYTES (an output head's logits, 4 MB) also goes out
+    with streaming stores: the same values, bit for bit, as smaller calls' plain stores."""
+    layer = PanelLinear(torch.randn(out_features, 64, generator=GEN), None, panels)
+    x = torch.randn(24, 64, generator=GEN)  # 24 x 48000 fp32: 4.6 MB; 8 rows: 1.5 MB
+    assert torch.equal(layer(x), torch.cat([layer(x[:8]), layer(x[8:16]), layer(x[16:])]))
+
+
 def test_panel_linear_sums_in_blocks_no_less_exactly_than_mkl(panels):
     """One running fp32 sum over 1536 inputs had ~3x MKL's rounding error; sums over 64-input chunks, added up,
     stay within it."""
@@ -406,6 +415,14 @@ def test_bf16_panel_linear_writes_a_prompt_chunk_as_it_writes_its_parts(bf16_pan
     wide = torch.randn(5, 128, generator=GEN).bfloat16()[:, :64]  # strided rows, and a batch
     assert torch.equal(layer(wide), layer(wide.contiguous()))
     assert torch.equal(layer(x[:6].view(2, 3, 64)), layer(x[:6]).view(2, 3, out_features))
+
+
+@pytest.mark.parametrize("out_features", [48000, 48008])  # streamed (whole panels; a part-filled one), plain stores
+def test_bf16_panel_linear_writes_an_output_heads_logits_as_it_writes_their_parts(bf16_panels, out_features):
+    w = torch.randn(out_features, 64, generator=GEN).bfloat16()
+    x = torch.randn(48, 64, generator=GEN).bfloat16()  # 48 x 48000: 4.6 MB of bf16, 9.2 of fp32 logits
+    for layer in (PanelLinear(w, None, bf16_panels), PanelLinear(w, None, bf16_panels, fp32_out=True)):
+        assert torch.equal(layer(x), torch.cat([layer(x[:16]), layer(x[16:32]), layer(x[32:])]))
 
 
 @pytest.mark.parametrize("threads", [1, 3])

@@ -1175,6 +1175,20 @@ static constexpr int64_t F32_PANEL = 48;
 // or 1536 do not fit) passes of 64-168 rows, sized to fit, read 0.96-1.04x at 256-2048 rows (bench/panel_ab.py,
 // three runs): the x rows re-read from L3 are not what holds a prompt chunk's GEMM below the FMA peak.
 static constexpr int64_t F32_PANEL_ROWS = 256;
+// Whether y [M, N] (elt bytes an element, 64-byte aligned, N a multiple of 16) goes out with streaming stores: past
+// one pass of rows (a prompt chunk; panel_linear_run says what it measured), or when it is bigger than
+// STREAM_OUT_BYTES, which only an output head's logits are at decode sizes (SmolLM2's 49152 columns: 6-12.6 MB of
+// fp32 at 32-64 rows). Those outgrow the caches while the head's weights stream through them (113 MB fp32), so
+// plain stores paid a line fill from DRAM for every 64 bytes written. The head and the sampler's argmax after it
+// (30 calls timed alone, medians, two runs), plain -> streaming: fp32 32 rows 4.4-4.7 -> 3.9-4.0 ms, 64 rows
+// 8.5-9.2 -> 7.9-8.0; a bf16 head's fp32 logits 2.5-2.6 -> 2.1-2.2 and 4.9-5.0 -> 4.1-4.2 (Zen 5, 2 threads).
+// Thresholds of 1, 2 and 4 MB read alike; 4 MB keeps a Llama-3-8B gate+up output at 64 rows (3.7 MB bf16, read
+// back by silu_and_mul at once) in cache.
+static constexpr int64_t STREAM_OUT_BYTES = int64_t(4) << 20;
+static bool streams_out(int64_t M, int64_t N, int64_t elt, const void* y) {
+  return (M > F32_PANEL_ROWS || M * N * elt > STREAM_OUT_BYTES) && N % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(y) % 64 == 0;
+}
 // the sums run over chunks of this many inputs, added up at the end: blocked summation, whose rounding error stays
 // near MKL's (one running sum over K = 1536 had ~3x its error)
 static constexpr int64_t F32_PANEL_CHUNK = 64;
@@ -1522,7 +1536,8 @@ LLMFLEET_AVX512F static void panel_pass_avx512(int64_t rows, const float* x, int
 // Past one pass (a prompt chunk), y is written with streaming stores: y (4.7-25 MB per SmolLM2 layer at 2048 rows)
 // outgrows the caches, and plain stores first read each line from DRAM (a line fill per 64 bytes, on the fill
 // buffers the panel prefetches need). 30 streamed layers at 2048 rows: 300 -> 319-342 GFLOP/s, the gate+up
-// projection 295 -> 339; at 256 rows or fewer y stays in cache for the next op, so plain stores.
+// projection 295 -> 339; at 256 rows or fewer a layer's y stays in cache for the next op, so plain stores (an output
+// head's logits excepted: streams_out).
 // Quantized panels (W int8 or fp8) are widened in registers at every k step, which costs a decode batch nothing
 // (the weight streams at 1 byte a weight, not 4) but costs a compute-bound batch its conversions once per block:
 // passes of F32_PANEL_WIDEN_ROWS rows or more widen each panel once into an fp32 scratch (K x 48, in L2) that
@@ -1530,7 +1545,7 @@ LLMFLEET_AVX512F static void panel_pass_avx512(int64_t rows, const float* x, int
 template <typename Src, typename Pass>
 static void panel_linear_run(const float* x, int64_t M, int64_t K, const Src& src, int64_t P, int64_t N,
                              const float* bias, const float* scale, float* y, const Pass& pass) {
-  const bool stream = M > F32_PANEL_ROWS && N % 16 == 0 && reinterpret_cast<uintptr_t>(y) % 64 == 0;
+  const bool stream = streams_out(M, N, sizeof(float), y);
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     const int64_t lines = src.bytes() / 64;  // a panel's 64-byte lines
     std::unique_ptr<float, decltype(&free)> wide(nullptr, &free);
@@ -1860,7 +1875,7 @@ template <typename Src, typename Y>
 static void pair_linear_run(const uint32_t* xp, int64_t M, int64_t K, const Src& src, int64_t P, int64_t n,
                             const float* bp, const float* scale, Y* yp) {
   const int64_t K2 = K / 2, lines = src.bytes() / 64;
-  const bool stream = M > F32_PANEL_ROWS && n % 16 == 0 && reinterpret_cast<uintptr_t>(yp) % 64 == 0;
+  const bool stream = streams_out(M, n, sizeof(Y), yp);
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     std::unique_ptr<uint32_t, decltype(&free)> wide(nullptr, &free);
     if constexpr (!Src::direct) {
