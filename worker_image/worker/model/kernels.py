@@ -100,11 +100,16 @@ static inline void prefetch_row(const void* row) {
   for (int c = 0; c < Bytes; c += 64) __builtin_prefetch(static_cast<const char*>(row) + c, 0, 3);
 }
 
-// The pass's next block (its rows token_stride apart), or nullptr where this block is the sequence's last.
+// The pass's next block (its rows token_stride apart), or `then` where this block is the sequence's last: the
+// block the thread reads next (the V pass's first after the K pass, the next sequence's first K block after the V
+// pass; nullptr: none), so that no pass starts on a block nobody asked for. 64 sequences of 176-352 tokens over 30
+// layers' caches, both builds in one process, 15 alternated rounds, twice (Zen 5, 2 threads): bf16 1.018 and
+// 1.022x, fp32 1.004 and 1.007x, the same outputs. (On this CPU every software prefetch fills L1: T1 and NTA
+// hints read the same as T0; without any, fp32 0.76x, bf16 0.54x.)
 template <typename T>
 static inline const T* next_block(const T* cache, const int64_t* table, int64_t t0, int64_t len, int64_t block_size,
-                                  int64_t block_stride) {
-  return t0 + block_size < len ? cache + table[t0 / block_size + 1] * block_stride : nullptr;
+                                  int64_t block_stride, const T* then) {
+  return t0 + block_size < len ? cache + table[t0 / block_size + 1] * block_stride : then;
 }
 
 // Cuts sequences 0..n into `parts` contiguous ranges (bounds[i] .. bounds[i + 1]) of about equal work, a
@@ -444,7 +449,7 @@ template <int D, typename T, typename O>
 static void decode_seq_avx512(const T* __restrict__ qs, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
                               const int64_t* __restrict__ table, int64_t len, O* __restrict__ os, int64_t num_heads,
                               int64_t group, int64_t token_stride, int64_t block_size, int64_t block_stride,
-                              float scale, float* __restrict__ sh) {
+                              float scale, float* __restrict__ sh, const T* then) {
   // registers: a bf16 query takes D/32 of them, an fp32 one D/16; an accumulator D/16
   constexpr int QG = std::is_same<T, float>::value ? 16 / (D / 16) : 4, VG = 16 / (D / 16);
   const int64_t kv_heads = num_heads / group;
@@ -453,7 +458,7 @@ static void decode_seq_avx512(const T* __restrict__ qs, const T* __restrict__ k_
   for (int64_t t0 = 0; t0 < len; t0 += block_size) {
     const int64_t n = std::min(block_size, len - t0);
     const T* kb = k_cache + table[t0 / block_size] * block_stride;
-    const T* nb = next_block(k_cache, table, t0, len, block_size, block_stride);
+    const T* nb = next_block(k_cache, table, t0, len, block_size, block_stride, v_cache + table[0] * block_stride);
     for (int64_t h = 0; h < kv_heads; ++h) {
       for (int64_t g0 = 0; g0 < group; g0 += QG) {
         const int64_t gn = std::min<int64_t>(QG, group - g0);
@@ -474,7 +479,7 @@ static void decode_seq_avx512(const T* __restrict__ qs, const T* __restrict__ k_
   for (int64_t t0 = 0; t0 < len; t0 += block_size) {
     const int64_t n = std::min(block_size, len - t0);
     const T* vb = v_cache + table[t0 / block_size] * block_stride;
-    const T* nb = next_block(v_cache, table, t0, len, block_size, block_stride);
+    const T* nb = next_block(v_cache, table, t0, len, block_size, block_stride, then);
     for (int64_t h = 0; h < kv_heads; ++h) {
       for (int64_t g0 = 0; g0 < group; g0 += VG) {
         const int64_t gn = std::min<int64_t>(VG, group - g0);
@@ -624,7 +629,8 @@ template <int D>
 static void decode_seq_avx2(const float* __restrict__ qs, const float* __restrict__ k_cache,
                             const float* __restrict__ v_cache, const int64_t* __restrict__ table, int64_t len,
                             float* __restrict__ os, int64_t num_heads, int64_t group, int64_t token_stride,
-                            int64_t block_size, int64_t block_stride, float scale, float* __restrict__ sh) {
+                            int64_t block_size, int64_t block_stride, float scale, float* __restrict__ sh,
+                            const float* then) {
   const int64_t kv_heads = num_heads / group;
   float* acc = sh + num_heads * len;
   float* q = acc + num_heads * D;
@@ -634,13 +640,14 @@ static void decode_seq_avx2(const float* __restrict__ qs, const float* __restric
   for (int64_t i = 0; i < num_heads * D; ++i) q[i] = qs[i] * scale;
   for (int64_t t0 = 0; t0 < len; t0 += block_size)
     qk_rows_avx2<D>(q, kv_heads, group, k_cache + table[t0 / block_size] * block_stride,
-                    next_block(k_cache, table, t0, len, block_size, block_stride), std::min(block_size, len - t0),
+                    next_block(k_cache, table, t0, len, block_size, block_stride, v_cache + table[0] * block_stride),
+                    std::min(block_size, len - t0),
                     token_stride, len, sh + t0, tmp);
   for (int64_t i = 0; i < num_heads; ++i) inv[i] = softmax_avx2(sh + i * len, len);
   std::fill(acc, acc + num_heads * D, 0.f);
   for (int64_t t0 = 0; t0 < len; t0 += block_size)
     pv_rows_avx2<D>(sh + t0, len, kv_heads, group, v_cache + table[t0 / block_size] * block_stride,
-                    next_block(v_cache, table, t0, len, block_size, block_stride), std::min(block_size, len - t0),
+                    next_block(v_cache, table, t0, len, block_size, block_stride, then), std::min(block_size, len - t0),
                     token_stride, acc);
   for (int64_t i = 0; i < num_heads; ++i)
     for (int64_t d = 0; d < D; ++d) os[i * D + d] = acc[i * D + d] * inv[i];
@@ -660,15 +667,17 @@ static void paged_decode_fast(const O* q, int64_t q_stride, const O* k_cache, co
     std::vector<float> scores;
     for (int64_t s = begin; s < end; ++s) {
       scores.resize(decode_scratch(num_heads, D, lens[s]));
+      // the thread's next sequence's first K block, asked for during this one's last V block
+      const O* then = s + 1 < end ? k_cache + block_tables[(s + 1) * max_blocks] * block_stride : nullptr;
       if constexpr (Avx2 && std::is_same<T, float>::value)
         decode_seq_avx2<D>(q + s * q_stride, k_cache, v_cache, block_tables + s * max_blocks, lens[s],
                            out + s * num_heads * D, num_heads, group, token_stride, block_size, block_stride, scale,
-                           scores.data());
+                           scores.data(), then);
       else
         decode_seq_avx512<D, T, O>(reinterpret_cast<const T*>(q + s * q_stride), reinterpret_cast<const T*>(k_cache),
                                    reinterpret_cast<const T*>(v_cache), block_tables + s * max_blocks, lens[s],
                                    out + s * num_heads * D, num_heads, group, token_stride, block_size, block_stride,
-                                   scale, scores.data());
+                                   scale, scores.data(), reinterpret_cast<const T*>(then));
     }
   });
 }
