@@ -1369,8 +1369,12 @@ LLMFLEET_AVX512F static void panel_block(const float* __restrict__ x, int64_t xs
       const int64_t ke = std::min(k1, ks + 16);
       // this stretch's share of the next panel's lines, so the FMA loop below has no branch
       if (next) ask_for_lines(static_cast<const char*>(next), ke - ks, span, K, due, line);
+      if constexpr (MR > 8) {  // (unrolled, its two steps' weights do not fit the registers beside 27 sums)
+        for (int64_t k = ks; k < ke; ++k) panel_step<MR>(x, xs, k, panel, acc);
+      } else {
 #pragma GCC unroll 2
-      for (int64_t k = ks; k < ke; ++k) panel_step<MR>(x, xs, k, panel, acc);
+        for (int64_t k = ks; k < ke; ++k) panel_step<MR>(x, xs, k, panel, acc);
+      }
     }
     for (int m = 0; m < MR; ++m)
       for (int j = 0; j < 3; ++j) total[m][j] = _mm512_add_ps(total[m][j], acc[m][j]);
@@ -1381,9 +1385,20 @@ LLMFLEET_AVX512F static void panel_block(const float* __restrict__ x, int64_t xs
   }
 }
 
-// the last rows < 8 of a pass
+// How many blocks the AVX-512 passes cut `rows` into: as few as blocks of up to 9 rows allow, the rows shared
+// evenly (sizes differ by one at most; 8 rows and fewer: one block). Every block streams the whole panel through
+// L1, so a block costs nearly the same for 1 row as for 8: cut in blocks of 8 with the rest in one last block,
+// 30 streamed SmolLM2 layers ran 41 rows at 391 GFLOP/s against 448 at 40 (25 against 24: 342, 393; bf16 pairs 652
+// against 760). 9 rows still fit a block's registers: 27 accumulators, 3 weight vectors and the broadcast (fp32
+// with its k loop not unrolled: unrolled, 45 rows ran 0.89x). bench/panel_ab.py, fp32, 30 layers, 7 rounds: 17 rows
+// 1.17-1.19x, 25: 1.19-1.21x, 33: 1.13x, 41: 1.03-1.10x, 49: 1.07x, 57: 1.05x; 8, 9, 16, 24, 36, 45, 48, 63, 64
+// and 256 rows 0.98-1.01x. bf16 pairs (bench/linear_kernels.py): 25 rows 652 -> 736-849 GFLOP/s, 41: 770 ->
+// 869-890, 49: 804 -> 917, 57: 816 -> 906-916. The same sums in the same order, so the same bits.
+static inline int64_t row_blocks(int64_t rows) { return rows <= 8 ? 1 : (rows + 8) / 9; }
+
+// panel_block for 1..9 rows; none past
 template <typename W = float>
-LLMFLEET_AVX512F static void panel_tail(int64_t rows, const float* x, int64_t xs, int64_t K, const W* panel, float* y,
+LLMFLEET_AVX512F static void panel_rows(int64_t rows, const float* x, int64_t xs, int64_t K, const W* panel, float* y,
                                         int64_t N, int64_t ncols, const float* bias, const void* next, int64_t l0,
                                         int64_t l1, bool stream = false, const float* scale = nullptr) {
   switch (rows) {
@@ -1394,6 +1409,8 @@ LLMFLEET_AVX512F static void panel_tail(int64_t rows, const float* x, int64_t xs
     case 5: return panel_block<5, W>(x, xs, K, panel, y, N, ncols, bias, next, l0, l1, stream, scale);
     case 6: return panel_block<6, W>(x, xs, K, panel, y, N, ncols, bias, next, l0, l1, stream, scale);
     case 7: return panel_block<7, W>(x, xs, K, panel, y, N, ncols, bias, next, l0, l1, stream, scale);
+    case 8: return panel_block<8, W>(x, xs, K, panel, y, N, ncols, bias, next, l0, l1, stream, scale);
+    case 9: return panel_block<9, W>(x, xs, K, panel, y, N, ncols, bias, next, l0, l1, stream, scale);
     default: return;
   }
 }
@@ -1526,7 +1543,7 @@ LLMFLEET_AVX2 static void panel_pass_avx2(int64_t rows, const float* __restrict_
   }
 }
 
-// The AVX-512 pass: block after block of 8 rows (panel_block, the last one panel_tail), each over the whole K, the
+// The AVX-512 pass: block after block of up to 9 rows (panel_block, row_blocks), each over the whole K, the
 // next panel's lines spread over the blocks. (panel_pass_avx2's chunk-by-chunk order, which gained 1.14-1.22x at
 // 8-32 rows on Zen 3, lost here: on a Zen 5 (48 KB L1d, 1 MB L2), every 8-row block taking each 64-input chunk
 // with its sums in a scratch read fp32 16 rows 0.94x, 32: 0.89x, 64-256: 0.87x, 2048: 0.80x, int8 0.84-0.96x
@@ -1536,14 +1553,14 @@ template <typename W = float>
 LLMFLEET_AVX512F static void panel_pass_avx512(int64_t rows, const float* x, int64_t xs, int64_t K, const W* panel,
                                                float* y, int64_t N, int64_t ncols, const float* bias, const void* next,
                                                int64_t lines, bool stream, const float* scale, float*) {
-  const int64_t blocks = (rows + 7) / 8;
+  const int64_t blocks = row_blocks(rows);
   for (int64_t blk = 0; blk < blocks; ++blk) {
-    const int64_t m = blk * 8, r = std::min<int64_t>(8, rows - m);
+    const int64_t m = blk * rows / blocks, r = (blk + 1) * rows / blocks - m;
     const int64_t l0 = blk * lines / blocks, l1 = (blk + 1) * lines / blocks;
     if (r == 8)
       panel_block<8, W>(x + m * xs, xs, K, panel, y + m * N, N, ncols, bias, next, l0, l1, stream, scale);
     else
-      panel_tail<W>(r, x + m * xs, xs, K, panel, y + m * N, N, ncols, bias, next, l0, l1, stream, scale);
+      panel_rows<W>(r, x + m * xs, xs, K, panel, y + m * N, N, ncols, bias, next, l0, l1, stream, scale);
   }
 }
 
@@ -1781,20 +1798,20 @@ LLMFLEET_AVX512_BF16 static void pair_block(const uint32_t* __restrict__ x, int6
   }
 }
 
-// A pass of up to F32_PANEL_ROWS rows over one panel: blocks of 8 rows (the last 1-7), the next panel's lines
+// A pass of up to F32_PANEL_ROWS rows over one panel: blocks of up to 9 rows (row_blocks), the next panel's lines
 // spread over the blocks.
 template <typename Y>
 LLMFLEET_AVX512_BF16 static void pair_pass(int64_t rows, const uint32_t* x, int64_t xs, int64_t K2,
                                            const uint32_t* panel, Y* y, int64_t N, int64_t ncols,
                                            const float* bias, const float* scale, const void* next, int64_t lines,
                                            bool stream) {
-  const int64_t blocks = (rows + 7) / 8;
+  const int64_t blocks = row_blocks(rows);
   for (int64_t blk = 0; blk < blocks; ++blk) {
-    const int64_t m = blk * 8, r = std::min<int64_t>(8, rows - m);
+    const int64_t m = blk * rows / blocks, r = (blk + 1) * rows / blocks - m;
     const int64_t l0 = blk * lines / blocks, l1 = (blk + 1) * lines / blocks;
-    const auto block = r == 8 ? pair_block<8, Y> : r == 7 ? pair_block<7, Y> : r == 6 ? pair_block<6, Y>
-                       : r == 5 ? pair_block<5, Y> : r == 4 ? pair_block<4, Y> : r == 3 ? pair_block<3, Y>
-                       : r == 2 ? pair_block<2, Y> : pair_block<1, Y>;
+    const auto block = r == 9 ? pair_block<9, Y> : r == 8 ? pair_block<8, Y> : r == 7 ? pair_block<7, Y>
+                       : r == 6 ? pair_block<6, Y> : r == 5 ? pair_block<5, Y> : r == 4 ? pair_block<4, Y>
+                       : r == 3 ? pair_block<3, Y> : r == 2 ? pair_block<2, Y> : pair_block<1, Y>;
     block(x + m * xs, xs, K2, panel, y + m * N, N, ncols, bias, scale, next, l0, l1, stream);
   }
 }
@@ -2033,7 +2050,7 @@ LLMFLEET_AVX512F static void f32_attention_block(const float* q, int64_t qs, int
     if (rows == F32_ATTN_ROWS)
       panel_block<F32_ATTN_ROWS, float>(q, qs, D, panel, s + j0, ls, F32_PANEL, nullptr, nullptr, 0, 0);
     else
-      panel_tail<float>(rows, q, qs, D, panel, s + j0, ls, F32_PANEL, nullptr, nullptr, 0, 0);
+      panel_rows<float>(rows, q, qs, D, panel, s + j0, ls, F32_PANEL, nullptr, nullptr, 0, 0);
   }
   float inv[F32_ATTN_ROWS];
   for (int64_t m = 0; m < F32_ATTN_ROWS; ++m) {
