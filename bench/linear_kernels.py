@@ -149,7 +149,7 @@ def _panels(w: torch.Tensor, dtype: torch.dtype) -> tuple[Call, torch.dtype]:
 
     module, why = _load_module()
     ready = module is not None and (module.f32_panels_ready() if dtype == torch.float32 else module.bf16_panels_ready())
-    if module is None or not ready:
+    if not ready:
         raise RuntimeError(why or f"this CPU offers no {'AVX2 + FMA' if dtype == torch.float32 else 'AVX512-BF16'}")
     return PanelLinear(w.to(dtype), None, module), dtype
 

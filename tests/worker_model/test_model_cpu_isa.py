@@ -141,7 +141,7 @@ def test_the_avx2_cap_runs_the_fp32_kernels_on_avx2(capped_avx2):
     assert kind == "panels_fp32" and "AVX2 + FMA" in reason and "AVX512" not in reason, reason
 
 
-def test_the_avx2_paths_compute_what_torch_computes(capped_avx2, panels):
+def test_the_avx2_paths_compute_what_torch_computes(capped_avx2, fp32_code_panels):
     data = capped_avx2["inputs"]
     for (w, b, x), got in zip(data["linears"], capped_avx2["linears"], strict=True):
         exact = x.double() @ w.double().T + (0 if b is None else b.double())
@@ -151,7 +151,7 @@ def test_the_avx2_paths_compute_what_torch_computes(capped_avx2, panels):
         for (w, b, x), got in zip(data["linears"], capped_avx2["quantized"][q], strict=True):
             if not takes(q, w):
                 continue
-            wq = make_linear(w, b, q, torch.float32, "panels_fp32", Fp32PanelsOnly(panels)).dequantize().double()
+            wq = make_linear(w, b, q, torch.float32, "panels_fp32", fp32_code_panels).dequantize().double()
             exact = x.double() @ wq.T + (0 if b is None else b.double())
             assert (got.double() - exact).abs().max() <= 1e-4 * exact.abs().max(), (q, tuple(x.shape))
     h, d, w = data["norm"]

@@ -503,11 +503,15 @@ class Int4Linear:
     ) -> None:
         self.group_size = int4_group_size(weight.shape[1])
         q, scale, zero = quantize_int4(weight, self.group_size)
-        pairs = native is not None and on_pairs(native, kernel, weight)
-        self._pairs = _pair_kernel(native.panel_linear_bf16_int4, dtype) if native is not None and pairs else None
-        self._native = native if dtype == torch.bfloat16 and not pairs else None
-        self._panels = native if dtype == torch.float32 and kernel == "panels_fp32" and not pairs else None
-        if native is not None and (pairs or self._panels is not None):
+        # the int4 panels' kernel: bf16 pair panels (the weights rounded to bf16 in it), or the fp32 panels
+        self._pairs = native is not None and on_pairs(native, kernel, weight)
+        self._panels: Callable[..., torch.Tensor] | None = None
+        if native is not None and self._pairs:
+            self._panels = _pair_kernel(native.panel_linear_bf16_int4, dtype)
+        elif native is not None and dtype == torch.float32 and kernel == "panels_fp32":
+            self._panels = native.panel_linear_int4
+        self._native = native if dtype == torch.bfloat16 and not self._pairs else None
+        if native is not None and self._panels is not None:
             self.packed, self.scales_zeros = pack_int4_panels(q, scale, zero, native.f32_panel_cols())
         elif self._native is not None:
             self.packed = pack_int4_rows(q)
@@ -517,7 +521,7 @@ class Int4Linear:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
             # [K/G, N, 2] as the kernel wants it.
             self.scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous().to(torch.bfloat16)
-        self.bias = bias.float().contiguous() if pairs and bias is not None else bias  # (the kernel adds it in fp32)
+        self.bias = bias.float().contiguous() if self._pairs and bias is not None else bias  # (added in fp32)
         self.out_features = weight.shape[0]
         self.out_dtype = dtype
         self._rows = fp8_chunk_rows(*weight.shape)  # the same bf16 tiles as fp8's, for the same cache reason
@@ -526,7 +530,7 @@ class Int4Linear:
     @property
     def path(self) -> str:
         """Which kernel multiplies this layer, for the worker's log."""
-        if self._pairs is not None:
+        if self._panels is not None and self._pairs:
             return "the bf16 pair panels (panel_linear_bf16_int4: each panel widened, rounded to bf16 once per pass)"
         if self._panels is not None:
             return "the fp32 panels (panel_linear_int4: each panel widened to fp32 once per pass)"
@@ -541,10 +545,9 @@ class Int4Linear:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weights the layer computes with."""
-        if self._pairs is not None:  # rounded to bf16 in the kernel
-            return unpack_int4_panels(self.packed, self.scales_zeros, self.out_features).bfloat16().to(dtype)
         if self._panels is not None:
-            return unpack_int4_panels(self.packed, self.scales_zeros, self.out_features).to(dtype)
+            w = unpack_int4_panels(self.packed, self.scales_zeros, self.out_features)
+            return (w.bfloat16() if self._pairs else w).to(dtype)  # pairs: rounded to bf16 in the kernel
         if self._native is not None:
             return self._tile(0, self.out_features).to(dtype)
         k = self.packed.shape[1] * 2  # via an identity matmul: torch's packed layout is private
@@ -553,12 +556,9 @@ class Int4Linear:
         return w_t.t().to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._pairs is not None:
-            run, packed, sz, n, g = self._pairs, self.packed, self.scales_zeros, self.out_features, self.group_size
-            return on_rows(x, n, lambda r: run(r, packed, sz, n, g, self.bias))
         if self._panels is not None:
-            ops, packed, sz, n, g = self._panels, self.packed, self.scales_zeros, self.out_features, self.group_size
-            return on_rows(x, n, lambda r: ops.panel_linear_int4(r, packed, sz, n, g, self.bias))
+            run, packed, sz, n, g = self._panels, self.packed, self.scales_zeros, self.out_features, self.group_size
+            return on_rows(x, n, lambda r: run(r, packed, sz, n, g, self.bias))
         if self._native is not None:
             if _few_rows(x, self._direct_rows):
                 direct = self._native.amx_linear_int4 if self._amx else self._native.int4_gemv_bf16
