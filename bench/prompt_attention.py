@@ -7,8 +7,8 @@ into the fused QKV rows, `testing.qkv_views`; SDPA through `attention.prefill_at
 position 0 and `causal_chunk_mask` after a cached prefix), and prints milliseconds per layer call, the ratio and the largest difference between outputs.
 
 Shapes: SmolLM2-135M (9 query / 3 KV heads of 64) and a Llama-3-8B layer (32 / 8 heads of 128), chunks of `--chunks`
-queries after `--start` cached tokens. `--dtype bfloat16` times what a bf16 model runs (AMX's kernel, or the fp32
-kernel on the chunk widened where there is no AMX) against torch's bf16 SDPA; `max_abs_diff` is then each path's
+queries after `--start` cached tokens. `--dtype bfloat16` times what a bf16 model runs (AMX's kernel, the
+AVX512-BF16 one without AMX, or the fp32 kernel on the chunk widened where neither runs) against torch's bf16 SDPA; `max_abs_diff` is then each path's
 largest distance from an fp32 SDPA of the same inputs.
 
     .venv/bin/python bench/prompt_attention.py

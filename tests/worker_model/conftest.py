@@ -208,6 +208,13 @@ def bf16_panels():
 
 
 @pytest.fixture(scope="session")
+def bf16_attention():
+    """The native extension, on a CPU where its bf16 prompt attention without AMX runs: AVX512-BF16 (else the test
+    is skipped)."""
+    return _native_or_skip("bf16_attention_ready", "this CPU has no AVX512-BF16")
+
+
+@pytest.fixture(scope="session")
 def amx():
     """The native extension, on a CPU whose AMX-BF16 the OS lets it use (else the test is skipped)."""
     return _native_or_skip("amx_linear_ready", "this CPU (or its kernel) offers no AMX-BF16")

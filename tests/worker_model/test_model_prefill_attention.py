@@ -1,6 +1,7 @@
-"""Prompt attention: the native kernels (`kernels.amx_attention_`, bf16 on AMX; `kernels.f32_attention_`, fp32 on
-AVX-512 or AVX2 + FMA, and bf16 widened onto it without AMX) against a reference, and how `attention.paged_attention` hands prompt chunks to them (the routing tests run
-on any CPU, with a recording fake)."""
+"""Prompt attention: the native kernels (`kernels.amx_attention_`, bf16 on AMX; `kernels.bf16_attention_`, the same
+in bf16 on AVX512-BF16; `kernels.f32_attention_`, fp32 on AVX-512 or AVX2 + FMA, and bf16 widened onto it where
+neither bf16 kernel runs) against a reference, and how `attention.paged_attention` hands prompt chunks to them (the
+routing tests run on any CPU, with a recording fake)."""
 
 from __future__ import annotations
 
@@ -11,17 +12,26 @@ from worker.model.kernels import load_prefill_attention, widened_attention
 from worker.model.testing import causal_attention, qkv_views
 
 
+BF16_KERNELS = [("amx", "amx_attention_"), ("bf16_attention", "bf16_attention_")]
+
+
+@pytest.mark.parametrize("fixture,kernel", BF16_KERNELS)
 @pytest.mark.parametrize("heads,kv_heads,hd", [(9, 3, 64), (4, 4, 128), (8, 1, 64), (6, 2, 128)])
 @pytest.mark.parametrize(
     "n,start",
-    [(1, 0), (2, 0), (15, 0), (16, 0), (17, 0), (33, 0), (64, 0), (100, 0), (300, 0), (5, 3), (40, 100), (31, 33)],
-)
-def test_amx_attention_matches_an_fp32_reference(amx, heads, kv_heads, hd, n, start):
-    """Tails of 16 queries and of 32 keys, a causal offset, grouped heads; only the chunk's output rows change."""
+    [
+        (1, 0), (2, 0), (7, 0), (8, 0), (9, 0), (15, 0), (16, 0), (17, 0), (33, 0), (64, 0), (100, 0), (300, 0),
+        (5, 3), (40, 100), (31, 33), (20, 27),
+    ],
+)  # fmt: skip
+def test_bf16_attention_matches_an_fp32_reference(request, fixture, kernel, heads, kv_heads, hd, n, start):
+    """Tails of 8 and 16 queries, of 6-row P V blocks, of 16 and 32 keys, an odd number of keys, a causal offset,
+    grouped heads; only the chunk's output rows change."""
+    attend = getattr(request.getfixturevalue(fixture), kernel)
     q, k, v = qkv_views(n, start, heads, kv_heads, hd, seed=n * 1000 + start + hd)
     scale = hd**-0.5
     out = torch.full((n + 2, heads * hd), 7.0, dtype=torch.bfloat16)
-    amx.amx_attention_(out[1 : n + 1], q, k, v, start, scale)
+    attend(out[1 : n + 1], q, k, v, start, scale)
     torch.testing.assert_close(
         out[1 : n + 1].float(), causal_attention(q, k, v, start, scale), atol=1.6e-2, rtol=1.6e-2
     )
@@ -31,7 +41,7 @@ def test_amx_attention_matches_an_fp32_reference(amx, heads, kv_heads, hd, n, st
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize(
     "fixture,kernel,dtype",
-    [("amx", "amx_attention_", torch.bfloat16), ("f32_attention", "f32_attention_", torch.float32)],
+    [*((f, k, torch.bfloat16) for f, k in BF16_KERNELS), ("f32_attention", "f32_attention_", torch.float32)],
 )
 def test_prompt_attention_is_the_same_whatever_the_thread_count(request, fixture, kernel, dtype, threads):
     attend = getattr(request.getfixturevalue(fixture), kernel)
@@ -65,9 +75,11 @@ def _bf16(*shape: int) -> torch.Tensor:
         (_bf16(4, 4 * 64), _bf16(0, 4, 64), _bf16(0, 2, 64), 0, "n >= 1"),
     ],
 )
-def test_amx_attention_rejects_what_it_cannot_take(amx, out, q, k, start, match):
-    with pytest.raises(RuntimeError, match=match):
-        amx.amx_attention_(out, q, k, k.clone(), start, 1.0)
+@pytest.mark.parametrize("fixture,kernel", BF16_KERNELS)
+def test_bf16_attention_rejects_what_it_cannot_take(request, fixture, kernel, out, q, k, start, match):
+    attend = getattr(request.getfixturevalue(fixture), kernel)
+    with pytest.raises(RuntimeError, match=f"{kernel}: .*({match})"):
+        attend(out, q, k, k.clone(), start, 1.0)
 
 
 @pytest.mark.parametrize("heads,kv_heads,hd", [(9, 3, 64), (4, 4, 128), (8, 1, 64), (6, 2, 128)])
@@ -125,6 +137,8 @@ def test_the_loader_picks_the_kernel_of_the_models_dtype(f32_attention):
     bf16, why = load_prefill_attention(torch.bfloat16, 128)
     if f32_attention.amx_linear_ready():
         assert bf16 is f32_attention.amx_attention_ and why == "AMX kernel (bf16)"
+    elif f32_attention.bf16_attention_ready():
+        assert bf16 is f32_attention.bf16_attention_ and "AVX512-BF16" in why
     else:  # the fp32 kernel on the widened chunk
         assert bf16 is not None and "widened to fp32" in why
         q, k, v = qkv_views(20, 5, 4, 2, 128, seed=3, dtype=torch.bfloat16)
@@ -198,8 +212,10 @@ def test_a_mixed_batch_on_the_f32_kernel_matches_sdpa(f32_attention):
     torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-5)
 
 
-def test_a_mixed_batch_on_the_amx_kernel_matches_sdpa(amx):
+@pytest.mark.parametrize("fixture,kernel", BF16_KERNELS)
+def test_a_mixed_batch_on_a_bf16_kernel_matches_sdpa(request, fixture, kernel):
     """The real kernel inside paged_attention (bf16): decode rows, a fresh chunk and a continuing one."""
+    attend = getattr(request.getfixturevalue(fixture), kernel)
     heads, kv_heads, hd, bs = 9, 3, 64, 16
     gen = torch.Generator().manual_seed(2)
     k_cache = torch.randn(12, bs, kv_heads, hd, generator=gen).to(torch.bfloat16)
@@ -209,5 +225,5 @@ def test_a_mixed_batch_on_the_amx_kernel_matches_sdpa(amx):
     t = 1 + 37 + 19
     q, k, v = (torch.randn(t, h, hd, generator=gen).to(torch.bfloat16) for h in (heads, kv_heads, kv_heads))
     eager = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.125)
-    out = paged_attention(q, k, v, k_cache, v_cache, meta, 0.125, NativeAttention(prefill=amx.amx_attention_))
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, 0.125, NativeAttention(prefill=attend))
     torch.testing.assert_close(out.float(), eager.float(), atol=3e-2, rtol=3e-2)

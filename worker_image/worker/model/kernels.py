@@ -57,7 +57,8 @@ Where there is no AMX the panel linears carry the model: `panel_linear_f32` (and
 multiply fp32 activations by weights packed once into 48-column panels (AVX-512, or AVX2 + FMA with the same bits);
 `panel_linear_bf16` (and `_bf16_codes`, `_bf16_int4`) multiply bf16 activations by panels of input pairs with
 `vdpbf16ps` (AVX512-BF16). linear.py and quant.py say what they measure; `f32_attention_` serves fp32 prompt chunks,
-and bf16 ones widened (`widened_attention`).
+`bf16_attention_` bf16 ones (the AMX kernel's task on `vdpbf16ps`), and where that cannot run the fp32 kernel takes
+them widened (`widened_attention`).
 """
 
 from __future__ import annotations
@@ -2768,12 +2769,110 @@ LLMFLEET_AMX static void amx_attention_block(const uint16_t* q, int64_t qs, int6
   }
 }
 
+// ---- the same task on AVX512-BF16 without AMX (`bf16_attention_`): the AMX kernel's packing, softmax and
+// rounding, its tile products taken by `vdpbf16ps` (16 fp32 lanes, each the sum of a pair of bf16 products).
+// Why: a bf16 chunk widened to fp32 for the fp32 kernel (`widened_attention`) ran one FMA per product where this
+// runs a pair, and paid for the widening copies around it.
+// S for R query rows (pairs of q, qs2 words apart) x J 16-key blocks of K^T from block b0 on (kt: the KV head's
+// amx_pack_rows tiles, a block's D/2 d-pairs of [16 keys][2] back to back), into s's rows (ls floats apart).
+template <int D, int R, int J>
+LLMFLEET_AVX512_BF16 static inline void bf16_scores(const uint32_t* __restrict__ q2, int64_t qs2,
+                                                    const uint16_t* __restrict__ kt, int64_t b0, float* s, int64_t ls) {
+  __m512 acc[R][J];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j) acc[r][j] = _mm512_setzero_ps();
+  const uint16_t* kb = kt + b0 * D * 16;
+#pragma GCC unroll 4
+  for (int dd = 0; dd < D / 2; ++dd) {
+    __m512bh w[J];
+    for (int j = 0; j < J; ++j) w[j] = (__m512bh)_mm512_loadu_si512(kb + j * D * 16 + dd * 32);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(int(q2[r * qs2 + dd]));
+      for (int j = 0; j < J; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], x, w[j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j) _mm512_storeu_ps(s + r * ls + (b0 + j) * 16, acc[r][j]);
+}
+
+// out's rows r0 .. r0 + R, 64 columns from `col` on: bf16(sum over key pairs of P's pair (p's rows, ls elements
+// apart) . V's pair rows (vt: the KV head's amx_pack_v tiles) / sum[r]).
+template <int D, int R>
+LLMFLEET_AVX512_BF16 static void bf16_pv(const uint16_t* __restrict__ p, int64_t ls, int64_t r0, int64_t pairs,
+                                         const uint16_t* __restrict__ vt, int64_t col, const float* sum,
+                                         uint16_t* out, int64_t os) {
+  constexpr int ND = D / 16;
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  const uint32_t* p2 = reinterpret_cast<const uint32_t*>(p + r0 * ls);
+  const int64_t ls2 = ls / 2;
+  for (int64_t c0 = 0; c0 < pairs; c0 += 16) {  // a 32-key chunk: its tiles of 16 key-pairs x 16 d
+    const uint16_t* vc = vt + ((c0 / 16) * ND + col / 16) * 512;
+    const int64_t c1 = std::min<int64_t>(pairs, c0 + 16);
+    for (int64_t jj = c0; jj < c1; ++jj) {
+      const uint16_t* vr = vc + (jj - c0) * 32;
+      __m512bh w[4];
+      for (int c = 0; c < 4; ++c) w[c] = (__m512bh)_mm512_loadu_si512(vr + c * 512);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh x = (__m512bh)_mm512_set1_epi32(int(p2[r * ls2 + jj]));
+        for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], x, w[c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.f / sum[r0 + r]);
+    for (int c = 0; c < 4; ++c)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (r0 + r) * os + col + 16 * c),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][c], inv)));
+  }
+}
+
+// amx_attention_block's task (16 queries of one head; the same arguments, `o` unused) on AVX512-BF16: S by 8 rows
+// x 48 keys (24 accumulators), P V by up to 6 rows x 64 columns.
+template <int D>
+LLMFLEET_AVX512_BF16 static void bf16_attention_block(const uint16_t* q, int64_t qs, int64_t rows, int64_t vis0,
+                                                      int64_t keys, const uint16_t* kt, const uint16_t* vt,
+                                                      float scale, float* s, uint16_t* p, float*, uint16_t* qpad,
+                                                      uint16_t* out, int64_t os) {
+  if (rows % 8) {  // the last 8-row block's missing queries as zeros
+    for (int64_t r = 0; r < 16; ++r)
+      for (int64_t d = 0; d < D; ++d) qpad[r * D + d] = r < rows ? q[r * qs + d] : 0;
+    q = qpad;
+    qs = D;
+  }
+  const int64_t nkc = (keys + 31) / 32, ls = nkc * 32, blocks = (keys + 15) / 16;
+  for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+    const uint32_t* q2 = reinterpret_cast<const uint32_t*>(q + r0 * qs);
+    float* sr = s + r0 * ls;
+    int64_t b = 0;
+    for (; b + 3 <= blocks; b += 3) bf16_scores<D, 8, 3>(q2, qs / 2, kt, b, sr, ls);
+    if (blocks - b == 2) bf16_scores<D, 8, 2>(q2, qs / 2, kt, b, sr, ls);
+    if (blocks - b == 1) bf16_scores<D, 8, 1>(q2, qs / 2, kt, b, sr, ls);
+  }
+  alignas(64) float sum[16];
+  amx_softmax_rows(s, ls, rows, vis0, scale, p, sum);
+  const int64_t pairs = (keys + 1) / 2;
+  for (int64_t col = 0; col < D; col += 64)
+    for (int64_t r0 = 0; r0 < rows; r0 += 6) {
+      switch (std::min<int64_t>(6, rows - r0)) {
+        case 6: bf16_pv<D, 6>(p, ls, r0, pairs, vt, col, sum, out, os); break;
+        case 5: bf16_pv<D, 5>(p, ls, r0, pairs, vt, col, sum, out, os); break;
+        case 4: bf16_pv<D, 4>(p, ls, r0, pairs, vt, col, sum, out, os); break;
+        case 3: bf16_pv<D, 3>(p, ls, r0, pairs, vt, col, sum, out, os); break;
+        case 2: bf16_pv<D, 2>(p, ls, r0, pairs, vt, col, sum, out, os); break;
+        default: bf16_pv<D, 1>(p, ls, r0, pairs, vt, col, sum, out, os); break;
+      }
+    }
+}
+
 // q [n][H][D] (rows qs elements apart), k and v [start + n][KVH][D] (rows ks, vs apart), out [n][H * D] (rows os
-// apart). Tasks go to threads in the order 0, last, 1, last - 1, ... of the query blocks (a later block sees more
-// keys), so the contiguous runs at::parallel_for hands out carry about equal work.
-static void amx_attention_run(const uint16_t* q, int64_t qs, const uint16_t* k, int64_t ks, const uint16_t* v,
-                              int64_t vs, uint16_t* out, int64_t os, int64_t n, int64_t start, int64_t H, int64_t KVH,
-                              int64_t D, float scale) {
+// apart), on AMX or (amx false) AVX512-BF16. Tasks go to threads in the order 0, last, 1, last - 1, ... of the
+// query blocks (a later block sees more keys), so the contiguous runs at::parallel_for hands out carry about equal
+// work.
+static void bf16_attention_run(bool amx, const uint16_t* q, int64_t qs, const uint16_t* k, int64_t ks,
+                               const uint16_t* v, int64_t vs, uint16_t* out, int64_t os, int64_t n, int64_t start,
+                               int64_t H, int64_t KVH, int64_t D, float scale) {
   const int64_t kv = start + n, nkc = (kv + 31) / 32, ls = nkc * 32, nqb = (n + 15) / 16;
   const int64_t kt_size = 2 * nkc * (D / 32) * 512, vt_size = nkc * (D / 16) * 512;  // per KV head
   std::vector<uint16_t> kt(KVH * kt_size, 0), vt(KVH * vt_size);  // an odd last 16-key block of K^T stays 0
@@ -2785,9 +2884,10 @@ static void amx_attention_run(const uint16_t* q, int64_t qs, const uint16_t* k, 
   });
   std::vector<int64_t> order(nqb);
   for (int64_t i = 0; i < nqb; ++i) order[i] = i % 2 == 0 ? i / 2 : nqb - 1 - i / 2;
-  const auto block = D == 64 ? amx_attention_block<64> : amx_attention_block<128>;
+  const auto block = amx ? (D == 64 ? amx_attention_block<64> : amx_attention_block<128>)
+                         : (D == 64 ? bf16_attention_block<64> : bf16_attention_block<128>);
   at::parallel_for(0, nqb * H, 1, [&](int64_t begin, int64_t end) {
-    amx_configure();
+    if (amx) amx_configure();
     std::vector<float> s(16 * ls);
     std::vector<uint16_t> p(16 * ls), qpad(16 * D);
     alignas(64) float o[16 * 64];
@@ -2797,7 +2897,7 @@ static void amx_attention_run(const uint16_t* q, int64_t qs, const uint16_t* k, 
       block(q + r0 * qs + h * D, qs, rows, start + r0 + 1, start + r0 + rows, kt.data() + g * kt_size,
             vt.data() + g * vt_size, scale, s.data(), p.data(), o, qpad.data(), out + r0 * os + h * D, os);
     }
-    amx_release();
+    if (amx) amx_release();
   });
 }
 #else
@@ -2899,23 +2999,44 @@ torch::Tensor amx_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tens
   return y;
 }
 
-// Causal attention of one prompt chunk on AMX (bf16, head dims 64 and 128): queries q [n, heads, head_dim] at
-// positions start .. start + n over keys k, v [start + n, kv_heads, head_dim], into out [n, heads * head_dim]. Rows
-// may be strided (views into the fused QKV output, or into a larger output); each row holds its heads back to back.
-void amx_attention_(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t start, double scale) {
-  TORCH_CHECK(amx_ready(), "amx_attention_: this CPU has no AMX-BF16 (ask amx_linear_ready first)");
-  prompt_attention_shapes(out, q, k, v, start, "amx_attention_");
+// Whether bf16_attention_ runs here: AVX512-BF16, and a compiler that built the AMX kernel's packing and softmax.
+bool bf16_attention_ready() {
+#if defined(LLMFLEET_AMX_BUILD)
+  return cpu_has_avx512_bf16();
+#else
+  return false;
+#endif
+}
+
+// Causal attention of one prompt chunk in bf16 (head dims 64 and 128), on AMX or on AVX512-BF16 (`amx`; `what`:
+// the entry point, for the messages): queries q [n, heads, head_dim] at positions start .. start + n over keys k, v
+// [start + n, kv_heads, head_dim], into out [n, heads * head_dim]. Rows may be strided (views into the fused QKV
+// output, or into a larger output); each row holds its heads back to back.
+static void bf16_attention(bool amx, const char* what, const torch::Tensor& out, const torch::Tensor& q,
+                           const torch::Tensor& k, const torch::Tensor& v, int64_t start, double scale) {
+  prompt_attention_shapes(out, q, k, v, start, what);
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
   for (const torch::Tensor* t : {&q, &k, &v, &out})
-    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->stride(-1) == 1 && t->stride(0) % 2 == 0,
-                "amx_attention_: bf16 tensors whose rows are an even number of elements apart");
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->stride(-1) == 1 && t->stride(0) % 2 == 0, what,
+                ": bf16 tensors whose rows are an even number of elements apart");
   for (const torch::Tensor* t : {&q, &k, &v})
-    TORCH_CHECK(t->stride(1) == D, "amx_attention_: each row of q, k and v must hold its heads back to back");
+    TORCH_CHECK(t->stride(1) == D, what, ": each row of q, k and v must hold its heads back to back");
 #if defined(LLMFLEET_AMX_BUILD)
   const auto u16 = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<c10::BFloat16>()); };
-  amx_attention_run(u16(q), q.stride(0), u16(k), k.stride(0), u16(v), v.stride(0), u16(out), out.stride(0), n, start,
-                    H, KVH, D, static_cast<float>(scale));
+  bf16_attention_run(amx, u16(q), q.stride(0), u16(k), k.stride(0), u16(v), v.stride(0), u16(out), out.stride(0), n,
+                     start, H, KVH, D, static_cast<float>(scale));
 #endif
+}
+
+void amx_attention_(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t start, double scale) {
+  TORCH_CHECK(amx_ready(), "amx_attention_: this CPU has no AMX-BF16 (ask amx_linear_ready first)");
+  bf16_attention(true, "amx_attention_", out, q, k, v, start, scale);
+}
+
+void bf16_attention_(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t start,
+                     double scale) {
+  TORCH_CHECK(bf16_attention_ready(), "bf16_attention_: needs a CPU with AVX512-BF16 (ask bf16_attention_ready first)");
+  bf16_attention(false, "bf16_attention_", out, q, k, v, start, scale);
 }
 
 // ---- greedy sampling: row-wise argmax of fp32 logits, as torch.argmax answers it ----
@@ -3212,6 +3333,8 @@ def _load_module() -> tuple[Any, str | None]:
                 "amx_linear_ready",
                 "amx_linear",
                 "amx_attention_",
+                "bf16_attention_ready",
+                "bf16_attention_",
                 "amx_linear_fp8",
                 "amx_linear_int8",
                 "amx_linear_int4",
@@ -3253,8 +3376,9 @@ def load_argmax() -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, str | 
 
 def load_prefill_attention(dtype: torch.dtype, head_dim: int) -> tuple[PrefillAttention | None, str]:
     """(the kernel, why), or (None, why not): causal attention of prompt chunks, head dims of 64 or 128: bf16 on
-    AMX (`amx_attention_`, CPUs with AMX-BF16), fp32 on AVX-512 or AVX2 + FMA (`f32_attention_`), and bf16 on the
-    fp32 kernel where there is no AMX (`widened_attention`). Elsewhere torch's SDPA runs."""
+    AMX (`amx_attention_`, CPUs with AMX-BF16) or else on AVX512-BF16 (`bf16_attention_`), fp32 on AVX-512 or AVX2
+    + FMA (`f32_attention_`), and bf16 on the fp32 kernel where neither bf16 kernel runs (`widened_attention`).
+    Elsewhere torch's SDPA runs."""
     module, why = _load_module()
     if module is None:
         return None, f"SDPA: the extension cannot be built here ({why})"
@@ -3264,20 +3388,22 @@ def load_prefill_attention(dtype: torch.dtype, head_dim: int) -> tuple[PrefillAt
         return None, "SDPA: the native kernels take bfloat16 or float32 models"
     if dtype == torch.bfloat16 and module.amx_linear_ready():
         return module.amx_attention_, "AMX kernel (bf16)"
+    if dtype == torch.bfloat16 and module.bf16_attention_ready():
+        return module.bf16_attention_, "AVX512-BF16 kernel (bf16, no AMX here)"
     if not module.f32_attention_ready():
         return None, "SDPA: this CPU has no AMX-BF16, AVX-512 or AVX2 + FMA"
     kernel = f"{module.vector_isa().upper()} kernel (fp32)"
     if dtype == torch.float32:
         return module.f32_attention_, kernel
-    return widened_attention(module.f32_attention_), f"{kernel} on the bf16 chunk widened to fp32 (no AMX-BF16 here)"
+    return widened_attention(module.f32_attention_), f"{kernel} on the bf16 chunk widened to fp32 (no AVX512-BF16 here)"
 
 
 def widened_attention(f32_attention: PrefillAttention) -> PrefillAttention:
     """A bf16 prompt chunk through the fp32 kernel: q, k and v widened (exact), the output rounded once into `out`.
-    Where there is no AMX this beats torch's bf16 SDPA by far: on a Zen 5 (AVX512-BF16, no AMX), SmolLM2's chunks
-    of 128-2048 queries 2.8-4.4x, Llama-3-8B's 1.3-2.8x (`bench/prompt_attention.py --dtype bfloat16`), and its
-    error against an fp32 reference is no larger (both are one bf16 rounding of an fp32 result). The widening is
-    O(tokens x heads) against the attention's O(tokens x context x heads)."""
+    For CPUs with neither bf16 kernel (AVX-512 without BF16, AVX2 + FMA). On a Zen 5 this beat torch's bf16 SDPA
+    by far (SmolLM2's chunks of 128-2048 queries 2.8-4.4x, Llama-3-8B's 1.3-2.8x, `bench/prompt_attention.py
+    --dtype bfloat16`), and `bf16_attention_` beats it 2.0-3.2x in turn (the widening copies cost as much as the
+    attention itself at 128-288 queries)."""
 
     def attend(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> None:
         wide = torch.empty(out.shape, dtype=torch.float32, device=out.device)
