@@ -11,7 +11,6 @@ from worker.model.attention import EAGER, NativeAttention, SeqSpan, build_metada
 from worker.model.kernels import load_prefill_attention, widened_attention
 from worker.model.testing import causal_attention, qkv_views
 
-
 BF16_KERNELS = [("amx", "amx_attention_"), ("bf16_attention", "bf16_attention_")]
 
 
