@@ -3264,6 +3264,53 @@ def _cpu_flags() -> tuple[str, frozenset[str]]:
     return platform.machine(), frozenset()
 
 
+# What the module exports. Each is bound with torch's `wrap_pybind_function_no_gil`: it takes tensors and numbers
+# only, so it runs without Python's GIL, and the worker's other threads (the HTTP server's event loop, tokenizer
+# threads) go on while the engine thread is in a kernel (load_inline's own bindings hold the GIL throughout).
+FUNCTIONS = (
+    "paged_decode",
+    "paged_decode_generic",
+    "paged_decode_path",
+    "decode_split",
+    "fused_ops_available",
+    "add_rms_norm",
+    "silu_and_mul",
+    "rope_",
+    "fp8_to_bf16",
+    "int8_to_bf16",
+    "int4_to_bf16",
+    "gemv_max_rows",
+    "int4_gemv_bf16",
+    "fp8_gemv_bf16",
+    "int8_gemv_bf16",
+    "f32_panel_cols",
+    "f32_panels_ready",
+    "panel_linear_f32",
+    "panel_linear_i8",
+    "panel_linear_fp8",
+    "panel_linear_int4",
+    "bf16_panels_ready",
+    "panel_linear_bf16",
+    "panel_linear_bf16_codes",
+    "panel_linear_bf16_int4",
+    "f32_attention_ready",
+    "vector_isa",
+    "f32_attention_",
+    "amx_linear_ready",
+    "amx_linear",
+    "amx_attention_",
+    "bf16_attention_ready",
+    "bf16_attention_",
+    "amx_linear_fp8",
+    "amx_linear_int8",
+    "amx_linear_int4",
+    "argmax_rows",
+    "kv_write_",
+)
+_DEFS = "".join(f'  m.def("{name}", torch::wrap_pybind_function_no_gil({name}), "{name}");\n' for name in FUNCTIONS)
+MODULE_DEF = "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n" + _DEFS + "}\n"
+
+
 def arch_flags() -> tuple[list[str], str]:
     """(compiler flags for the target CPU, the part of the cache key that says which CPUs the build runs on)."""
     machine, flags = _cpu_flags()
@@ -3274,7 +3321,7 @@ def arch_flags() -> tuple[list[str], str]:
 
 def extension_name() -> str:
     flags, target = arch_flags()
-    key = "\n".join([CPP_SOURCE, *CFLAGS, *flags, *LDFLAGS, target, torch.__version__])
+    key = "\n".join([CPP_SOURCE, MODULE_DEF, *CFLAGS, *flags, *LDFLAGS, target, torch.__version__])
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return f"llmfleet_paged_decode_{digest}"
 
@@ -3300,47 +3347,8 @@ def _load_module() -> tuple[Any, str | None]:
 
         module = load_inline(
             name=extension_name(),
-            cpp_sources=[CPP_SOURCE],
-            functions=[
-                "paged_decode",
-                "paged_decode_generic",
-                "paged_decode_path",
-                "decode_split",
-                "fused_ops_available",
-                "add_rms_norm",
-                "silu_and_mul",
-                "rope_",
-                "fp8_to_bf16",
-                "int8_to_bf16",
-                "int4_to_bf16",
-                "gemv_max_rows",
-                "int4_gemv_bf16",
-                "fp8_gemv_bf16",
-                "int8_gemv_bf16",
-                "f32_panel_cols",
-                "f32_panels_ready",
-                "panel_linear_f32",
-                "panel_linear_i8",
-                "panel_linear_fp8",
-                "panel_linear_int4",
-                "bf16_panels_ready",
-                "panel_linear_bf16",
-                "panel_linear_bf16_codes",
-                "panel_linear_bf16_int4",
-                "f32_attention_ready",
-                "vector_isa",
-                "f32_attention_",
-                "amx_linear_ready",
-                "amx_linear",
-                "amx_attention_",
-                "bf16_attention_ready",
-                "bf16_attention_",
-                "amx_linear_fp8",
-                "amx_linear_int8",
-                "amx_linear_int4",
-                "argmax_rows",
-                "kv_write_",
-            ],
+            cpp_sources=[CPP_SOURCE, MODULE_DEF],
+            functions=None,  # the module is defined in MODULE_DEF: its functions release the GIL
             # fresh lists: load_inline appends torch's own flags to the lists it is given
             extra_cflags=[*CFLAGS, *arch_flags()[0]],
             extra_ldflags=list(LDFLAGS),
