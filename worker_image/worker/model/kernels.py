@@ -2704,6 +2704,14 @@ LLMFLEET_AVX512_BF16 static void amx_scale_out(const float* o, int64_t rows, con
   _tile_loadd(7, k1, 64);                 \
   _tile_dpbf16ps(5, Q, 7);
 
+// A task's queries as 16 rows of D back to back in qpad: q's first `rows` rows (qs elements apart), then zeros, for
+// a block whose products read all 16 (AMX's tile loads) or every 8 (bf16_scores) of them.
+static const uint16_t* pad_queries(const uint16_t* q, int64_t qs, int64_t rows, int64_t D, uint16_t* qpad) {
+  for (int64_t r = 0; r < 16; ++r)
+    for (int64_t d = 0; d < D; ++d) qpad[r * D + d] = r < rows ? q[r * qs + d] : 0;
+  return qpad;
+}
+
 // One task: 16 queries (rows of q, qs elements apart; `rows` of them real) of one head over the keys the last of
 // them sees (`keys`), the first seeing vis0. kt, vt: the head's KV head packed (amx_pack_rows, amx_pack_v).
 // Scratch: s [16][ls] fp32, p [16][ls] bf16, o [16][64] fp32, qpad [16][D] (a short block's queries, zero-padded,
@@ -2714,9 +2722,7 @@ LLMFLEET_AMX static void amx_attention_block(const uint16_t* q, int64_t qs, int6
                                              uint16_t* p, float* o, uint16_t* qpad, uint16_t* out, int64_t os) {
   constexpr int C32 = D / 32, ND = D / 16;
   if (rows < 16) {
-    for (int64_t r = 0; r < 16; ++r)
-      for (int64_t d = 0; d < D; ++d) qpad[r * D + d] = r < rows ? q[r * qs + d] : 0;
-    q = qpad;
+    q = pad_queries(q, qs, rows, D, qpad);
     qs = D;
   }
   _tile_loadd(0, q, qs * 2);
@@ -2836,9 +2842,7 @@ LLMFLEET_AVX512_BF16 static void bf16_attention_block(const uint16_t* q, int64_t
                                                       float scale, float* s, uint16_t* p, float*, uint16_t* qpad,
                                                       uint16_t* out, int64_t os) {
   if (rows % 8) {  // the last 8-row block's missing queries as zeros
-    for (int64_t r = 0; r < 16; ++r)
-      for (int64_t d = 0; d < D; ++d) qpad[r * D + d] = r < rows ? q[r * qs + d] : 0;
-    q = qpad;
+    q = pad_queries(q, qs, rows, D, qpad);
     qs = D;
   }
   const int64_t nkc = (keys + 31) / 32, ls = nkc * 32, blocks = (keys + 15) / 16;
