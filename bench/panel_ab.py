@@ -5,8 +5,9 @@ Why it exists: on the shared 2-CPU hosts these benchmarks run on, the machine's 
 compare the host's moments more than the kernels. The extension's module name carries a hash of its source, so the
 build of another commit loads beside this tree's in the same process; each round times both on the same weights and
 inputs, in alternating order, and the figure that counts is the median over rounds of the within-round speed
-ratio. What it times: the panel linears (`panel_linear_f32`, `_i8`, `_fp8`) on SmolLM2-135M's four projections
-(QKV and gate+up fused), `--layers` copies each so that the weights stream from DRAM as a decode step's do.
+ratio. What it times: the panel linears (`panel_linear_f32`, `_bf16`, `_i8`, `_fp8`) on SmolLM2-135M's four
+projections (QKV and gate+up fused), `--layers` copies each so that the weights stream from DRAM as a decode
+step's do; `bf16` (the pair panels, bf16 activations) needs a CPU with AVX512-BF16.
 
     .venv/bin/python bench/panel_ab.py --base HEAD~1 --rows 1,8,16,32,64,256,2048
     .venv/bin/python bench/panel_ab.py --base 9f305a9 --paths f32,i8 --rounds 9
@@ -33,7 +34,7 @@ from linear_kernels import GROUPS
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = GROUPS["layer"]  # [N, K] of one decoder layer, as the engine runs them (QKV and gate+up fused)
-PATHS = ("f32", "i8", "fp8")
+PATHS = ("f32", "bf16", "i8", "fp8")
 _BUILD = (
     "import sys; sys.path.insert(0, sys.argv[1]); from worker.model.kernels import _load_module; "
     "m, why = _load_module(); print(m.__file__ if m is not None else 'ERROR ' + str(why))"
@@ -92,7 +93,7 @@ def ratio_summary(base_s: list[float], new_s: list[float], flops: float) -> dict
 def make_layers(layers: int, paths: tuple[str, ...], seed: int = 0) -> list[dict[str, Any]]:
     """`layers` copies of the four projections: per weight its panels for each path asked (and the codes' scales)."""
     import torch
-    from worker.model.linear import pack_panels
+    from worker.model.linear import pack_pair_panels, pack_panels
     from worker.model.quant import FP8, INT8
 
     formats = {"i8": INT8, "fp8": FP8}
@@ -104,6 +105,8 @@ def make_layers(layers: int, paths: tuple[str, ...], seed: int = 0) -> list[dict
             entry: dict[str, Any] = {"n": n, "k": k}
             if "f32" in paths:
                 entry["f32"] = pack_panels(w, 48)
+            if "bf16" in paths:
+                entry["bf16"] = pack_pair_panels(w.bfloat16(), 48)
             for path in paths:
                 if path in formats:  # the codes and what one unit of a code is worth, as RowScaledLinear keeps them
                     codes, scale = formats[path].quantize(w)
@@ -119,6 +122,8 @@ def one_pass(module: Any, path: str, layers: list[dict[str, Any]], xs: dict[int,
         x, n = xs[layer["k"]], layer["n"]
         if path == "f32":
             module.panel_linear_f32(x, layer["f32"], n, None)
+        elif path == "bf16":
+            module.panel_linear_bf16(x, layer["bf16"], n, None, False)
         else:
             packed, scale = layer[path]
             getattr(module, f"panel_linear_{path}")(x, packed, n, scale, None)
@@ -135,7 +140,8 @@ def compare(base: Any, new: Any, paths: tuple[str, ...], rows: list[int], layers
         for path in paths:
             result[path] = {}
             for m in rows:
-                xs = {k: torch.randn(m, k) for k in {k for _, k in SHAPES}}
+                dt = torch.bfloat16 if path == "bf16" else torch.float32
+                xs = {k: torch.randn(m, k).to(dt) for k in {k for _, k in SHAPES}}
                 flops = sum(2.0 * m * layer["n"] * layer["k"] for layer in weights)
                 for module in (base, new):  # warm-up: first-touch of outputs, thread pool
                     one_pass(module, path, weights, xs)
@@ -170,6 +176,8 @@ def main() -> None:
     new_file = module_file(ROOT / "worker_image")
     base_file = args.base_module or base_module_file(args.base)
     base, new = load_module_file(base_file), load_module_file(new_file)
+    if "bf16" in paths and not new.bf16_panels_ready():
+        ap.error("--paths bf16 needs a CPU with AVX512-BF16")
     print(f"base {Path(base_file).name} ({args.base_module or args.base}), new {Path(new_file).name} (this tree)")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.layers} layers, {args.rounds} rounds")
     result = compare(base, new, paths, rows, args.layers, args.rounds)

@@ -43,8 +43,9 @@ def _built() -> None:
 def test_a_build_compared_with_itself_runs_every_path_and_row_count() -> None:
     _built()
     module = panel_ab.load_module_file(panel_ab.module_file(panel_ab.ROOT / "worker_image"))
-    got = panel_ab.compare(module, module, ("f32", "i8", "fp8"), [1, 5], layers=1, rounds=2)
-    assert set(got) == {"f32", "i8", "fp8"} and all(set(cells) == {"1", "5"} for cells in got.values())
+    paths = ("f32", "i8", "fp8") + (("bf16",) if module.bf16_panels_ready() else ())
+    got = panel_ab.compare(module, module, paths, [1, 5], layers=1, rounds=2)
+    assert set(got) == set(paths) and all(set(cells) == {"1", "5"} for cells in got.values())
     for cells in got.values():
         for cell in cells.values():
             assert cell["base_gflops"] > 0 and cell["new_gflops"] > 0
