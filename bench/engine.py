@@ -86,6 +86,12 @@ def make_workload(n: int, prompt_range: tuple[int, int], output_range: tuple[int
     return work
 
 
+def cache_blocks(tokens: int, requests: int) -> int:
+    """KV blocks (of 16 tokens) for an engine holding `tokens` prompt and output tokens of `requests` requests at
+    once, with room for each request's partly filled blocks: no benchmark run preempts for want of cache."""
+    return tokens // 16 + 2 * requests + 16
+
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -120,7 +126,7 @@ def run_ours(
         quantization=quantization,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max(batched_tokens, max_num_seqs),
-        num_blocks=need // 16 + 2 * len(work) + 16,
+        num_blocks=cache_blocks(need, len(work)),
         enable_prefix_caching=False,  # random prompts share nothing; keep the comparison about batching
     )
     core = llm.engine

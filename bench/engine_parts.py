@@ -173,7 +173,7 @@ def run(
 ) -> dict:
     """One run of the workload; seconds per part (`attention, rest` derived), wall time, steps; `by_rows`: the
     decoder linears by row count too (`linears_by_rows`)."""
-    from engine import make_workload
+    from engine import cache_blocks, make_workload
     from worker.core.request import SamplingParams
     from worker.engine.llm import LLM
     from worker.model.config import ModelConfig
@@ -188,7 +188,7 @@ def run(
         quantization=quantization,
         max_num_seqs=64,
         max_num_batched_tokens=2048,
-        num_blocks=need // 16 + 2 * len(work) + 16,
+        num_blocks=cache_blocks(need, len(work)),
         enable_prefix_caching=False,
     )
     llm.generate([work[0][0][:32]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up

@@ -64,6 +64,7 @@ def summary(late: list[float]) -> dict[str, float]:
 
 
 def run(model: str, dtype: str, requests: int, prompt: int, tokens: int, seed: int = 0) -> dict:
+    from engine import cache_blocks
     from worker.core.request import SamplingParams
     from worker.engine.llm import LLM
     from worker.model.source import resolve_model_source
@@ -74,7 +75,7 @@ def run(model: str, dtype: str, requests: int, prompt: int, tokens: int, seed: i
         dtype=dtype,
         max_num_seqs=max(requests, 1),
         max_num_batched_tokens=2048,
-        num_blocks=requests * (prompt + tokens) // 16 + 2 * requests + 16,
+        num_blocks=cache_blocks(requests * (prompt + tokens), requests),
         enable_prefix_caching=False,
     )
     rng = random.Random(seed)

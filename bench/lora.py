@@ -77,15 +77,6 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
-def make_workload(n: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab: int, seed: int):
-    """[(prompt token ids, output length)], reproducible from the seed. Token ids avoid the low special ids."""
-    rng = random.Random(seed)
-    return [
-        ([rng.randrange(100, vocab) for _ in range(rng.randint(*prompt_range))], rng.randint(*output_range))
-        for _ in range(n)
-    ]
-
-
 def serve(llm: Any, work, loras: list[str | None]) -> tuple[float, int, int]:
     """Wall seconds, generated tokens and engine steps for all of `work` submitted at t=0 to one engine."""
     from worker.core.request import SamplingParams
@@ -202,6 +193,7 @@ def main() -> None:
 
         torch.set_num_threads(args.threads)
 
+    from engine import cache_blocks, make_workload
     from worker.core.request import SamplingParams
     from worker.engine.llm import LLM
     from worker.model.source import resolve_model_source
@@ -226,7 +218,7 @@ def main() -> None:
         "dtype": args.dtype,
         "max_num_seqs": 64,
         "max_num_batched_tokens": max(args.max_num_batched_tokens, 64),
-        "num_blocks": need // 16 + 2 * n + 16,
+        "num_blocks": cache_blocks(need, n),
         "enable_prefix_caching": False,  # random prompts share nothing; keep the comparison about batching
         "device": args.device,
     }

@@ -77,6 +77,7 @@ def pct(values: list[float], q: float) -> float:
 
 
 def make_llm(path: str, prompts: list[list[int]], *, max_tokens: int, max_num_seqs: int, dtype: str, speculative: Any):
+    from engine import cache_blocks
     from worker.core.request import SamplingParams
     from worker.engine.llm import LLM
 
@@ -86,7 +87,7 @@ def make_llm(path: str, prompts: list[list[int]], *, max_tokens: int, max_num_se
         dtype=dtype,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=2048,
-        num_blocks=need // 16 + 2 * len(prompts) + 16,
+        num_blocks=cache_blocks(need, len(prompts)),
         enable_prefix_caching=False,  # rounds repeat the prompts: keep the comparison about decoding
         speculative=speculative,
     )
