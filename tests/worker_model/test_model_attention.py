@@ -9,8 +9,24 @@ import shutil
 
 import pytest
 import torch
-from worker.model.attention import SeqSpan, build_metadata, decode_attention_sdpa
-from worker.model.kernels import _load_module, load_paged_decode, load_paged_decode_generic, paged_decode_path
+from worker.model.attention import (
+    EAGER,
+    NativeAttention,
+    SeqSpan,
+    build_metadata,
+    cache_shape,
+    cache_views,
+    decode_attention_sdpa,
+    paged_attention,
+    write_kv,
+)
+from worker.model.kernels import (
+    _load_module,
+    head_major_cache,
+    load_paged_decode,
+    load_paged_decode_generic,
+    paged_decode_path,
+)
 
 
 @pytest.mark.parametrize(
@@ -292,3 +308,125 @@ def test_native_decode_takes_q_rows_from_the_fused_qkv_output(kernel, dtype, hd)
     tables = torch.randperm(30, generator=gen)[:25].view(5, 5)
     lens = torch.tensor([1, 17, 40, 80, 3])
     assert torch.equal(kernel(q, k, v, tables, lens, 0.1), kernel(q.contiguous(), k, v, tables, lens, 0.1))
+
+
+# ---- the head-major cache (attention.cache_views; kernels.py: head_major_cache) ----
+
+
+def _head_major_pair(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of token-major caches k, v [NB, BS, KVH, D] laid out head-major, as the runner allocates them."""
+    nb, bs, kvh, hd = k.shape
+    cache = torch.zeros(cache_shape(1, nb, bs, kvh, hd, head_major=True), dtype=k.dtype)
+    ((kh, vh),) = cache_views(cache, head_major=True)
+    kh.copy_(k)
+    vh.copy_(v)
+    return kh, vh
+
+
+def test_cache_views_lay_a_block_out_head_by_head():
+    cache = torch.arange(2 * 2 * 3 * 4 * 2 * 5, dtype=torch.float32).view(cache_shape(2, 3, 4, 2, 5, True))
+    views = cache_views(cache, head_major=True)
+    assert len(views) == 2
+    k, v = views[1]
+    assert k.shape == v.shape == (3, 4, 2, 5)  # indexed as [block, slot, head, dim] whatever the layout
+    assert k[1, 2, 1, 3].item() == cache[1, 0, 1, 1, 2, 3].item() and v[0, 3, 0, 4].item() == cache[1, 1, 0, 0, 3, 4]
+    assert k.stride() == (2 * 4 * 5, 5, 4 * 5, 1)  # one (block, head): block_size rows of head_dim, back to back
+    token = cache_views(torch.zeros(cache_shape(2, 3, 4, 2, 5, False)), head_major=False)
+    assert all(t.is_contiguous() and t.shape == (3, 4, 2, 5) for pair in token for t in pair)
+
+
+@pytest.mark.parametrize(
+    "dtype,hd,bs,flags",
+    [
+        (torch.bfloat16, 64, 16, BF16_FLAGS),
+        (torch.bfloat16, 128, 32, BF16_FLAGS),
+        (torch.float32, 64, 16, ("avx512f",)),
+        (torch.float32, 128, 64, ("avx512f",)),
+        (torch.float32, 32, 16, None),  # the AVX-512 passes take head dims of 64 and 128
+        (torch.bfloat16, 64, 8, None),  # and blocks of 16k tokens
+        (torch.float16, 64, 16, None),
+    ],
+)
+def test_head_major_cache_where_the_avx512_passes_run(kernel, dtype, hd, bs, flags):
+    assert head_major_cache(dtype, hd, bs) == (flags is not None and _has(*flags))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,hd,bs", [(9, 3, 64, 16), (8, 2, 128, 32), (4, 4, 64, 16), (2, 1, 64, 16)])
+def test_head_major_cache_decodes_to_the_same_bits(kernel, dtype, heads, kv_heads, hd, bs):
+    """The same values laid out head-major: the same passes over them, so the same output, bit for bit."""
+    if not head_major_cache(dtype, hd, bs):
+        pytest.skip("the AVX-512 decode passes do not run here")
+    gen = torch.Generator().manual_seed(heads + hd + bs)
+    k = torch.randn(50, bs, kv_heads, hd, generator=gen).to(dtype)
+    v = torch.randn(50, bs, kv_heads, hd, generator=gen).to(dtype)
+    kh, vh = _head_major_pair(k, v)
+    assert kv_heads == 1 or not kh.is_contiguous()
+    lens = torch.tensor([1, bs - 1, bs, bs + 1, 7 * bs + 5, 3])
+    tables = torch.randperm(50, generator=gen)[:48].view(6, 8)
+    q = torch.randn(6, heads, hd, generator=gen).to(dtype)
+    assert torch.equal(kernel(q, kh, vh, tables, lens, 0.3), kernel(q, k, v, tables, lens, 0.3))
+
+
+def test_a_cache_in_neither_layout_is_refused(kernel):
+    q, tables, lens = torch.zeros(1, 4, 64), torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
+    cache = torch.zeros(2, 16, 2, 64)
+    odd = torch.zeros(2, 2, 64, 16).permute(0, 3, 1, 2)  # [NB, BS, KVH, D] with D strided
+    with pytest.raises(RuntimeError, match="both token-major, or both head-major"):
+        kernel(q, odd, odd, tables, lens, 1.0)
+    kh, vh = _head_major_pair(cache, cache)
+    with pytest.raises(RuntimeError, match="both token-major, or both head-major"):
+        kernel(q, kh, cache, tables, lens, 1.0)
+    generic, _ = load_paged_decode_generic()
+    with pytest.raises(RuntimeError, match="AVX-512 passes only"):
+        generic(q, kh, vh, tables, lens, 1.0)
+    with pytest.raises(RuntimeError, match="AVX-512 passes only"):  # head dim 32: no AVX-512 pass takes it
+        small = torch.zeros(2, 16, 2, 32)
+        kernel(torch.zeros(1, 4, 32), *_head_major_pair(small, small), tables, lens, 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("native_write", [True, False])
+def test_cache_writes_land_in_the_same_slots_head_major(dtype, native_write):
+    """The native write and torch's (its fallback) put each token's K and V rows (strided views into QKV rows, as
+    the model has them) where a token-major cache has them: the same tensors, indexed alike; no other slot moves."""
+    kv_write = _kv_write() if native_write else None
+    gen = torch.Generator().manual_seed(7)
+    qkv = torch.randn(40, 4 * 64 + 2 * 2 * 64, generator=gen).to(dtype)
+    k, v = qkv[:, 256:384].view(40, 2, 64), qkv[:, 384:].view(40, 2, 64)
+    slots = torch.randperm(20 * 16, generator=gen)[:40]
+    k_cache = torch.randn(20, 16, 2, 64, generator=gen).to(dtype)
+    v_cache = torch.randn(20, 16, 2, 64, generator=gen).to(dtype)
+    kh, vh = _head_major_pair(k_cache, v_cache)
+    k_cache.view(-1, 2, 64).index_copy_(0, slots, k)
+    v_cache.view(-1, 2, 64).index_copy_(0, slots, v)
+    write_kv(kh, vh, slots, k, v, kv_write)
+    assert torch.equal(kh, k_cache) and torch.equal(vh, v_cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("use_native", [True, False])
+def test_paged_attention_reads_either_layout_alike(kernel, dtype, use_native):
+    """A mixed step (two decodes, a prompt chunk after cached tokens, a fresh chunk) over a head-major cache and a
+    token-major one: the same outputs and the same caches afterwards, through the native pieces or torch's."""
+    if use_native and not head_major_cache(dtype, 64, 16):
+        pytest.skip("the AVX-512 decode passes do not run here")
+    from worker.model.kernels import load_kv_write, load_prefill_attention
+
+    gen = torch.Generator().manual_seed(3)
+    k_cache = torch.randn(30, 16, 2, 64, generator=gen).to(dtype)
+    v_cache = torch.randn(30, 16, 2, 64, generator=gen).to(dtype)
+    kh, vh = _head_major_pair(k_cache, v_cache)
+    spans = [SeqSpan(40, 1, [3, 7, 9]), SeqSpan(5, 1, [11]), SeqSpan(20, 12, [1, 2]), SeqSpan(0, 9, [20])]
+    t = sum(s.num_tokens for s in spans)
+    q = torch.randn(t, 4, 64, generator=gen).to(dtype)
+    k = torch.randn(t, 2, 64, generator=gen).to(dtype)
+    v = torch.randn(t, 2, 64, generator=gen).to(dtype)
+    native = EAGER
+    if use_native:
+        native = NativeAttention(kernel, load_kv_write()[0], load_prefill_attention(dtype, 64)[0])
+    meta = build_metadata(spans, 16, torch.device("cpu"), dtype, decode_kernel=use_native)
+    want = paged_attention(q, k, v, k_cache, v_cache, meta, 0.125, native)
+    got = paged_attention(q, k, v, kh, vh, meta, 0.125, native)
+    assert torch.equal(got, want)
+    assert torch.equal(kh, k_cache) and torch.equal(vh, v_cache)

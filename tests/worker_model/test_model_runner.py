@@ -92,3 +92,38 @@ def test_only_sampling_rows_get_tokens_and_logprobs(tiny_dir):
     )
     assert set(out.sampled_token_ids) == {"lp", "plain"}
     assert set(out.logprobs) == {"lp"} and out.logprobs["lp"] <= 0.0
+
+
+@pytest.fixture(scope="module")
+def hd64_dir(tmp_path_factory):
+    """Head dim 64 (what the AVX-512 decode passes take), GQA 4 over 2."""
+    from worker.model.testing import make_tiny_llama
+
+    return make_tiny_llama(
+        tmp_path_factory.mktemp("hd64"), hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64
+    )
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_cache_lies_head_major_where_the_decode_kernel_reads_it(hd64_dir, monkeypatch, dtype):
+    """Head-major where `head_major_cache` says so (the same [block, slot, head, dim] views, strided), token-major
+    elsewhere; a batch of requests decodes to the same tokens either way (prompt chunks after cached tokens too)."""
+    import worker.model.runner as runner_module
+    from worker.engine.llm import LLM
+    from worker.model.kernels import head_major_cache
+
+    prompts = [[5 + i] * (3 + 9 * i) for i in range(5)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    def run() -> tuple[bool, list[list[int]]]:
+        llm = LLM(str(hd64_dir), dtype=dtype, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=16)  # chunked
+        runner = llm.engine.runner
+        k, v = runner.kv_caches[1]
+        assert k.shape == v.shape == (64, 16, 2, 64)
+        assert k.is_contiguous() == (not runner.head_major)
+        return runner.head_major, [out.token_ids for out in llm.generate(prompts, params)]
+
+    head_major, tokens = run()
+    assert head_major == head_major_cache(getattr(torch, dtype), 64, 16)
+    monkeypatch.setattr(runner_module, "head_major_cache", lambda *args: False)
+    assert run() == (False, tokens)

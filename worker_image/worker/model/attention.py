@@ -23,7 +23,11 @@ The per-step `AttentionMetadata` is built once (`build_metadata`) and shared by 
 The native pieces travel together as a `NativeAttention` (the runner loads them once; each is None where it
 does not run, and the torch path takes its place).
 
-The cache of one layer is a pair of tensors `[num_blocks, block_size, kv_heads, head_dim]` (vLLM's layout).
+The cache of one layer is a pair of tensors `[num_blocks, block_size, kv_heads, head_dim]` (vLLM's layout). Where
+the native decode kernel reads it (`kernels.head_major_cache`: bf16 or fp32 on AVX-512) they lie head-major in
+memory (`[num_blocks, kv_heads, block_size, head_dim]`, handed over as views of the shape above; `cache_views`):
+the same indexing for every reader, a (block, head) in one run of memory for the decode kernel (kernels.py says
+what that gains). Torch's ops here take either layout.
 """
 
 from __future__ import annotations
@@ -143,6 +147,23 @@ def build_metadata(
     )
 
 
+def cache_shape(
+    layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, head_major: bool
+) -> tuple[int, ...]:
+    """The shape to allocate a whole cache in ([layers, 2 (K, V), ...] in memory order) for `cache_views`."""
+    if head_major:
+        return (layers, 2, num_blocks, kv_heads, block_size, head_dim)
+    return (layers, 2, num_blocks, block_size, kv_heads, head_dim)
+
+
+def cache_views(cache: torch.Tensor, head_major: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's (K, V) of a cache allocated in `cache_shape`, as [num_blocks, block_size, kv_heads, head_dim]
+    views (head-major ones strided)."""
+    if head_major:
+        return [(cache[i, 0].transpose(1, 2), cache[i, 1].transpose(1, 2)) for i in range(cache.shape[0])]
+    return [(cache[i, 0], cache[i, 1]) for i in range(cache.shape[0])]
+
+
 def causal_chunk_mask(start: int, n: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """The additive [1, 1, n, start + n] mask of a chunk of n queries after `start` cached tokens: query i sees keys
     0 .. start + i (lower-right causal)."""
@@ -207,11 +228,7 @@ def paged_attention(
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    if native.kv_write is not None and _heads_contiguous(k) and _heads_contiguous(v):
-        native.kv_write(k_cache, v_cache, meta.slot_mapping, k, v)
-    else:
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    write_kv(k_cache, v_cache, meta.slot_mapping, k, v, native.kv_write)
     d = meta.num_decode
     if d == num_tokens:  # a pure decode step: no copy into `out` needed
         return _decode(q, k_cache, v_cache, meta, scale, native.decode)
@@ -231,6 +248,28 @@ def paged_attention(
             continue
         out[rows] = prefill_attention_sdpa(q[rows], kc, vc, chunk.mask, scale)
     return out
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_write: KvWrite | None,
+) -> None:
+    """K and V rows [T, kv_heads, head_dim] into their cache slots, either layout: the native write where it runs
+    and takes k and v as they are, torch's index ops otherwise."""
+    if kv_write is not None and _heads_contiguous(k) and _heads_contiguous(v):
+        kv_write(k_cache, v_cache, slots, k, v)
+    elif k_cache.is_contiguous():
+        num_kv_heads, head_dim = k_cache.shape[2:]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+    else:  # head-major (`cache_views`): the same indexing on strided views
+        blocks, offsets = slots // k_cache.shape[1], slots % k_cache.shape[1]
+        k_cache[blocks, offsets] = k
+        v_cache[blocks, offsets] = v
 
 
 def _heads_contiguous(x: torch.Tensor) -> bool:

@@ -26,6 +26,9 @@ SmolLM2 at 400 tokens 2.1-2.2 -> 1.13-1.19 ms per layer, within 1e-6 of the port
 sequences by context length, not count (`split_bounds`); a sequence is walked block by block, all KV heads of a
 block together; Q.K folds 16 rows' sums in one transpose (`reduce16`); prefetches go one row at a time. W's decode
 attention in the engine: 5.5 -> 4.3 s (bf16), near what two cores' fill buffers allow (architecture.md, section 6).
+Stop 46: where the AVX-512 passes run, the runner lays the cache out head-major (`head_major_cache`: each block's
+rows head by head), which those passes read as runs of consecutive lines: W's decode attention 2.31 -> 2.06 s
+(bf16) and 4.32 -> 3.83 s (fp32), the same outputs to the bit.
 
 It is built with `torch.utils.cpp_extension.load_inline` (needs a C++ compiler and ninja; ~30-60 s the
 first time, then cached under torch's extension dir (`TORCH_EXTENSIONS_DIR`), keyed by the source, the flags
@@ -456,7 +459,8 @@ static int64_t decode_scratch(int64_t num_heads, int64_t head_dim, int64_t len) 
 template <int D, typename T, typename O>
 static void decode_seq_avx512(const T* __restrict__ qs, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
                               const int64_t* __restrict__ table, int64_t len, O* __restrict__ os, int64_t num_heads,
-                              int64_t group, int64_t token_stride, int64_t block_size, int64_t block_stride,
+                              int64_t group, int64_t token_stride, int64_t head_stride, int64_t block_size,
+                              int64_t block_stride,
                               float scale, float* __restrict__ sh, const T* then) {
   // registers: a bf16 query takes D/32 of them, an fp32 one D/16; an accumulator D/16
   constexpr int QG = std::is_same<T, float>::value ? 16 / (D / 16) : 4, VG = 16 / (D / 16);
@@ -471,13 +475,13 @@ static void decode_seq_avx512(const T* __restrict__ qs, const T* __restrict__ k_
       for (int64_t g0 = 0; g0 < group; g0 += QG) {
         const int64_t gn = std::min<int64_t>(QG, group - g0);
         const T* q = qs + (h * group + g0) * D;
-        const T* nh = (nb && g0 == 0) ? nb + h * D : nullptr;
+        const T* nh = (nb && g0 == 0) ? nb + h * head_stride : nullptr;
         float* x = sh + (h * group + g0) * len + t0;
         switch (gn) {
-          case 1: qk_rows<D, 1, T>(q, kb + h * D, nh, n, token_stride, len, scale, x); break;
-          case 2: qk_rows<D, 2, T>(q, kb + h * D, nh, n, token_stride, len, scale, x); break;
-          case 3: qk_rows<D, 3, T>(q, kb + h * D, nh, n, token_stride, len, scale, x); break;
-          default: qk_rows<D, QG, T>(q, kb + h * D, nh, n, token_stride, len, scale, x);
+          case 1: qk_rows<D, 1, T>(q, kb + h * head_stride, nh, n, token_stride, len, scale, x); break;
+          case 2: qk_rows<D, 2, T>(q, kb + h * head_stride, nh, n, token_stride, len, scale, x); break;
+          case 3: qk_rows<D, 3, T>(q, kb + h * head_stride, nh, n, token_stride, len, scale, x); break;
+          default: qk_rows<D, QG, T>(q, kb + h * head_stride, nh, n, token_stride, len, scale, x);
         }
       }
     }
@@ -491,14 +495,14 @@ static void decode_seq_avx512(const T* __restrict__ qs, const T* __restrict__ k_
     for (int64_t h = 0; h < kv_heads; ++h) {
       for (int64_t g0 = 0; g0 < group; g0 += VG) {
         const int64_t gn = std::min<int64_t>(VG, group - g0);
-        const T* nh = (nb && g0 == 0) ? nb + h * D : nullptr;
+        const T* nh = (nb && g0 == 0) ? nb + h * head_stride : nullptr;
         const float* x = sh + (h * group + g0) * len + t0;
         float* a = acc + (h * group + g0) * D;
         switch (gn) {
-          case 1: pv_block<D, 1, T>(x, vb + h * D, nh, n, token_stride, len, a); break;
-          case 2: pv_block<D, 2, T>(x, vb + h * D, nh, n, token_stride, len, a); break;
-          case 3: pv_block<D, 3, T>(x, vb + h * D, nh, n, token_stride, len, a); break;
-          default: pv_block<D, VG, T>(x, vb + h * D, nh, n, token_stride, len, a);
+          case 1: pv_block<D, 1, T>(x, vb + h * head_stride, nh, n, token_stride, len, a); break;
+          case 2: pv_block<D, 2, T>(x, vb + h * head_stride, nh, n, token_stride, len, a); break;
+          case 3: pv_block<D, 3, T>(x, vb + h * head_stride, nh, n, token_stride, len, a); break;
+          default: pv_block<D, VG, T>(x, vb + h * head_stride, nh, n, token_stride, len, a);
         }
       }
     }
@@ -663,14 +667,15 @@ static void decode_seq_avx2(const float* __restrict__ qs, const float* __restric
 
 // T: the cache's element as the passes read it (uint16_t for bf16, float), O: the tensors' element; Avx2: fp32's
 // AVX2 passes (decode_seq_avx2) instead of the AVX-512 ones.
+// head_major: the caches laid out [NB, KVH, BS, D] in memory (head_major_cache; AVX-512 passes only).
 template <int D, typename T, typename O, bool Avx2 = false>
 static void paged_decode_fast(const O* q, int64_t q_stride, const O* k_cache, const O* v_cache,
                                 const int64_t* block_tables, const int64_t* lens, O* out, int64_t num_seqs,
                                 int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t max_blocks,
-                                float scale) {
+                                float scale, bool head_major) {
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t token_stride = num_kv_heads * D;
-  const int64_t block_stride = block_size * token_stride;
+  const int64_t token_stride = head_major ? D : num_kv_heads * D, head_stride = head_major ? block_size * D : D;
+  const int64_t block_stride = block_size * num_kv_heads * D;
   parallel_over_seqs(lens, num_seqs, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t s = begin; s < end; ++s) {
@@ -684,8 +689,8 @@ static void paged_decode_fast(const O* q, int64_t q_stride, const O* k_cache, co
       else
         decode_seq_avx512<D, T, O>(reinterpret_cast<const T*>(q + s * q_stride), reinterpret_cast<const T*>(k_cache),
                                    reinterpret_cast<const T*>(v_cache), block_tables + s * max_blocks, lens[s],
-                                   out + s * num_heads * D, num_heads, group, token_stride, block_size, block_stride,
-                                   scale, scores.data(), reinterpret_cast<const T*>(then));
+                                   out + s * num_heads * D, num_heads, group, token_stride, head_stride, block_size,
+                                   block_stride, scale, scores.data(), reinterpret_cast<const T*>(then));
     }
   });
 }
@@ -724,14 +729,64 @@ static bool cpu_has_avx512_bf16() {
 
 #endif
 
+// ---- the head-major cache ----
+// Where the AVX-512 passes read it (`head_major_cache`: bf16 with AVX512-BF16, fp32 with AVX-512, head dims 64 or
+// 128, blocks of 16k tokens), the runner lays each layer's K and V out as [NB, KVH, BS, D] in memory and hands
+// them over as [NB, BS, KVH, D] views (strides KVH*BS*D, D, BS*D, 1): the same tensors to every reader, in another
+// order. A (block, KV head) is then one run of consecutive lines (2 KB of bf16 K at D = 64), where token-major rows
+// put a head's 128 bytes in every 384: the passes walk a block head by head, and the hardware prefetcher follows
+// runs, not strides. The arithmetic is the same, so the outputs are too, to the bit. Measured on W's own block
+// tables (51 of its 255 decode steps, 30 layers' caches, both layouts in one process, Zen 5, 2 threads): bf16
+// 36.5-38.2 -> 41.4-43.3 GB/s (1.10-1.14x); a plain read of the same lines runs 43-46. In the engine, W's bf16
+// decode attention 2.25 -> 1.93 s (bench/engine_parts.py, alternated runs).
+// (Transposing K within a block as well, so that one vdpbf16ps scores 16 tokens and reduce16 goes, read 43.0 GB/s
+// against these rows' 43.3: the runs are what counted, not the reductions; and its cache write, 4 bytes to each
+// of a head's 32 lines per token, cost the engine 0.1 s.)
+bool head_major_cache(std::string dtype, int64_t head_dim, int64_t block_size) {
+#if defined(__x86_64__)
+  if (!vector_path_takes(head_dim) || block_size % 16 != 0) return false;
+  if (dtype == "bfloat16") return cpu_has_avx512_bf16();
+  if (dtype == "float32") return cpu_has_avx512f();
+#endif
+  return false;
+}
+
+// How a [NB, BS, KVH, D] cache tensor is laid out: token-major (contiguous), head-major (the strides above) or
+// neither (refused). The two coincide where KVH is 1: token-major then.
+enum class CacheLayout { TokenMajor, HeadMajor, Other };
+static CacheLayout cache_layout(const torch::Tensor& c) {
+  if (c.dim() != 4) return CacheLayout::Other;
+  if (c.is_contiguous()) return CacheLayout::TokenMajor;
+  const int64_t bs = c.size(1), kvh = c.size(2), d = c.size(3);
+  const bool head_major = c.stride(3) == 1 && c.stride(1) == d && c.stride(2) == bs * d && c.stride(0) == kvh * bs * d;
+  return head_major ? CacheLayout::HeadMajor : CacheLayout::Other;
+}
+
+// The checks both layouts' decode share: int64 tables [S, MB] and lens [S], each context within its table, each
+// block id within the cache's NB blocks of BS tokens.
+static void check_decode_tables(const torch::Tensor& tables, const torch::Tensor& lens, int64_t S, int64_t NB,
+                                int64_t BS) {
+  TORCH_CHECK(tables.size(0) == S && lens.size(0) == S, "one table and length per sequence");
+  const int64_t MB = tables.size(1);
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(lp[s] >= 1 && lp[s] <= MB * BS, "context length out of range of its block table");
+    for (int64_t b = 0; b < (lp[s] + BS - 1) / BS; ++b)
+      TORCH_CHECK(tp[s * MB + b] >= 0 && tp[s * MB + b] < NB, "block id out of range of the cache");
+  }
+}
+
 // q [S, H, D], each row's heads contiguous (rows may be strided: a view into the fused QKV output, which saves the
-// model a copy of q per layer); caches [NB, BS, KVH, D] contiguous; block_tables [S, max_blocks] int64; lens [S]
-// int64.
+// model a copy of q per layer); caches [NB, BS, KVH, D], both contiguous or both head-major (see above);
+// block_tables [S, max_blocks] int64; lens [S] int64.
 static torch::Tensor paged_decode_any(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                       torch::Tensor block_tables, torch::Tensor lens, double scale, bool fast) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "inputs must be contiguous (q: within each row)");
+  const CacheLayout layout = cache_layout(k_cache);
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && layout != CacheLayout::Other &&
+                  cache_layout(v_cache) == layout,
+              "inputs must be contiguous (q: within each row; the caches: both token-major, or both head-major)");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "int64 tables/lens");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(), "dtypes differ");
   auto tables = block_tables.contiguous();
@@ -739,22 +794,18 @@ static torch::Tensor paged_decode_any(torch::Tensor q, torch::Tensor k_cache, to
   const int64_t S = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head dims");
-  TORCH_CHECK(tables.size(0) == S && lens_c.size(0) == S, "one table and length per sequence");
-  const int64_t NB = k_cache.size(0), MB = tables.size(1);
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  const int64_t* lp = lens_c.data_ptr<int64_t>();
-  for (int64_t s = 0; s < S; ++s) {
-    TORCH_CHECK(lp[s] >= 1 && lp[s] <= MB * BS, "context length out of range of its block table");
-    for (int64_t b = 0; b < (lp[s] + BS - 1) / BS; ++b)
-      TORCH_CHECK(tp[s * MB + b] >= 0 && tp[s * MB + b] < NB, "block id out of range of the cache");
-  }
+  check_decode_tables(tables, lens_c, S, k_cache.size(0), BS);
+  const bool head_major = layout == CacheLayout::HeadMajor;
+  const std::string dtype = q.scalar_type() == at::kBFloat16 ? "bfloat16" : q.scalar_type() == at::kFloat ? "float32" : "";
+  TORCH_CHECK(!head_major || (fast && head_major_cache(dtype, D, BS)),
+              "paged_decode: a head-major cache is read by the AVX-512 passes only (ask head_major_cache first)");
   auto out = torch::empty({S, H * D}, q.options());
 #if defined(__x86_64__)
   if (fast && vector_path_takes(D) && q.scalar_type() == at::kBFloat16 && cpu_has_avx512_bf16()) {
     (D == 64 ? paged_decode_fast<64, uint16_t, c10::BFloat16> : paged_decode_fast<128, uint16_t, c10::BFloat16>)(
         q.data_ptr<c10::BFloat16>(), q.stride(0), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
         tables.data_ptr<int64_t>(), lens_c.data_ptr<int64_t>(), out.data_ptr<c10::BFloat16>(), S, H, KVH, BS,
-        tables.size(1), static_cast<float>(scale));
+        tables.size(1), static_cast<float>(scale), head_major);
     return out;
   }
   if (fast && vector_path_takes(D) && q.scalar_type() == at::kFloat && cpu_has_avx2_fma()) {
@@ -762,7 +813,8 @@ static torch::Tensor paged_decode_any(torch::Tensor q, torch::Tensor k_cache, to
     (D == 64 ? (avx2 ? paged_decode_fast<64, float, float, true> : paged_decode_fast<64, float, float>)
              : (avx2 ? paged_decode_fast<128, float, float, true> : paged_decode_fast<128, float, float>))(
         q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tables.data_ptr<int64_t>(),
-        lens_c.data_ptr<int64_t>(), out.data_ptr<float>(), S, H, KVH, BS, tables.size(1), static_cast<float>(scale));
+        lens_c.data_ptr<int64_t>(), out.data_ptr<float>(), S, H, KVH, BS, tables.size(1), static_cast<float>(scale),
+        head_major);
     return out;
   }
 #endif
@@ -3118,28 +3170,43 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
 // token's heads contiguous (rows may be strided: views into the fused QKV output); slots [T] int64, each token's
 // row in the cache. Two index_copy_ calls took 26 us each for 64 decode tokens (TensorIterator and threads for
 // 64 rows of 384 bytes; 1.5 ms of a 59 ms SmolLM2 bf16 decode step); this is a memcpy per row.
+// A head-major cache (`head_major_cache`): each head's row is one copy of its own.
 void kv_write_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, torch::Tensor k, torch::Tensor v) {
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.is_contiguous() && v_cache.scalar_type() == k_cache.scalar_type(),
-              "kv_write_: caches must be [blocks, block_size, kv_heads, head_dim], contiguous, of one dtype");
-  const int64_t rows = k_cache.size(0) * k_cache.size(1), row = k_cache.size(2) * k_cache.size(3);
+  const CacheLayout layout = k_cache.dim() == 4 ? cache_layout(k_cache) : CacheLayout::Other;
+  TORCH_CHECK(layout != CacheLayout::Other && v_cache.sizes() == k_cache.sizes() && cache_layout(v_cache) == layout &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "kv_write_: caches must be [blocks, block_size, kv_heads, head_dim], both contiguous or both head-major, "
+              "of one dtype");
+  const int64_t bs = k_cache.size(1), kvh = k_cache.size(2), d = k_cache.size(3);
+  const int64_t rows = k_cache.size(0) * bs;
   const int64_t t = slots.numel();
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(), "kv_write_: slots [T] int64");
   for (const auto* x : {&k, &v})
-    TORCH_CHECK(x->dim() == 3 && x->size(0) == t && x->size(1) == k_cache.size(2) && x->size(2) == k_cache.size(3) &&
-                    x->stride(2) == 1 && x->stride(1) == k_cache.size(3) && x->scalar_type() == k_cache.scalar_type(),
+    TORCH_CHECK(x->dim() == 3 && x->size(0) == t && x->size(1) == kvh && x->size(2) == d && x->stride(2) == 1 &&
+                    x->stride(1) == d && x->scalar_type() == k_cache.scalar_type(),
                 "kv_write_: k and v must be [T, kv_heads, head_dim] in the cache's dtype, each token's heads contiguous");
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < t; ++i) TORCH_CHECK(sp[i] >= 0 && sp[i] < rows, "kv_write_: slot out of range of the cache");
-  const int64_t bytes = row * k_cache.element_size();
+  const int64_t elt = k_cache.element_size(), head_bytes = d * elt;
   char* kc = static_cast<char*>(k_cache.data_ptr());
   char* vc = static_cast<char*>(v_cache.data_ptr());
   const char* kp = static_cast<const char*>(k.data_ptr());
   const char* vp = static_cast<const char*>(v.data_ptr());
-  const int64_t ks = k.stride(0) * k.element_size(), vs = v.stride(0) * v.element_size();
+  const int64_t ks = k.stride(0) * elt, vs = v.stride(0) * elt;
+  if (layout == CacheLayout::TokenMajor) {
+    for (int64_t i = 0; i < t; ++i) {
+      std::memcpy(kc + sp[i] * kvh * head_bytes, kp + i * ks, kvh * head_bytes);
+      std::memcpy(vc + sp[i] * kvh * head_bytes, vp + i * vs, kvh * head_bytes);
+    }
+    return;
+  }
   for (int64_t i = 0; i < t; ++i) {
-    std::memcpy(kc + sp[i] * bytes, kp + i * ks, bytes);
-    std::memcpy(vc + sp[i] * bytes, vp + i * vs, bytes);
+    const int64_t b = sp[i] / bs, o = sp[i] % bs;
+    for (int64_t h = 0; h < kvh; ++h) {
+      const int64_t at = ((b * kvh + h) * bs + o) * head_bytes;
+      std::memcpy(kc + at, kp + i * ks + h * head_bytes, head_bytes);
+      std::memcpy(vc + at, vp + i * vs + h * head_bytes, head_bytes);
+    }
   }
 }
 """
@@ -3310,6 +3377,7 @@ FUNCTIONS = (
     "amx_linear_int4",
     "argmax_rows",
     "kv_write_",
+    "head_major_cache",
 )
 _DEFS = "".join(f'  m.def("{name}", torch::wrap_pybind_function_no_gil({name}), "{name}");\n' for name in FUNCTIONS)
 MODULE_DEF = "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n" + _DEFS + "}\n"
@@ -3471,6 +3539,14 @@ def load_fused_ops(dtype: torch.dtype, hidden: int, intermediate: int, head_dim:
         "AVX512-BF16" if dtype == torch.bfloat16 else {"avx512": "AVX512F", "avx2": "AVX2 + FMA"}[module.vector_isa()]
     )
     return module, f"fused ({name}, {unit}): residual add + RMSNorm, SiLU-and-mul, RoPE in place"
+
+
+def head_major_cache(dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
+    """Whether the native decode kernel reads a head-major cache (`attention.cache_views`) of this dtype, head dim
+    and block size on this CPU: bf16 with AVX512-BF16 or fp32 with AVX-512, head dims of 64 or 128, blocks of 16k
+    tokens."""
+    module, _ = _load_module()
+    return module is not None and bool(module.head_major_cache(str(dtype).removeprefix("torch."), head_dim, block_size))
 
 
 def paged_decode_path(dtype: torch.dtype, head_dim: int) -> str:

@@ -27,9 +27,10 @@ import torch
 
 from worker.core.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from worker.core.request import Logprob
-from worker.model.attention import EAGER, NativeAttention, SeqSpan, build_metadata
+from worker.model.attention import EAGER, NativeAttention, SeqSpan, build_metadata, cache_shape, cache_views
 from worker.model.config import ModelConfig
 from worker.model.kernels import (
+    head_major_cache,
     load_argmax,
     load_extension,
     load_fused_ops,
@@ -156,16 +157,7 @@ class ModelRunner:
         del weights
         self.block_bytes = kv_block_bytes(self.config, block_size, self.dtype)
         self.num_blocks = plan_num_blocks(self.block_bytes, block_size, self.max_model_len, num_blocks, kv_cache_bytes)
-        # Zero-filled: masked-out slots are multiplied by zero weights, and garbage NaNs would poison them. On CPU in
-        # transparent huge pages (memory.huge_page_zeros says why).
         cfg = self.config
-        shape = (cfg.num_hidden_layers, 2, self.num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        if self.device.type == "cpu":
-            self.kv_cache, huge = huge_page_zeros(shape, self.dtype)
-            logging.getLogger(__name__).info("KV cache: %.1f MB, huge pages %s", self.kv_cache_bytes / 1e6, huge)
-        else:
-            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_hidden_layers)]
         # Decode attention through the native paged kernel (reads K/V straight from the cache: 3x faster than
         # gather + SDPA on CPU); the eager torch path remains when asked for, on other devices, or when the
         # kernel cannot be built here.
@@ -188,6 +180,24 @@ class ModelRunner:
                     "decode attention: native paged kernel, %s", paged_decode_path(self.dtype, cfg.head_dim)
                 )
             logging.getLogger(__name__).info("prompt attention: %s", prefill_why)
+        # Head-major where the native decode kernel reads it (attention.cache_views; kernels.py says what it gains)
+        self.head_major = self.native.decode is not None and head_major_cache(self.dtype, cfg.head_dim, block_size)
+        # Zero-filled: masked-out slots are multiplied by zero weights, and garbage NaNs would poison them. On CPU in
+        # transparent huge pages (memory.huge_page_zeros says why).
+        shape = cache_shape(
+            cfg.num_hidden_layers, self.num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, self.head_major
+        )
+        if self.device.type == "cpu":
+            self.kv_cache, huge = huge_page_zeros(shape, self.dtype)
+            logging.getLogger(__name__).info(
+                "KV cache: %.1f MB, huge pages %s, %s",
+                self.kv_cache_bytes / 1e6,
+                huge,
+                "head-major" if self.head_major else "token-major",
+            )
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = cache_views(self.kv_cache, self.head_major)
         self._generators: dict[str, torch.Generator] = {}
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
@@ -232,17 +242,11 @@ class ModelRunner:
         """A private cache for offline helpers, so they never touch blocks the scheduler owns."""
         blocks = -(-num_tokens // self.block_size)
         cfg = self.config
-        scratch = torch.zeros(
-            cfg.num_hidden_layers,
-            2,
-            blocks,
-            self.block_size,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            dtype=self.dtype,
-            device=self.device,
+        shape = cache_shape(
+            cfg.num_hidden_layers, blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim, self.head_major
         )
-        return list(range(blocks)), [(scratch[i, 0], scratch[i, 1]) for i in range(cfg.num_hidden_layers)]
+        scratch = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return list(range(blocks)), cache_views(scratch, self.head_major)
 
     def load_lora(self, path: str, name: str = "") -> LoadedLora:
         """Read and validate a PEFT adapter for this model, on its device and dtype (raises LoraError)."""
