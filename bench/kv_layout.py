@@ -1,0 +1,148 @@
+"""Decode attention over the two KV-cache layouts, token-major and head-major, on W's own block tables, in one run.
+
+Why it exists: the runner lays its cache out head-major where the AVX-512 decode passes read it
+(`worker.model.kernels.head_major_cache`; `attention.cache_views`), because a (block, KV head) is then one run of
+memory where token-major rows scatter a head's lines over the block. What that gains depends on how scattered a
+sequence's blocks are, so this replays the block tables and context lengths of the decode steps our engine runs on
+workload W (`bench/engine.py`'s workload and engine settings; `--every` keeps one step in so many) over 30 layers'
+caches of random values (as many layers as SmolLM2 has, so that they stream from DRAM as the engine's do), both
+layouts holding the same values, with the same queries. Rounds alternate the layouts; it prints each layout's
+seconds and GB/s (the K and V bytes attended over), the median of the rounds' speed ratios (head-major over
+token-major; min and max), and whether both gave the same outputs, bit for bit. The last line is one JSON object.
+
+    .venv/bin/python bench/kv_layout.py                     # bf16, every 5th of W's decode steps
+    .venv/bin/python bench/kv_layout.py --dtype float32 --every 10 --rounds 9
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+LAYERS = 30
+
+
+def decode_steps(dtype: str, requests: int, prompt_len: tuple[int, int], output_len: tuple[int, int]) -> dict:
+    """W run through our engine: each decode step's (block tables, context lengths), the cache's block count and
+    the model's attention shape."""
+    import torch
+    import worker.model.llama as llama
+    from engine import cache_blocks, make_workload
+    from worker.core.request import SamplingParams
+    from worker.engine.llm import LLM
+    from worker.model.config import ModelConfig
+    from worker.model.source import resolve_model_source
+
+    path = str(resolve_model_source("bundled://smollm2-135m-instruct"))
+    cfg = ModelConfig.from_dir(path)
+    work = make_workload(requests, prompt_len, output_len, cfg.vocab_size, 0)
+    llm = LLM(
+        path,
+        dtype=dtype,
+        max_num_seqs=64,
+        max_num_batched_tokens=2048,
+        num_blocks=cache_blocks(sum(len(p) + n for p, n in work), len(work)),
+        enable_prefix_caching=False,
+    )
+    runner = llm.engine.runner
+    first_layer = runner.kv_caches[0][0].data_ptr()
+    steps: list[tuple[torch.Tensor, torch.Tensor]] = []
+    attend = llama.paged_attention
+
+    def spy(q, k, v, k_cache, v_cache, meta, scale, native):
+        if meta.num_decode == q.shape[0] and k_cache.data_ptr() == first_layer:
+            steps.append((meta.decode_block_tables.clone(), meta.decode_context_lens.clone()))
+        return attend(q, k, v, k_cache, v_cache, meta, scale, native)
+
+    llama.paged_attention = spy  # type: ignore[assignment]
+    try:
+        core = llm.engine
+        for i, (prompt, n) in enumerate(work):
+            core.add_request(f"w{i}", prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        while core.has_unfinished_requests():
+            core.step()
+    finally:
+        llama.paged_attention = attend  # type: ignore[assignment]
+    shape = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+    return {"steps": steps, "num_blocks": runner.num_blocks, "block_size": runner.block_size, "shape": shape}
+
+
+def compare(recorded: dict, dtype: str, every: int, rounds: int, seed: int = 0) -> dict[str, Any]:
+    """Both layouts over the recorded steps (one in `every`), rounds alternated: seconds, GB/s, ratios, equality."""
+    import torch
+    from worker.model.attention import cache_shape, cache_views
+    from worker.model.kernels import head_major_cache, load_paged_decode
+
+    kernel, why = load_paged_decode()
+    if kernel is None:
+        raise SystemExit(f"the native decode kernel cannot be built here: {why}")
+    dt = getattr(torch, dtype)
+    heads, kv_heads, head_dim = recorded["shape"]
+    nb, bs = recorded["num_blocks"], recorded["block_size"]
+    if not head_major_cache(dt, head_dim, bs):
+        raise SystemExit(f"the decode kernel reads no head-major {dtype} cache on this CPU (needs AVX-512)")
+    steps = recorded["steps"][::every]
+    gen = torch.Generator().manual_seed(seed)
+    token = cache_views(
+        torch.randn(cache_shape(LAYERS, nb, bs, kv_heads, head_dim, False), generator=gen).to(dt), False
+    )
+    head = cache_views(torch.zeros(cache_shape(LAYERS, nb, bs, kv_heads, head_dim, True), dtype=dt), True)
+    for (k, v), (kh, vh) in zip(token, head, strict=True):
+        kh.copy_(k)
+        vh.copy_(v)
+    queries = [torch.randn(len(lens), heads, head_dim, generator=gen).to(dt) for _, lens in steps]
+    scale = head_dim**-0.5
+
+    def run(caches: list) -> list:
+        return [kernel(q, k, v, tables, lens, scale) for q, (tables, lens) in zip(queries, steps) for k, v in caches]
+
+    same = all(torch.equal(a, b) for a, b in zip(run(token), run(head), strict=True))
+    seconds: dict[str, list[float]] = {"token_major": [], "head_major": []}
+    for r in range(rounds):
+        order = [("token_major", token), ("head_major", head)]
+        for name, caches in order if r % 2 == 0 else order[::-1]:
+            start = time.perf_counter()
+            run(caches)
+            seconds[name].append(time.perf_counter() - start)
+    tokens = sum(int(lens.sum()) for _, lens in steps)
+    moved = tokens * LAYERS * 2 * kv_heads * head_dim * dt.itemsize
+    ratios = [t / h for t, h in zip(seconds["token_major"], seconds["head_major"], strict=True)]
+    result: dict[str, Any] = {"dtype": dtype, "steps": len(steps), "tokens_attended": tokens, "same_outputs": same}
+    for name, secs in seconds.items():
+        result[name] = {"s": round(statistics.median(secs), 4), "gb_s": round(moved / statistics.median(secs) / 1e9, 1)}
+    result["x_head_major"] = {
+        "median": round(statistics.median(ratios), 3),
+        "min": round(min(ratios), 3),
+        "max": round(max(ratios), 3),
+    }
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--every", type=int, default=5, help="replay one of this many decode steps")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--prompt-len", default="32,512", help="min,max prompt tokens (W: 32,512)")
+    ap.add_argument("--output-len", default="16,256", help="min,max output tokens (W: 16,256)")
+    args = ap.parse_args()
+    prompt = tuple(int(x) for x in args.prompt_len.split(","))
+    output = tuple(int(x) for x in args.output_len.split(","))
+    recorded = decode_steps(args.dtype, args.requests, prompt, output)  # type: ignore[arg-type]
+    result = compare(recorded, args.dtype, args.every, args.rounds)
+    for name in ("token_major", "head_major"):
+        print(f"{name:12s} {result[name]['s']:.3f} s  {result[name]['gb_s']:5.1f} GB/s")
+    x = result["x_head_major"]
+    print(
+        f"{args.dtype}, {result['steps']} of W's decode steps x {LAYERS} layers: head-major {x['median']:.3f}x "
+        f"token-major [{x['min']:.3f}-{x['max']:.3f}], same outputs: {result['same_outputs']}"
+    )
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
