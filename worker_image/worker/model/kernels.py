@@ -736,9 +736,10 @@ static bool cpu_has_avx512_bf16() {
 // order. A (block, KV head) is then one run of consecutive lines (2 KB of bf16 K at D = 64), where token-major rows
 // put a head's 128 bytes in every 384: the passes walk a block head by head, and the hardware prefetcher follows
 // runs, not strides. The arithmetic is the same, so the outputs are too, to the bit. Measured on W's own block
-// tables (51 of its 255 decode steps, 30 layers' caches, both layouts in one process, Zen 5, 2 threads): bf16
-// 36.5-38.2 -> 41.4-43.3 GB/s (1.10-1.14x); a plain read of the same lines runs 43-46. In the engine, W's bf16
-// decode attention 2.25 -> 1.93 s (bench/engine_parts.py, alternated runs).
+// tables (bench/kv_layout.py: 51 of its 255 decode steps, 30 layers' caches, both layouts in one process, Zen 5,
+// 2 threads): bf16 37.6 -> 41.7 GB/s (1.11x and 1.17x in two runs), fp32 43.3 -> 46.4 (1.07x); a plain read of
+// the same lines runs 43-46. In the engine (bench/engine_parts.py, runs alternated), W's decode attention 2.31 ->
+// 2.06 s in bf16, 4.32 -> 3.83 s in fp32.
 // (Transposing K within a block as well, so that one vdpbf16ps scores 16 tokens and reduce16 goes, read 43.0 GB/s
 // against these rows' 43.3: the runs are what counted, not the reductions; and its cache write, 4 bytes to each
 // of a head's 32 lines per token, cost the engine 0.1 s.)
