@@ -92,6 +92,34 @@ def cache_blocks(tokens: int, requests: int) -> int:
     return tokens // 16 + 2 * requests + 16
 
 
+def smollm2_on_w(
+    dtype: str,
+    requests: int,
+    prompt_len: tuple[int, int],
+    output_len: tuple[int, int],
+    seed: int = 0,
+    quantization: str | None = None,
+):
+    """(our engine on SmolLM2-135M as `run_ours` runs W: 64 running, 2048 tokens a step, a cache that holds every
+    request, no prefix caching; the workload), for the benchmarks that take W apart (engine_parts, kv_layout)."""
+    from worker.engine.llm import LLM
+    from worker.model.config import ModelConfig
+    from worker.model.source import resolve_model_source
+
+    path = str(resolve_model_source("bundled://smollm2-135m-instruct"))
+    work = make_workload(requests, prompt_len, output_len, ModelConfig.from_dir(path).vocab_size, seed)
+    llm = LLM(
+        path,
+        dtype=dtype,
+        quantization=quantization,
+        max_num_seqs=64,
+        max_num_batched_tokens=2048,
+        num_blocks=cache_blocks(sum(len(p) + n for p, n in work), len(work)),
+        enable_prefix_caching=False,
+    )
+    return llm, work
+
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")

@@ -173,24 +173,10 @@ def run(
 ) -> dict:
     """One run of the workload; seconds per part (`attention, rest` derived), wall time, steps; `by_rows`: the
     decoder linears by row count too (`linears_by_rows`)."""
-    from engine import cache_blocks, make_workload
+    from engine import smollm2_on_w
     from worker.core.request import SamplingParams
-    from worker.engine.llm import LLM
-    from worker.model.config import ModelConfig
-    from worker.model.source import resolve_model_source
 
-    path = str(resolve_model_source("bundled://smollm2-135m-instruct"))
-    work = make_workload(requests, prompt_len, output_len, ModelConfig.from_dir(path).vocab_size, seed)
-    need = sum(len(p) + n for p, n in work)
-    llm = LLM(
-        path,
-        dtype=dtype,
-        quantization=quantization,
-        max_num_seqs=64,
-        max_num_batched_tokens=2048,
-        num_blocks=cache_blocks(need, len(work)),
-        enable_prefix_caching=False,
-    )
+    llm, work = smollm2_on_w(dtype, requests, prompt_len, output_len, seed, quantization)
     llm.generate([work[0][0][:32]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     timers = _Timers()
     rows = _RowTimers() if by_rows else None

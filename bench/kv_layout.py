@@ -30,24 +30,12 @@ def decode_steps(dtype: str, requests: int, prompt_len: tuple[int, int], output_
     the model's attention shape."""
     import torch
     import worker.model.llama as llama
-    from engine import cache_blocks, make_workload
+    from engine import smollm2_on_w
     from worker.core.request import SamplingParams
-    from worker.engine.llm import LLM
-    from worker.model.config import ModelConfig
-    from worker.model.source import resolve_model_source
 
-    path = str(resolve_model_source("bundled://smollm2-135m-instruct"))
-    cfg = ModelConfig.from_dir(path)
-    work = make_workload(requests, prompt_len, output_len, cfg.vocab_size, 0)
-    llm = LLM(
-        path,
-        dtype=dtype,
-        max_num_seqs=64,
-        max_num_batched_tokens=2048,
-        num_blocks=cache_blocks(sum(len(p) + n for p, n in work), len(work)),
-        enable_prefix_caching=False,
-    )
+    llm, work = smollm2_on_w(dtype, requests, prompt_len, output_len)
     runner = llm.engine.runner
+    cfg = runner.config
     first_layer = runner.kv_caches[0][0].data_ptr()
     steps: list[tuple[torch.Tensor, torch.Tensor]] = []
     attend = llama.paged_attention

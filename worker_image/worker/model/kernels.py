@@ -763,21 +763,6 @@ static CacheLayout cache_layout(const torch::Tensor& c) {
   return head_major ? CacheLayout::HeadMajor : CacheLayout::Other;
 }
 
-// The checks both layouts' decode share: int64 tables [S, MB] and lens [S], each context within its table, each
-// block id within the cache's NB blocks of BS tokens.
-static void check_decode_tables(const torch::Tensor& tables, const torch::Tensor& lens, int64_t S, int64_t NB,
-                                int64_t BS) {
-  TORCH_CHECK(tables.size(0) == S && lens.size(0) == S, "one table and length per sequence");
-  const int64_t MB = tables.size(1);
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  for (int64_t s = 0; s < S; ++s) {
-    TORCH_CHECK(lp[s] >= 1 && lp[s] <= MB * BS, "context length out of range of its block table");
-    for (int64_t b = 0; b < (lp[s] + BS - 1) / BS; ++b)
-      TORCH_CHECK(tp[s * MB + b] >= 0 && tp[s * MB + b] < NB, "block id out of range of the cache");
-  }
-}
-
 // q [S, H, D], each row's heads contiguous (rows may be strided: a view into the fused QKV output, which saves the
 // model a copy of q per layer); caches [NB, BS, KVH, D], both contiguous or both head-major (see above);
 // block_tables [S, max_blocks] int64; lens [S] int64.
@@ -795,11 +780,21 @@ static torch::Tensor paged_decode_any(torch::Tensor q, torch::Tensor k_cache, to
   const int64_t S = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head dims");
-  check_decode_tables(tables, lens_c, S, k_cache.size(0), BS);
+  TORCH_CHECK(tables.size(0) == S && lens_c.size(0) == S, "one table and length per sequence");
+  const int64_t NB = k_cache.size(0), MB = tables.size(1);
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lens_c.data_ptr<int64_t>();
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(lp[s] >= 1 && lp[s] <= MB * BS, "context length out of range of its block table");
+    for (int64_t b = 0; b < (lp[s] + BS - 1) / BS; ++b)
+      TORCH_CHECK(tp[s * MB + b] >= 0 && tp[s * MB + b] < NB, "block id out of range of the cache");
+  }
   const bool head_major = layout == CacheLayout::HeadMajor;
-  const std::string dtype = q.scalar_type() == at::kBFloat16 ? "bfloat16" : q.scalar_type() == at::kFloat ? "float32" : "";
-  TORCH_CHECK(!head_major || (fast && head_major_cache(dtype, D, BS)),
-              "paged_decode: a head-major cache is read by the AVX-512 passes only (ask head_major_cache first)");
+  if (head_major) {
+    const char* dtype = q.scalar_type() == at::kBFloat16 ? "bfloat16" : q.scalar_type() == at::kFloat ? "float32" : "";
+    TORCH_CHECK(fast && head_major_cache(dtype, D, BS),
+                "paged_decode: a head-major cache is read by the AVX-512 passes only (ask head_major_cache first)");
+  }
   auto out = torch::empty({S, H * D}, q.options());
 #if defined(__x86_64__)
   if (fast && vector_path_takes(D) && q.scalar_type() == at::kBFloat16 && cpu_has_avx512_bf16()) {
@@ -3173,7 +3168,7 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
 // 64 rows of 384 bytes; 1.5 ms of a 59 ms SmolLM2 bf16 decode step); this is a memcpy per row.
 // A head-major cache (`head_major_cache`): each head's row is one copy of its own.
 void kv_write_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, torch::Tensor k, torch::Tensor v) {
-  const CacheLayout layout = k_cache.dim() == 4 ? cache_layout(k_cache) : CacheLayout::Other;
+  const CacheLayout layout = cache_layout(k_cache);
   TORCH_CHECK(layout != CacheLayout::Other && v_cache.sizes() == k_cache.sizes() && cache_layout(v_cache) == layout &&
                   v_cache.scalar_type() == k_cache.scalar_type(),
               "kv_write_: caches must be [blocks, block_size, kv_heads, head_dim], both contiguous or both head-major, "
