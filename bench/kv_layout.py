@@ -1,4 +1,5 @@
-"""Decode attention over the two KV-cache layouts, token-major and head-major, on W's own block tables, in one run.
+"""Decode attention over W's own block tables, in one run: the two KV-cache layouts, or (`--blocks`) the block
+tables two pool policies give.
 
 Why it exists: the runner lays its cache out head-major where the AVX-512 decode passes read it
 (`worker.model.kernels.head_major_cache`; `attention.cache_views`), because a (block, KV head) is then one run of
@@ -8,10 +9,18 @@ workload W (`bench/engine.py`'s workload and engine settings; `--every` keeps on
 caches of random values (as many layers as SmolLM2 has, so that they stream from DRAM as the engine's do), both
 layouts holding the same values, with the same queries. Rounds alternate the layouts; it prints each layout's
 seconds and GB/s (the K and V bytes attended over), the median of the rounds' speed ratios (head-major over
-token-major; min and max), and whether both gave the same outputs, bit for bit. The last line is one JSON object.
+token-major; min and max), and whether both gave the same outputs, bit for bit.
+
+`--blocks` asks the other question: how much the placement of a request's blocks matters. It records W's decode
+steps three times: with the front-of-one-queue policy (`QueuePool`: vLLM's and nano-vllm's, ours before stop 47)
+on a fresh pool and on a pool W has run through once already (its free queue shuffled by frees), and with our
+pool (`worker.core.block_pool`: a request's blocks consecutive where it can), then replays the three over the same
+head-major cache, rounds alternated, and prints each one's seconds, the mean run of consecutive block ids in a
+table, and its speed over the fresh queue's. The last line is one JSON object either way.
 
     .venv/bin/python bench/kv_layout.py                     # bf16, every 5th of W's decode steps
     .venv/bin/python bench/kv_layout.py --dtype float32 --every 10 --rounds 9
+    .venv/bin/python bench/kv_layout.py --blocks --rounds 9
 """
 
 from __future__ import annotations
@@ -20,38 +29,89 @@ import argparse
 import json
 import statistics
 import time
+from collections import OrderedDict
+from itertools import pairwise
 from typing import Any
+
+from worker.core.block_pool import BlockPool, KVBlock
 
 LAYERS = 30
 
 
-def decode_steps(dtype: str, requests: int, prompt_len: tuple[int, int], output_len: tuple[int, int]) -> dict:
+class QueuePool(BlockPool):
+    """The baseline policy of `--blocks`: free blocks in one queue, handed out from the front, freed plain blocks
+    back to the front and cached ones to the back (what `BlockPool` did before stop 47; vLLM's and nano-vllm's
+    pools hand out the front of one free queue too). Where a request's blocks land is wherever the queue's front
+    is. Only what `--blocks` runs (prefix caching off) is overridden."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        super().__init__(num_blocks, enable_caching)
+        self._queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._queue)
+
+    def get_new_blocks(self, n: int, after: int | None = None) -> list[KVBlock]:
+        if n > len(self._queue):
+            raise ValueError(f"asked for {n} blocks but only {len(self._queue)} are free")
+        out = [self.blocks[self._queue.popitem(last=False)[0]] for _ in range(n)]
+        for block in out:
+            block.ref_cnt = 1
+        return out
+
+    def free_blocks(self, ordered_blocks) -> None:
+        for block in ordered_blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._queue[block.block_id] = None
+                self._queue.move_to_end(block.block_id, last=False)
+
+
+def decode_steps(
+    dtype: str,
+    requests: int,
+    prompt_len: tuple[int, int],
+    output_len: tuple[int, int],
+    pool: type[BlockPool] | None = None,
+    aged: bool = False,
+) -> dict:
     """W run through our engine: each decode step's (block tables, context lengths), the cache's block count and
-    the model's attention shape."""
+    the model's attention shape. `pool`: the block pool the engine runs on (None: ours); `aged`: W runs through
+    once before the recorded run, so that the recorded one starts from the pool that left."""
     import torch
+    import worker.core.kv_cache_manager as kv_cache_manager
     import worker.model.llama as llama
     from engine import smollm2_on_w
     from worker.core.request import SamplingParams
 
-    llm, work = smollm2_on_w(dtype, requests, prompt_len, output_len)
+    kv_cache_manager.BlockPool = pool or BlockPool  # type: ignore[misc]
+    try:
+        llm, work = smollm2_on_w(dtype, requests, prompt_len, output_len)
+    finally:
+        kv_cache_manager.BlockPool = BlockPool  # type: ignore[misc]
     runner = llm.engine.runner
     cfg = runner.config
     first_layer = runner.kv_caches[0][0].data_ptr()
     steps: list[tuple[torch.Tensor, torch.Tensor]] = []
     attend = llama.paged_attention
+    recording = [not aged]
 
     def spy(q, k, v, k_cache, v_cache, meta, scale, native):
-        if meta.num_decode == q.shape[0] and k_cache.data_ptr() == first_layer:
+        if recording[0] and meta.num_decode == q.shape[0] and k_cache.data_ptr() == first_layer:
             steps.append((meta.decode_block_tables.clone(), meta.decode_context_lens.clone()))
         return attend(q, k, v, k_cache, v_cache, meta, scale, native)
 
     llama.paged_attention = spy  # type: ignore[assignment]
     try:
         core = llm.engine
-        for i, (prompt, n) in enumerate(work):
-            core.add_request(f"w{i}", prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
-        while core.has_unfinished_requests():
-            core.step()
+        for run in range(2 if aged else 1):
+            recording[0] = run == 1 or not aged
+            for i, (prompt, n) in enumerate(work):
+                params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+                core.add_request(f"w{run}.{i}", prompt, params)
+            while core.has_unfinished_requests():
+                core.step()
     finally:
         llama.paged_attention = attend  # type: ignore[assignment]
     shape = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
@@ -109,6 +169,70 @@ def compare(recorded: dict, dtype: str, every: int, rounds: int, seed: int = 0) 
     return result
 
 
+def mean_run(steps: list, block_size: int) -> float:
+    """The mean length of the runs of consecutive block ids in the recorded tables (each up to its context)."""
+    runs = blocks = 0
+    for tables, lens in steps:
+        for table, length in zip(tables.tolist(), lens.tolist(), strict=True):
+            ids = table[: -(-length // block_size)]
+            runs += 1 + sum(b != a + 1 for a, b in pairwise(ids))
+            blocks += len(ids)
+    return blocks / max(runs, 1)
+
+
+def compare_pools(recorded: dict[str, dict], dtype: str, every: int, rounds: int, seed: int = 0) -> dict[str, Any]:
+    """Each pool's recorded tables (one step in `every`) over the same head-major cache, rounds alternated: seconds,
+    mean run, speed over the first pool's (the within-round ratios' median, min and max). The pools must have run
+    the same workload (the same contexts) on caches of the same size."""
+    import torch
+    from worker.model.attention import cache_shape, cache_views
+    from worker.model.kernels import head_major_cache, load_paged_decode
+
+    kernel, why = load_paged_decode()
+    if kernel is None:
+        raise SystemExit(f"the native decode kernel cannot be built here: {why}")
+    first = next(iter(recorded.values()))
+    dt = getattr(torch, dtype)
+    heads, kv_heads, head_dim = first["shape"]
+    nb, bs = first["num_blocks"], first["block_size"]
+    if not head_major_cache(dt, head_dim, bs):
+        raise SystemExit(f"the decode kernel reads no head-major {dtype} cache on this CPU (needs AVX-512)")
+    steps = {name: rec["steps"][::every] for name, rec in recorded.items()}
+    contexts = {name: [lens.tolist() for _, lens in s] for name, s in steps.items()}
+    if any(c != contexts[next(iter(contexts))] for c in contexts.values()):
+        raise ValueError("the pools ran different decode steps: the same workload and engine settings are needed")
+    gen = torch.Generator().manual_seed(seed)
+    caches = cache_views(torch.randn(cache_shape(LAYERS, nb, bs, kv_heads, head_dim, True), generator=gen).to(dt), True)
+    queries = [torch.randn(len(lens), heads, head_dim, generator=gen).to(dt) for _, lens in steps[next(iter(steps))]]
+    scale = head_dim**-0.5
+
+    def run(name: str) -> float:
+        start = time.perf_counter()
+        for q, (tables, lens) in zip(queries, steps[name], strict=True):
+            for k, v in caches:
+                kernel(q, k, v, tables, lens, scale)
+        return time.perf_counter() - start
+
+    names = list(steps)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            seconds[name].append(run(name))
+    result: dict[str, Any] = {"dtype": dtype, "steps": len(queries)}
+    for name in names:
+        ratios = [b / t for b, t in zip(seconds[names[0]], seconds[name], strict=True)]
+        result[name] = {
+            "s": round(statistics.median(seconds[name]), 4),
+            "mean_run": round(mean_run(steps[name], bs), 2),
+            "x_speed": {
+                "median": round(statistics.median(ratios), 3),
+                "min": round(min(ratios), 3),
+                "max": round(max(ratios), 3),
+            },
+        }
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -117,9 +241,25 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--prompt-len", default="32,512", help="min,max prompt tokens (W: 32,512)")
     ap.add_argument("--output-len", default="16,256", help="min,max output tokens (W: 16,256)")
+    ap.add_argument("--blocks", action="store_true", help="compare the block tables of two pool policies instead")
     args = ap.parse_args()
     prompt = tuple(int(x) for x in args.prompt_len.split(","))
     output = tuple(int(x) for x in args.output_len.split(","))
+    if args.blocks:
+        pools = {"queue_fresh": (QueuePool, False), "queue_aged": (QueuePool, True), "ours": (BlockPool, False)}
+        tables = {
+            name: decode_steps(args.dtype, args.requests, prompt, output, pool, aged)  # type: ignore[arg-type]
+            for name, (pool, aged) in pools.items()
+        }
+        found = compare_pools(tables, args.dtype, args.every, args.rounds)
+        for name in pools:
+            r, x = found[name], found[name]["x_speed"]
+            print(
+                f"{name:12s} {r['s']:.3f} s  mean run {r['mean_run']:5.2f} blocks  "
+                f"{x['median']:.3f}x queue_fresh [{x['min']:.3f}-{x['max']:.3f}]"
+            )
+        print(json.dumps(found))
+        return
     recorded = decode_steps(args.dtype, args.requests, prompt, output)  # type: ignore[arg-type]
     result = compare(recorded, args.dtype, args.every, args.rounds)
     for name in ("token_major", "head_major"):

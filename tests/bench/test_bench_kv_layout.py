@@ -27,3 +27,34 @@ def test_both_layouts_replay_the_recorded_steps_to_the_same_outputs(dtype):
     assert result["steps"] == len(steps) and result["tokens_attended"] == sum(int(lens.sum()) for _, lens in steps)
     assert result["token_major"]["s"] > 0 and result["head_major"]["s"] > 0
     assert result["x_head_major"]["min"] <= result["x_head_major"]["median"] <= result["x_head_major"]["max"]
+
+
+def test_the_pools_tables_replay_over_one_cache():
+    """`--blocks`: the queue pool (fresh and aged) and ours run the same steps; ours keeps each request's blocks in
+    longer runs of consecutive ids."""
+    args = ("bfloat16", 4, (20, 60), (20, 40))
+    recorded = {
+        "queue_fresh": kv_layout.decode_steps(*args, pool=kv_layout.QueuePool),
+        "queue_aged": kv_layout.decode_steps(*args, pool=kv_layout.QueuePool, aged=True),
+        "ours": kv_layout.decode_steps(*args),
+    }
+    assert llama.paged_attention is attention.paged_attention
+    runs = {name: kv_layout.mean_run(rec["steps"], 16) for name, rec in recorded.items()}
+    assert runs["ours"] > runs["queue_fresh"] >= 1.0, runs
+    if not head_major_cache(torch.bfloat16, 64, 16):
+        pytest.skip("the decode kernel reads no head-major cache on this CPU (needs AVX-512)")
+    result = kv_layout.compare_pools(recorded, "bfloat16", every=1, rounds=2)
+    assert result["queue_fresh"]["x_speed"]["median"] == 1.0
+    assert result["ours"]["mean_run"] == round(runs["ours"], 2) and result["ours"]["s"] > 0
+
+
+@pytest.mark.parametrize(
+    ("tables", "lens", "expected"),
+    [
+        ([[3, 4, 5, 0]], [40], 3.0),  # 3 blocks, one run (the padding past the context is not read)
+        ([[3, 7, 8, 0]], [49], 4 / 3),  # 4 blocks (49 tokens): runs 3 | 7, 8 | 0
+        ([[1, 2], [9, 4]], [32, 17], 4 / 3),  # 2 + 2 blocks in 3 runs
+    ],
+)
+def test_mean_run(tables, lens, expected):
+    assert kv_layout.mean_run([(torch.tensor(tables), torch.tensor(lens))], 16) == pytest.approx(expected)

@@ -155,3 +155,19 @@ def test_caching_disabled_never_hits_and_counts_nothing() -> None:
     assert mgr.get_computed_blocks(_req("b", list(range(8)))) == ([], 0)
     mgr.record_lookup(8, 0)
     assert mgr.prefix_cache_queries == 0
+
+
+def test_requests_growing_side_by_side_keep_their_blocks_consecutive() -> None:
+    """Two requests admitted together, then decoding in turns: each one's table stays one run of ids (the pool
+    places the second in the middle of the free blocks, leaving room behind the first)."""
+    mgr = KVCacheManager(num_blocks=40, block_size=BS)
+    a, b = _req("a", list(range(8))), _req("b", list(range(100, 108)))
+    _compute(mgr, a, 8)
+    _compute(mgr, b, 8)
+    for t in range(24):
+        for req in (a, b):
+            req.output_token_ids.append(t)
+            _compute(mgr, req, 1)
+    for rid in ("a", "b"):
+        ids = mgr.get_block_ids(rid)
+        assert len(ids) == 8 and ids == list(range(ids[0], ids[0] + 8)), ids

@@ -122,7 +122,7 @@ class KVCacheManager:
             block_ids.extend(b.block_id for b in hits)
             self._num_indexed[req_id] = len(hits)
         if num_needed > 0:
-            new_blocks = self.pool.get_new_blocks(num_needed)
+            new_blocks = self.pool.get_new_blocks(num_needed, after=block_ids[-1] if block_ids else None)
             blocks.extend(new_blocks)
             block_ids.extend(b.block_id for b in new_blocks)
         return block_ids
