@@ -99,9 +99,11 @@ def smollm2_on_w(
     output_len: tuple[int, int],
     seed: int = 0,
     quantization: str | None = None,
+    prefix_caching: bool = False,
 ):
     """(our engine on SmolLM2-135M as `run_ours` runs W: 64 running, 2048 tokens a step, a cache that holds every
-    request, no prefix caching; the workload), for the benchmarks that take W apart (engine_parts, kv_layout)."""
+    request, no prefix caching unless asked; the workload), for the benchmarks that take W apart (engine_parts,
+    kv_layout)."""
     from worker.engine.llm import LLM
     from worker.model.config import ModelConfig
     from worker.model.source import resolve_model_source
@@ -115,7 +117,7 @@ def smollm2_on_w(
         max_num_seqs=64,
         max_num_batched_tokens=2048,
         num_blocks=cache_blocks(sum(len(p) + n for p, n in work), len(work)),
-        enable_prefix_caching=False,
+        enable_prefix_caching=prefix_caching,
     )
     return llm, work
 

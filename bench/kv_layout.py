@@ -13,14 +13,17 @@ token-major; min and max), and whether both gave the same outputs, bit for bit.
 
 `--blocks` asks the other question: how much the placement of a request's blocks matters. It records W's decode
 steps three times: with the front-of-one-queue policy (`QueuePool`: vLLM's and nano-vllm's, ours before stop 47)
-on a fresh pool and on a pool W has run through once already (its free queue shuffled by frees), and with our
-pool (`worker.core.block_pool`: a request's blocks consecutive where it can), then replays the three over the same
-head-major cache, rounds alternated, and prints each one's seconds, the mean run of consecutive block ids in a
-table, and its speed over the fresh queue's. The last line is one JSON object either way.
+on a fresh pool and on an aged one (a workload of W's shape but another seed ran through it first, shuffling its
+free queue), and with our pool (`worker.core.block_pool`: a request's blocks consecutive where it can), then
+replays the three over the same head-major cache, rounds alternated, and prints each one's seconds, the mean run
+of consecutive block ids in a table, and its speed over the fresh queue's. `--prefix-caching` runs the engines with
+prefix caching on (a worker's default): then the aged pools hold the first workload's blocks as evictable
+prefixes, and every block W gets is an evicted one. The last line is one JSON object either way.
 
     .venv/bin/python bench/kv_layout.py                     # bf16, every 5th of W's decode steps
     .venv/bin/python bench/kv_layout.py --dtype float32 --every 10 --rounds 9
     .venv/bin/python bench/kv_layout.py --blocks --rounds 9
+    .venv/bin/python bench/kv_layout.py --blocks --prefix-caching
 """
 
 from __future__ import annotations
@@ -39,10 +42,10 @@ LAYERS = 30
 
 
 class QueuePool(BlockPool):
-    """The baseline policy of `--blocks`: free blocks in one queue, handed out from the front, freed plain blocks
-    back to the front and cached ones to the back (what `BlockPool` did before stop 47; vLLM's and nano-vllm's
-    pools hand out the front of one free queue too). Where a request's blocks land is wherever the queue's front
-    is. Only what `--blocks` runs (prefix caching off) is overridden."""
+    """The baseline policy of `--blocks`: free blocks in one queue, handed out from the front (their cached
+    prefixes evicted), freed plain blocks back to the front and cached ones to the back, so cached blocks go least
+    recently used first (what `BlockPool` did before stop 47; vLLM's and nano-vllm's pools hand out the front of
+    one free queue too). Where a request's blocks land is wherever the queue's front is."""
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         super().__init__(num_blocks, enable_caching)
@@ -57,15 +60,25 @@ class QueuePool(BlockPool):
             raise ValueError(f"asked for {n} blocks but only {len(self._queue)} are free")
         out = [self.blocks[self._queue.popitem(last=False)[0]] for _ in range(n)]
         for block in out:
+            if block.block_hash is not None:
+                del self._cached[block.block_hash]
+                block.block_hash = None
             block.ref_cnt = 1
         return out
+
+    def touch(self, blocks) -> None:
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._queue[block.block_id]
+            block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks) -> None:
         for block in ordered_blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._queue[block.block_id] = None
-                self._queue.move_to_end(block.block_id, last=False)
+                if block.block_hash is None:
+                    self._queue.move_to_end(block.block_id, last=False)
 
 
 def decode_steps(
@@ -75,19 +88,21 @@ def decode_steps(
     output_len: tuple[int, int],
     pool: type[BlockPool] | None = None,
     aged: bool = False,
+    prefix_caching: bool = False,
 ) -> dict:
     """W run through our engine: each decode step's (block tables, context lengths), the cache's block count and
-    the model's attention shape. `pool`: the block pool the engine runs on (None: ours); `aged`: W runs through
-    once before the recorded run, so that the recorded one starts from the pool that left."""
+    the model's attention shape. `pool`: the block pool the engine runs on (None: ours); `aged`: a workload of
+    another seed runs through first, so that W starts from the pool it left; `prefix_caching`: the engine keeps
+    computed blocks for reuse (as a worker does by default), so that freed blocks wait to be evicted."""
     import torch
     import worker.core.kv_cache_manager as kv_cache_manager
     import worker.model.llama as llama
-    from engine import smollm2_on_w
+    from engine import make_workload, smollm2_on_w
     from worker.core.request import SamplingParams
 
     kv_cache_manager.BlockPool = pool or BlockPool  # type: ignore[misc]
     try:
-        llm, work = smollm2_on_w(dtype, requests, prompt_len, output_len)
+        llm, work = smollm2_on_w(dtype, requests, prompt_len, output_len, prefix_caching=prefix_caching)
     finally:
         kv_cache_manager.BlockPool = BlockPool  # type: ignore[misc]
     runner = llm.engine.runner
@@ -105,9 +120,10 @@ def decode_steps(
     llama.paged_attention = spy  # type: ignore[assignment]
     try:
         core = llm.engine
-        for run in range(2 if aged else 1):
-            recording[0] = run == 1 or not aged
-            for i, (prompt, n) in enumerate(work):
+        before = make_workload(requests, prompt_len, output_len, cfg.vocab_size, seed=1)
+        for run, load in enumerate([before, work] if aged else [work]):
+            recording[0] = load is work
+            for i, (prompt, n) in enumerate(load):
                 params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
                 core.add_request(f"w{run}.{i}", prompt, params)
             while core.has_unfinished_requests():
@@ -242,13 +258,22 @@ def main() -> None:
     ap.add_argument("--prompt-len", default="32,512", help="min,max prompt tokens (W: 32,512)")
     ap.add_argument("--output-len", default="16,256", help="min,max output tokens (W: 16,256)")
     ap.add_argument("--blocks", action="store_true", help="compare the block tables of two pool policies instead")
+    ap.add_argument("--prefix-caching", action="store_true", help="--blocks: the engines keep computed blocks")
     args = ap.parse_args()
     prompt = tuple(int(x) for x in args.prompt_len.split(","))
     output = tuple(int(x) for x in args.output_len.split(","))
     if args.blocks:
         pools = {"queue_fresh": (QueuePool, False), "queue_aged": (QueuePool, True), "ours": (BlockPool, False)}
         tables = {
-            name: decode_steps(args.dtype, args.requests, prompt, output, pool, aged)  # type: ignore[arg-type]
+            name: decode_steps(
+                args.dtype,
+                args.requests,
+                prompt,
+                output,
+                pool,
+                aged,
+                args.prefix_caching,  # type: ignore[arg-type]
+            )
             for name, (pool, aged) in pools.items()
         }
         found = compare_pools(tables, args.dtype, args.every, args.rounds)

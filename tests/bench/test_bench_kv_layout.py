@@ -58,3 +58,11 @@ def test_the_pools_tables_replay_over_one_cache():
 )
 def test_mean_run(tables, lens, expected):
     assert kv_layout.mean_run([(torch.tensor(tables), torch.tensor(lens))], 16) == pytest.approx(expected)
+
+
+def test_the_queue_baseline_runs_with_prefix_caching():
+    """The baseline pool keeps the prefix cache's bookkeeping (hits, LRU eviction) when the engine caches."""
+    args = ("bfloat16", 4, (20, 60), (20, 40))
+    queue = kv_layout.decode_steps(*args, pool=kv_layout.QueuePool, aged=True, prefix_caching=True)
+    ours = kv_layout.decode_steps(*args, aged=True, prefix_caching=True)
+    assert [lens.tolist() for _, lens in queue["steps"]] == [lens.tolist() for _, lens in ours["steps"]]
