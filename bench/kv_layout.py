@@ -55,7 +55,7 @@ class QueuePool(BlockPool):
     def num_free_blocks(self) -> int:
         return len(self._queue)
 
-    def get_new_blocks(self, n: int, after: int | None = None) -> list[KVBlock]:
+    def get_new_blocks(self, n: int, after: int | None = None, room: int = 0) -> list[KVBlock]:
         if n > len(self._queue):
             raise ValueError(f"asked for {n} blocks but only {len(self._queue)} are free")
         out = [self.blocks[self._queue.popitem(last=False)[0]] for _ in range(n)]

@@ -36,47 +36,68 @@ def _ids(blocks) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    ("taken", "ask", "after", "expected"),
+    "calls",
     [
-        # (blocks held before, in id ranges; blocks asked for; the asking request's last block; ids handed out)
-        ([], 3, None, [0, 1, 2]),  # an empty pool starts at block 0
-        ([(0, 10)], 10, None, [50, 51, 52, 53, 54, 55, 56, 57, 58, 59]),  # centred in the free run 10..99
-        ([(0, 10)], 1, 9, [10]),  # a growing request takes the block after its last
-        ([(0, 10)], 3, 9, [10, 11, 12]),
-        ([(0, 10), (50, 60)], 2, 59, [60, 61]),
-        ([(0, 10), (50, 60)], 1, 5, [29]),  # its next block is taken: a new run, centred in the largest free run
-        ([(0, 10), (50, 60)], 4, None, [28, 29, 30, 31]),  # runs 10..49 (40) and 60..99 (40): the first largest
-        ([(0, 98)], 4, 97, None),  # 2 free: refused, nothing taken
-        ([(0, 95)], 4, 93, [95, 96, 97, 98]),  # block 94 is taken: a new run, centred in 95..99
-        ([(0, 90)], 20, None, [90, 91, 92, 93, 94, 95, 96, 97, 98, 99]),  # the last run is too small: all of it
+        # each call: (blocks asked for, the asker's last block or None, its room for later, the ids it gets)
+        pytest.param([(3, None, 0, [0, 1, 2])], id="an empty pool starts at block 0"),
+        pytest.param([(10, None, 0, list(range(10))), (10, None, 0, list(range(10, 20)))], id="no room: side by side"),
+        pytest.param(
+            [(10, None, 20, list(range(10))), (10, None, 0, list(range(30, 40))), (2, 9, 18, [10, 11])],
+            id="room kept after a request's last block, then grown into",
+        ),
+        pytest.param(
+            [
+                (10, None, 5, list(range(10))),
+                (10, None, 0, list(range(15, 25))),
+                (5, 9, 0, [10, 11, 12, 13, 14]),
+                (1, 14, 0, [25]),
+            ],
+            id="outgrowing its room: a new run after the next request",
+        ),
+        pytest.param(
+            [(10, None, 10, list(range(10))), (5, None, 0, list(range(20, 25))), (3, 24, 0, [25, 26, 27])],
+            id="a later request grows after its own last block",
+        ),
     ],
 )
-def test_where_new_blocks_go(taken, ask, after, expected) -> None:
+def test_where_new_blocks_go(calls) -> None:
     pool = BlockPool(100)
-    for start, end in taken:
-        held = pool.get_new_blocks(end - start, after=None if start == 0 else start - 1)
-        assert _ids(held) == list(range(start, end))
-    free = pool.num_free_blocks
-    if ask > free:
-        with pytest.raises(ValueError, match="free"):
-            pool.get_new_blocks(ask, after=after)
-        assert pool.num_free_blocks == free
-        return
-    assert _ids(pool.get_new_blocks(ask, after=after)) == expected
-    assert pool.num_free_blocks == free - ask
+    for ask, after, room, expected in calls:
+        free = pool.num_free_blocks
+        assert _ids(pool.get_new_blocks(ask, after=after, room=room)) == expected
+        assert pool.num_free_blocks == free - ask
+
+
+def test_a_room_is_given_up_when_nothing_else_is_free() -> None:
+    pool = BlockPool(20)
+    assert _ids(pool.get_new_blocks(10, room=10)) == list(range(10))  # 10..19 kept for it
+    assert _ids(pool.get_new_blocks(4)) == [13, 14, 15, 16]  # nothing unkept: the middle of the run
+    assert _ids(pool.get_new_blocks(3, after=9)) == [10, 11, 12]  # what is left of the room
+
+
+def test_the_room_goes_with_the_request() -> None:
+    """A freed request keeps no room; a grown one keeps it after its new last block."""
+    pool = BlockPool(40)
+    a = pool.get_new_blocks(5, room=10)  # 0..4, 5..14 kept
+    assert _ids(pool.get_new_blocks(5)) == list(range(15, 20))
+    pool.free_blocks(reversed(a))
+    assert _ids(pool.get_new_blocks(3)) == [20, 21, 22]  # the longest stretch: 20..39 against 0..14
+    b = pool.get_new_blocks(2, room=30)  # 23, 24, then 25..39 kept
+    assert _ids(b) == [23, 24]
+    assert _ids(pool.get_new_blocks(4)) == [0, 1, 2, 3]
+    assert _ids(pool.get_new_blocks(1, after=24, room=5)) == [25]
 
 
 def test_a_request_that_outgrows_its_room_continues_in_a_new_run() -> None:
     pool = BlockPool(20)
-    a = pool.get_new_blocks(2)  # 0, 1
-    b = pool.get_new_blocks(2)  # centred in 2..19: 10, 11
+    a = pool.get_new_blocks(2, room=8)  # 0, 1; 2..9 kept
+    b = pool.get_new_blocks(2, room=4)  # 10, 11; 12..15 kept
     assert _ids(b) == [10, 11]
-    for _ in range(8):
-        a += pool.get_new_blocks(1, after=a[-1].block_id)
-    grown = _ids(a)[2:]
-    assert grown == [2, 3, 4, 5, 6, 7, 8, 9]  # a fills the room before b
-    (nxt,) = pool.get_new_blocks(1, after=9)  # 10 is b's: a continues in the middle of 12..19
-    assert nxt.block_id == 15
+    for left in range(7, -1, -1):
+        a += pool.get_new_blocks(1, after=a[-1].block_id, room=left)
+    assert _ids(a)[2:] == [2, 3, 4, 5, 6, 7, 8, 9]  # a fills its room, before b
+    (nxt,) = pool.get_new_blocks(1, after=9)  # 10 is b's: a continues after b's room
+    assert nxt.block_id == 16
 
 
 def test_freed_blocks_join_their_neighbours_runs() -> None:
@@ -99,8 +120,8 @@ def test_cached_free_blocks_are_not_taken_to_grow_while_plain_ones_are_free() ->
 
 
 def test_random_traffic_keeps_the_pool_consistent() -> None:
-    """Requests growing, finishing and caching blocks at random: no block handed out twice, every free block
-    counted once, the free runs maximal, and a freed pool one run again."""
+    """Requests growing (with rooms), finishing and caching blocks at random: no block handed out twice, every free
+    block counted once, the free runs maximal, rooms kept only after running requests, a freed pool one run again."""
     rng = random.Random(7)
     pool = BlockPool(64)
     held: dict[int, list] = {}
@@ -114,7 +135,7 @@ def test_random_traffic_keeps_the_pool_consistent() -> None:
         elif pool.num_free_blocks:
             n = min(pool.num_free_blocks, rng.randint(1, 4))
             mine = held.setdefault(rid, [])
-            mine += pool.get_new_blocks(n, after=mine[-1].block_id if mine else None)
+            mine += pool.get_new_blocks(n, after=mine[-1].block_id if mine else None, room=rng.randint(0, 8))
         in_use = [b.block_id for blocks in held.values() for b in blocks]
         assert len(in_use) == len(set(in_use))
         assert all(pool.blocks[i].ref_cnt == 1 for i in in_use)
@@ -122,6 +143,7 @@ def test_random_traffic_keeps_the_pool_consistent() -> None:
         plain = [i for start, end in pool._run_end.items() for i in range(start, end)]
         assert len(plain) == len(set(plain)) and not set(plain) & set(in_use)
         assert all(end not in pool._run_end for end in pool._run_end.values())  # maximal: no two runs touch
+        assert set(pool._room) <= {blocks[-1].block_id for blocks in held.values()}  # rooms: live requests' only
     for blocks in held.values():
         pool.free_blocks(blocks)
     cached = pool.num_cached_blocks
@@ -136,7 +158,7 @@ def test_asking_for_more_blocks_than_free_raises_and_changes_nothing() -> None:
     assert pool.num_free_blocks == 2
 
 
-def test_plain_blocks_are_reused_before_cached_ones_and_cached_ones_lru() -> None:
+def test_cached_blocks_are_evicted_least_recently_used_first_and_only_as_many_as_needed() -> None:
     pool = BlockPool(4)
     b0, b1, b2, b3 = pool.get_new_blocks(4)
     pool.cache_block(b0, _h(0))
@@ -145,11 +167,11 @@ def test_plain_blocks_are_reused_before_cached_ones_and_cached_ones_lru() -> Non
     pool.free_blocks([b1])
     pool.free_blocks([b0])
     pool.free_blocks([b2, b3])
-    order = [b.block_id for b in pool.get_new_blocks(4)]
-    assert order[:2] in ([2, 3], [3, 2])
-    assert order[2:] == [1, 0]
-    assert pool.num_cached_blocks == 0  # evicted when handed out again
-    assert pool.get_cached_block(_h(1)) is None
+    assert _ids(pool.get_new_blocks(3)) == [1, 2, 3]  # b1 evicted into the free run beside 2 and 3
+    assert pool.get_cached_block(_h(1)) is None and b1.block_hash is None
+    assert pool.get_cached_block(_h(0)) is b0 and pool.num_cached_blocks == 1  # b0 kept: not needed
+    assert _ids(pool.get_new_blocks(1)) == [0]
+    assert pool.num_cached_blocks == 0
 
 
 def test_touch_revives_a_free_cached_block() -> None:

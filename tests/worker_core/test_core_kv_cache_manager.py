@@ -159,9 +159,10 @@ def test_caching_disabled_never_hits_and_counts_nothing() -> None:
 
 def test_requests_growing_side_by_side_keep_their_blocks_consecutive() -> None:
     """Two requests admitted together, then decoding in turns: each one's table stays one run of ids (the pool
-    places the second in the middle of the free blocks, leaving room behind the first)."""
+    keeps room for the first request's max_tokens behind it, and places the second after that)."""
     mgr = KVCacheManager(num_blocks=40, block_size=BS)
     a, b = _req("a", list(range(8))), _req("b", list(range(100, 108)))
+    a.sampling_params = b.sampling_params = SamplingParams(max_tokens=24)
     _compute(mgr, a, 8)
     _compute(mgr, b, 8)
     for t in range(24):

@@ -122,7 +122,10 @@ class KVCacheManager:
             block_ids.extend(b.block_id for b in hits)
             self._num_indexed[req_id] = len(hits)
         if num_needed > 0:
-            new_blocks = self.pool.get_new_blocks(num_needed, after=block_ids[-1] if block_ids else None)
+            most = -(-(request.num_prompt_tokens + request.sampling_params.max_tokens) // self.block_size)
+            new_blocks = self.pool.get_new_blocks(
+                num_needed, after=block_ids[-1] if block_ids else None, room=most - num_held - num_needed
+            )
             blocks.extend(new_blocks)
             block_ids.extend(b.block_id for b in new_blocks)
         return block_ids
