@@ -12,11 +12,11 @@ seconds and GB/s (the K and V bytes attended over), the median of the rounds' sp
 token-major; min and max), and whether both gave the same outputs, bit for bit.
 
 `--blocks` asks the other question: how much the placement of a request's blocks matters. It records W's decode
-steps three times: with the front-of-one-queue policy (`QueuePool`: vLLM's and nano-vllm's, ours before stop 47)
-on a fresh pool and on an aged one (a workload of W's shape but another seed ran through it first, shuffling its
-free queue), and with our pool (`worker.core.block_pool`: a request's blocks consecutive where it can), then
-replays the three over the same head-major cache, rounds alternated, and prints each one's seconds, the mean run
-of consecutive block ids in a table, and its speed over the fresh queue's. `--prefix-caching` runs the engines with
+steps four times: with the front-of-one-queue policy (`QueuePool`: vLLM's and nano-vllm's, ours before stop 47)
+and with our pool (`worker.core.block_pool`: a request's blocks consecutive where it can), each on a fresh pool and
+on an aged one (a workload of W's shape but another seed ran through it first), then replays the four over the
+same head-major cache, rounds alternated, and prints each one's seconds, the mean run of consecutive block ids in
+a table, and its speed over the fresh queue's. `--prefix-caching` runs the engines with
 prefix caching on (a worker's default): then the aged pools hold the first workload's blocks as evictable
 prefixes, and every block W gets is an evicted one. The last line is one JSON object either way.
 
@@ -263,7 +263,12 @@ def main() -> None:
     prompt = tuple(int(x) for x in args.prompt_len.split(","))
     output = tuple(int(x) for x in args.output_len.split(","))
     if args.blocks:
-        pools = {"queue_fresh": (QueuePool, False), "queue_aged": (QueuePool, True), "ours": (BlockPool, False)}
+        pools = {
+            "queue_fresh": (QueuePool, False),
+            "queue_aged": (QueuePool, True),
+            "ours_fresh": (BlockPool, False),
+            "ours_aged": (BlockPool, True),
+        }
         tables = {
             name: decode_steps(
                 args.dtype,
