@@ -217,7 +217,7 @@ class BlockPool:
         """Enter a full, computed block into the prefix-cache index.
 
         If an equal prefix is already indexed (two requests computed it at the same time), the existing entry
-        wins and this block stays a plain block that is recycled first once freed.
+        wins and this block stays a plain block, which joins the free runs once released.
         """
         if not self.enable_caching or block.block_hash is not None or block_hash in self._cached:
             return

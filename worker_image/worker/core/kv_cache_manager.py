@@ -122,6 +122,7 @@ class KVCacheManager:
             block_ids.extend(b.block_id for b in hits)
             self._num_indexed[req_id] = len(hits)
         if num_needed > 0:
+            # the blocks it may hold at most, so that the pool keeps room for the rest after its last block
             most = -(-(request.num_prompt_tokens + request.sampling_params.max_tokens) // self.block_size)
             new_blocks = self.pool.get_new_blocks(
                 num_needed, after=block_ids[-1] if block_ids else None, room=most - num_held - num_needed
