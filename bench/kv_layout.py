@@ -134,20 +134,38 @@ def decode_steps(
     return {"steps": steps, "num_blocks": runner.num_blocks, "block_size": runner.block_size, "shape": shape}
 
 
-def compare(recorded: dict, dtype: str, every: int, rounds: int, seed: int = 0) -> dict[str, Any]:
-    """Both layouts over the recorded steps (one in `every`), rounds alternated: seconds, GB/s, ratios, equality."""
+def replay_kernel(recorded: dict, dtype: str) -> tuple[Any, Any]:
+    """(the native decode kernel, the torch dtype) to replay `recorded`'s steps over a head-major cache; exits
+    with the reason where the kernel cannot be built or reads no head-major cache of that dtype on this CPU."""
     import torch
-    from worker.model.attention import cache_shape, cache_views
     from worker.model.kernels import head_major_cache, load_paged_decode
 
     kernel, why = load_paged_decode()
     if kernel is None:
         raise SystemExit(f"the native decode kernel cannot be built here: {why}")
     dt = getattr(torch, dtype)
+    if not head_major_cache(dt, recorded["shape"][2], recorded["block_size"]):
+        raise SystemExit(f"the decode kernel reads no head-major {dtype} cache on this CPU (needs AVX-512)")
+    return kernel, dt
+
+
+def spread(ratios: list[float]) -> dict[str, float]:
+    """The rounds' speed ratios as their median, min and max."""
+    return {
+        "median": round(statistics.median(ratios), 3),
+        "min": round(min(ratios), 3),
+        "max": round(max(ratios), 3),
+    }
+
+
+def compare(recorded: dict, dtype: str, every: int, rounds: int, seed: int = 0) -> dict[str, Any]:
+    """Both layouts over the recorded steps (one in `every`), rounds alternated: seconds, GB/s, ratios, equality."""
+    import torch
+    from worker.model.attention import cache_shape, cache_views
+
+    kernel, dt = replay_kernel(recorded, dtype)
     heads, kv_heads, head_dim = recorded["shape"]
     nb, bs = recorded["num_blocks"], recorded["block_size"]
-    if not head_major_cache(dt, head_dim, bs):
-        raise SystemExit(f"the decode kernel reads no head-major {dtype} cache on this CPU (needs AVX-512)")
     steps = recorded["steps"][::every]
     gen = torch.Generator().manual_seed(seed)
     token = cache_views(
@@ -177,11 +195,7 @@ def compare(recorded: dict, dtype: str, every: int, rounds: int, seed: int = 0) 
     result: dict[str, Any] = {"dtype": dtype, "steps": len(steps), "tokens_attended": tokens, "same_outputs": same}
     for name, secs in seconds.items():
         result[name] = {"s": round(statistics.median(secs), 4), "gb_s": round(moved / statistics.median(secs) / 1e9, 1)}
-    result["x_head_major"] = {
-        "median": round(statistics.median(ratios), 3),
-        "min": round(min(ratios), 3),
-        "max": round(max(ratios), 3),
-    }
+    result["x_head_major"] = spread(ratios)
     return result
 
 
@@ -202,17 +216,11 @@ def compare_pools(recorded: dict[str, dict], dtype: str, every: int, rounds: int
     the same workload (the same contexts) on caches of the same size."""
     import torch
     from worker.model.attention import cache_shape, cache_views
-    from worker.model.kernels import head_major_cache, load_paged_decode
 
-    kernel, why = load_paged_decode()
-    if kernel is None:
-        raise SystemExit(f"the native decode kernel cannot be built here: {why}")
     first = next(iter(recorded.values()))
-    dt = getattr(torch, dtype)
+    kernel, dt = replay_kernel(first, dtype)
     heads, kv_heads, head_dim = first["shape"]
     nb, bs = first["num_blocks"], first["block_size"]
-    if not head_major_cache(dt, head_dim, bs):
-        raise SystemExit(f"the decode kernel reads no head-major {dtype} cache on this CPU (needs AVX-512)")
     steps = {name: rec["steps"][::every] for name, rec in recorded.items()}
     contexts = {name: [lens.tolist() for _, lens in s] for name, s in steps.items()}
     if any(c != contexts[next(iter(contexts))] for c in contexts.values()):
@@ -240,11 +248,7 @@ def compare_pools(recorded: dict[str, dict], dtype: str, every: int, rounds: int
         result[name] = {
             "s": round(statistics.median(seconds[name]), 4),
             "mean_run": round(mean_run(steps[name], bs), 2),
-            "x_speed": {
-                "median": round(statistics.median(ratios), 3),
-                "min": round(min(ratios), 3),
-                "max": round(max(ratios), 3),
-            },
+            "x_speed": spread(ratios),
         }
     return result
 
@@ -260,8 +264,9 @@ def main() -> None:
     ap.add_argument("--blocks", action="store_true", help="compare the block tables of two pool policies instead")
     ap.add_argument("--prefix-caching", action="store_true", help="--blocks: the engines keep computed blocks")
     args = ap.parse_args()
-    prompt = tuple(int(x) for x in args.prompt_len.split(","))
-    output = tuple(int(x) for x in args.output_len.split(","))
+    p_lo, p_hi = (int(x) for x in args.prompt_len.split(","))
+    o_lo, o_hi = (int(x) for x in args.output_len.split(","))
+    prompt, output = (p_lo, p_hi), (o_lo, o_hi)
     if args.blocks:
         pools = {
             "queue_fresh": (QueuePool, False),
@@ -270,15 +275,7 @@ def main() -> None:
             "ours_aged": (BlockPool, True),
         }
         tables = {
-            name: decode_steps(
-                args.dtype,
-                args.requests,
-                prompt,
-                output,
-                pool,
-                aged,
-                args.prefix_caching,  # type: ignore[arg-type]
-            )
+            name: decode_steps(args.dtype, args.requests, prompt, output, pool, aged, args.prefix_caching)
             for name, (pool, aged) in pools.items()
         }
         found = compare_pools(tables, args.dtype, args.every, args.rounds)
@@ -290,7 +287,7 @@ def main() -> None:
             )
         print(json.dumps(found))
         return
-    recorded = decode_steps(args.dtype, args.requests, prompt, output)  # type: ignore[arg-type]
+    recorded = decode_steps(args.dtype, args.requests, prompt, output)
     result = compare(recorded, args.dtype, args.every, args.rounds)
     for name in ("token_major", "head_major"):
         print(f"{name:12s} {result[name]['s']:.3f} s  {result[name]['gb_s']:5.1f} GB/s")
