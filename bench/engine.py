@@ -76,6 +76,23 @@ VARIANTS = {
 CEILING_ROWS = 256
 
 
+W_PROMPT_LEN, W_OUTPUT_LEN = (32, 512), (16, 256)  # workload W's prompt and output lengths (min, max)
+
+
+def add_shape_args(ap: argparse.ArgumentParser) -> None:
+    """The options that size W for the benchmarks that take it apart: --requests, --prompt-len, --output-len."""
+    ap.add_argument("--requests", type=int, default=64)
+    for name, (lo, hi) in (("prompt", W_PROMPT_LEN), ("output", W_OUTPUT_LEN)):
+        ap.add_argument(f"--{name}-len", default=f"{lo},{hi}", help=f"min,max {name} tokens (W: {lo},{hi})")
+
+
+def shape_args(args: argparse.Namespace) -> tuple[int, tuple[int, int], tuple[int, int]]:
+    """(requests, prompt lengths, output lengths) from `add_shape_args`' options."""
+    p_lo, p_hi = (int(v) for v in args.prompt_len.split(","))
+    o_lo, o_hi = (int(v) for v in args.output_len.split(","))
+    return args.requests, (p_lo, p_hi), (o_lo, o_hi)
+
+
 def make_workload(n: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab: int, seed: int):
     """[(prompt token ids, output length)], reproducible from the seed. Token ids avoid the low special ids."""
     rng = random.Random(seed)
@@ -602,7 +619,7 @@ def main() -> None:
     if args.quick:
         n, prange, orange = min(args.requests, 12), (16, 96), (8, 32)
     else:
-        n, prange, orange = args.requests, (32, 512), (16, 256)
+        n, prange, orange = args.requests, W_PROMPT_LEN, W_OUTPUT_LEN
     work = make_workload(n, prange, orange, vocab, args.seed)
     skip = {s for s in args.skip.split(",") if s}
     unknown = skip - set(SYSTEMS)

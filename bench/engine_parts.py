@@ -34,6 +34,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
+from engine import add_shape_args, shape_args
+
 
 class _Timers:
     """Seconds per part name; `wrap` returns a callable that adds its own duration under that name."""
@@ -215,16 +217,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--quantization", default=None, choices=["int8", "fp8", "int4"], help="weights (default: dense)")
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--prompt-len", default="32,512", help="min,max prompt tokens (W: 32,512)")
-    ap.add_argument("--output-len", default="16,256", help="min,max output tokens (W: 16,256)")
+    add_shape_args(ap)
     ap.add_argument("--by-rows", action="store_true", help="also the decoder linears by row count (decode steps)")
     args = ap.parse_args()
-    p_lo, p_hi = (int(v) for v in args.prompt_len.split(","))
-    o_lo, o_hi = (int(v) for v in args.output_len.split(","))
-    result = run(
-        args.dtype, args.requests, (p_lo, p_hi), (o_lo, o_hi), quantization=args.quantization, by_rows=args.by_rows
-    )
+    requests, prompt, output = shape_args(args)
+    result = run(args.dtype, requests, prompt, output, quantization=args.quantization, by_rows=args.by_rows)
     wall = result["wall_s"]
     print(
         f"{args.dtype} {args.quantization or 'dense'}, {args.requests} requests, {result['steps']} steps, wall {wall:.2f} s"

@@ -36,6 +36,7 @@ from collections import OrderedDict
 from itertools import pairwise
 from typing import Any
 
+from engine import add_shape_args, shape_args
 from worker.core.block_pool import BlockPool, KVBlock
 
 LAYERS = 30
@@ -258,15 +259,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--every", type=int, default=5, help="replay one of this many decode steps")
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--prompt-len", default="32,512", help="min,max prompt tokens (W: 32,512)")
-    ap.add_argument("--output-len", default="16,256", help="min,max output tokens (W: 16,256)")
+    add_shape_args(ap)
     ap.add_argument("--blocks", action="store_true", help="compare the block tables of two pool policies instead")
     ap.add_argument("--prefix-caching", action="store_true", help="--blocks: the engines keep computed blocks")
     args = ap.parse_args()
-    p_lo, p_hi = (int(x) for x in args.prompt_len.split(","))
-    o_lo, o_hi = (int(x) for x in args.output_len.split(","))
-    prompt, output = (p_lo, p_hi), (o_lo, o_hi)
+    requests, prompt, output = shape_args(args)
     if args.blocks:
         pools = {
             "queue_fresh": (QueuePool, False),
@@ -275,7 +272,7 @@ def main() -> None:
             "ours_aged": (BlockPool, True),
         }
         tables = {
-            name: decode_steps(args.dtype, args.requests, prompt, output, pool, aged, args.prefix_caching)
+            name: decode_steps(args.dtype, requests, prompt, output, pool, aged, args.prefix_caching)
             for name, (pool, aged) in pools.items()
         }
         found = compare_pools(tables, args.dtype, args.every, args.rounds)
@@ -287,7 +284,7 @@ def main() -> None:
             )
         print(json.dumps(found))
         return
-    recorded = decode_steps(args.dtype, args.requests, prompt, output)
+    recorded = decode_steps(args.dtype, requests, prompt, output)
     result = compare(recorded, args.dtype, args.every, args.rounds)
     for name in ("token_major", "head_major"):
         print(f"{name:12s} {result[name]['s']:.3f} s  {result[name]['gb_s']:5.1f} GB/s")
