@@ -127,6 +127,7 @@ def quality(tokens: int) -> dict[str, dict[str, float]]:
     recorders = [{n: _Recorder(d[n]) for n in LINEARS} for d in dense]
 
     def install(linears: list[dict[str, Callable[[torch.Tensor], torch.Tensor]]]) -> None:
+        runner.model.decode_stack = None  # decode steps call the swapped linears from Python, not the panels
         for layer, chosen in zip(layers, linears, strict=True):
             for n in LINEARS:
                 object.__setattr__(layer, n, chosen[n])  # DecoderLayer is frozen: a study may swap its linears

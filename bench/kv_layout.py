@@ -107,6 +107,7 @@ def decode_steps(
     finally:
         kv_cache_manager.BlockPool = BlockPool  # type: ignore[misc]
     runner = llm.engine.runner
+    runner.model.decode_stack = None  # decode steps through `paged_attention` (the spy), not `decode_layers`
     cfg = runner.config
     first_layer = runner.kv_caches[0][0].data_ptr()
     steps: list[tuple[torch.Tensor, torch.Tensor]] = []

@@ -1,7 +1,8 @@
 """The Llama-family decoder (Llama 2/3, SmolLM, Mistral without sliding window) over a paged KV cache.
 
 Written as plain tensors and functions rather than `nn.Module`s: inference never needs autograd or module
-hooks, and the fewer Python calls per layer, the less a CPU step costs. Projections are fused (q/k/v into one
+hooks, and the fewer Python calls per layer, the less a CPU step costs (a pure decode step on dense panels makes
+none: `decode_stack` hands all its layers to the extension's `decode_layers` in one call). Projections are fused (q/k/v into one
 matmul, gate/up into one) so a layer is four matmuls; every linear is a `quant.Linear`, so int8, fp8 and int4
 variants are the same code. Unquantized linears (and the output head) run on the kernel `linear.py` chooses for
 the device, dtype and CPU (oneDNN with weights reordered once at load for bf16 on CPUs with native bf16;
@@ -197,6 +198,25 @@ class LlamaModel:
         else:
             self.lm_head = make_dense_linear(head, None, dtype, linear_kernel, fused)
         self.inv_freq = rope_inv_freq(cfg).to(self.device)
+        self.decode_stack: list[torch.Tensor] | None = self._decode_stack()
+
+    def _decode_stack(self) -> list[torch.Tensor] | None:
+        """The decoder layers' tensors as the extension's `decode_layers` takes them (per layer: input norm, QKV's
+        panels and bias, o's, post norm, gate+up's, down's; an empty tensor for no bias), where a pure decode step
+        can run all its layers in one native call: the fused steps native and every linear dense panels. None:
+        the layers run call by call from Python (`forward`)."""
+        if self.fused is None or not hasattr(self.fused, "decode_layers"):
+            return None
+        none = torch.empty(0)
+        stack: list[torch.Tensor] = []
+        for layer in self.layers:
+            linears = (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+            panels = [lin for lin in linears if isinstance(lin, PanelLinear)]
+            if len(panels) < len(linears):
+                return None
+            qkv, o, gu, down = ((lin.packed, none if lin.bias is None else lin.bias) for lin in panels)
+            stack += [layer.input_norm, *qkv, *o, layer.post_norm, *gu, *down]
+        return stack
 
     @property
     def nbytes(self) -> int:
@@ -240,6 +260,30 @@ class LlamaModel:
         cos, sin = self.rope_tables(meta.positions)
         fused = self.fused
         h = self.embed_tokens(input_ids)
+        if (
+            self.decode_stack is not None
+            and fused is not None
+            and lora is None
+            and meta.num_decode == t
+            and native.decode is not None
+            and native.kv_write is not None
+        ):
+            assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
+            return fused.decode_layers(
+                h,
+                self.decode_stack,
+                [heads, kv_heads, head_dim, cfg.hidden_size, inter],
+                cos,
+                sin,
+                [k for k, _ in kv_caches],
+                [v for _, v in kv_caches],
+                meta.slot_mapping,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                self.scale,
+                eps,
+                self.norm,
+            )
         pending: torch.Tensor | None = None  # the last sub-layer's output, not yet added to the residual h
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             h, x = self._add_norm(h, pending, layer.input_norm, eps)

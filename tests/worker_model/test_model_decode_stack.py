@@ -1,0 +1,103 @@
+"""A pure decode step runs its decoder layers in one native call (`decode_layers`, LlamaModel.decode_stack) where
+every linear is dense panels and the fused steps are native: the same calls in the same order as the layer-by-layer
+Python path, so the same tokens, logprobs and KV cache, bit for bit, in fp32 and bf16, with and without projection
+biases. Steps with a prompt chunk, LoRA batches and quantized models stay on the Python path. Skipped on CPUs where
+the panels or the fused steps do not run (there the model has no stack)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from worker.model.runner import ModelRunner
+from worker.model.testing import make_tiny_llama
+
+SIZES = dict(hidden_size=128, intermediate_size=192, num_attention_heads=2, num_key_value_heads=1, init_std=0.1)
+
+
+class _Counting:
+    """The extension with its `decode_layers` calls counted; everything else passes through."""
+
+    def __init__(self, fused) -> None:
+        self._fused = fused
+        self.calls = 0
+
+    def decode_layers(self, *args):
+        self.calls += 1
+        return self._fused.decode_layers(*args)
+
+    def __getattr__(self, name: str):
+        return getattr(self._fused, name)
+
+
+def _runner(path, dtype: str, **kwargs) -> ModelRunner:
+    runner = ModelRunner(str(path), num_blocks=64, dtype=dtype, **kwargs)
+    if runner.model.decode_stack is None:
+        pytest.skip(f"no native decode stack for {dtype} here (linears on {runner.model.linear_kernel})")
+    return runner
+
+
+def _decode(runner: ModelRunner, prompts: list[list[int]], driver_cls, seq_cls) -> list:
+    seqs = [seq_cls(f"r{i}", list(p), max_tokens=6 + i) for i, p in enumerate(prompts)]
+    driver_cls(runner).run(seqs)
+    return seqs
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["no-bias", "bias"])
+def tiny_path(request, tmp_path_factory):
+    """The tiny Llama (3 layers, head dim 64), with or without biases on every projection (as a Qwen2- or
+    Llama-with-bias checkpoint has them)."""
+    root = make_tiny_llama(tmp_path_factory.mktemp("stack"), num_hidden_layers=3, **SIZES)
+    if request.param:
+        tensors = load_file(str(root / "model.safetensors"))
+        gen = torch.Generator().manual_seed(5)
+        for name, t in list(tensors.items()):
+            if name.endswith("_proj.weight"):
+                tensors[name.removesuffix("weight") + "bias"] = torch.randn(t.shape[0], generator=gen) * 0.2
+        save_file(tensors, str(root / "model.safetensors"), metadata={"format": "pt"})
+        config = json.loads((root / "config.json").read_text())
+        (root / "config.json").write_text(json.dumps(config | {"attention_bias": True, "mlp_bias": True}))
+    return root
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_stack_gives_the_python_paths_tokens_logprobs_and_cache_bit_for_bit(tiny_path, dtype, driver_cls, seq_cls):
+    stacked, python = _runner(tiny_path, dtype), _runner(tiny_path, dtype)
+    python.model.decode_stack = None
+    counting = _Counting(stacked.model.fused)
+    stacked.model.fused = counting
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, stacked.config.vocab_size, (n,), generator=gen).tolist() for n in (5, 17, 40, 1)]
+    got = _decode(stacked, prompts, driver_cls, seq_cls)
+    want = _decode(python, prompts, driver_cls, seq_cls)
+    assert counting.calls > 0  # the decode steps ran on the stack
+    assert [s.output for s in got] == [s.output for s in want]
+    assert [s.logprobs for s in got] == [s.logprobs for s in want]
+    for (k1, v1), (k2, v2) in zip(stacked.kv_caches, python.kv_caches):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_only_pure_decode_steps_take_the_stack(tiny_path, driver_cls, seq_cls):
+    runner = _runner(tiny_path, "bfloat16")
+    counting = _Counting(runner.model.fused)
+    runner.model.fused = counting
+    gen = torch.Generator().manual_seed(4)
+    prompt = torch.randint(3, runner.config.vocab_size, (30,), generator=gen).tolist()
+    driver = driver_cls(runner)
+    seqs = [seq_cls("a", list(prompt), max_tokens=4)]
+    driver.step(seqs)  # the prompt: no stack
+    assert counting.calls == 0
+    driver.step(seqs)  # one decode row: the stack
+    assert counting.calls == 1
+    seqs.append(seq_cls("b", list(prompt[:9]), max_tokens=4))
+    driver.step(seqs)  # a decode row beside a prompt: no stack
+    assert counting.calls == 1
+    driver.step(seqs)  # two decode rows
+    assert counting.calls == 2
+
+
+def test_quantized_models_have_no_stack(tiny_path):
+    runner = ModelRunner(str(tiny_path), num_blocks=64, dtype="bfloat16", quantization="int8")
+    assert runner.model.decode_stack is None
