@@ -323,6 +323,22 @@ def test_panel_linear_matches_f_linear_in_fp32(panels, rows, out_in, bias):
     assert torch.equal(layer.rows(ids), w[ids])  # the embedding lookups a tied head serves
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_panel_lookups_take_many_ids_and_refuse_ids_past_the_weight(panels, dtype):
+    """A prompt chunk's embedding lookups (thousands of ids, split between threads) read the weight's rows; an id
+    past the weight's rows (the padding columns of the last panel included) is refused, not read."""
+    if dtype == torch.bfloat16 and not panels.bf16_panels_ready():
+        pytest.skip("bf16 panels need AVX512-BF16")
+    w = torch.randn(100, 64, generator=GEN).to(dtype)  # 3 panels of 48: the last holds 4 rows and 44 of padding
+    layer = PanelLinear(w, None, panels)
+    ids = torch.randint(0, 100, (3000,), generator=GEN)
+    assert torch.equal(layer.rows(ids), w[ids])
+    assert layer.rows(torch.tensor([], dtype=torch.long)).shape == (0, 64)
+    for bad in (100, 143, 144, -1):
+        with pytest.raises(RuntimeError, match="out of range"):
+            layer.rows(torch.tensor([3, bad]))
+
+
 @pytest.mark.parametrize("out_features", [96, 112, 100])  # streamed (whole panels; a part-filled one), plain stores
 def test_panel_linear_writes_a_prompt_chunk_as_it_writes_its_parts(panels, out_features):
     """Past one 256-row pass the kernel writes y with streaming stores (N a multiple of 16): the same values, bit

@@ -128,6 +128,8 @@ class AmxOps(Protocol):
         self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None, fp32_out: bool
     ) -> torch.Tensor: ...
 
+    def panel_weight_rows(self, packed: torch.Tensor, ids: torch.Tensor, n: int) -> torch.Tensor: ...
+
 
 def read_cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> frozenset[str]:
     """The CPU feature flags the kernel reports (empty where there is no /proc/cpuinfo)."""
@@ -294,7 +296,7 @@ class PanelLinear:
     are wanted). `rows(ids)` reads weight rows back out of the panels: a tied head's embedding lookups, so the
     embedding is not held twice."""
 
-    __slots__ = ("_run", "bias", "in_features", "out_features", "packed")
+    __slots__ = ("_lookup", "_run", "bias", "in_features", "out_features", "packed")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, native: AmxOps, fp32_out: bool = False) -> None:
         if weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu" or weight.dim() != 2:
@@ -303,6 +305,7 @@ class PanelLinear:
             )
         self.out_features, self.in_features = weight.shape
         cols = native.f32_panel_cols()
+        self._lookup = native.panel_weight_rows
         self._run: Callable[..., torch.Tensor]
         if weight.dtype == torch.float32:
             self.packed, self._run = pack_panels(weight, cols), native.panel_linear_f32
@@ -320,11 +323,8 @@ class PanelLinear:
         return on_rows(x, self.out_features, lambda r: self._run(r, self.packed, self.out_features, self.bias))
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """weight[ids] ([len(ids), in]): F.embedding over the packed weight."""
-        cols = self.packed.shape[2]
-        if self.packed.dim() == 3:
-            return self.packed[ids // cols, :, ids % cols]
-        return self.packed[ids // cols, :, ids % cols, :].reshape(ids.shape[0], self.in_features)
+        """weight[ids] ([len(ids), in]): F.embedding over the packed weight (the extension's `panel_weight_rows`)."""
+        return self._lookup(self.packed, ids, self.out_features)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The plain [out, in] weight the layer multiplies by."""
