@@ -1,8 +1,9 @@
 """A pure decode step runs its decoder layers in one native call (`decode_layers`, LlamaModel.decode_stack) where
-every linear is dense panels and the fused steps are native: the same calls in the same order as the layer-by-layer
-Python path, so the same tokens, logprobs and KV cache, bit for bit, in fp32 and bf16, with and without projection
-biases. Steps with a prompt chunk, LoRA batches and quantized models stay on the Python path. Skipped on CPUs where
-the panels or the fused steps do not run (there the model has no stack)."""
+every linear runs on panels and the fused steps are native: the same calls in the same order as the layer-by-layer
+Python path, so the same tokens, logprobs and KV cache, bit for bit, in fp32 and bf16, int8, fp8 and int4 (a bf16
+model's codes on the pair panels), with and without projection biases. Steps with a prompt chunk stay on the Python
+path, and so does an fp32 model's quantized layers (their activations rounded to bf16 on the way in). Skipped on
+CPUs where the panels or the fused steps do not run (there the model has no stack)."""
 
 from __future__ import annotations
 
@@ -32,10 +33,10 @@ class _Counting:
         return getattr(self._fused, name)
 
 
-def _runner(path, dtype: str, **kwargs) -> ModelRunner:
-    runner = ModelRunner(str(path), num_blocks=64, dtype=dtype, **kwargs)
+def _runner(path, dtype: str, quantization: str | None = None) -> ModelRunner:
+    runner = ModelRunner(str(path), num_blocks=64, dtype=dtype, quantization=quantization)
     if runner.model.decode_stack is None:
-        pytest.skip(f"no native decode stack for {dtype} here (linears on {runner.model.linear_kernel})")
+        pytest.skip(f"no native decode stack for {dtype} {quantization} here (on {runner.model.linear_kernel})")
     return runner
 
 
@@ -62,9 +63,14 @@ def tiny_path(request, tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_stack_gives_the_python_paths_tokens_logprobs_and_cache_bit_for_bit(tiny_path, dtype, driver_cls, seq_cls):
-    stacked, python = _runner(tiny_path, dtype), _runner(tiny_path, dtype)
+@pytest.mark.parametrize(
+    ("dtype", "quantization"),
+    [("float32", None), ("bfloat16", None), ("bfloat16", "int8"), ("bfloat16", "fp8"), ("bfloat16", "int4")],
+)
+def test_the_stack_gives_the_python_paths_tokens_logprobs_and_cache_bit_for_bit(
+    tiny_path, dtype, quantization, driver_cls, seq_cls
+):
+    stacked, python = _runner(tiny_path, dtype, quantization), _runner(tiny_path, dtype, quantization)
     python.model.decode_stack = None
     counting = _Counting(stacked.model.fused)
     stacked.model.fused = counting
@@ -98,6 +104,7 @@ def test_only_pure_decode_steps_take_the_stack(tiny_path, driver_cls, seq_cls):
     assert counting.calls == 2
 
 
-def test_quantized_models_have_no_stack(tiny_path):
-    runner = ModelRunner(str(tiny_path), num_blocks=64, dtype="bfloat16", quantization="int8")
+@pytest.mark.parametrize("quantization", ["int8", "fp8", "int4"])
+def test_an_fp32_models_quantized_layers_have_no_stack(tiny_path, quantization):
+    runner = ModelRunner(str(tiny_path), num_blocks=64, quantization=quantization)
     assert runner.model.decode_stack is None

@@ -61,8 +61,9 @@ multiply fp32 activations by weights packed once into 48-column panels (AVX-512,
 `panel_linear_bf16` (and `_bf16_codes`, `_bf16_int4`) multiply bf16 activations by panels of input pairs with
 `vdpbf16ps` (AVX512-BF16). linear.py and quant.py say what they measure; `f32_attention_` serves fp32 prompt chunks,
 `bf16_attention_` bf16 ones (the AMX kernel's task on `vdpbf16ps`), and where that cannot run the fp32 kernel takes
-them widened (`widened_attention`). `decode_layers` runs a pure decode step's layers over the panels in one call
-(LlamaModel.decode_stack): the same calls in the same order, without Python and the bindings between them.
+them widened (`widened_attention`). `decode_layers` runs a pure decode step's layers over the panels (dense or
+quantized) in one call (LlamaModel.decode_stack): the same calls in the same order, without Python and the bindings
+between them.
 """
 
 from __future__ import annotations
@@ -3239,46 +3240,56 @@ torch::Tensor panel_weight_rows(torch::Tensor packed, torch::Tensor ids, int64_t
 // ---- a decode step's decoder layers in one call ----
 // LlamaModel.forward makes ten calls a layer (two norms, four linears, RoPE, the cache write, attention, SiLU),
 // each from Python through its binding: ~1 ms of a 10-28 ms W decode step went to the Python and the bindings,
-// not the kernels. For a step of single-token rows whose linears are all panels (fp32 or bf16), this makes the
-// same calls in the same order from C++, so the outputs and the cache are the same, bit for bit.
-// layers: per layer input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, gate_up_bias, down, down_bias (a
-// linear's packed panels and its bias, an empty tensor where it has none); dims: heads, kv_heads, head_dim,
-// hidden, intermediate. h [T, hidden] (the embeddings, updated in place as the residual); cos, sin [T, 1, D]
-// (LlamaModel.rope_tables); caches [NB, BS, KVH, D] per layer; slots [T]; tables [T, max_blocks]; lens [T].
-// Returns the final norm's output [T, hidden].
-static torch::Tensor stack_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
-                                  const torch::Tensor& bias) {
-  const c10::optional<torch::Tensor> b = bias.numel() ? c10::optional<torch::Tensor>(bias) : c10::nullopt;
-  if (packed.scalar_type() == at::kFloat) return panel_linear_f32(x, packed, n, b);
-  return panel_linear_bf16(x, packed, n, b, false);
+// not the kernels. For a step of single-token rows whose linears all run on panels, this makes the same calls in
+// the same order from C++, so the outputs and the cache are the same, bit for bit.
+// layers: per layer input_norm, QKV's (packed, bias, extra), post_norm, then o's, gate+up's and down's (packed,
+// bias, extra) in that order after QKV's: fp32 panels or bf16 pairs (extra empty), int8 or fp8 codes in pairs
+// (extra: the columns' scales) or int4 pairs (extra: the groups' scales and offsets); an empty bias for none.
+// dims: heads, kv_heads, head_dim, hidden, intermediate. h [T, hidden] (the embeddings, updated in place as the
+// residual); cos, sin [T, 1, D] (LlamaModel.rope_tables); caches [NB, BS, KVH, D] per layer; slots [T]; tables
+// [T, max_blocks]; lens [T]. Returns the final norm's output [T, hidden].
+static torch::Tensor stack_linear(const torch::Tensor& x, const torch::Tensor* w, int64_t n) {
+  const torch::Tensor &packed = w[0], &extra = w[2];
+  const c10::optional<torch::Tensor> bias = w[1].numel() ? c10::optional<torch::Tensor>(w[1]) : c10::nullopt;
+  switch (packed.scalar_type()) {
+    case at::kFloat:
+      return panel_linear_f32(x, packed, n, bias);
+    case at::kBFloat16:
+      return panel_linear_bf16(x, packed, n, bias, false);
+    case at::kByte:  // int4: K / group_size groups a panel
+      TORCH_CHECK(extra.dim() == 4 && extra.size(1) > 0, "decode_layers: an int4 linear's extra is its groups");
+      return panel_linear_bf16_int4(x, packed, extra, n, x.size(1) / extra.size(1), bias, false);
+    default:  // int8 or fp8 codes (panel_linear_bf16_codes refuses any other type)
+      return panel_linear_bf16_codes(x, packed, n, extra, bias, false);
+  }
 }
 
 torch::Tensor decode_layers(torch::Tensor h, std::vector<torch::Tensor> layers, std::vector<int64_t> dims,
                             torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> k_caches,
                             std::vector<torch::Tensor> v_caches, torch::Tensor slots, torch::Tensor tables,
                             torch::Tensor lens, double scale, double eps, torch::Tensor final_norm) {
-  constexpr size_t kPerLayer = 10;
+  constexpr size_t kPerLayer = 14;
   TORCH_CHECK(dims.size() == 5, "decode_layers: dims must be [heads, kv_heads, head_dim, hidden, intermediate]");
   const int64_t heads = dims[0], kv_heads = dims[1], d = dims[2], hidden = dims[3], inter = dims[4];
   const size_t n_layers = k_caches.size();
   TORCH_CHECK(layers.size() == kPerLayer * n_layers && v_caches.size() == n_layers,
-              "decode_layers: 10 tensors and one K and V cache per layer");
+              "decode_layers: 14 tensors and one K and V cache per layer");
   const int64_t t = h.size(0), q_size = heads * d, kv_size = kv_heads * d;
   c10::optional<torch::Tensor> pending;
   for (size_t i = 0; i < n_layers; ++i) {
     const torch::Tensor* w = layers.data() + kPerLayer * i;
     auto x = add_rms_norm(h, pending, w[0], eps)[1];
-    auto qkv = stack_linear(x, w[1], q_size + 2 * kv_size, w[2]);
+    auto qkv = stack_linear(x, w + 1, q_size + 2 * kv_size);
     rope_(qkv, heads + kv_heads, d, cos, sin);
     auto q = qkv.narrow(1, 0, q_size).view({t, heads, d});
     auto k = qkv.narrow(1, q_size, kv_size).view({t, kv_heads, d});
     auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, kv_heads, d});
     kv_write_(k_caches[i], v_caches[i], slots, k, v);
     auto attn = paged_decode(q, k_caches[i], v_caches[i], tables, lens, scale).reshape({t, q_size});
-    auto o = stack_linear(attn, w[3], hidden, w[4]);
-    x = add_rms_norm(h, o, w[5], eps)[1];
-    auto gu = stack_linear(x, w[6], 2 * inter, w[7]);
-    pending = stack_linear(silu_and_mul(gu), w[8], hidden, w[9]);
+    auto o = stack_linear(attn, w + 5, hidden);
+    x = add_rms_norm(h, o, w[4], eps)[1];
+    auto gu = stack_linear(x, w + 8, 2 * inter);
+    pending = stack_linear(silu_and_mul(gu), w + 11, hidden);
   }
   return add_rms_norm(h, pending, final_norm, eps)[1];
 }

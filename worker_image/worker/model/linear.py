@@ -322,6 +322,10 @@ class PanelLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return on_rows(x, self.out_features, lambda r: self._run(r, self.packed, self.out_features, self.bias))
 
+    def stack_operands(self) -> tuple[torch.Tensor, torch.Tensor | None, None]:
+        """What the extension's `decode_layers` multiplies by for this layer: (panels, bias, no scales)."""
+        return self.packed, self.bias, None
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """weight[ids] ([len(ids), in]): F.embedding over the packed weight (the extension's `panel_weight_rows`)."""
         return self._lookup(self.packed, ids, self.out_features)

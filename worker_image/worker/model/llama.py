@@ -1,8 +1,8 @@
 """The Llama-family decoder (Llama 2/3, SmolLM, Mistral without sliding window) over a paged KV cache.
 
 Written as plain tensors and functions rather than `nn.Module`s: inference never needs autograd or module
-hooks, and the fewer Python calls per layer, the less a CPU step costs (a pure decode step on dense panels makes
-none: `decode_stack` hands all its layers to the extension's `decode_layers` in one call). Projections are fused (q/k/v into one
+hooks, and the fewer Python calls per layer, the less a CPU step costs (a pure decode step on panels makes none:
+`decode_stack` hands all its layers to the extension's `decode_layers` in one call). Projections are fused (q/k/v into one
 matmul, gate/up into one) so a layer is four matmuls; every linear is a `quant.Linear`, so int8, fp8 and int4
 variants are the same code. Unquantized linears (and the output head) run on the kernel `linear.py` chooses for
 the device, dtype and CPU (oneDNN with weights reordered once at load for bf16 on CPUs with native bf16;
@@ -202,20 +202,23 @@ class LlamaModel:
 
     def _decode_stack(self) -> list[torch.Tensor] | None:
         """The decoder layers' tensors as the extension's `decode_layers` takes them (per layer: input norm, QKV's
-        panels and bias, o's, post norm, gate+up's, down's; an empty tensor for no bias), where a pure decode step
-        can run all its layers in one native call: the fused steps native and every linear dense panels. None:
-        the layers run call by call from Python (`forward`)."""
+        operands, post norm, o's, gate+up's, down's; a linear's from its `stack_operands`, an empty tensor for each
+        one it lacks), where a pure decode step can run all its layers in one native call: the fused steps native
+        and every linear on panels the stack multiplies by. None: the layers run call by call from Python
+        (`forward`)."""
         if self.fused is None or not hasattr(self.fused, "decode_layers"):
             return None
         none = torch.empty(0)
         stack: list[torch.Tensor] = []
         for layer in self.layers:
-            linears = (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
-            panels = [lin for lin in linears if isinstance(lin, PanelLinear)]
-            if len(panels) < len(linears):
-                return None
-            qkv, o, gu, down = ((lin.packed, none if lin.bias is None else lin.bias) for lin in panels)
-            stack += [layer.input_norm, *qkv, *o, layer.post_norm, *gu, *down]
+            operands = []
+            for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+                ops = getattr(lin, "stack_operands", lambda: None)()
+                if ops is None:
+                    return None
+                operands.append([none if t is None else t for t in ops])
+            qkv, o, gu, down = operands
+            stack += [layer.input_norm, *qkv, layer.post_norm, *o, *gu, *down]
         return stack
 
     @property

@@ -360,6 +360,13 @@ class RowScaledLinear:
             return f"{direct} up to {self._direct_rows} rows, {fmt.native_to_bf16} tiles and a bf16 GEMM past"
         return _torch_path("the codes converted per call, then F.linear")
 
+    def stack_operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
+        """What the extension's `decode_layers` multiplies by for this layer of a bf16 model on the pair panels:
+        (the codes' panels, the bias, the columns' scales); None elsewhere (the layer runs from Python)."""
+        if self.weight.dim() != 4 or self._dtype != torch.bfloat16:
+            return None
+        return self.weight, self.bias, self._unit_scale
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         codes = self.weight
         if self.weight.dim() == 4:
@@ -538,6 +545,13 @@ class Int4Linear:
             direct = "amx_linear_int4" if self._amx else "int4_gemv_bf16"
             return f"{direct} up to {self._direct_rows} rows, int4_to_bf16 tiles and a bf16 GEMM past"
         return _torch_path("_weight_int4pack_mm_for_cpu, bf16 activations inside")
+
+    def stack_operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
+        """What the extension's `decode_layers` multiplies by for this layer of a bf16 model on the pair panels:
+        (the int4 panels, the bias, the groups' scales and offsets); None elsewhere (the layer runs from Python)."""
+        if not self._pairs or self.out_dtype != torch.bfloat16:
+            return None
+        return self.packed, self.bias, self.scales_zeros
 
     def _tile(self, start: int, end: int) -> torch.Tensor:
         assert self._native is not None
