@@ -7,13 +7,10 @@ CPUs where the panels or the fused steps do not run (there the model has no stac
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from worker.model.runner import ModelRunner
-from worker.model.testing import make_tiny_llama
+from worker.model.testing import add_projection_biases, make_tiny_llama
 
 SIZES = dict(hidden_size=128, intermediate_size=192, num_attention_heads=2, num_key_value_heads=1, init_std=0.1)
 
@@ -51,16 +48,7 @@ def tiny_path(request, tmp_path_factory):
     """The tiny Llama (3 layers, head dim 64), with or without biases on every projection (as a Qwen2- or
     Llama-with-bias checkpoint has them)."""
     root = make_tiny_llama(tmp_path_factory.mktemp("stack"), num_hidden_layers=3, **SIZES)
-    if request.param:
-        tensors = load_file(str(root / "model.safetensors"))
-        gen = torch.Generator().manual_seed(5)
-        for name, t in list(tensors.items()):
-            if name.endswith("_proj.weight"):
-                tensors[name.removesuffix("weight") + "bias"] = torch.randn(t.shape[0], generator=gen) * 0.2
-        save_file(tensors, str(root / "model.safetensors"), metadata={"format": "pt"})
-        config = json.loads((root / "config.json").read_text())
-        (root / "config.json").write_text(json.dumps(config | {"attention_bias": True, "mlp_bias": True}))
-    return root
+    return add_projection_biases(root) if request.param else root
 
 
 @pytest.mark.parametrize(

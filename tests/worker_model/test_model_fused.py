@@ -11,11 +11,8 @@ token, and the model keeps no tensor of the caller's (the loader's are views of 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from worker.model import quant as quant_module
 from worker.model.config import ModelConfig
 from worker.model.linear import ONEDNN_LINEAR, PackedLinear, available_kernels
@@ -23,7 +20,7 @@ from worker.model.llama import LlamaModel
 from worker.model.loader import load_weights
 from worker.model.quant import Fp8Linear, Int4Linear, Int8Linear, fp8_chunk_rows, make_linear
 from worker.model.runner import ModelRunner
-from worker.model.testing import make_tiny_llama
+from worker.model.testing import add_projection_biases, make_tiny_llama
 
 needs_onednn = pytest.mark.skipif(ONEDNN_LINEAR not in available_kernels(), reason="torch without oneDNN bf16")
 GEN = torch.Generator().manual_seed(0)
@@ -148,17 +145,7 @@ def test_the_model_keeps_no_view_of_the_memory_mapped_file(tmp_path):
 def biased_dir(tmp_path_factory):
     """The tiny Llama with `attention_bias` and `mlp_bias` (q/k/v/o and gate/up/down biases), as a Qwen2- or
     Llama-with-bias checkpoint has them."""
-    root = make_tiny_llama(tmp_path_factory.mktemp("biased"), num_hidden_layers=2)
-    tensors = load_file(str(root / "model.safetensors"))
-    gen = torch.Generator().manual_seed(5)
-    for name, t in list(tensors.items()):
-        if name.endswith("_proj.weight"):
-            tensors[name.removesuffix("weight") + "bias"] = torch.randn(t.shape[0], generator=gen) * 0.2
-    save_file(tensors, str(root / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((root / "config.json").read_text())
-    config |= {"attention_bias": True, "mlp_bias": True}
-    (root / "config.json").write_text(json.dumps(config))
-    return root
+    return add_projection_biases(make_tiny_llama(tmp_path_factory.mktemp("biased"), num_hidden_layers=2))
 
 
 @pytest.mark.parametrize("chunk", [None, 5])

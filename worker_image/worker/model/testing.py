@@ -7,6 +7,7 @@ loads both in our `ModelRunner` and in `transformers.LlamaForCausalLM`, which is
 compare. Weights are drawn with a fixed seed and a larger spread than real initialisations, so greedy decoding
 has clear winners (fp32 rounding differences between implementations then never flip a token).
 
+`add_projection_biases(path)` gives such a folder a bias on every projection (as Qwen2 has them).
 `make_random_lora(path, model_dir)` writes a random LoRA adapter in PEFT's format for such a folder (or any
 Llama folder), and `merge_lora_into` merges one into a transformers state dict: the reference an adapter served
 by our engine must equal. `causal_attention` is the reference the native prompt-attention kernels are held to, `qkv_views` their inputs as
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -157,6 +158,21 @@ def make_tiny_llama(
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def add_projection_biases(root: str | Path, seed: int = 5) -> Path:
+    """Give every projection of the Llama folder at `root` (q/k/v/o, gate/up/down) a random bias and turn on
+    `attention_bias` and `mlp_bias`, as a Qwen2- or Llama-with-bias checkpoint has them. Returns `root`."""
+    root = Path(root)
+    tensors = load_file(str(root / "model.safetensors"))
+    gen = torch.Generator().manual_seed(seed)
+    for name, t in list(tensors.items()):
+        if name.endswith("_proj.weight"):
+            tensors[name.removesuffix("weight") + "bias"] = torch.randn(t.shape[0], generator=gen) * 0.2
+    save_file(tensors, str(root / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((root / "config.json").read_text())
+    (root / "config.json").write_text(json.dumps(config | {"attention_bias": True, "mlp_bias": True}))
+    return root
 
 
 def make_random_lora(
