@@ -2,8 +2,8 @@
 
 Written as plain tensors and functions rather than `nn.Module`s: inference never needs autograd or module
 hooks, and the fewer Python calls per layer, the less a CPU step costs (a pure decode step on panels makes none:
-`decode_stack` hands all its layers to the extension's `decode_layers` in one call). Projections are fused (q/k/v into one
-matmul, gate/up into one) so a layer is four matmuls; every linear is a `quant.Linear`, so int8, fp8 and int4
+`decode_stack` hands all its layers to the extension's `decode_layers` in one call). Projections are fused (q/k/v
+into one matmul, gate/up into one) so a layer is four matmuls; every linear is a `quant.Linear`, so int8, fp8 and int4
 variants are the same code. Unquantized linears (and the output head) run on the kernel `linear.py` chooses for
 the device, dtype and CPU (oneDNN with weights reordered once at load for bf16 on CPUs with native bf16;
 plain torch otherwise); the choice and its reason are logged once per model. Numerics follow HF `LlamaForCausalLM` (RMSNorm in fp32, RoPE tables in fp32, HF's
@@ -206,7 +206,7 @@ class LlamaModel:
         one it lacks), where a pure decode step can run all its layers in one native call: the fused steps native
         and every linear on panels the stack multiplies by. None: the layers run call by call from Python
         (`forward`)."""
-        if self.fused is None or not hasattr(self.fused, "decode_layers"):
+        if self.fused is None:
             return None
         none = torch.empty(0)
         stack: list[torch.Tensor] = []
