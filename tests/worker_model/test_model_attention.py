@@ -248,6 +248,32 @@ def test_native_decode_covers_every_sequence_whatever_the_thread_count(kernel, t
         assert torch.allclose(out[s].view(2, 64), want, atol=1e-5), s
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hd", [64, 128])
+def test_slots_past_a_context_never_reach_the_output(kernel, dtype, hd):
+    """A sequence's last block holds, past its context, whatever was written there before (a freed request's rows,
+    anything): NaN there must change no bit of any output. The bf16 P.V pass takes rows two at a time, so an odd
+    context's last row must pair with zeros, not with the slot after it."""
+    gen = torch.Generator().manual_seed(hd)
+    bs, lens = 16, [1, 3, 16, 17, 31, 45]
+    per_seq = [-(-n // bs) for n in lens]
+    k = torch.randn(sum(per_seq), bs, 3, hd, generator=gen).to(dtype)
+    v = torch.randn(sum(per_seq), bs, 3, hd, generator=gen).to(dtype)
+    tables = torch.zeros(len(lens), max(per_seq), dtype=torch.int64)
+    k_bad, v_bad = k.clone(), v.clone()
+    first = 0
+    for s, (n, blocks) in enumerate(zip(lens, per_seq, strict=True)):
+        tables[s, :blocks] = torch.arange(first, first + blocks)
+        last = first + blocks - 1
+        k_bad[last, n - (blocks - 1) * bs :] = float("nan")
+        v_bad[last, n - (blocks - 1) * bs :] = float("nan")
+        first += blocks
+    q = torch.randn(len(lens), 9, hd, generator=gen).to(dtype)
+    n_t = torch.tensor(lens)
+    clean, dirty = kernel(q, k, v, tables, n_t, hd**-0.5), kernel(q, k_bad, v_bad, tables, n_t, hd**-0.5)
+    assert clean.isfinite().all() and torch.equal(clean, dirty)
+
+
 def _kv_write():
     from worker.model.kernels import load_kv_write
 

@@ -12,8 +12,9 @@ the inner loops (explicit vectors, a polynomial exp, prefetching the next block)
 
 bf16 on CPUs with AVX512-BF16 (head dims 64 and 128) takes its own path, chosen at run time in the same build:
 the query heads of a KV head's group go together (each K and V row is read once for up to 4 of them), their
-queries and output accumulators stay in registers, Q.K runs on vdpbf16ps, V rows are widened with a shift and
-the softmax runs 16 scores at a time on a polynomial exp. The generic path was no faster in bf16 than in fp32 (converting each K/V element one by
+queries and output accumulators stay in registers, Q.K runs on vdpbf16ps, the softmax runs 16 scores at a time on
+a polynomial exp, and P.V runs on vdpbf16ps too, P rounded to bf16 (stop 49; V rows were widened to fp32 for FMAs
+before). The generic path was no faster in bf16 than in fp32 (converting each K/V element one by
 one, once per query head of a group). `bench/attention_kernel.py` compares the two on one machine: 64 sequences
 of 256 tokens, SmolLM2's 9 query / 3 KV heads of 64: 1.29 -> 0.59 ms per layer (2.2x; 0.78 before the grouping
 and the vector exp) on a 2-core Xeon with AVX512-BF16; a Llama-3-8B layer (32 / 8 heads of 128) 8.1 -> 6.7 ms. Asking
@@ -24,11 +25,16 @@ takes the same passes over fp32 rows (Q.K by FMAs on the query scaled first, as 
 SmolLM2 at 400 tokens 2.1-2.2 -> 1.13-1.19 ms per layer, within 1e-6 of the portable path; Llama-3-8B 16.6 ->
 14.7. `paged_decode_path` says which path runs, for the worker's log. Since then (stop 28): threads split the
 sequences by context length, not count (`split_bounds`); a sequence is walked block by block, all KV heads of a
-block together; Q.K folds 16 rows' sums in one transpose (`reduce16`); prefetches go one row at a time. W's decode
-attention in the engine: 5.5 -> 4.3 s (bf16), near what two cores' fill buffers allow (architecture.md, section 6).
-Stop 46: where the AVX-512 passes run, the runner lays the cache out head-major (`head_major_cache`: each block's
-rows head by head), which those passes read as runs of consecutive lines: W's decode attention 2.31 -> 2.06 s
-(bf16) and 4.32 -> 3.83 s (fp32), the same outputs to the bit.
+block together; Q.K folds 16 rows' sums in one transpose (`fold4`, `fold16`); prefetches go one row at a time. W's
+decode attention in the engine: 5.5 -> 4.3 s (bf16), near what two cores' fill buffers allow (architecture.md,
+section 6). Stop 46: where the AVX-512 passes run, the runner lays the cache out head-major (`head_major_cache`: each
+block's rows head by head), which those passes read as runs of consecutive lines: W's decode attention 2.31 -> 2.06 s
+(bf16) and 4.32 -> 3.83 s (fp32), the same outputs to the bit. Stop 49, on a Zen 4 (512-bit FMAs and vdpbf16ps at one
+a cycle, half a Zen 5's rate, so these passes were bound by their arithmetic even over a cache in L2): Q.K folds each
+4 rows as they come (no spilled sums), bf16 P.V on vdpbf16ps with its output stored 32 dims at a time. W's own decode
+tables over 30 layers' caches (a /tmp replay of `bench/kv_layout.py`'s steps through HEAD's build and this one in one
+process, 9 alternated rounds): bf16 1.24x [1.19-1.35] (23.9 -> 29.4 GB/s), fp32 1.08x [1.03-1.12] (28.1 -> 30.7 GB/s,
+the same bits; a plain read ran 33.5 GB/s then).
 
 It is built with `torch.utils.cpp_extension.load_inline` (needs a C++ compiler and ninja; ~30-60 s the
 first time, then cached under torch's extension dir (`TORCH_EXTENSIONS_DIR`), keyed by the source, the flags
@@ -292,15 +298,21 @@ LLMFLEET_AVX2 static inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-// Lane i of the result = the sum of v[i]'s 16 lanes: a 16x16 transpose folded into the adds, 45 instructions for
-// 16 sums where 16 _mm512_reduce_add_ps take ~4x as many, each a long dependency chain of its own.
-LLMFLEET_AVX512F static inline __m512 reduce16(const __m512* v) {
-  __m512 t[8], s[4], r[2];
-  for (int i = 0; i < 8; ++i)  // per 128-bit slot: [v2i (a+c), v2i+1 (a+c), v2i (b+d), v2i+1 (b+d)]
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)  // per slot: v4i .. v4i+3, each that slot's sum
-    s[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+// Sixteen vectors' sums in one (lane i = the sum of v_i's 16 lanes), a 16x16 transpose folded into the adds: 45
+// instructions where 16 _mm512_reduce_add_ps take ~4x as many, each a long dependency chain of its own. It comes in
+// two halves so that a pass can fold each 4 rows as they come (fold4) and the 4 results at the end (fold16): the
+// same adds in the same order, with 4 vectors a query head live instead of 16.
+// fold4: per 128-bit slot, lane j = the sum of that slot of v_j.
+LLMFLEET_AVX512F static inline __m512 fold4(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
+  // per slot: [v0 (a+c), v1 (a+c), v0 (b+d), v1 (b+d)], and the same of v2, v3
+  const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(v0, v1), _mm512_unpackhi_ps(v0, v1));
+  const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(v2, v3), _mm512_unpackhi_ps(v2, v3));
+  return _mm512_add_ps(_mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+// fold16: s[i] = fold4 of v_4i .. v_4i+3 -> lane i = the sum of v_i
+LLMFLEET_AVX512F static inline __m512 fold16(const __m512* s) {
+  __m512 r[2];
   for (int i = 0; i < 2; ++i)  // slots: s2i (0+1), s2i (2+3), s2i+1 (0+1), s2i+1 (2+3)
     r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
                          _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
@@ -310,13 +322,16 @@ LLMFLEET_AVX512F static inline __m512 reduce16(const __m512* v) {
 
 // Q.K of G query heads (compile-time, so their queries stay in registers) over rows 0..n of one cache block of
 // their KV head (kb: its row 0, rows token_stride apart), each row loaded once for all of them:
-// x[g * len + j] = scale * q_g . k_j. 16 rows at a time their sums are folded together (reduce16), a block's last
-// rows one at a time. nb: the same head's rows in the sequence's next block, asked for beside each row computed
-// (nullptr: none). Row by row, all heads of a row before the next row (their 16-row sums wait on the stack for
-// reduce16): head after head re-read each row from L1 once per head, and on a Zen 5 those loads held the fp32 pass
-// back while it waited on memory: 30 layers' caches, 64 sequences of 176-352 tokens, both builds in one process,
-// fp32 1.080 and 1.086x in two runs of 15 alternated rounds (bf16, half the loads, 0.996 and 1.001x); the same sums
-// in the same order, so the same bits.
+// x[g * len + j] = scale * q_g . k_j. 16 rows at a time their sums are folded together (fold4 each 4 rows, fold16
+// at the end), a block's last rows one at a time. nb: the same head's rows in the sequence's next block, asked for
+// beside each row computed (nullptr: none). Row by row, all heads of a row before the next row: head after head
+// re-read each row from L1 once per head, and on a Zen 5 those loads held the fp32 pass back while it waited on
+// memory: 30 layers' caches, 64 sequences of 176-352 tokens, both builds in one process, fp32 1.080 and 1.086x in
+// two runs of 15 alternated rounds (bf16, half the loads, 0.996 and 1.001x); the same sums in the same order, so
+// the same bits. Folding each 4 rows as they come (stop 49) keeps 4 vectors a head live where all 16 rows' sums
+// waited on the stack for one 16-way fold (48 vectors for 3 heads: 32 registers); the same adds in the same order.
+// On a Zen 4, over a cache in L2 (a /tmp harness of these functions, 1 thread), the bf16 pass went from ~14-22 to
+// ~11-15 cycles a row of 3 heads, fp32's whole decode ~8% faster.
 template <int D, int G>
 LLMFLEET_AVX512_BF16 static void qk_block(const uint16_t* __restrict__ qs, const uint16_t* __restrict__ kb,
                                           const uint16_t* nb, int64_t n, int64_t token_stride, int64_t len,
@@ -327,18 +342,22 @@ LLMFLEET_AVX512_BF16 static void qk_block(const uint16_t* __restrict__ qs, const
     for (int c = 0; c < C32; ++c) qv[g][c] = _mm512_loadu_si512(qs + g * D + 32 * c);
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
-    const uint16_t* kp = kb + j * token_stride;
-    __m512 a[G][16];
-    for (int r = 0; r < 16; ++r) {
-      if (nb) prefetch_row<2 * D>(nb + (j + r) * token_stride);
-      __m512i k[C32];
-      for (int c = 0; c < C32; ++c) k[c] = _mm512_loadu_si512(kp + r * token_stride + 32 * c);
-      for (int g = 0; g < G; ++g) {
-        a[g][r] = _mm512_setzero_ps();
-        for (int c = 0; c < C32; ++c) a[g][r] = _mm512_dpbf16_ps(a[g][r], (__m512bh)qv[g][c], (__m512bh)k[c]);
+    __m512 s[G][4];
+    for (int r4 = 0; r4 < 4; ++r4) {
+      __m512 a[G][4];
+      for (int r = 0; r < 4; ++r) {
+        const int64_t row = j + 4 * r4 + r;
+        if (nb) prefetch_row<2 * D>(nb + row * token_stride);
+        __m512i k[C32];
+        for (int c = 0; c < C32; ++c) k[c] = _mm512_loadu_si512(kb + row * token_stride + 32 * c);
+        for (int g = 0; g < G; ++g) {
+          a[g][r] = _mm512_setzero_ps();
+          for (int c = 0; c < C32; ++c) a[g][r] = _mm512_dpbf16_ps(a[g][r], (__m512bh)qv[g][c], (__m512bh)k[c]);
+        }
       }
+      for (int g = 0; g < G; ++g) s[g][r4] = fold4(a[g][0], a[g][1], a[g][2], a[g][3]);
     }
-    for (int g = 0; g < G; ++g) _mm512_storeu_ps(x + g * len + j, _mm512_mul_ps(reduce16(a[g]), _mm512_set1_ps(scale)));
+    for (int g = 0; g < G; ++g) _mm512_storeu_ps(x + g * len + j, _mm512_mul_ps(fold16(s[g]), _mm512_set1_ps(scale)));
   }
   for (; j < n; ++j) {
     const uint16_t* kp = kb + j * token_stride;
@@ -365,18 +384,22 @@ LLMFLEET_AVX512F static void qk_block_f32(const float* __restrict__ qs, const fl
     for (int c = 0; c < C; ++c) qv[g][c] = _mm512_mul_ps(_mm512_loadu_ps(qs + g * D + 16 * c), _mm512_set1_ps(scale));
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
-    const float* kp = kb + j * token_stride;
-    __m512 a[G][16];
-    for (int r = 0; r < 16; ++r) {
-      if (nb) prefetch_row<4 * D>(nb + (j + r) * token_stride);
-      __m512 k[C];
-      for (int c = 0; c < C; ++c) k[c] = _mm512_loadu_ps(kp + r * token_stride + 16 * c);
-      for (int g = 0; g < G; ++g) {
-        a[g][r] = _mm512_mul_ps(qv[g][0], k[0]);
-        for (int c = 1; c < C; ++c) a[g][r] = _mm512_fmadd_ps(qv[g][c], k[c], a[g][r]);
+    __m512 s[G][4];
+    for (int r4 = 0; r4 < 4; ++r4) {
+      __m512 a[G][4];
+      for (int r = 0; r < 4; ++r) {
+        const int64_t row = j + 4 * r4 + r;
+        if (nb) prefetch_row<4 * D>(nb + row * token_stride);
+        __m512 k[C];
+        for (int c = 0; c < C; ++c) k[c] = _mm512_loadu_ps(kb + row * token_stride + 16 * c);
+        for (int g = 0; g < G; ++g) {
+          a[g][r] = _mm512_mul_ps(qv[g][0], k[0]);
+          for (int c = 1; c < C; ++c) a[g][r] = _mm512_fmadd_ps(qv[g][c], k[c], a[g][r]);
+        }
       }
+      for (int g = 0; g < G; ++g) s[g][r4] = fold4(a[g][0], a[g][1], a[g][2], a[g][3]);
     }
-    for (int g = 0; g < G; ++g) _mm512_storeu_ps(x + g * len + j, reduce16(a[g]));
+    for (int g = 0; g < G; ++g) _mm512_storeu_ps(x + g * len + j, fold16(s[g]));
   }
   for (; j < n; ++j) {
     const float* kp = kb + j * token_stride;
@@ -391,9 +414,9 @@ LLMFLEET_AVX512F static void qk_block_f32(const float* __restrict__ qs, const fl
   }
 }
 
-// P.V of G query heads over rows 0..n of one cache block of their KV head (T: uint16_t for bf16, float), each
-// row loaded once for all of them: acc_g += sum_j x[g * len + j] * v_j in fp32, the G * D accumulators kept in
-// `acc` between blocks. nb as in qk_block.
+// P.V of G query heads over rows 0..n of one cache block of their KV head (fp32 rows), each row loaded once for
+// all of them: acc_g += sum_j x[g * len + j] * v_j in fp32, the G * D accumulators kept in `acc` between blocks.
+// nb as in qk_block.
 template <int D, int G, typename T>
 LLMFLEET_AVX512F static void pv_block(const float* __restrict__ x, const T* __restrict__ vb, const T* nb, int64_t n,
                                       int64_t token_stride, int64_t len, float* __restrict__ acc) {
@@ -413,6 +436,81 @@ LLMFLEET_AVX512F static void pv_block(const float* __restrict__ x, const T* __re
   }
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C16; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, a[g][c]);
+}
+
+// P.V over bf16 rows, two rows at a time on vdpbf16ps: the block's probabilities rounded to bf16 (16 at a time,
+// as the prompt kernels and torch's flash attention round P), a pair of V rows interleaved dim by dim
+// (vpunpck{l,h}wd), so that one vdpbf16ps adds p_j v_j + p_j+1 v_j+1 to 16 dims' fp32 sums; a block's odd last row
+// pairs with zeros, never with the unwritten slot after it. The accumulators keep the interleave's order in `acc`
+// (`store_heads_bf16` puts it back). Widening each V row to fp32 for FMAs took 12 FMAs and 4 widenings a
+// row of 3 heads; this takes 6 vdpbf16ps and 2 unpacks. On a Zen 4 (one 512-bit FMA or vdpbf16ps a cycle) a
+// block's P.V in L1 went from 17.4 to 8.9 cycles a row of 3 heads (a /tmp harness of these functions).
+template <int D, int G>
+LLMFLEET_AVX512_BF16 static void pv_block_bf16(const float* __restrict__ x, const uint16_t* __restrict__ vb,
+                                               const uint16_t* nb, int64_t n, int64_t token_stride, int64_t len,
+                                               float* __restrict__ acc) {
+  constexpr int C32 = D / 32;
+  __m512 a[G][2 * C32];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < 2 * C32; ++c) a[g][c] = _mm512_loadu_ps(acc + g * D + 16 * c);
+  alignas(32) uint32_t pp[G][8];  // pp[g][k]: head g's probabilities of rows j0 + 2k and j0 + 2k + 1, as bf16
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t m = std::min<int64_t>(16, n - j0);
+    const __mmask16 mk = static_cast<__mmask16>((1u << m) - 1);
+    for (int g = 0; g < G; ++g)
+      _mm256_store_si256((__m256i*)pp[g], (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mk, x + g * len + j0)));
+    for (int64_t k = 0; 2 * k < m; ++k) {
+      const int64_t r = j0 + 2 * k;
+      const bool two = r + 1 < n;
+      if (nb) {
+        prefetch_row<2 * D>(nb + r * token_stride);
+        if (two) prefetch_row<2 * D>(nb + (r + 1) * token_stride);
+      }
+      __m512i lo[C32], hi[C32];
+      for (int c = 0; c < C32; ++c) {
+        const __m512i v0 = _mm512_loadu_si512(vb + r * token_stride + 32 * c);
+        const __m512i v1 = two ? _mm512_loadu_si512(vb + (r + 1) * token_stride + 32 * c) : _mm512_setzero_si512();
+        lo[c] = _mm512_unpacklo_epi16(v0, v1);
+        hi[c] = _mm512_unpackhi_epi16(v0, v1);
+      }
+      for (int g = 0; g < G; ++g) {
+        const __m512i p = _mm512_set1_epi32(static_cast<int>(pp[g][k]));
+        for (int c = 0; c < C32; ++c) {
+          a[g][2 * c] = _mm512_dpbf16_ps(a[g][2 * c], (__m512bh)lo[c], (__m512bh)p);
+          a[g][2 * c + 1] = _mm512_dpbf16_ps(a[g][2 * c + 1], (__m512bh)hi[c], (__m512bh)p);
+        }
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < 2 * C32; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, a[g][c]);
+}
+
+// Output rows from pv_block_bf16's accumulators: out[i * D + d] = acc (dim d of head i) * inv[i], rounded to bf16,
+// 32 dims at a time. In each 32 dims, 128-bit lane l of the two unpacks held dims 8l..8l+3 (the low unpack, the
+// first 16 floats) and 8l+4..8l+7 (the high one, the next 16); two vpermt2ps put them back in order. (A scalar loop
+// with torch's rounding, as before, cost more than the P.V pass's whole gain at W's context lengths.)
+template <int D>
+LLMFLEET_AVX512_BF16 static void store_heads_bf16(const float* acc, const float* inv, int64_t num_heads,
+                                                  uint16_t* out) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t i = 0; i < num_heads; ++i) {
+    const __m512 s = _mm512_set1_ps(inv[i]);
+    for (int64_t c = 0; c < D; c += 32) {
+      const __m512 lo = _mm512_loadu_ps(acc + i * D + c), hi = _mm512_loadu_ps(acc + i * D + c + 16);
+      const __m512 a = _mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), s);
+      const __m512 b = _mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), s);
+      _mm512_storeu_si512(out + i * D + c, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+    }
+  }
+}
+
+// P.V by cache type: bf16 rows (as uint16) on vdpbf16ps, fp32 rows fp32 FMAs.
+template <int D, int G, typename T>
+static void pv_rows(const float* x, const T* vb, const T* nb, int64_t n, int64_t ts, int64_t len, float* acc) {
+  if constexpr (std::is_same<T, float>::value) pv_block<D, G, T>(x, vb, nb, n, ts, len, acc);
+  else pv_block_bf16<D, G>(x, vb, nb, n, ts, len, acc);
 }
 
 // Q.K by cache type: bf16 rows (as uint16) take vdpbf16ps, fp32 rows fp32 FMAs.
@@ -501,16 +599,21 @@ static void decode_seq_avx512(const T* __restrict__ qs, const T* __restrict__ k_
         const float* x = sh + (h * group + g0) * len + t0;
         float* a = acc + (h * group + g0) * D;
         switch (gn) {
-          case 1: pv_block<D, 1, T>(x, vb + h * head_stride, nh, n, token_stride, len, a); break;
-          case 2: pv_block<D, 2, T>(x, vb + h * head_stride, nh, n, token_stride, len, a); break;
-          case 3: pv_block<D, 3, T>(x, vb + h * head_stride, nh, n, token_stride, len, a); break;
-          default: pv_block<D, VG, T>(x, vb + h * head_stride, nh, n, token_stride, len, a);
+          case 1: pv_rows<D, 1, T>(x, vb + h * head_stride, nh, n, token_stride, len, a); break;
+          case 2: pv_rows<D, 2, T>(x, vb + h * head_stride, nh, n, token_stride, len, a); break;
+          case 3: pv_rows<D, 3, T>(x, vb + h * head_stride, nh, n, token_stride, len, a); break;
+          default: pv_rows<D, VG, T>(x, vb + h * head_stride, nh, n, token_stride, len, a);
         }
       }
     }
   }
-  for (int64_t i = 0; i < num_heads; ++i)
-    for (int64_t d = 0; d < D; ++d) os[i * D + d] = static_cast<O>(acc[i * D + d] * inv[i]);
+  if constexpr (std::is_same<T, float>::value) {
+    for (int64_t i = 0; i < num_heads; ++i)
+      for (int64_t d = 0; d < D; ++d) os[i * D + d] = static_cast<O>(acc[i * D + d] * inv[i]);
+  } else {
+    static_assert(std::is_same<O, c10::BFloat16>::value, "bf16 rows come out as bf16");
+    store_heads_bf16<D>(acc, inv, num_heads, reinterpret_cast<uint16_t*>(os));
+  }
 }
 
 // ---- fp32 decode on CPUs with AVX2 + FMA and no AVX-512: decode_seq_avx512's contract, but each block walked
@@ -742,7 +845,7 @@ static bool cpu_has_avx512_bf16() {
 // 2 threads): bf16 37.6 -> 41.7 GB/s (1.11x and 1.17x in two runs), fp32 43.3 -> 46.4 (1.07x); a plain read of
 // the same lines runs 43-46. In the engine (bench/engine_parts.py, runs alternated), W's decode attention 2.31 ->
 // 2.06 s in bf16, 4.32 -> 3.83 s in fp32.
-// (Transposing K within a block as well, so that one vdpbf16ps scores 16 tokens and reduce16 goes, read 43.0 GB/s
+// (Transposing K within a block as well, so that one vdpbf16ps scores 16 tokens and the folds go, read 43.0 GB/s
 // against these rows' 43.3: the runs are what counted, not the reductions; and its cache write, 4 bytes to each
 // of a head's 32 lines per token, cost the engine 0.1 s.)
 bool head_major_cache(std::string dtype, int64_t head_dim, int64_t block_size) {
