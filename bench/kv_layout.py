@@ -18,12 +18,17 @@ on an aged one (a workload of W's shape but another seed ran through it first), 
 same head-major cache, rounds alternated, and prints each one's seconds, the mean run of consecutive block ids in
 a table, and its speed over the fresh queue's. `--prefix-caching` runs the engines with
 prefix caching on (a worker's default): then the aged pools hold the first workload's blocks as evictable
-prefixes, and every block W gets is an evicted one. The last line is one JSON object either way.
+prefixes, and every block W gets is an evicted one. `--base REV` asks a third: is this tree's decode kernel faster
+than commit REV's? Both builds load in one process (`panel_ab.base_module_file`: REV built in a temporary worktree)
+and replay the same steps over one head-major cache, rounds alternated; it prints each build's seconds and GB/s, the
+median of the rounds' speed ratios (this tree over REV; min and max) and the largest difference between their
+outputs. The last line is one JSON object in every mode.
 
     .venv/bin/python bench/kv_layout.py                     # bf16, every 5th of W's decode steps
     .venv/bin/python bench/kv_layout.py --dtype float32 --every 10 --rounds 9
     .venv/bin/python bench/kv_layout.py --blocks --rounds 9
     .venv/bin/python bench/kv_layout.py --blocks --prefix-caching
+    .venv/bin/python bench/kv_layout.py --base HEAD~1 --rounds 9   # this tree's decode kernel against HEAD~1's
 """
 
 from __future__ import annotations
@@ -201,6 +206,42 @@ def compare(recorded: dict, dtype: str, every: int, rounds: int, seed: int = 0) 
     return result
 
 
+def compare_builds(recorded: dict, dtype: str, every: int, rounds: int, base: Any, seed: int = 0) -> dict[str, Any]:
+    """`base` (another build of the extension, loaded) against this tree's decode kernel over the recorded steps
+    (one in `every`) on one head-major cache, rounds alternated: seconds, GB/s, ratios, the outputs' largest gap."""
+    import torch
+    from worker.model.attention import cache_shape, cache_views
+
+    kernel, dt = replay_kernel(recorded, dtype)
+    heads, kv_heads, head_dim = recorded["shape"]
+    nb, bs = recorded["num_blocks"], recorded["block_size"]
+    steps = recorded["steps"][::every]
+    gen = torch.Generator().manual_seed(seed)
+    caches = cache_views(torch.randn(cache_shape(LAYERS, nb, bs, kv_heads, head_dim, True), generator=gen).to(dt), True)
+    queries = [torch.randn(len(lens), heads, head_dim, generator=gen).to(dt) for _, lens in steps]
+    scale = head_dim**-0.5
+    sides = {"base": base.paged_decode, "new": kernel}
+
+    def run(fn) -> list:
+        return [fn(q, k, v, tables, lens, scale) for q, (tables, lens) in zip(queries, steps) for k, v in caches]
+
+    gap = max(float((a.float() - b.float()).abs().max()) for a, b in zip(run(sides["base"]), run(kernel), strict=True))
+    seconds: dict[str, list[float]] = {"base": [], "new": []}
+    for r in range(rounds):
+        order = list(sides.items())
+        for name, fn in order if r % 2 == 0 else order[::-1]:
+            start = time.perf_counter()
+            run(fn)
+            seconds[name].append(time.perf_counter() - start)
+    tokens = sum(int(lens.sum()) for _, lens in steps)
+    moved = tokens * LAYERS * 2 * kv_heads * head_dim * dt.itemsize
+    result: dict[str, Any] = {"dtype": dtype, "steps": len(steps), "tokens_attended": tokens, "max_abs_diff": gap}
+    for name, secs in seconds.items():
+        result[name] = {"s": round(statistics.median(secs), 4), "gb_s": round(moved / statistics.median(secs) / 1e9, 1)}
+    result["x_new"] = spread([b / n for b, n in zip(seconds["base"], seconds["new"], strict=True)])
+    return result
+
+
 def mean_run(steps: list, block_size: int) -> float:
     """The mean length of the runs of consecutive block ids in the recorded tables (each up to its context)."""
     runs = blocks = 0
@@ -263,8 +304,25 @@ def main() -> None:
     add_shape_args(ap)
     ap.add_argument("--blocks", action="store_true", help="compare the block tables of two pool policies instead")
     ap.add_argument("--prefix-caching", action="store_true", help="--blocks: the engines keep computed blocks")
+    ap.add_argument("--base", default=None, help="compare this tree's decode kernel with this commit's instead")
     args = ap.parse_args()
     requests, prompt, output = shape_args(args)
+    if args.base:
+        from panel_ab import base_module_file, load_module_file
+
+        base = load_module_file(base_module_file(args.base))
+        found = compare_builds(
+            decode_steps(args.dtype, requests, prompt, output), args.dtype, args.every, args.rounds, base
+        )
+        x = found["x_new"]
+        for name in ("base", "new"):
+            print(f"{name:5s} {found[name]['s']:.3f} s  {found[name]['gb_s']:5.1f} GB/s")
+        print(
+            f"{args.dtype}, {found['steps']} of W's decode steps x {LAYERS} layers: this tree {x['median']:.3f}x "
+            f"{args.base} [{x['min']:.3f}-{x['max']:.3f}], outputs apart by at most {found['max_abs_diff']:.2e}"
+        )
+        print(json.dumps(found))
+        return
     if args.blocks:
         pools = {
             "queue_fresh": (QueuePool, False),

@@ -66,3 +66,17 @@ def test_the_queue_baseline_runs_with_prefix_caching():
     queue = kv_layout.decode_steps(*args, pool=kv_layout.QueuePool, aged=True, prefix_caching=True)
     ours = kv_layout.decode_steps(*args, aged=True, prefix_caching=True)
     assert [lens.tolist() for _, lens in queue["steps"]] == [lens.tolist() for _, lens in ours["steps"]]
+
+
+def test_a_build_compared_with_itself_gives_the_same_outputs():
+    """`--base`: two builds over the same recorded steps and cache (here this tree's build on both sides)."""
+    import panel_ab
+
+    if not head_major_cache(torch.bfloat16, 64, 16):
+        pytest.skip("the decode kernel reads no head-major cache on this CPU (needs AVX-512)")
+    recorded = kv_layout.decode_steps("bfloat16", requests=3, prompt_len=(8, 40), output_len=(3, 6))
+    module = panel_ab.load_module_file(panel_ab.module_file(panel_ab.ROOT / "worker_image"))
+    result = kv_layout.compare_builds(recorded, "bfloat16", every=1, rounds=2, base=module)
+    assert result["max_abs_diff"] == 0.0 and result["steps"] == len(recorded["steps"])
+    assert result["base"]["s"] > 0 and result["new"]["s"] > 0
+    assert result["x_new"]["min"] <= result["x_new"]["median"] <= result["x_new"]["max"]

@@ -32,12 +32,12 @@ block's rows head by head), which those passes read as runs of consecutive lines
 (bf16) and 4.32 -> 3.83 s (fp32), the same outputs to the bit. Stop 49, on a Zen 4 (512-bit FMAs and vdpbf16ps at one
 a cycle, half a Zen 5's rate, so these passes were bound by their arithmetic even over a cache in L2): Q.K folds each
 4 rows as they come (no spilled sums), bf16 P.V on vdpbf16ps with its output stored 32 dims at a time. W's own decode
-tables over 30 layers' caches (a /tmp replay of `bench/kv_layout.py`'s steps through HEAD's build and this one in one
-process, 9-15 alternated rounds): bf16 1.24x [1.19-1.35] (23.9 -> 29.4 GB/s) in the first run, 1.03-1.06x in three
-later ones (25.7 -> 27.2 GB/s), fp32 1.07-1.08x in two (28.1 -> 30.7 and 35.1 -> 37.6 GB/s, the same bits; a plain
-read ran 31-41 GB/s). That fp32 reads more bytes a second than bf16 over the same tables says bf16 is bound neither
-by the bandwidth nor, cold, by its arithmetic alone (hot, in L2, it runs ~2.5x its cold rate); not found yet. Asking
-two blocks ahead instead of one changed nothing (bf16 0.993x).
+tables over 30 layers' caches (`bench/kv_layout.py --base REV`: both builds in one process, 9-15 alternated rounds):
+bf16 1.24x [1.19-1.35] (23.9 -> 29.4 GB/s) in the first run, 1.03-1.06x in four later ones (25.7 -> 27.2 GB/s), fp32
+1.07-1.10x in three (28.1 -> 30.7 and 34.0 -> 37.3 GB/s, the same bits; a plain read ran 31-41 GB/s). That fp32 reads
+more bytes a second than bf16 over the same tables says bf16 is bound neither by the bandwidth nor, cold, by its
+arithmetic alone (hot, in L2, it runs ~2.5x its cold rate); not found yet. Asking two blocks ahead instead of one
+changed nothing (bf16 0.993x).
 
 It is built with `torch.utils.cpp_extension.load_inline` (needs a C++ compiler and ninja; ~30-60 s the
 first time, then cached under torch's extension dir (`TORCH_EXTENSIONS_DIR`), keyed by the source, the flags
