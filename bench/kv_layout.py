@@ -38,6 +38,7 @@ import json
 import statistics
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from itertools import pairwise
 from typing import Any
 
@@ -165,6 +166,18 @@ def spread(ratios: list[float]) -> dict[str, float]:
     }
 
 
+def timed_rounds(sides: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+    """Each side's seconds in each round, every other round in the reverse order (the host's drift falls on both)."""
+    names = list(sides)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            start = time.perf_counter()
+            sides[name]()
+            seconds[name].append(time.perf_counter() - start)
+    return seconds
+
+
 def compare(recorded: dict, dtype: str, every: int, rounds: int, seed: int = 0) -> dict[str, Any]:
     """Both layouts over the recorded steps (one in `every`), rounds alternated: seconds, GB/s, ratios, equality."""
     import torch
@@ -189,13 +202,7 @@ def compare(recorded: dict, dtype: str, every: int, rounds: int, seed: int = 0) 
         return [kernel(q, k, v, tables, lens, scale) for q, (tables, lens) in zip(queries, steps) for k, v in caches]
 
     same = all(torch.equal(a, b) for a, b in zip(run(token), run(head), strict=True))
-    seconds: dict[str, list[float]] = {"token_major": [], "head_major": []}
-    for r in range(rounds):
-        order = [("token_major", token), ("head_major", head)]
-        for name, caches in order if r % 2 == 0 else order[::-1]:
-            start = time.perf_counter()
-            run(caches)
-            seconds[name].append(time.perf_counter() - start)
+    seconds = timed_rounds({"token_major": lambda: run(token), "head_major": lambda: run(head)}, rounds)
     tokens = sum(int(lens.sum()) for _, lens in steps)
     moved = tokens * LAYERS * 2 * kv_heads * head_dim * dt.itemsize
     ratios = [t / h for t, h in zip(seconds["token_major"], seconds["head_major"], strict=True)]
@@ -226,13 +233,7 @@ def compare_builds(recorded: dict, dtype: str, every: int, rounds: int, base: An
         return [fn(q, k, v, tables, lens, scale) for q, (tables, lens) in zip(queries, steps) for k, v in caches]
 
     gap = max(float((a.float() - b.float()).abs().max()) for a, b in zip(run(sides["base"]), run(kernel), strict=True))
-    seconds: dict[str, list[float]] = {"base": [], "new": []}
-    for r in range(rounds):
-        order = list(sides.items())
-        for name, fn in order if r % 2 == 0 else order[::-1]:
-            start = time.perf_counter()
-            run(fn)
-            seconds[name].append(time.perf_counter() - start)
+    seconds = timed_rounds({name: (lambda fn=fn: run(fn)) for name, fn in sides.items()}, rounds)
     tokens = sum(int(lens.sum()) for _, lens in steps)
     moved = tokens * LAYERS * 2 * kv_heads * head_dim * dt.itemsize
     result: dict[str, Any] = {"dtype": dtype, "steps": len(steps), "tokens_attended": tokens, "max_abs_diff": gap}
@@ -273,18 +274,13 @@ def compare_pools(recorded: dict[str, dict], dtype: str, every: int, rounds: int
     queries = [torch.randn(len(lens), heads, head_dim, generator=gen).to(dt) for _, lens in steps[next(iter(steps))]]
     scale = head_dim**-0.5
 
-    def run(name: str) -> float:
-        start = time.perf_counter()
+    def run(name: str) -> None:
         for q, (tables, lens) in zip(queries, steps[name], strict=True):
             for k, v in caches:
                 kernel(q, k, v, tables, lens, scale)
-        return time.perf_counter() - start
 
     names = list(steps)
-    seconds: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            seconds[name].append(run(name))
+    seconds = timed_rounds({name: (lambda name=name: run(name)) for name in names}, rounds)
     result: dict[str, Any] = {"dtype": dtype, "steps": len(queries)}
     for name in names:
         ratios = [b / t for b, t in zip(seconds[names[0]], seconds[name], strict=True)]

@@ -80,3 +80,11 @@ def test_a_build_compared_with_itself_gives_the_same_outputs():
     assert result["max_abs_diff"] == 0.0 and result["steps"] == len(recorded["steps"])
     assert result["base"]["s"] > 0 and result["new"]["s"] > 0
     assert result["x_new"]["min"] <= result["x_new"]["median"] <= result["x_new"]["max"]
+
+
+def test_timed_rounds_alternate_the_order():
+    calls: list[str] = []
+    seconds = kv_layout.timed_rounds({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 3)
+    assert calls == ["a", "b", "b", "a", "a", "b"]
+    assert {name: len(s) for name, s in seconds.items()} == {"a": 3, "b": 3}
+    assert all(t >= 0 for s in seconds.values() for t in s)
