@@ -420,18 +420,18 @@ LLMFLEET_AVX512F static void qk_block_f32(const float* __restrict__ qs, const fl
 // P.V of G query heads over rows 0..n of one cache block of their KV head (fp32 rows), each row loaded once for
 // all of them: acc_g += sum_j x[g * len + j] * v_j in fp32, the G * D accumulators kept in `acc` between blocks.
 // nb as in qk_block.
-template <int D, int G, typename T>
-LLMFLEET_AVX512F static void pv_block(const float* __restrict__ x, const T* __restrict__ vb, const T* nb, int64_t n,
-                                      int64_t token_stride, int64_t len, float* __restrict__ acc) {
+template <int D, int G>
+LLMFLEET_AVX512F static void pv_block_f32(const float* __restrict__ x, const float* __restrict__ vb, const float* nb,
+                                          int64_t n, int64_t token_stride, int64_t len, float* __restrict__ acc) {
   constexpr int C16 = D / 16;
   __m512 a[G][C16];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C16; ++c) a[g][c] = _mm512_loadu_ps(acc + g * D + 16 * c);
   for (int64_t j = 0; j < n; ++j) {
-    const T* vp = vb + j * token_stride;
-    if (nb) prefetch_row<sizeof(T) * D>(nb + j * token_stride);
+    const float* vp = vb + j * token_stride;
+    if (nb) prefetch_row<4 * D>(nb + j * token_stride);
     __m512 v[C16];
-    for (int c = 0; c < C16; ++c) v[c] = load16(vp + 16 * c);
+    for (int c = 0; c < C16; ++c) v[c] = _mm512_loadu_ps(vp + 16 * c);
     for (int g = 0; g < G; ++g) {
       const __m512 p = _mm512_set1_ps(x[g * len + j]);
       for (int c = 0; c < C16; ++c) a[g][c] = _mm512_fmadd_ps(p, v[c], a[g][c]);
@@ -512,7 +512,7 @@ LLMFLEET_AVX512_BF16 static void store_heads_bf16(const float* acc, const float*
 // P.V by cache type: bf16 rows (as uint16) on vdpbf16ps, fp32 rows fp32 FMAs.
 template <int D, int G, typename T>
 static void pv_rows(const float* x, const T* vb, const T* nb, int64_t n, int64_t ts, int64_t len, float* acc) {
-  if constexpr (std::is_same<T, float>::value) pv_block<D, G, T>(x, vb, nb, n, ts, len, acc);
+  if constexpr (std::is_same<T, float>::value) pv_block_f32<D, G>(x, vb, nb, n, ts, len, acc);
   else pv_block_bf16<D, G>(x, vb, nb, n, ts, len, acc);
 }
 
