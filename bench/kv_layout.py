@@ -178,6 +178,30 @@ def timed_rounds(sides: dict[str, Callable[[], object]], rounds: int) -> dict[st
     return seconds
 
 
+def replay_sides(
+    steps: list, queries: list, scale: float, sides: dict[str, tuple[Any, list]], rounds: int
+) -> tuple[dict[str, list], dict[str, list[float]]]:
+    """Each side (a decode kernel, the layers' caches it reads) over every recorded step and layer: its outputs
+    once, then its seconds in each of `rounds` alternated rounds (`timed_rounds`)."""
+
+    def run(kernel: Any, caches: list) -> list:
+        return [kernel(q, k, v, tables, lens, scale) for q, (tables, lens) in zip(queries, steps) for k, v in caches]
+
+    outputs = {name: run(*side) for name, side in sides.items()}
+    seconds = timed_rounds({name: (lambda side=side: run(*side)) for name, side in sides.items()}, rounds)
+    return outputs, seconds
+
+
+def side_rates(steps: list, seconds: dict[str, list[float]], kv_heads: int, head_dim: int, itemsize: int) -> dict:
+    """The tokens the steps attend over, and each side's median seconds and the GB/s of K and V it read."""
+    tokens = sum(int(lens.sum()) for _, lens in steps)
+    moved = tokens * LAYERS * 2 * kv_heads * head_dim * itemsize
+    found: dict[str, Any] = {"steps": len(steps), "tokens_attended": tokens}
+    for name, secs in seconds.items():
+        found[name] = {"s": round(statistics.median(secs), 4), "gb_s": round(moved / statistics.median(secs) / 1e9, 1)}
+    return found
+
+
 def compare(recorded: dict, dtype: str, every: int, rounds: int, seed: int = 0) -> dict[str, Any]:
     """Both layouts over the recorded steps (one in `every`), rounds alternated: seconds, GB/s, ratios, equality."""
     import torch
@@ -196,19 +220,12 @@ def compare(recorded: dict, dtype: str, every: int, rounds: int, seed: int = 0) 
         kh.copy_(k)
         vh.copy_(v)
     queries = [torch.randn(len(lens), heads, head_dim, generator=gen).to(dt) for _, lens in steps]
-    scale = head_dim**-0.5
-
-    def run(caches: list) -> list:
-        return [kernel(q, k, v, tables, lens, scale) for q, (tables, lens) in zip(queries, steps) for k, v in caches]
-
-    same = all(torch.equal(a, b) for a, b in zip(run(token), run(head), strict=True))
-    seconds = timed_rounds({"token_major": lambda: run(token), "head_major": lambda: run(head)}, rounds)
-    tokens = sum(int(lens.sum()) for _, lens in steps)
-    moved = tokens * LAYERS * 2 * kv_heads * head_dim * dt.itemsize
+    sides = {"token_major": (kernel, token), "head_major": (kernel, head)}
+    outputs, seconds = replay_sides(steps, queries, head_dim**-0.5, sides, rounds)
+    same = all(torch.equal(a, b) for a, b in zip(outputs["token_major"], outputs["head_major"], strict=True))
     ratios = [t / h for t, h in zip(seconds["token_major"], seconds["head_major"], strict=True)]
-    result: dict[str, Any] = {"dtype": dtype, "steps": len(steps), "tokens_attended": tokens, "same_outputs": same}
-    for name, secs in seconds.items():
-        result[name] = {"s": round(statistics.median(secs), 4), "gb_s": round(moved / statistics.median(secs) / 1e9, 1)}
+    result: dict[str, Any] = {"dtype": dtype, **side_rates(steps, seconds, kv_heads, head_dim, dt.itemsize)}
+    result["same_outputs"] = same
     result["x_head_major"] = spread(ratios)
     return result
 
@@ -226,19 +243,11 @@ def compare_builds(recorded: dict, dtype: str, every: int, rounds: int, base: An
     gen = torch.Generator().manual_seed(seed)
     caches = cache_views(torch.randn(cache_shape(LAYERS, nb, bs, kv_heads, head_dim, True), generator=gen).to(dt), True)
     queries = [torch.randn(len(lens), heads, head_dim, generator=gen).to(dt) for _, lens in steps]
-    scale = head_dim**-0.5
-    sides = {"base": base.paged_decode, "new": kernel}
-
-    def run(fn) -> list:
-        return [fn(q, k, v, tables, lens, scale) for q, (tables, lens) in zip(queries, steps) for k, v in caches]
-
-    gap = max(float((a.float() - b.float()).abs().max()) for a, b in zip(run(sides["base"]), run(kernel), strict=True))
-    seconds = timed_rounds({name: (lambda fn=fn: run(fn)) for name, fn in sides.items()}, rounds)
-    tokens = sum(int(lens.sum()) for _, lens in steps)
-    moved = tokens * LAYERS * 2 * kv_heads * head_dim * dt.itemsize
-    result: dict[str, Any] = {"dtype": dtype, "steps": len(steps), "tokens_attended": tokens, "max_abs_diff": gap}
-    for name, secs in seconds.items():
-        result[name] = {"s": round(statistics.median(secs), 4), "gb_s": round(moved / statistics.median(secs) / 1e9, 1)}
+    sides = {"base": (base.paged_decode, caches), "new": (kernel, caches)}
+    outputs, seconds = replay_sides(steps, queries, head_dim**-0.5, sides, rounds)
+    gap = max(float((a.float() - b.float()).abs().max()) for a, b in zip(*outputs.values(), strict=True))
+    result: dict[str, Any] = {"dtype": dtype, **side_rates(steps, seconds, kv_heads, head_dim, dt.itemsize)}
+    result["max_abs_diff"] = gap
     result["x_new"] = spread([b / n for b, n in zip(seconds["base"], seconds["new"], strict=True)])
     return result
 
