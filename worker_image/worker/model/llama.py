@@ -199,6 +199,7 @@ class LlamaModel:
             self.lm_head = make_dense_linear(head, None, dtype, linear_kernel, fused)
         self.inv_freq = rope_inv_freq(cfg).to(self.device)
         self.decode_stack: list[torch.Tensor] | None = self._decode_stack()
+        self.gated_mlp: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = self._gated_mlp()
 
     def _decode_stack(self) -> list[torch.Tensor] | None:
         """The decoder layers' tensors as the extension's `decode_layers` takes them (per layer: input norm, QKV's
@@ -220,6 +221,23 @@ class LlamaModel:
             qkv, o, gu, down = operands
             stack += [layer.input_norm, *qkv, layer.post_norm, *o, *gu, *down]
         return stack
+
+    def _gated_mlp(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
+        """Per layer, gate+up's operands as the extension's `gated_linear` takes them (the linear and SiLU-and-mul
+        in one pass, the same bits as the two calls): where every layer's gate+up runs on panels the stack
+        multiplies by and gate's and up's columns each fill whole panels. None: the linear, then `silu_and_mul`."""
+        fused = self.fused
+        if fused is None or not fused.gated_cols(2 * self.cfg.intermediate_size):
+            return None
+        none = torch.empty(0)
+        gated = []
+        for layer in self.layers:
+            ops = getattr(layer.gate_up, "stack_operands", lambda: None)()
+            if ops is None:
+                return None
+            packed, bias, extra = ops
+            gated.append((packed, none if bias is None else bias, none if extra is None else extra))
+        return gated
 
     @property
     def nbytes(self) -> int:
@@ -286,6 +304,7 @@ class LlamaModel:
                 self.scale,
                 eps,
                 self.norm,
+                self.gated_mlp is not None,
             )
         pending: torch.Tensor | None = None  # the last sub-layer's output, not yet added to the residual h
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
@@ -309,10 +328,13 @@ class LlamaModel:
             if lora is not None:
                 lora.apply(i, "o", attn, o)
             h, x = self._add_norm(h, o, layer.post_norm, eps)
-            gu = layer.gate_up(x)
-            if lora is not None:
-                lora.apply(i, "gate_up", x, gu)
-            act = fused.silu_and_mul(gu) if fused is not None else F.silu(gu[:, :inter]) * gu[:, inter:]
+            if self.gated_mlp is not None and fused is not None and lora is None:
+                act = fused.gated_linear(x, *self.gated_mlp[i], 2 * inter)
+            else:
+                gu = layer.gate_up(x)
+                if lora is not None:
+                    lora.apply(i, "gate_up", x, gu)
+                act = fused.silu_and_mul(gu) if fused is not None else F.silu(gu[:, :inter]) * gu[:, inter:]
             pending = layer.down(act)
             if lora is not None:
                 lora.apply(i, "down", act, pending)
