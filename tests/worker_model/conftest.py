@@ -137,6 +137,30 @@ def tiny_hf(tiny_dir):
     return load_hf(tiny_dir)
 
 
+class CountingCalls:
+    """An object (the extension, say) with its calls to one method counted in `calls`; everything else passes
+    through: did a step take the path it should?"""
+
+    def __init__(self, inner, method: str) -> None:
+        self._inner, self._method, self.calls = inner, method, 0
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._inner, name)
+        if name != self._method:
+            return attr
+
+        def counted(*args):
+            self.calls += 1
+            return attr(*args)
+
+        return counted
+
+
+@pytest.fixture
+def counting_cls():
+    return CountingCalls
+
+
 @pytest.fixture
 def driver_cls():
     return Driver

@@ -2,8 +2,10 @@
 every linear runs on panels and the fused steps are native: the same calls in the same order as the layer-by-layer
 Python path, so the same tokens, logprobs and KV cache, bit for bit, in fp32 and bf16, int8, fp8 and int4 (a bf16
 model's codes on the pair panels), with and without projection biases. Steps with a prompt chunk stay on the Python
-path, and so does an fp32 model's quantized layers (their activations rounded to bf16 on the way in). Skipped on
-CPUs where the panels or the fused steps do not run (there the model has no stack)."""
+path, and so does an fp32 model's quantized layers (their activations rounded to bf16 on the way in). Gate+up with
+SiLU in its epilogue (LlamaModel.gated_mlp: `gated_linear` from Python, the stack's gated passes) gives the same
+bits as gate+up then SiLU, on the same panel kinds; a model takes it only where gate's and up's columns each fill
+whole panels. Skipped on CPUs where the panels or the fused steps do not run (there the model has no stack)."""
 
 from __future__ import annotations
 
@@ -13,21 +15,6 @@ from worker.model.runner import ModelRunner
 from worker.model.testing import add_projection_biases, make_tiny_llama
 
 SIZES = dict(hidden_size=128, intermediate_size=192, num_attention_heads=2, num_key_value_heads=1, init_std=0.1)
-
-
-class _Counting:
-    """The extension with its `decode_layers` calls counted; everything else passes through."""
-
-    def __init__(self, fused) -> None:
-        self._fused = fused
-        self.calls = 0
-
-    def decode_layers(self, *args):
-        self.calls += 1
-        return self._fused.decode_layers(*args)
-
-    def __getattr__(self, name: str):
-        return getattr(self._fused, name)
 
 
 def _runner(path, dtype: str, quantization: str | None = None) -> ModelRunner:
@@ -51,16 +38,17 @@ def tiny_path(request, tmp_path_factory):
     return add_projection_biases(root) if request.param else root
 
 
-@pytest.mark.parametrize(
-    ("dtype", "quantization"),
-    [("float32", None), ("bfloat16", None), ("bfloat16", "int8"), ("bfloat16", "fp8"), ("bfloat16", "int4")],
-)
+# the panel kinds the stack multiplies by: fp32 and bf16 panels, a bf16 model's int8/fp8 codes and int4 groups
+PANEL_KINDS = [("float32", None), ("bfloat16", None), ("bfloat16", "int8"), ("bfloat16", "fp8"), ("bfloat16", "int4")]
+
+
+@pytest.mark.parametrize(("dtype", "quantization"), PANEL_KINDS)
 def test_the_stack_gives_the_python_paths_tokens_logprobs_and_cache_bit_for_bit(
-    tiny_path, dtype, quantization, driver_cls, seq_cls
+    tiny_path, dtype, quantization, driver_cls, seq_cls, counting_cls
 ):
     stacked, python = _runner(tiny_path, dtype, quantization), _runner(tiny_path, dtype, quantization)
     python.model.decode_stack = None
-    counting = _Counting(stacked.model.fused)
+    counting = counting_cls(stacked.model.fused, "decode_layers")
     stacked.model.fused = counting
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, stacked.config.vocab_size, (n,), generator=gen).tolist() for n in (5, 17, 40, 1)]
@@ -73,9 +61,9 @@ def test_the_stack_gives_the_python_paths_tokens_logprobs_and_cache_bit_for_bit(
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
-def test_only_pure_decode_steps_take_the_stack(tiny_path, driver_cls, seq_cls):
+def test_only_pure_decode_steps_take_the_stack(tiny_path, driver_cls, seq_cls, counting_cls):
     runner = _runner(tiny_path, "bfloat16")
-    counting = _Counting(runner.model.fused)
+    counting = counting_cls(runner.model.fused, "decode_layers")
     runner.model.fused = counting
     gen = torch.Generator().manual_seed(4)
     prompt = torch.randint(3, runner.config.vocab_size, (30,), generator=gen).tolist()
@@ -96,3 +84,35 @@ def test_only_pure_decode_steps_take_the_stack(tiny_path, driver_cls, seq_cls):
 def test_an_fp32_models_quantized_layers_have_no_stack(tiny_path, quantization):
     runner = ModelRunner(str(tiny_path), num_blocks=64, quantization=quantization)
     assert runner.model.decode_stack is None
+
+
+@pytest.mark.parametrize(("dtype", "quantization"), PANEL_KINDS)
+def test_a_gated_model_gives_the_same_tokens_logprobs_and_cache(
+    tiny_path, dtype, quantization, driver_cls, seq_cls, counting_cls
+):
+    gated = ModelRunner(str(tiny_path), num_blocks=64, dtype=dtype, quantization=quantization)
+    if gated.model.gated_mlp is None:
+        pytest.skip(f"no gated MLP for {dtype} {quantization} here (on {gated.model.linear_kernel})")
+    plain = ModelRunner(str(tiny_path), num_blocks=64, dtype=dtype, quantization=quantization)
+    plain.model.gated_mlp = None
+    counting = counting_cls(gated.model.fused, "gated_linear")
+    gated.model.fused = counting
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, gated.config.vocab_size, (n,), generator=gen).tolist() for n in (5, 17, 300, 1)]
+    got = [seq_cls(f"r{i}", list(p), max_tokens=6 + i) for i, p in enumerate(prompts)]
+    want = [seq_cls(f"r{i}", list(p), max_tokens=6 + i) for i, p in enumerate(prompts)]
+    driver_cls(gated).run(got)
+    driver_cls(plain).run(want)
+    assert counting.calls > 0  # the prompt steps (Python path) ran gated
+    assert [s.output for s in got] == [s.output for s in want]
+    assert [s.logprobs for s in got] == [s.logprobs for s in want]
+    for (k1, v1), (k2, v2) in zip(gated.kv_caches, plain.kv_caches):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_a_model_whose_gate_and_up_do_not_fill_whole_panels_runs_them_apart(tmp_path):
+    sizes = {**SIZES, "intermediate_size": 176}  # 16k (the fused steps run), not 48k
+    runner = ModelRunner(str(make_tiny_llama(tmp_path, num_hidden_layers=2, **sizes)), num_blocks=16)
+    if runner.model.decode_stack is None:
+        pytest.skip(f"no panels here (on {runner.model.linear_kernel})")
+    assert runner.model.gated_mlp is None  # on panels, yet gate's last panel would hold up's first columns

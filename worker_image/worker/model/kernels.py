@@ -1739,6 +1739,25 @@ LLMFLEET_AVX512F static void panel_pass_avx512(int64_t rows, const float* x, int
 // so the same bits; what is saved is the gate+up output's trip through memory (a 2048-row prompt chunk of SmolLM2:
 // 25 MB written and read back in fp32) and a second parallel region.
 static constexpr int64_t GATED_LD = 2 * F32_PANEL;
+
+// One pass of `rows` rows over a thread's panels p0 .. p1 - 1 (`one(p, out, ldo, next, stream)`: panel p's sums
+// into out, rows ldo apart, `next`'s lines asked for meanwhile), into y (the pass's first row, rows ld apart):
+// each panel straight into its columns, or (gu: the gated scratch, rows x GATED_LD) pairs p, p + half into gu,
+// then silu(gate) * up into y's columns of panel p.
+template <typename Src, typename Y, typename One>
+static void thread_panels(const Src& src, int64_t p0, int64_t p1, int64_t half, int64_t rows, Y* y, int64_t ld, Y* gu,
+                          bool stream, const One& one) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const void* next = p + 1 < p1 ? src.panel(p + 1) : nullptr;
+    if (!gu) {
+      one(p, y + p * F32_PANEL, ld, next, stream);
+      continue;
+    }
+    one(p, gu, GATED_LD, src.panel(p + half), false);
+    one(p + half, gu + F32_PANEL, GATED_LD, next, false);
+    for (int64_t r = 0; r < rows; ++r) silu_and_mul_on<Y>(gu + r * GATED_LD, y + r * ld + p * F32_PANEL, F32_PANEL);
+  }
+}
 template <typename Src, typename Pass>
 static void panel_linear_run(const float* x, int64_t M, int64_t K, const Src& src, int64_t P, int64_t N,
                              const float* bias, const float* scale, float* y, const Pass& pass, bool gated) {
@@ -1771,17 +1790,7 @@ static void panel_linear_run(const float* x, int64_t M, int64_t K, const Src& sr
         pass(rows, x + m0 * K, K, K, static_cast<const float*>(wide.get()), out, ldo, ncols, b, next, lines, st, sc,
              total);
       };
-      for (int64_t p = p0; p < p1; ++p) {
-        const void* next = p + 1 < p1 ? src.panel(p + 1) : nullptr;
-        if (!gated) {
-          one(p, y + m0 * N + p * F32_PANEL, N, next, stream);
-          continue;
-        }
-        one(p, gu.get(), GATED_LD, src.panel(p + half), false);
-        one(p + half, gu.get() + F32_PANEL, GATED_LD, next, false);
-        for (int64_t r = 0; r < rows; ++r)
-          silu_and_mul_on<float>(gu.get() + r * GATED_LD, y + (m0 + r) * ld + p * F32_PANEL, F32_PANEL);
-      }
+      thread_panels(src, p0, p1, half, rows, y + m0 * ld, ld, gu.get(), stream, one);
     }
     if (stream) _mm_sfence();  // streaming stores are weakly ordered: done before the join hands y on
   });
@@ -2122,17 +2131,7 @@ static void pair_linear_run(const uint32_t* xp, int64_t M, int64_t K, const Src&
         pair_pass(rows, xp + m0 * K2, K2, K2, panel, out, ldo, std::min(F32_PANEL, n - p * F32_PANEL),
                   bp ? bp + p * F32_PANEL : nullptr, scale ? scale + p * F32_PANEL : nullptr, next, lines, st);
       };
-      for (int64_t p = p0; p < p1; ++p) {
-        const void* next = p + 1 < p1 ? src.panel(p + 1) : nullptr;
-        if (!gated) {
-          one(p, yp + m0 * n + p * F32_PANEL, n, next, stream);
-          continue;
-        }
-        one(p, gu.get(), GATED_LD, src.panel(p + half), false);
-        one(p + half, gu.get() + F32_PANEL, GATED_LD, next, false);
-        for (int64_t r = 0; r < rows; ++r)
-          silu_and_mul_on<Y>(gu.get() + r * GATED_LD, yp + (m0 + r) * ld + p * F32_PANEL, F32_PANEL);
-      }
+      thread_panels(src, p0, p1, half, rows, yp + m0 * ld, ld, gu.get(), stream, one);
     }
     if (stream) _mm_sfence();
   });
