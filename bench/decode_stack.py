@@ -1,14 +1,22 @@
-"""A decode step's layers in one native call against the same calls made one by one from Python, on W, in one run.
+"""A native path of the model on and off, on W, in one run: the decode stack, or gate+up with SiLU in its epilogue.
 
-Why it exists: `decode_layers` (LlamaModel.decode_stack) runs a pure decode step's layers (two norms, four linears,
-RoPE, the cache write and attention each, ~300 calls for SmolLM2) from C++ instead of from Python through their
-bindings, and claims the time between the calls back. This runs W through one engine, its rounds alternating the
-stack on and off (first one, then the other, then the other way round: the host's speed moves within minutes, so
-the figure that counts is the median of the within-round ratios), checks that both give the same tokens, and
-prints each round's seconds and the ratio python / stack. The LAST line printed is one JSON object.
+Why it exists: two of the model's native paths claim time back without changing a bit, and each needs its claim
+measured on the whole workload, not on its kernel alone:
+
+* `--part stack` (LlamaModel.decode_stack): `decode_layers` runs a pure decode step's layers (two norms, four
+  linears, RoPE, the cache write and attention each, ~300 calls for SmolLM2) from C++ instead of from Python through
+  their bindings;
+* `--part gated` (LlamaModel.gated_mlp): gate+up's panels and silu_and_mul in one pass (`gated_linear`, and the
+  stack's gated passes), so that gate+up's output never goes through memory.
+
+This runs W through one engine, its rounds alternating the part off and on (first one, then the other, then the
+other way round: the host's speed moves within minutes, so the figure that counts is the median of the within-round
+ratios), checks that both give the same tokens, and prints each round's seconds and the ratio off / on. The LAST
+line printed is one JSON object.
 
     .venv/bin/python bench/decode_stack.py --dtype bfloat16 --rounds 5
     .venv/bin/python bench/decode_stack.py --dtype bfloat16 --quantization int8
+    .venv/bin/python bench/decode_stack.py --dtype float32 --part gated --rounds 4
 """
 
 from __future__ import annotations
@@ -21,6 +29,9 @@ from typing import Any
 from engine import add_shape_args, shape_args, smollm2_on_w
 from kv_layout import spread
 
+# --part: the model's attribute that holds it (None: off)
+PARTS = {"stack": "decode_stack", "gated": "gated_mlp"}
+
 
 def run(
     dtype: str,
@@ -29,17 +40,19 @@ def run(
     output_len: tuple[int, int],
     rounds: int,
     quantization: str | None = None,
+    part: str = "stack",
 ) -> dict[str, Any]:
-    """W through one engine `rounds` times each way: seconds per round (python, stack), the ratios' spread, and
-    whether every round gave the same tokens. Exits where this model has no stack here."""
+    """W through one engine `rounds` times each way, `part` (a PARTS key) off and on: seconds per round, the
+    ratios' spread, and whether every round gave the same tokens. Exits where this model does not have it here."""
     from worker.core.request import SamplingParams
 
     llm, work = smollm2_on_w(dtype, requests, prompt_len, output_len, quantization=quantization)
     model = llm.engine.runner.model
-    stack = model.decode_stack
-    if stack is None:
+    attr = PARTS[part]
+    held = getattr(model, attr)
+    if held is None:
         raise SystemExit(
-            f"no decode stack for {dtype} {quantization or 'dense'} here: its linears run on {model.linear_kernel}"
+            f"no {attr} for {dtype} {quantization or 'dense'} here: its linears run on {model.linear_kernel}"
         )
     llm.generate([work[0][0][:32]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
 
@@ -54,23 +67,24 @@ def run(
                 tokens[out.request_id] += out.new_token_ids
         return time.perf_counter() - start, list(tokens.values())
 
-    seconds: dict[str, list[float]] = {"python": [], "stack": []}
+    seconds: dict[str, list[float]] = {"off": [], "on": []}
     outputs: list[list[list[int]]] = []
     for r in range(rounds):
-        for way in ("python", "stack") if r % 2 == 0 else ("stack", "python"):
-            model.decode_stack = stack if way == "stack" else None
+        for way in ("off", "on") if r % 2 == 0 else ("on", "off"):
+            setattr(model, attr, held if way == "on" else None)
             secs, toks = once(f"{way}{r}")
             seconds[way].append(secs)
             outputs.append(toks)
-    model.decode_stack = stack
-    ratios = [p / s for p, s in zip(seconds["python"], seconds["stack"])]
+    setattr(model, attr, held)
+    ratios = [off / on for off, on in zip(seconds["off"], seconds["on"])]
     return {
         "dtype": dtype,
         "quantization": quantization,
+        "part": part,
         "requests": requests,
-        "python_s": [round(s, 3) for s in seconds["python"]],
-        "stack_s": [round(s, 3) for s in seconds["stack"]],
-        "python_over_stack": spread(ratios),
+        "off_s": [round(s, 3) for s in seconds["off"]],
+        "on_s": [round(s, 3) for s in seconds["on"]],
+        "off_over_on": spread(ratios),
         "same_tokens": all(toks == outputs[0] for toks in outputs),
     }
 
@@ -80,17 +94,20 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--quantization", default=None, choices=["int8", "fp8", "int4"], help="weights (default: dense)")
     ap.add_argument("--rounds", type=int, default=5, help="runs each way, alternated")
+    ap.add_argument("--part", default="stack", choices=sorted(PARTS), help="what is switched off and on")
     add_shape_args(ap)
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
     requests, prompt, output = shape_args(args)
-    result = run(args.dtype, requests, prompt, output, args.rounds, args.quantization)
-    r = result["python_over_stack"]
-    print(f"{args.dtype} {args.quantization or 'dense'}, {requests} requests, {args.rounds} rounds each way")
-    print(f"  python: {result['python_s']} s")
-    print(f"  stack:  {result['stack_s']} s")
-    print(f"  python / stack: {r['median']:.3f}x [{r['min']:.3f}-{r['max']:.3f}], same tokens: {result['same_tokens']}")
+    result = run(args.dtype, requests, prompt, output, args.rounds, args.quantization, args.part)
+    r = result["off_over_on"]
+    print(
+        f"{args.dtype} {args.quantization or 'dense'}, {args.part}, {requests} requests, {args.rounds} rounds each way"
+    )
+    print(f"  off: {result['off_s']} s")
+    print(f"  on:  {result['on_s']} s")
+    print(f"  off / on: {r['median']:.3f}x [{r['min']:.3f}-{r['max']:.3f}], same tokens: {result['same_tokens']}")
     print(json.dumps(result))
 
 

@@ -1,4 +1,5 @@
-"""bench/decode_stack.py on a small workload: both ways run every round and give the same tokens."""
+"""bench/decode_stack.py on a small workload: for each part, both ways run every round and give the same tokens,
+and the model is left as it was."""
 
 from __future__ import annotations
 
@@ -6,13 +7,15 @@ import decode_stack
 import pytest
 
 
-def test_both_ways_run_each_round_and_give_the_same_tokens():
+@pytest.mark.parametrize("part", sorted(decode_stack.PARTS))
+def test_both_ways_run_each_round_and_give_the_same_tokens(part):
     try:
-        result = decode_stack.run("float32", requests=3, prompt_len=(8, 40), output_len=(3, 6), rounds=2)
+        result = decode_stack.run("float32", requests=3, prompt_len=(8, 40), output_len=(3, 6), rounds=2, part=part)
     except SystemExit as exc:  # a CPU whose linears do not run on the panels
         pytest.skip(str(exc))
-    assert len(result["python_s"]) == len(result["stack_s"]) == 2
-    assert all(s > 0 for s in result["python_s"] + result["stack_s"])
+    assert result["part"] == part
+    assert len(result["off_s"]) == len(result["on_s"]) == 2
+    assert all(s > 0 for s in result["off_s"] + result["on_s"])
     assert result["same_tokens"] is True
-    spread = result["python_over_stack"]
+    spread = result["off_over_on"]
     assert 0 < spread["min"] <= spread["median"] <= spread["max"]

@@ -72,7 +72,8 @@ multiply fp32 activations by weights packed once into 48-column panels (AVX-512,
 `bf16_attention_` bf16 ones (the AMX kernel's task on `vdpbf16ps`), and where that cannot run the fp32 kernel takes
 them widened (`widened_attention`). `decode_layers` runs a pure decode step's layers over the panels (dense or
 quantized) in one call (LlamaModel.decode_stack): the same calls in the same order, without Python and the bindings
-between them.
+between them. `gated_linear` runs a fused gate+up linear on those panels with silu_and_mul in its epilogue
+(LlamaModel.gated_mlp; the stack does the same): the same bits, without gate+up's output going through memory.
 """
 
 from __future__ import annotations
