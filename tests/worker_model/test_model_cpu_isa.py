@@ -28,9 +28,20 @@ def takes(quant: str, w: torch.Tensor) -> bool:
 
 
 # What the child computes with the capped extension: its report, and (where the panels run) the kernels' outputs.
+def gated(module, w: torch.Tensor, b: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up of x by w's halves on the panels in one pass (`gated_linear`); None where they do not each
+    fill whole panels."""
+    if not module.gated_cols(w.shape[0]):
+        return None
+    ops = [torch.empty(0) if t is None else t for t in PanelLinear(w, b, module).stack_operands()]
+    return module.gated_linear(x, *ops, w.shape[0])
+
+
 CHILD = (
     f"import torch\nQUANTIZED = {QUANTIZED!r}\n"
     + inspect.getsource(takes)
+    + "from worker.model.linear import PanelLinear\n"
+    + inspect.getsource(gated)
     + """
 import sys, torch
 from worker.model.kernels import _load_module
@@ -45,6 +56,7 @@ out = {"isa": module.vector_isa(), "panels": module.f32_panels_ready(), "prompt"
        "linear": choose_linear_kernel("cpu", torch.float32, read_cpu_flags(), available_kernels(module))}
 if out["panels"]:
     out["linears"] = [PanelLinear(w, b, module)(x) for w, b, x in data["linears"]]
+    out["gated"] = [gated(module, w, b, x) for w, b, x in data["linears"]]
     out["quantized"] = {q: [make_linear(w, b, q, torch.float32, "panels_fp32", module)(x) if takes(q, w) else None
                             for w, b, x in data["linears"]] for q in QUANTIZED}
     h, d, w = data["norm"]
@@ -147,6 +159,14 @@ def test_the_avx2_paths_compute_what_torch_computes(capped_avx2, fp32_code_panel
         exact = x.double() @ w.double().T + (0 if b is None else b.double())
         mkl = (F.linear(x, w, b).double() - exact).abs().max()
         assert (got.double() - exact).abs().max() <= 2 * mkl + 1e-6, (tuple(x.shape), tuple(w.shape))
+    gated_ones = [
+        (w, b, x, g) for (w, b, x), g in zip(data["linears"], capped_avx2["gated"], strict=True) if g is not None
+    ]
+    assert gated_ones  # the table has gate+up shapes whose halves fill whole panels
+    for w, b, x, got in gated_ones:
+        gu = F.linear(x, w, b)
+        want = F.silu(gu[:, : w.shape[0] // 2]) * gu[:, w.shape[0] // 2 :]
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"gated {tuple(x.shape)} x {tuple(w.shape)}")
     for q in QUANTIZED:
         for (w, b, x), got in zip(data["linears"], capped_avx2["quantized"][q], strict=True):
             if not takes(q, w):
@@ -178,6 +198,9 @@ def test_the_avx2_paths_give_the_avx512_paths_bits(capped_avx2, avx512):
     data = capped_avx2["inputs"]
     for (w, b, x), got in zip(data["linears"], capped_avx2["linears"], strict=True):
         assert torch.equal(got, PanelLinear(w, b, avx512)(x)), (tuple(x.shape), tuple(w.shape))
+    for (w, b, x), got in zip(data["linears"], capped_avx2["gated"], strict=True):
+        if got is not None:
+            assert torch.equal(got, gated(avx512, w, b, x)), ("gated", tuple(x.shape), tuple(w.shape))
     for q in QUANTIZED:
         for (w, b, x), got in zip(data["linears"], capped_avx2["quantized"][q], strict=True):
             if not takes(q, w):
