@@ -1722,23 +1722,7 @@ LLMFLEET_AVX512F static void panel_pass_avx512(int64_t rows, const float* x, int
   }
 }
 
-// Per thread, its panels; per pass of F32_PANEL_ROWS rows, per panel, the pass's rows (`pass`: panel_pass_avx512 or
-// panel_pass_avx2). The next panel's lines are asked for while the pass multiplies this one.
-// Past one pass (a prompt chunk), y is written with streaming stores: y (4.7-25 MB per SmolLM2 layer at 2048 rows)
-// outgrows the caches, and plain stores first read each line from DRAM (a line fill per 64 bytes, on the fill
-// buffers the panel prefetches need). 30 streamed layers at 2048 rows: 300 -> 319-342 GFLOP/s, the gate+up
-// projection 295 -> 339; at 256 rows or fewer a layer's y stays in cache for the next op, so plain stores (an output
-// head's logits excepted: streams_out).
-// Quantized panels (W int8 or fp8) are widened in registers at every k step, which costs a decode batch nothing
-// (the weight streams at 1 byte a weight, not 4) but costs a compute-bound batch its conversions once per block:
-// passes of F32_PANEL_WIDEN_ROWS rows or more widen each panel once into an fp32 scratch (K x 48, in L2) that
-// all their blocks read. The same fp32 values either way, so the same sums.
-// Gated (a fused gate+up weight, `gated`): y [M, N / 2] = silu(gate) * up, SiLU in the epilogue. Gate's columns
-// fill panels 0 .. P/2 - 1 and up's P/2 .. P - 1 (N = 48P, P even: gated_panels); a thread takes pairs (p, p + P/2),
-// each pass's sums of the two into a scratch of rows x 96 (gate's 48, then up's: L2-sized), then silu_and_mul's
-// row kernel over it into y. The same sums, the same rounding and the same SiLU as the linear then silu_and_mul,
-// so the same bits; what is saved is the gate+up output's trip through memory (a 2048-row prompt chunk of SmolLM2:
-// 25 MB written and read back in fp32) and a second parallel region.
+// a gated pass's scratch row: gate's 48 sums, then up's (panel_linear_run)
 static constexpr int64_t GATED_LD = 2 * F32_PANEL;
 
 // One pass of `rows` rows over a thread's panels p0 .. p1 - 1 (`one(p, out, ldo, next, stream)`: panel p's sums
@@ -1759,6 +1743,25 @@ static void thread_panels(const Src& src, int64_t p0, int64_t p1, int64_t half, 
     for (int64_t r = 0; r < rows; ++r) silu_and_mul_on<Y>(gu + r * GATED_LD, y + r * ld + p * F32_PANEL, F32_PANEL);
   }
 }
+
+// Per thread, its panels; per pass of F32_PANEL_ROWS rows, per panel, the pass's rows (`pass`: panel_pass_avx512 or
+// panel_pass_avx2). The next panel's lines are asked for while the pass multiplies this one.
+// Past one pass (a prompt chunk), y is written with streaming stores: y (4.7-25 MB per SmolLM2 layer at 2048 rows)
+// outgrows the caches, and plain stores first read each line from DRAM (a line fill per 64 bytes, on the fill
+// buffers the panel prefetches need). 30 streamed layers at 2048 rows: 300 -> 319-342 GFLOP/s, the gate+up
+// projection 295 -> 339; at 256 rows or fewer a layer's y stays in cache for the next op, so plain stores (an output
+// head's logits excepted: streams_out).
+// Quantized panels (W int8 or fp8) are widened in registers at every k step, which costs a decode batch nothing
+// (the weight streams at 1 byte a weight, not 4) but costs a compute-bound batch its conversions once per block:
+// passes of F32_PANEL_WIDEN_ROWS rows or more widen each panel once into an fp32 scratch (K x 48, in L2) that
+// all their blocks read. The same fp32 values either way, so the same sums.
+// Gated (a fused gate+up weight, `gated`): y [M, N / 2] = silu(gate) * up, SiLU in the epilogue. Gate's columns
+// fill panels 0 .. P/2 - 1 and up's P/2 .. P - 1 (N = 48P, P even: gated_panels); a thread takes pairs (p, p + P/2),
+// each pass's sums of the two into a scratch of rows x 96 (gate's 48, then up's: L2-sized), then silu_and_mul's
+// row kernel over it into y (plain stores, at any size: the down projection reads y next, from L3 where it fits).
+// The same sums, the same rounding and the same SiLU as the linear then silu_and_mul, so the same bits; what is
+// saved is the gate+up output's trip through memory (a 2048-row prompt chunk of SmolLM2: 25 MB written and read
+// back in fp32) and a second parallel region.
 template <typename Src, typename Pass>
 static void panel_linear_run(const float* x, int64_t M, int64_t K, const Src& src, int64_t P, int64_t N,
                              const float* bias, const float* scale, float* y, const Pass& pass, bool gated) {
