@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from worker.model.linear import PanelLinear
-from worker.model.llama import rms_norm
+from worker.model.llama import rms_norm, stack_operands
 from worker.model.quant import make_linear
 from worker.model.testing import Fp32PanelsOnly, causal_attention
 
@@ -33,14 +33,13 @@ def gated(module, w: torch.Tensor, b: torch.Tensor | None, x: torch.Tensor) -> t
     fill whole panels."""
     if not module.gated_cols(w.shape[0]):
         return None
-    ops = [torch.empty(0) if t is None else t for t in PanelLinear(w, b, module).stack_operands()]
-    return module.gated_linear(x, *ops, w.shape[0])
+    return module.gated_linear(x, *stack_operands(PanelLinear(w, b, module)), w.shape[0])
 
 
 CHILD = (
     f"import torch\nQUANTIZED = {QUANTIZED!r}\n"
     + inspect.getsource(takes)
-    + "from worker.model.linear import PanelLinear\n"
+    + "from worker.model.linear import PanelLinear\nfrom worker.model.llama import stack_operands\n"
     + inspect.getsource(gated)
     + """
 import sys, torch

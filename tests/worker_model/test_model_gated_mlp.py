@@ -10,6 +10,7 @@ import pytest
 import torch
 from worker.model import kernels
 from worker.model.linear import PanelLinear
+from worker.model.llama import stack_operands
 
 
 def _module():
@@ -17,10 +18,6 @@ def _module():
     if module is None or not module.f32_panels_ready():
         pytest.skip(f"the panels do not run here ({why or 'no AVX2 + FMA'})")
     return module
-
-
-def _operands(lin) -> list[torch.Tensor]:
-    return [torch.empty(0) if t is None else t for t in lin.stack_operands()]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -36,7 +33,7 @@ def test_gated_linear_is_the_linear_then_silu_and_mul_bit_for_bit(dtype, bias, r
     b = torch.randn(2 * inter, generator=gen) if bias else None
     lin = PanelLinear(w.to(dtype), b, module)
     x = torch.randn(rows, k, generator=gen).to(dtype)
-    got = module.gated_linear(x, *_operands(lin), 2 * inter)
+    got = module.gated_linear(x, *stack_operands(lin), 2 * inter)
     assert got.shape == (rows, inter) and got.dtype == dtype
     assert torch.equal(got, module.silu_and_mul(lin(x)))
 
@@ -48,4 +45,4 @@ def test_gated_linear_refuses_gate_and_up_that_do_not_fill_whole_panels():
     assert not module.gated_cols(2 * inter) and module.gated_cols(2 * cols)
     lin = PanelLinear(torch.randn(2 * inter, 32), None, module)
     with pytest.raises(RuntimeError, match="whole panels"):
-        module.gated_linear(torch.randn(3, 32), *_operands(lin), 2 * inter)
+        module.gated_linear(torch.randn(3, 32), *stack_operands(lin), 2 * inter)

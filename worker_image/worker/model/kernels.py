@@ -1810,9 +1810,11 @@ static void panel_linear_any(const float* x, int64_t M, int64_t K, const Src& w,
 }
 #endif
 
-// Whether a linear of n output columns over P panels can run gated (panel_linear_run): gate's and up's columns each
-// fill whole panels.
-static bool gated_panels(int64_t P, int64_t n) { return P % 2 == 0 && n == P * F32_PANEL; }
+// Whether a fused gate+up linear of n = 2 * inter columns can run gated: inter a multiple of the panels' columns.
+bool gated_cols(int64_t n) { return n % (2 * F32_PANEL) == 0; }
+
+// ... and whether its P panels are those columns (panel_linear_run's gated passes: gate's fill panels 0 .. P/2 - 1).
+static bool gated_panels(int64_t P, int64_t n) { return gated_cols(n) && n == P * F32_PANEL; }
 
 bool f32_panels_ready() {
 #if defined(__x86_64__)
@@ -3454,9 +3456,6 @@ torch::Tensor gated_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor 
   const torch::Tensor w[3] = {packed, bias, extra};
   return stack_linear(x, w, n, true);
 }
-
-// Whether a fused gate+up linear of n = 2 * inter columns can run gated: inter a multiple of the panels' columns.
-bool gated_cols(int64_t n) { return n % (2 * F32_PANEL) == 0; }
 
 torch::Tensor decode_layers(torch::Tensor h, std::vector<torch::Tensor> layers, std::vector<int64_t> dims,
                             torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> k_caches,

@@ -99,6 +99,17 @@ def owned(source: torch.Tensor, converted: torch.Tensor) -> torch.Tensor:
     return converted
 
 
+def stack_operands(linear: Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A linear's operands as the extension's stack kernels (`decode_layers`, `gated_linear`) take them: (panels,
+    bias, extra), an empty tensor for each one it lacks; None where it does not run on panels they multiply by."""
+    ops = getattr(linear, "stack_operands", lambda: None)()
+    if ops is None:
+        return None
+    packed, bias, extra = ops
+    none = torch.empty(0)
+    return packed, none if bias is None else bias, none if extra is None else extra
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)
@@ -203,40 +214,36 @@ class LlamaModel:
 
     def _decode_stack(self) -> list[torch.Tensor] | None:
         """The decoder layers' tensors as the extension's `decode_layers` takes them (per layer: input norm, QKV's
-        operands, post norm, o's, gate+up's, down's; a linear's from its `stack_operands`, an empty tensor for each
-        one it lacks), where a pure decode step can run all its layers in one native call: the fused steps native
-        and every linear on panels the stack multiplies by. None: the layers run call by call from Python
-        (`forward`)."""
+        operands, post norm, o's, gate+up's, down's: `stack_operands`), where a pure decode step can run all its
+        layers in one native call: the fused steps native and every linear on panels the stack multiplies by.
+        None: the layers run call by call from Python (`forward`)."""
         if self.fused is None:
             return None
-        none = torch.empty(0)
         stack: list[torch.Tensor] = []
         for layer in self.layers:
             operands = []
             for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
-                ops = getattr(lin, "stack_operands", lambda: None)()
+                ops = stack_operands(lin)
                 if ops is None:
                     return None
-                operands.append([none if t is None else t for t in ops])
+                operands.append(ops)
             qkv, o, gu, down = operands
             stack += [layer.input_norm, *qkv, layer.post_norm, *o, *gu, *down]
         return stack
 
     def _gated_mlp(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
-        """Per layer, gate+up's operands as the extension's `gated_linear` takes them (the linear and SiLU-and-mul
-        in one pass, the same bits as the two calls): where every layer's gate+up runs on panels the stack
-        multiplies by and gate's and up's columns each fill whole panels. None: the linear, then `silu_and_mul`."""
+        """Per layer, gate+up's `stack_operands` for the extension's `gated_linear` (the linear and SiLU-and-mul in
+        one pass, the same bits as the two calls): where every layer's gate+up runs on panels the stack multiplies
+        by and gate's and up's columns each fill whole panels. None: the linear, then `silu_and_mul`."""
         fused = self.fused
         if fused is None or not fused.gated_cols(2 * self.cfg.intermediate_size):
             return None
-        none = torch.empty(0)
         gated = []
         for layer in self.layers:
-            ops = getattr(layer.gate_up, "stack_operands", lambda: None)()
+            ops = stack_operands(layer.gate_up)
             if ops is None:
                 return None
-            packed, bias, extra = ops
-            gated.append((packed, none if bias is None else bias, none if extra is None else extra))
+            gated.append(ops)
         return gated
 
     @property
