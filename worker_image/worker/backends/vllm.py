@@ -399,6 +399,23 @@ class VllmEngine:
     async def start(self) -> None:
         if self._llm is not None:
             return
+        # Importing vLLM's engine (~5 s) and building it, which starts the engine-core process and waits for the
+        # model to load (tens of seconds): off the event loop, so that the server binds and /health answers
+        # meanwhile (with the imports on the loop, a slow host kept the worker from listening for over 10 s).
+        self._llm = await asyncio.to_thread(self._build)
+        self._tokenizer = self._llm.get_tokenizer()
+        self.max_model_len = self._llm.model_config.max_model_len
+        if self.lora_enabled:
+            self._max_loras = self._llm.vllm_config.lora_config.max_loras
+            if self.engine_args.get("worker_extension_cls") == LORA_WORKER_EXTENSION:
+                wrapped = await self._llm.collective_rpc("llmfleet_lora_setup")
+                if any(wrapped):
+                    log.info("vLLM's CPU LoRA ops skip rows without an adapter (%s)", ", ".join(wrapped[0]))
+            else:
+                log.warning("LoRA without llmfleet's vLLM worker extension: no slot counts, no CPU LoRA fix")
+
+    def _build(self) -> Any:
+        """vLLM's AsyncLLM for these engine args, its stats recorded into the snapshot (blocking: `start`)."""
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -417,21 +434,7 @@ class VllmEngine:
             def log_engine_initialized(self) -> None:
                 pass
 
-        # Building it starts the engine-core process and waits for the model to load (tens of seconds): off the
-        # event loop, so /health keeps answering meanwhile.
-        self._llm = await asyncio.to_thread(
-            AsyncLLM.from_engine_args, AsyncEngineArgs(**self.engine_args), stat_loggers=[SnapshotLogger]
-        )
-        self._tokenizer = self._llm.get_tokenizer()
-        self.max_model_len = self._llm.model_config.max_model_len
-        if self.lora_enabled:
-            self._max_loras = self._llm.vllm_config.lora_config.max_loras
-            if self.engine_args.get("worker_extension_cls") == LORA_WORKER_EXTENSION:
-                wrapped = await self._llm.collective_rpc("llmfleet_lora_setup")
-                if any(wrapped):
-                    log.info("vLLM's CPU LoRA ops skip rows without an adapter (%s)", ", ".join(wrapped[0]))
-            else:
-                log.warning("LoRA without llmfleet's vLLM worker extension: no slot counts, no CPU LoRA fix")
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args), stat_loggers=[SnapshotLogger])
 
     async def shutdown(self) -> None:
         for task in list(self._tasks):
