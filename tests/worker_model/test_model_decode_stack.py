@@ -1,8 +1,9 @@
 """A pure decode step runs its decoder layers in one native call (`decode_layers`, LlamaModel.decode_stack) where
 every linear runs on panels and the fused steps are native: the same calls in the same order as the layer-by-layer
 Python path, so the same tokens, logprobs and KV cache, bit for bit, in fp32 and bf16, int8, fp8 and int4 (a bf16
-model's codes on the pair panels), with and without projection biases. Steps with a prompt chunk stay on the Python
-path, and so does an fp32 model's quantized layers (their activations rounded to bf16 on the way in). Gate+up with
+model's codes on the pair panels, an fp32 model's on the fp32 panels, as a CPU without AVX512-BF16 runs them:
+`testing.Fp32PanelsOnly`), with and without projection biases. Steps with a prompt chunk stay on the Python path,
+and so do an fp32 model's quantized layers on the pair panels (their activations rounded to bf16 on the way in). Gate+up with
 SiLU in its epilogue (LlamaModel.gated_mlp: `gated_linear` from Python, the stack's gated passes) gives the same
 bits as gate+up then SiLU, on the same panel kinds; a model takes it only where gate's and up's columns each fill
 whole panels. Skipped on CPUs where the panels or the fused steps do not run (there the model has no stack)."""
@@ -12,13 +13,17 @@ from __future__ import annotations
 import pytest
 import torch
 from worker.model.runner import ModelRunner
-from worker.model.testing import add_projection_biases, make_tiny_llama
+from worker.model.testing import Fp32PanelsOnly, add_projection_biases, make_tiny_llama
 
 SIZES = dict(hidden_size=128, intermediate_size=192, num_attention_heads=2, num_key_value_heads=1, init_std=0.1)
 
 
 def _runner(path, dtype: str, quantization: str | None = None) -> ModelRunner:
+    """A runner whose model has the stack (skipped where it has none); an fp32 model's quantized layers on the fp32
+    code panels (`fp32_code_panels_only`)."""
     runner = ModelRunner(str(path), num_blocks=64, dtype=dtype, quantization=quantization)
+    fused = runner.model.fused
+    assert dtype == "bfloat16" or fused is None or isinstance(fused, Fp32PanelsOnly)  # the fixture took hold
     if runner.model.decode_stack is None:
         pytest.skip(f"no native decode stack for {dtype} {quantization} here (on {runner.model.linear_kernel})")
     return runner
@@ -38,8 +43,35 @@ def tiny_path(request, tmp_path_factory):
     return add_projection_biases(root) if request.param else root
 
 
-# the panel kinds the stack multiplies by: fp32 and bf16 panels, a bf16 model's int8/fp8 codes and int4 groups
-PANEL_KINDS = [("float32", None), ("bfloat16", None), ("bfloat16", "int8"), ("bfloat16", "fp8"), ("bfloat16", "int4")]
+@pytest.fixture(autouse=True)
+def fp32_code_panels_only(monkeypatch):
+    """The runners' extension as a CPU without AVX512-BF16 (and AMX) sees it wherever a test builds an fp32 model with
+    quantized layers: they take the fp32 code panels (`panel_linear_i8` / `_fp8` / `_int4`), which such CPUs run,
+    rather than the pair panels; bf16 models and dense ones are untouched (Fp32PanelsOnly only refuses bf16 panels
+    an fp32 model's codes would take)."""
+    import worker.model.runner as runner_module
+
+    load = runner_module.load_fused_ops
+
+    def fp32_panels_only(dtype, *sizes):
+        fused, why = load(dtype, *sizes)
+        return (Fp32PanelsOnly(fused) if fused is not None and dtype == torch.float32 else fused), why
+
+    monkeypatch.setattr(runner_module, "load_fused_ops", fp32_panels_only)
+    monkeypatch.setattr(runner_module, "load_quant_amx_ops", lambda *a: (None, "not in these tests"))
+
+
+# the panel kinds the stack multiplies by: fp32 and bf16 panels, int8/fp8 codes and int4 groups on either
+PANEL_KINDS = [
+    ("float32", None),
+    ("bfloat16", None),
+    ("bfloat16", "int8"),
+    ("bfloat16", "fp8"),
+    ("bfloat16", "int4"),
+    ("float32", "int8"),
+    ("float32", "fp8"),
+    ("float32", "int4"),
+]
 
 
 @pytest.mark.parametrize(("dtype", "quantization"), PANEL_KINDS)
@@ -81,9 +113,14 @@ def test_only_pure_decode_steps_take_the_stack(tiny_path, driver_cls, seq_cls, c
 
 
 @pytest.mark.parametrize("quantization", ["int8", "fp8", "int4"])
-def test_an_fp32_models_quantized_layers_have_no_stack(tiny_path, quantization):
+def test_an_fp32_models_quantized_layers_on_the_pair_panels_have_no_stack(tiny_path, quantization, monkeypatch):
+    monkeypatch.undo()  # the extension as this CPU has it
     runner = ModelRunner(str(tiny_path), num_blocks=64, quantization=quantization)
-    assert runner.model.decode_stack is None
+    path = runner.model.layers[0].qkv.path
+    if "pair panels" not in path:
+        pytest.skip(f"no pair panels here: {path}")
+    assert "rounded to bf16" in path or "bf16 pair panels" in path
+    assert runner.model.decode_stack is None and runner.model.gated_mlp is None
 
 
 @pytest.mark.parametrize(("dtype", "quantization"), PANEL_KINDS)

@@ -1885,18 +1885,26 @@ torch::Tensor panel_linear_f32(torch::Tensor x, torch::Tensor packed, int64_t n,
 // y = (x @ C^T) * scale (+ bias): x [M, K] fp32, C int8 codes in panels (panel_operands), one fp32 scale per output
 // column -> y [M, N] fp32. The codes widen to fp32 exactly in registers, so the weight streams at one byte a weight
 // and the sums run as panel_linear_f32's do.
+// y [M, n] over panels of one-byte codes of type W (torch type wtype) and their columns' scales, checked as `what`;
+// gated as panel_linear_run's passes
+template <typename W>
+static torch::Tensor code_panels(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                                 const torch::Tensor& scale, const c10::optional<torch::Tensor>& bias,
+                                 at::ScalarType wtype, const char* what, bool gated = false) {
+  panel_operands(x, packed, n, wtype, bias, scale, what);
+  return panel_linear<W>(x, packed, n, bias, scale.data_ptr<float>(), gated);
+}
+
 torch::Tensor panel_linear_i8(torch::Tensor x, torch::Tensor packed, int64_t n, torch::Tensor scale,
                               c10::optional<torch::Tensor> bias) {
-  panel_operands(x, packed, n, at::kChar, bias, scale, "panel_linear_i8");
-  return panel_linear<int8_t>(x, packed, n, bias, scale.data_ptr<float>());
+  return code_panels<int8_t>(x, packed, n, scale, bias, at::kChar, "panel_linear_i8");
 }
 
 // The same over fp8 e4m3 codes (float8_e4m3fn panels): y = (x @ C^T) * scale (+ bias), `scale` each column's
 // scale times 2**8 (what one unit of the codes' fp16 pattern is worth, FP8_TO_FP16_EXP_SHIFT in quant.py).
 torch::Tensor panel_linear_fp8(torch::Tensor x, torch::Tensor packed, int64_t n, torch::Tensor scale,
                                c10::optional<torch::Tensor> bias) {
-  panel_operands(x, packed, n, at::kFloat8_e4m3fn, bias, scale, "panel_linear_fp8");
-  return panel_linear<Fp8E4m3>(x, packed, n, bias, scale.data_ptr<float>());
+  return code_panels<Fp8E4m3>(x, packed, n, scale, bias, at::kFloat8_e4m3fn, "panel_linear_fp8");
 }
 
 // y = x @ W^T (+ bias) for group-wise int4 weights in panels (Int4Panels): x [M, K] fp32 contiguous, packed uint8
@@ -1915,21 +1923,27 @@ static void int4_operands(int64_t K, const torch::Tensor& packed, const torch::T
               what, ": sz must be fp32 [panels, in / group_size, 2, f32_panel_cols()], contiguous");
 }
 
-torch::Tensor panel_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor sz, int64_t n, int64_t group_size,
-                                c10::optional<torch::Tensor> bias) {
-  const char* what = "panel_linear_int4";
+// (checked as `what`; gated as panel_linear_run's passes)
+static torch::Tensor int4_panels(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& sz,
+                                 int64_t n, int64_t group_size, const c10::optional<torch::Tensor>& bias,
+                                 const char* what, bool gated = false) {
   panel_input(x, what);
   const int64_t K = x.size(1), P = packed.size(0);
   int4_operands(K, packed, sz, group_size, what);
   panel_output(P, n, bias, c10::nullopt, what);
-  auto y = torch::empty({x.size(0), n}, x.options());
+  auto y = torch::empty({x.size(0), gated ? n / 2 : n}, x.options());
 #if defined(__x86_64__)
   if (x.size(0) > 0)
     panel_linear_any(x.data_ptr<float>(), x.size(0), K,
                      Int4Panels{packed.data_ptr<uint8_t>(), sz.data_ptr<float>(), K, group_size}, P, n,
-                     bias.has_value() ? bias->data_ptr<float>() : nullptr, nullptr, y.data_ptr<float>());
+                     bias.has_value() ? bias->data_ptr<float>() : nullptr, nullptr, y.data_ptr<float>(), gated);
 #endif
   return y;
+}
+
+torch::Tensor panel_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor sz, int64_t n, int64_t group_size,
+                                c10::optional<torch::Tensor> bias) {
+  return int4_panels(x, packed, sz, n, group_size, bias, "panel_linear_int4");
 }
 
 // ---- bf16 linear on CPUs with AVX512-BF16 and no AMX (Zen 4/5; Cooper Lake): the weight packed once into panels
@@ -3419,26 +3433,31 @@ torch::Tensor panel_weight_rows(torch::Tensor packed, torch::Tensor ids, int64_t
   return out;
 }
 
-// ---- a decode step's decoder layers in one call ----
-// LlamaModel.forward makes ten calls a layer (two norms, four linears, RoPE, the cache write, attention, SiLU),
-// each from Python through its binding: ~1 ms of a 10-28 ms W decode step went to the Python and the bindings,
-// not the kernels. For a step of single-token rows whose linears all run on panels, this makes the same calls in
-// the same order from C++, so the outputs and the cache are the same, bit for bit.
-// layers: per layer input_norm, QKV's (packed, bias, extra), post_norm, then o's, gate+up's and down's (packed,
-// bias, extra) in that order after QKV's: fp32 panels or bf16 pairs (extra empty), int8 or fp8 codes in pairs
-// (extra: the columns' scales) or int4 pairs (extra: the groups' scales and offsets); an empty bias for none.
-// dims: heads, kv_heads, head_dim, hidden, intermediate. h [T, hidden] (the embeddings, updated in place as the
-// residual); cos, sin [T, 1, D] (LlamaModel.rope_tables); caches [NB, BS, KVH, D] per layer; slots [T]; tables
-// [T, max_blocks]; lens [T]; gated: gate+up and SiLU in one pass (gated_linear, where LlamaModel.gated_mlp says they
-// can be). Returns the final norm's output [T, hidden].
+// ---- a decode step's decoder layers in one call (decode_layers), and the gated MLP ----
+// One linear on panels of any kind the stack takes (w: its packed, bias and extra, as decode_layers takes them),
+// x [M, K] -> [M, n]; gated: silu(gate) * up [M, n / 2] in the same pass. An fp32 model's x: the fp32 panels, over
+// its weights or over int8 / fp8 codes (extra: the columns' scales) or int4 groups (extra: their scales and
+// offsets); a bf16 model's: the bf16 pair panels, over its weights or the same codes.
 static torch::Tensor stack_linear(const torch::Tensor& x, const torch::Tensor* w, int64_t n, bool gated = false) {
   const torch::Tensor &packed = w[0], &extra = w[2];
   const c10::optional<torch::Tensor> bias = w[1].numel() ? c10::optional<torch::Tensor>(w[1]) : c10::nullopt;
   TORCH_CHECK(!gated || gated_panels(packed.size(0), n),
               "gated_linear: gate's and up's columns must each fill whole panels (ask gated_cols first)");
+  const char* what = "decode_layers";
+  if (x.scalar_type() == at::kFloat) switch (packed.scalar_type()) {
+      case at::kFloat:
+        return f32_panels(x, packed, n, bias, gated);
+      case at::kChar:
+        return code_panels<int8_t>(x, packed, n, extra, bias, at::kChar, what, gated);
+      case at::kFloat8_e4m3fn:
+        return code_panels<Fp8E4m3>(x, packed, n, extra, bias, at::kFloat8_e4m3fn, what, gated);
+      case at::kByte:
+        TORCH_CHECK(extra.dim() == 4 && extra.size(1) > 0, "decode_layers: an int4 linear's extra is its groups");
+        return int4_panels(x, packed, extra, n, x.size(1) / extra.size(1), bias, what, gated);
+      default:
+        TORCH_CHECK(false, "decode_layers: an fp32 model's panels hold fp32 weights or int8, fp8 or int4 codes");
+    }
   switch (packed.scalar_type()) {
-    case at::kFloat:
-      return f32_panels(x, packed, n, bias, gated);
     case at::kBFloat16:
       return bf16_pairs(x, packed, n, bias, false, gated);
     case at::kByte:  // int4: K / group_size groups a panel
@@ -3457,6 +3476,22 @@ torch::Tensor gated_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor 
   return stack_linear(x, w, n, true);
 }
 
+// LlamaModel.forward makes ten calls a layer (two norms, four linears, RoPE, the cache write, attention, SiLU),
+// each from Python through its binding: ~1 ms of a 10-28 ms W decode step went to the Python and the bindings,
+// not the kernels. For a step of single-token rows whose linears all run on panels, this makes the same calls in
+// the same order from C++, so the outputs and the cache are the same, bit for bit.
+// layers: per layer input_norm, QKV's (packed, bias, extra), post_norm, then o's, gate+up's and down's (packed,
+// bias, extra) in that order after QKV's: fp32 panels or bf16 pairs (extra empty), int8 or fp8 codes (extra: the
+// columns' scales) or int4 groups (extra: their scales and offsets), in fp32 panels for an fp32 model and in pairs
+// for a bf16 one (stack_linear); an empty bias for none.
+// dims: heads, kv_heads, head_dim, hidden, intermediate. h [T, hidden] (the embeddings, updated in place as the
+// residual); cos, sin [T, 1, D] (LlamaModel.rope_tables); caches [NB, BS, KVH, D] per layer; slots [T]; tables
+// [T, max_blocks]; lens [T]; gated: gate+up and SiLU in one pass (gated_linear, where LlamaModel.gated_mlp says they
+// can be). Returns the final norm's output [T, hidden].
+// (Tried at stop 52 on a Zen 3, AVX2: each thread asking for its first panel of the next linear while it multiplied
+// its last of this one, o -> gate+up -> down -> the next QKV. 64 requests of 16-32 prompt and 96-128 output tokens,
+// 6 alternated rounds on a noisy host, off / on 0.981x [0.927-1.082], the same tokens: not kept. Not measured on
+// AVX-512, where a panel boundary costs less of a faster step.)
 torch::Tensor decode_layers(torch::Tensor h, std::vector<torch::Tensor> layers, std::vector<int64_t> dims,
                             torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> k_caches,
                             std::vector<torch::Tensor> v_caches, torch::Tensor slots, torch::Tensor tables,

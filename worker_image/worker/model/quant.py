@@ -369,9 +369,11 @@ class RowScaledLinear:
         return _torch_path("the codes converted per call, then F.linear")
 
     def stack_operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
-        """What the extension's `decode_layers` multiplies by for this layer of a bf16 model on the pair panels:
-        (the codes' panels, the bias, the columns' scales); None elsewhere (the layer runs from Python)."""
-        if self.weight.dim() != 4 or self._dtype != torch.bfloat16:
+        """What the extension's `decode_layers` multiplies by for this layer, where its codes lie in panels of the
+        model's dtype: a bf16 model's pair panels or an fp32 model's fp32 code panels (the codes' panels, the bias,
+        the columns' scales). None elsewhere (the layer runs from Python): an fp32 model's pair panels round its
+        activations to bf16 on the way in, which the stack does not."""
+        if self._panels is None or (self.weight.dim() == 4) != (self._dtype == torch.bfloat16):
             return None
         return self.weight, self.bias, self._unit_scale
 
@@ -555,9 +557,10 @@ class Int4Linear:
         return _torch_path("_weight_int4pack_mm_for_cpu, bf16 activations inside")
 
     def stack_operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
-        """What the extension's `decode_layers` multiplies by for this layer of a bf16 model on the pair panels:
-        (the int4 panels, the bias, the groups' scales and offsets); None elsewhere (the layer runs from Python)."""
-        if not self._pairs or self.out_dtype != torch.bfloat16:
+        """What the extension's `decode_layers` multiplies by for this layer, where its panels serve the model's
+        dtype: a bf16 model's on the pair panels, an fp32 model's on the fp32 panels (the int4 panels, the bias, the
+        groups' scales and offsets). None elsewhere (the layer runs from Python), as RowScaledLinear's."""
+        if self._panels is None or self._pairs != (self.out_dtype == torch.bfloat16):
             return None
         return self.packed, self.bias, self.scales_zeros
 
