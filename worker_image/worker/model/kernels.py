@@ -3444,6 +3444,9 @@ static torch::Tensor stack_linear(const torch::Tensor& x, const torch::Tensor* w
   TORCH_CHECK(!gated || gated_panels(packed.size(0), n),
               "gated_linear: gate's and up's columns must each fill whole panels (ask gated_cols first)");
   const char* what = "decode_layers";
+  const bool int4 = packed.scalar_type() == at::kByte;  // int4: extra holds K / group_size groups a panel
+  TORCH_CHECK(!int4 || (extra.dim() == 4 && extra.size(1) > 0), "decode_layers: an int4 linear's extra is its groups");
+  const int64_t group_size = int4 ? x.size(1) / extra.size(1) : 0;
   if (x.scalar_type() == at::kFloat) switch (packed.scalar_type()) {
       case at::kFloat:
         return f32_panels(x, packed, n, bias, gated);
@@ -3452,17 +3455,15 @@ static torch::Tensor stack_linear(const torch::Tensor& x, const torch::Tensor* w
       case at::kFloat8_e4m3fn:
         return code_panels<Fp8E4m3>(x, packed, n, extra, bias, at::kFloat8_e4m3fn, what, gated);
       case at::kByte:
-        TORCH_CHECK(extra.dim() == 4 && extra.size(1) > 0, "decode_layers: an int4 linear's extra is its groups");
-        return int4_panels(x, packed, extra, n, x.size(1) / extra.size(1), bias, what, gated);
+        return int4_panels(x, packed, extra, n, group_size, bias, what, gated);
       default:
         TORCH_CHECK(false, "decode_layers: an fp32 model's panels hold fp32 weights or int8, fp8 or int4 codes");
     }
   switch (packed.scalar_type()) {
     case at::kBFloat16:
       return bf16_pairs(x, packed, n, bias, false, gated);
-    case at::kByte:  // int4: K / group_size groups a panel
-      TORCH_CHECK(extra.dim() == 4 && extra.size(1) > 0, "decode_layers: an int4 linear's extra is its groups");
-      return int4_pairs(x, packed, extra, n, x.size(1) / extra.size(1), bias, false, gated);
+    case at::kByte:
+      return int4_pairs(x, packed, extra, n, group_size, bias, false, gated);
     default:  // int8 or fp8 codes (panel_linear_bf16_codes refuses any other type)
       return code_pairs(x, packed, n, extra, bias, false, gated);
   }
