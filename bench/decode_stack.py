@@ -1,13 +1,17 @@
-"""A native path of the model on and off, on W, in one run: the decode stack, or gate+up with SiLU in its epilogue.
+"""A part of the model's work on and off, on W, in one run: the decode stack, gate+up with SiLU in its epilogue,
+or the last layer's pruning.
 
-Why it exists: two of the model's native paths claim time back without changing a bit, and each needs its claim
+Why it exists: these parts of the model claim time back without changing a token, and each needs its claim
 measured on the whole workload, not on its kernel alone:
 
 * `--part stack` (LlamaModel.decode_stack): `decode_layers` runs a pure decode step's layers (two norms, four
   linears, RoPE, the cache write and attention each, ~300 calls for SmolLM2) from C++ instead of from Python through
   their bindings;
 * `--part gated` (LlamaModel.gated_mlp): gate+up's panels and silu_and_mul in one pass (`gated_linear`, and the
-  stack's gated passes), so that gate+up's output never goes through memory.
+  stack's gated passes), so that gate+up's output never goes through memory;
+* `--part prune` (LlamaModel.prune_last_layer): the last layer's o projection, MLP and final norm run only on the
+  rows the step reads (a prompt chunk's last row, decode rows), not on every prompt row, whose K and V are all the
+  cache needs from that layer.
 
 This runs W through one engine, its rounds alternating the part off and on (first one, then the other, then the
 other way round: the host's speed moves within minutes, so the figure that counts is the median of the within-round
@@ -17,6 +21,7 @@ line printed is one JSON object.
     .venv/bin/python bench/decode_stack.py --dtype bfloat16 --rounds 5
     .venv/bin/python bench/decode_stack.py --dtype bfloat16 --quantization int8
     .venv/bin/python bench/decode_stack.py --dtype float32 --part gated --rounds 4
+    .venv/bin/python bench/decode_stack.py --dtype float32 --part prune --rounds 4
 """
 
 from __future__ import annotations
@@ -29,8 +34,8 @@ from typing import Any
 from engine import add_shape_args, shape_args, smollm2_on_w
 from kv_layout import spread
 
-# --part: the model's attribute that holds it (None: off)
-PARTS = {"stack": "decode_stack", "gated": "gated_mlp"}
+# --part: the model's attribute that holds it (None or False: off)
+PARTS = {"stack": "decode_stack", "gated": "gated_mlp", "prune": "prune_last_layer"}
 
 
 def run(
@@ -50,6 +55,7 @@ def run(
     model = llm.engine.runner.model
     attr = PARTS[part]
     held = getattr(model, attr)
+    off = False if isinstance(held, bool) else None
     if held is None:
         raise SystemExit(
             f"no {attr} for {dtype} {quantization or 'dense'} here: its linears run on {model.linear_kernel}"
@@ -71,7 +77,7 @@ def run(
     outputs: list[list[list[int]]] = []
     for r in range(rounds):
         for way in ("off", "on") if r % 2 == 0 else ("on", "off"):
-            setattr(model, attr, held if way == "on" else None)
+            setattr(model, attr, held if way == "on" else off)
             secs, toks = once(f"{way}{r}")
             seconds[way].append(secs)
             outputs.append(toks)

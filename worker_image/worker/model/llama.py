@@ -211,6 +211,9 @@ class LlamaModel:
         self.inv_freq = rope_inv_freq(cfg).to(self.device)
         self.decode_stack: list[torch.Tensor] | None = self._decode_stack()
         self.gated_mlp: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = self._gated_mlp()
+        # `forward(rows=...)` runs the last layer past attention on those rows alone; False: on every row, the
+        # rows picked at the end (the same contract, vLLM's work: bench/decode_stack.py --part prune)
+        self.prune_last_layer = True
 
     def _decode_stack(self) -> list[torch.Tensor] | None:
         """The decoder layers' tensors as the extension's `decode_layers` takes them (per layer: input norm, QKV's
@@ -275,10 +278,17 @@ class LlamaModel:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         native: NativeAttention = EAGER,
         lora: LoraBatch | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hidden states of the batch's rows; `lora` adds the deltas of the adapters its rows use to every
         projection's output (worker.model.lora; None: the base model alone). `native`: the extension's attention
-        pieces that run here (`attention.paged_attention`)."""
+        pieces that run here (`attention.paged_attention`).
+
+        `rows` (int64 indices into the batch, ascending and distinct; None: all): the rows whose hidden states
+        the caller reads, returned in that order. Every row's K and V still reach the cache in every layer, but
+        the last layer's o projection, MLP and final norm run on these rows alone: the other rows of a prompt
+        chunk only feed the cache, and their last-layer outputs would be thrown away (llama.cpp prunes the same
+        way; vLLM computes them). Without LoRA only, whose batch plan is laid out over all the rows."""
         cfg = self.cfg
         t = input_ids.shape[0]
         heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -287,6 +297,12 @@ class LlamaModel:
         eps = cfg.rms_norm_eps
         cos, sin = self.rope_tables(meta.positions)
         fused = self.fused
+        if rows is not None:
+            assert lora is None, "rows: the last layer's pruning runs without LoRA"
+            if rows.numel() == t:
+                rows = None  # every row is read: nothing to prune
+            elif not self.prune_last_layer:
+                return self.forward(input_ids, meta, kv_caches, native).index_select(0, rows)
         h = self.embed_tokens(input_ids)
         if (
             self.decode_stack is not None
@@ -297,7 +313,7 @@ class LlamaModel:
             and native.kv_write is not None
         ):
             assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
-            return fused.decode_layers(
+            out = fused.decode_layers(
                 h,
                 self.decode_stack,
                 [heads, kv_heads, head_dim, cfg.hidden_size, inter],
@@ -313,6 +329,8 @@ class LlamaModel:
                 self.norm,
                 self.gated_mlp is not None,
             )
+            return out if rows is None else out.index_select(0, rows)
+        last = len(self.layers) - 1
         pending: torch.Tensor | None = None  # the last sub-layer's output, not yet added to the residual h
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             h, x = self._add_norm(h, pending, layer.input_norm, eps)
@@ -331,6 +349,10 @@ class LlamaModel:
             v = qkv[:, q_size + kv_size :].view(t, kv_heads, head_dim)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, native)
             attn = attn.reshape(t, q_size)
+            if rows is not None and i == last:
+                if rows.numel() == 0:  # no row is read: this layer's K and V were all the batch needed
+                    return h.new_empty((0, cfg.hidden_size))
+                attn, h = attn.index_select(0, rows), h.index_select(0, rows)
             o = layer.o_proj(attn)
             if lora is not None:
                 lora.apply(i, "o", attn, o)

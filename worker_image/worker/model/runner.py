@@ -280,6 +280,9 @@ class ModelRunner:
             slots[seq.req_id] = slot
         return slots
 
+    def _index(self, rows: list[int] | None) -> torch.Tensor | None:
+        return None if rows is None else torch.tensor(rows, dtype=torch.int64, device=self.device)
+
     def _check_offline_length(self, n: int) -> None:
         if not 0 < n <= self.max_model_len:
             raise ValueError(f"need 1..{self.max_model_len} tokens, got {n}")
@@ -306,9 +309,9 @@ class ModelRunner:
             span = SeqSpan(start, len(new), table)
             meta = build_metadata([span], self.block_size, self.device, self.dtype, self.native.decode is not None)
             ids = torch.tensor(new, dtype=torch.int64, device=self.device)
-            hidden = self.model.forward(ids, meta, caches, self.native)
+            hidden = self.model.forward(ids, meta, caches, self.native, rows=self._index([len(new) - 1]))
             start = len(tokens)
-            tokens.append(int(self.model.compute_logits(hidden[-1:]).argmax()))
+            tokens.append(int(self.model.compute_logits(hidden).argmax()))
         return tokens[len(prompt) :]
 
     def _prompt_logprobs(self, hidden: torch.Tensor, first_row: int, seq: ScheduledSeq) -> list[Logprob]:
@@ -365,10 +368,14 @@ class ModelRunner:
         lora = None
         if row_slots and self.lora_store is not None:
             lora = plan_batch(self.lora_store, row_slots, meta.num_decode, self.dtype, self.device)
-        hidden = self.model.forward(ids, meta, self.kv_caches, self.native, lora)
+        read = read_rows(prompt_rows, sampled) if lora is None else None
+        hidden = self.model.forward(ids, meta, self.kv_caches, self.native, lora, self._index(read))
+        at = {row: i for i, row in enumerate(read)} if read is not None else None  # batch row -> row of hidden
         for seq, first_row in prompt_rows:
             try:
-                out.prompt_logprobs[seq.req_id] = self._prompt_logprobs(hidden, first_row, seq)
+                out.prompt_logprobs[seq.req_id] = self._prompt_logprobs(
+                    hidden, at[first_row] if at is not None else first_row, seq
+                )
             except Exception as exc:  # noqa: BLE001
                 out.failed[seq.req_id] = failure(exc)
         sampled = [entry for entry in sampled if entry[0].req_id not in out.failed]
@@ -381,6 +388,8 @@ class ModelRunner:
         for seq, last_row, _ in speculating:
             k = len(seq.draft_token_ids)
             row_ids.extend(range(last_row - k, last_row + 1))
+        if at is not None:
+            row_ids = [at[row] for row in row_ids]
         logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(row_ids, device=self.device)))
         first = len(plain)
         for seq, _, request in speculating:
@@ -426,6 +435,18 @@ class ModelRunner:
             num_output_tokens=seq.num_output_tokens,
             eos_token_id=seq.eos_token_id if seq.eos_token_id is not None else self.eos_token_id,
         )
+
+
+def read_rows(
+    prompt_rows: list[tuple[ScheduledSeq, int]], sampled: list[tuple[ScheduledSeq, int, SampleRequest]]
+) -> list[int]:
+    """The batch rows a step reads from the model's hidden states, ascending: each prompt-logprob sequence's
+    rows (one per prompt target, from its first row), each sampled sequence's last row and, for a speculating
+    one, the rows of its drafts before it. A contiguous run of rows stays contiguous in the result."""
+    rows = {first + i for seq, first in prompt_rows for i in range(len(seq.prompt_targets))}
+    for seq, last, _ in sampled:
+        rows.update(range(last - len(seq.draft_token_ids), last + 1))
+    return sorted(rows)
 
 
 def failure(exc: BaseException) -> str:
