@@ -4,7 +4,9 @@ Written as plain tensors and functions rather than `nn.Module`s: inference never
 hooks, and the fewer Python calls per layer, the less a CPU step costs (a pure decode step on panels makes none:
 `decode_stack` hands all its layers to the extension's `decode_layers` in one call). Projections are fused (q/k/v
 into one matmul, gate/up into one) so a layer is four matmuls; every linear is a `quant.Linear`, so int8, fp8 and int4
-variants are the same code. Unquantized linears (and the output head) run on the kernel `linear.py` chooses for
+variants are the same code. The last layer runs its o projection, MLP and final norm only on the rows a step reads
+(`forward(rows=...)`): of a prompt chunk, the cache needs every row's K and V but the sampler only its last row.
+Unquantized linears (and the output head) run on the kernel `linear.py` chooses for
 the device, dtype and CPU (oneDNN with weights reordered once at load for bf16 on CPUs with native bf16;
 plain torch otherwise); the choice and its reason are logged once per model. Numerics follow HF `LlamaForCausalLM` (RMSNorm in fp32, RoPE tables in fp32, HF's
 llama3/linear frequency scaling) so greedy outputs match the reference token for token in fp32.
