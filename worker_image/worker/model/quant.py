@@ -82,9 +82,10 @@ as LLM.int8() keeps its outliers: 0.5% of them KL 0.0160, agreement 0.932; 1%: 0
 5%: 0.0101, 0.953. The error is spread over all channels, not held by a few, and the agreement moves by a position
 or two either way whatever the KL does: 182 of 192 has the 95% interval 0.907-0.971 (quality.py), and 13 of the
 reference's positions have their top two tokens within 0.1 nats, 48 within 0.5 (`bench/quant.py`, stop 52).
-Stop 53 tried bias correction (each linear's output shifted by -(w_fp8 - w) @ E[x], E[x] its input's mean over 8 other
-prompts and their answers, 563 rows; emulated as stop 51's, which reproduced fp8's 0.948 / 0.0199 to the digit): KL 0.0199 ->
-0.0227, agreement 0.948 -> 0.927 (int8: 0.0032 -> 0.0034, 0.984 -> 0.964). The rounding error has no mean to take out.
+Stop 53 tried bias correction (each linear's output shifted by -(w_fp8 - w) @ E[x], E[x] its input's mean over 8
+other prompts and their answers, 563 rows; emulated as stop 51's, which reproduced fp8's 0.948 / 0.0199 to the
+digit): KL 0.0199 -> 0.0227, agreement 0.948 -> 0.927 (int8: 0.0032 -> 0.0034, 0.984 -> 0.964). The rounding error
+has no mean to take out.
 
 **int8** (stop 32): weight-only, one symmetric int8 per weight (-127..127) and one fp32 scale per output row, so
 fusing stays exact as for fp8. Each weight is within half a step (its row's largest |w| / 254) of the original, where
