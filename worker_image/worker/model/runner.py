@@ -369,6 +369,8 @@ class ModelRunner:
         if row_slots and self.lora_store is not None:
             lora = plan_batch(self.lora_store, row_slots, meta.num_decode, self.dtype, self.device)
         read = read_rows(prompt_rows, sampled) if lora is None else None
+        if read is not None and len(read) == len(input_ids):
+            read = None  # every row is read (a decode step): no rows to map
         hidden = self.model.forward(ids, meta, self.kv_caches, self.native, lora, self._index(read))
         at = {row: i for i, row in enumerate(read)} if read is not None else None  # batch row -> row of hidden
         for seq, first_row in prompt_rows:
@@ -384,10 +386,7 @@ class ModelRunner:
         # Rows to score: one per plain sequence (first), then 1 + len(drafts) per speculating one.
         plain = [entry for entry in sampled if not entry[0].draft_token_ids]
         speculating = [entry for entry in sampled if entry[0].draft_token_ids]
-        row_ids = [row for _, row, _ in plain]
-        for seq, last_row, _ in speculating:
-            k = len(seq.draft_token_ids)
-            row_ids.extend(range(last_row - k, last_row + 1))
+        row_ids = [row for seq, last_row, _ in plain + speculating for row in sampled_rows(seq, last_row)]
         if at is not None:
             row_ids = [at[row] for row in row_ids]
         logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(row_ids, device=self.device)))
@@ -445,8 +444,14 @@ def read_rows(
     one, the rows of its drafts before it. A contiguous run of rows stays contiguous in the result."""
     rows = {first + i for seq, first in prompt_rows for i in range(len(seq.prompt_targets))}
     for seq, last, _ in sampled:
-        rows.update(range(last - len(seq.draft_token_ids), last + 1))
+        rows.update(sampled_rows(seq, last))
     return sorted(rows)
+
+
+def sampled_rows(seq: ScheduledSeq, last: int) -> range:
+    """The rows whose logits a sampled sequence needs, its last row `last`: that row alone, or with speculation
+    its drafts' rows before it too (the target model's verdict on each draft)."""
+    return range(last - len(seq.draft_token_ids), last + 1)
 
 
 def failure(exc: BaseException) -> str:
