@@ -32,6 +32,9 @@ over vLLM on this machine and workload.
 `--rounds N` runs all of it N times, variant after variant, and reports per system the median of its tok/s and of
 each ratio, a ratio taken within a round (on a shared host one run of W read 57-81 s of wall an hour apart; a
 within-round ratio moves much less), with the values by round; the JSON keeps every round's results (`rounds`).
+The latency targets are ratios too: `x_vllm_ttft_p50_s` and `x_vllm_itl_p99_ms`, vLLM's latency over ours in the
+same round (> 1: ours is faster), so that the median round's TTFT (a third of it moved by one slow spell of the
+host during a prompt phase) is not what decides them.
 
 `--variants` runs several variants in one process run (so their ratios share the machine's state): fp32 and
 bf16 run every system; int8/int4/fp8 (weights quantized, activations fp32) and int8-bf16/int4-bf16/fp8-bf16 (bf16
@@ -74,6 +77,9 @@ VARIANTS = {
     "int4-bf16": ("bfloat16", "int4"),
 }
 CEILING_ROWS = 256
+# The latencies issue #16 holds ours to against vLLM-CPU in the same run: `add_ratios` gives each as vLLM's over
+# ours (`x_vllm_ttft_p50_s`, `x_vllm_itl_p99_ms`), so that with --rounds each has a median of per-round ratios.
+LATENCY_TARGETS = ("ttft_p50_s", "itl_p99_ms")
 
 
 W_PROMPT_LEN, W_OUTPUT_LEN = (32, 512), (16, 256)  # workload W's prompt and output lengths (min, max)
@@ -507,6 +513,11 @@ def add_ratios(found: list[dict], ceilings: dict[str, dict]) -> None:
         for ref in ("hf_static", "vllm"):
             if (base, ref) in done:
                 r[f"x_{ref}"] = round(r["tok_s"] / done[(base, ref)]["tok_s"], 3)
+        if (base, "vllm") in done:  # the latency targets, as speedups (> 1: ours is faster), within the round
+            vllm = done[(base, "vllm")]
+            for key in LATENCY_TARGETS:
+                if r.get(key) and vllm.get(key):
+                    r[f"x_vllm_{key}"] = round(vllm[key] / r[key], 3)
         if variant != "fp32" and system == "ours" and ("fp32", "ours") in done:
             r["x_fp32"] = round(r["tok_s"] / done[("fp32", "ours")]["tok_s"], 3)
 
@@ -576,6 +587,11 @@ def print_table(result: dict) -> None:
             print(
                 f"        median of {r['rounds']} rounds; by round: tok/s {r['tok_s_rounds']}"
                 + "".join(f", {k[:-7]} {r[k]}" for k in sorted(r) if k.startswith("x_") and k.endswith("_rounds"))
+            )
+        if r["system"] == "ours" and all(f"x_vllm_{k}" in r for k in LATENCY_TARGETS):
+            print(
+                f"        against vLLM's latency in the same round (vLLM's / ours: > 1 is ours faster): "
+                f"TTFT p50 {r['x_vllm_ttft_p50_s']:.2f}x, ITL p99 {r['x_vllm_itl_p99_ms']:.2f}x"
             )
         if r["system"] == "ours":
             print(

@@ -92,6 +92,33 @@ _CEILINGS = {
             [_entry("fp32", "ours", 100.0), _entry("fp32", "vllm", None)],
             {("fp32", "ours"): {"x_ceiling": 0.5, "x_roofline": 1.0}},
         ),
+        (  # the latency targets: vLLM's latency over ours (> 1: ours faster), each from the same round
+            [
+                _entry("fp32", "ours", 150.0, ttft_p50_s=20.0, itl_p99_ms=5000.0),
+                _entry("fp32", "vllm", 100.0, ttft_p50_s=30.0, itl_p99_ms=4000.0),
+                _entry("int8", "ours", 160.0, ttft_p50_s=24.0, itl_p99_ms=4000.0),
+            ],
+            {
+                ("fp32", "ours"): {
+                    "x_vllm": 1.5,
+                    "x_ceiling": 0.75,
+                    "x_roofline": 1.5,
+                    "x_vllm_ttft_p50_s": 1.5,
+                    "x_vllm_itl_p99_ms": 0.8,
+                },
+                ("int8", "ours"): {
+                    "x_fp32": 1.067,
+                    "x_vllm": 1.6,
+                    "x_ceiling": 0.64,
+                    "x_vllm_ttft_p50_s": 1.25,
+                    "x_vllm_itl_p99_ms": 1.0,
+                },
+            },
+        ),
+        (  # a latency one side lacks gives no latency ratio
+            [_entry("fp32", "ours", 150.0, ttft_p50_s=20.0), _entry("fp32", "vllm", 100.0, itl_p99_ms=4000.0)],
+            {("fp32", "ours"): {"x_vllm": 1.5, "x_ceiling": 0.75, "x_roofline": 1.5}},
+        ),
     ],
 )
 def test_a_rounds_ratios_are_taken_within_it(found, expected) -> None:
@@ -119,6 +146,28 @@ def test_rounds_report_the_median_round_and_the_median_of_each_ratio() -> None:
     assert ours["tok_s_rounds"] == [120.0, 100.0, 110.0] and ours["x_vllm_rounds"] == [1.6, 1.4, 1.7]
     assert ours["rounds"] == 3 and vllm["rounds"] == 2  # a failed round does not count
     assert vllm["tok_s"] == 70.0  # two rounds: the mean of the middle two; the lower one's latencies
+
+
+def test_the_latency_targets_take_the_median_of_the_rounds_ratios() -> None:
+    """The median round (by tok/s) may be the one where a slow spell hit ours' prompt phase: the latency
+    targets are judged by the median of the per-round ratios, as x_vllm is."""
+    from engine import add_ratios, summarize_rounds
+
+    rounds = [
+        [_entry("fp32", "ours", o, ttft_p50_s=t, itl_p99_ms=i), _entry("fp32", "vllm", v, ttft_p50_s=vt, itl_p99_ms=vi)]
+        for o, t, i, v, vt, vi in (
+            (115.0, 30.0, 4700.0, 86.0, 27.0, 5000.0),  # the median round: ours' TTFT worse here
+            (125.0, 21.5, 4750.0, 82.0, 29.8, 5450.0),
+            (109.0, 29.9, 4770.0, 89.0, 35.9, 5540.0),
+        )
+    ]
+    for found in rounds:
+        add_ratios(found, _CEILINGS)
+    ours = summarize_rounds(rounds)[0]
+    assert ours["ttft_p50_s"] == 30.0  # the median round's own latency: worse than its vLLM's
+    assert ours["x_vllm_ttft_p50_s_rounds"] == [0.9, 1.386, 1.201]
+    assert ours["x_vllm_ttft_p50_s"] == 1.201  # but ours is faster in two rounds of three
+    assert ours["x_vllm_itl_p99_ms"] == 1.147
 
 
 def test_a_system_that_failed_every_round_keeps_its_error() -> None:
