@@ -20,9 +20,9 @@ a table, and its speed over the fresh queue's. `--prefix-caching` runs the engin
 prefix caching on (a worker's default): then the aged pools hold the first workload's blocks as evictable
 prefixes, and every block W gets is an evicted one. `--base REV` asks a third: is this tree's decode kernel faster
 than commit REV's? Both builds load in one process (`panel_ab.base_module_file`: REV built in a temporary worktree)
-and replay the same steps over one head-major cache, rounds alternated; it prints each build's seconds and GB/s, the
-median of the rounds' speed ratios (this tree over REV; min and max) and the largest difference between their
-outputs. The last line is one JSON object in every mode.
+and replay the same steps over one cache (laid out as the runner lays it out here), rounds alternated; it prints
+each build's seconds and GB/s, the median of the rounds' speed ratios (this tree over REV; min and max) and the
+largest difference between their outputs. The last line is one JSON object in every mode.
 
     .venv/bin/python bench/kv_layout.py                     # bf16, every 5th of W's decode steps
     .venv/bin/python bench/kv_layout.py --dtype float32 --every 10 --rounds 9
@@ -142,9 +142,10 @@ def decode_steps(
     return {"steps": steps, "num_blocks": runner.num_blocks, "block_size": runner.block_size, "shape": shape}
 
 
-def replay_kernel(recorded: dict, dtype: str) -> tuple[Any, Any]:
-    """(the native decode kernel, the torch dtype) to replay `recorded`'s steps over a head-major cache; exits
-    with the reason where the kernel cannot be built or reads no head-major cache of that dtype on this CPU."""
+def replay_kernel(recorded: dict, dtype: str, head_major: bool = True) -> tuple[Any, Any]:
+    """(the native decode kernel, the torch dtype) to replay `recorded`'s steps (over a head-major cache unless
+    `head_major` is False); exits with the reason where the kernel cannot be built or (head_major) reads no
+    head-major cache of that dtype on this CPU."""
     import torch
     from worker.model.kernels import head_major_cache, load_paged_decode
 
@@ -152,7 +153,7 @@ def replay_kernel(recorded: dict, dtype: str) -> tuple[Any, Any]:
     if kernel is None:
         raise SystemExit(f"the native decode kernel cannot be built here: {why}")
     dt = getattr(torch, dtype)
-    if not head_major_cache(dt, recorded["shape"][2], recorded["block_size"]):
+    if head_major and not head_major_cache(dt, recorded["shape"][2], recorded["block_size"]):
         raise SystemExit(f"the decode kernel reads no head-major {dtype} cache on this CPU (needs AVX-512)")
     return kernel, dt
 
@@ -232,16 +233,21 @@ def compare(recorded: dict, dtype: str, every: int, rounds: int, seed: int = 0) 
 
 def compare_builds(recorded: dict, dtype: str, every: int, rounds: int, base: Any, seed: int = 0) -> dict[str, Any]:
     """`base` (another build of the extension, loaded) against this tree's decode kernel over the recorded steps
-    (one in `every`) on one head-major cache, rounds alternated: seconds, GB/s, ratios, the outputs' largest gap."""
+    (one in `every`) on one cache laid out as the runner lays it out on this CPU (head-major where the AVX-512 passes
+    read it, token-major for the AVX2 ones), rounds alternated: seconds, GB/s, ratios, the outputs' largest gap."""
     import torch
     from worker.model.attention import cache_shape, cache_views
+    from worker.model.kernels import head_major_cache
 
-    kernel, dt = replay_kernel(recorded, dtype)
+    kernel, dt = replay_kernel(recorded, dtype, head_major=False)
     heads, kv_heads, head_dim = recorded["shape"]
     nb, bs = recorded["num_blocks"], recorded["block_size"]
     steps = recorded["steps"][::every]
     gen = torch.Generator().manual_seed(seed)
-    caches = cache_views(torch.randn(cache_shape(LAYERS, nb, bs, kv_heads, head_dim, True), generator=gen).to(dt), True)
+    major = head_major_cache(dt, head_dim, bs)
+    caches = cache_views(
+        torch.randn(cache_shape(LAYERS, nb, bs, kv_heads, head_dim, major), generator=gen).to(dt), major
+    )
     queries = [torch.randn(len(lens), heads, head_dim, generator=gen).to(dt) for _, lens in steps]
     sides = {"base": (base.paged_decode, caches), "new": (kernel, caches)}
     outputs, seconds = replay_sides(steps, queries, head_dim**-0.5, sides, rounds)

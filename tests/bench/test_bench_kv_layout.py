@@ -88,3 +88,19 @@ def test_timed_rounds_alternate_the_order():
     assert calls == ["a", "b", "b", "a", "a", "b"]
     assert {name: len(s) for name, s in seconds.items()} == {"a": 3, "b": 3}
     assert all(t >= 0 for s in seconds.values() for t in s)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_two_builds_replay_over_the_layout_the_runner_uses_here(dtype):
+    """`--base REV`: the other build runs over the cache as the runner lays it out on this CPU (token-major where
+    the AVX2 passes read it: a head-major cache there was refused). A build against itself gives the same outputs."""
+    from worker.model.kernels import _load_module
+
+    module, why = _load_module()
+    if module is None:
+        pytest.skip(f"the native kernels cannot be built here: {why}")
+    recorded = kv_layout.decode_steps(dtype, requests=3, prompt_len=(8, 40), output_len=(3, 6))
+    result = kv_layout.compare_builds(recorded, dtype, every=1, rounds=2, base=module)
+    assert result["max_abs_diff"] == 0.0
+    assert result["steps"] == len(recorded["steps"]) and result["base"]["s"] > 0 and result["new"]["s"] > 0
+    assert result["x_new"]["min"] <= result["x_new"]["median"] <= result["x_new"]["max"]

@@ -633,7 +633,11 @@ static void decode_seq_avx512(const T* __restrict__ qs, const T* __restrict__ k_
 // head's 64-float K slice in 8 registers and reads the queries (scaled) from L1; each row's per-head sums wait in
 // `tmp` until 8 rows are done, then fold into one vector (reduce8). P.V keeps its accumulators in L1 (9 heads x
 // 64 floats do not fit the 16 registers) and adds each V row to them in place. The sums are the head-by-head
-// passes' in the same order, so the outputs are unchanged, bit for bit.
+// passes' in the same order, so the outputs are unchanged, bit for bit. (Stop 54: each row's sums chain through a
+// store and a load there, and in L2 the passes take ~90 ns a token, yet P.V with 3 heads x 32 dims of accumulators
+// in registers, passes over a block's rows per KV head and half, read W's decode steps over 30 layers' caches
+// (`bench/kv_layout.py --base HEAD --dtype float32 --every 10 --rounds 9`) at 0.877x [0.774-1.003], and by 8 rows
+// with their prefetches asked at once 0.751x: out of cache the order of the reads bounds these passes.)
 
 // Lane r of the result = the sum of v[r]'s 8 lanes.
 LLMFLEET_AVX2 static inline __m256 reduce8(const __m256* v) {
