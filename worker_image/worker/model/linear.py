@@ -44,6 +44,14 @@ an AMD EPYC Zen 3 (AVX2 only; stop 33):
     panels (ours, AVX2)       5.9   20.0   54.3   90.1    110    116    126    113    135
     MKL (F.linear)            3.6    8.6   23.9   43.3   64.3   94.2   98.9    108    113
 
+The same command at stop 55, on a faster Zen 3 host (family 25 model 1), after the AVX2 pass began writing its
+outputs row by row (so that streaming stores fill whole 64-byte lines; column group by column group they left the
+write-combining buffers half full, ~10% of a 2048-row layer's time in perf), one run:
+
+    rows                        1      4     16     32     64    128    256    512   2048
+    panels (ours, AVX2)      16.4   52.0    137    122    123    143    155    167    171
+    MKL (F.linear)            7.7   14.5   61.7   90.8   97.2    144    157    144    165
+
 bf16 on CPUs with AVX512-BF16 and no AMX (Zen 4/5, Cooper Lake) runs the same panels with each row of a panel
 holding one pair of inputs for its 48 columns, [panels, in / 2, 48, 2] (`pack_pair_panels`), so that one
 `vdpbf16ps` multiplies a row's pair of x (a 32-bit broadcast) into 16 columns: twice an fp32 FMA's work (a
@@ -181,7 +189,7 @@ def choose_linear_kernel(
             )
         if F32_PANELS in kernels:
             return "panels_fp32", (
-                "fp32 on a CPU with AVX2 + FMA: our kernel on weights packed once in panels (1.7-2.3x MKL at 4-64 rows, 1.2x at 2048)"
+                "fp32 on a CPU with AVX2 + FMA: our kernel on weights packed once in panels (1.3-3.6x MKL at 1-64 rows, 1.0x from 128)"
             )
         return "aten", "fp32 on CPU: MKL sgemm (oneDNN fp32 is not faster here and rounds differently)"
     if dtype != torch.bfloat16:
