@@ -1665,8 +1665,13 @@ static int64_t avx2_passes(int64_t rows) { return rows <= 2 ? 1 : 2; }
 // block by block instead, as before: chunk by chunk ran int8 at 8-16 rows at 0.91x (bench/panel_ab.py).
 // A lone block of 1 or 2 rows (one decode step of one or two sequences) asks for no prefetch: the hardware
 // streams its ascending reads faster (1 row: 8.1 -> 10.3).
+// Never inlined: inlined into f32_attention_block_avx2 (S = Q K^T) GCC kept one of the 12 accumulators on the
+// stack, an FMA, a store and a load every input, where this function's own copy keeps all 16 registers busy
+// (perf: ~36% of the block's samples on those stores). Not inlined, the AVX2 prompt attention against torch's SDPA
+// (bench/prompt_attention.py --shapes smollm2-135m --chunks 512,2048 --start 0 --rounds 7, Zen 3, two runs each):
+// 512 queries 1.36-1.49x -> 1.91x, 2048: 0.82-0.98x -> 1.07-1.08x.
 template <typename W = float>
-LLMFLEET_AVX2 static void panel_pass_avx2(int64_t rows, const float* __restrict__ x, int64_t xs, int64_t K,
+LLMFLEET_AVX2 __attribute__((noinline)) static void panel_pass_avx2(int64_t rows, const float* __restrict__ x, int64_t xs, int64_t K,
                                           const W* __restrict__ panel, float* __restrict__ y, int64_t N, int64_t ncols,
                                           const float* bias, const void* next, int64_t lines, bool stream,
                                           const float* scale, float* __restrict__ total) {

@@ -368,9 +368,12 @@ class ModelRunner:
         lora = None
         if row_slots and self.lora_store is not None:
             lora = plan_batch(self.lora_store, row_slots, meta.num_decode, self.dtype, self.device)
-        read = read_rows(prompt_rows, sampled) if lora is None else None
+        # Every row is read where each sequence is one sampled token (a decode step): no rows to map, and none
+        # to gather (a set and a sort of 64 rows cost ~10 us a step).
+        every_row = not prompt_rows and len(sampled) == len(input_ids)
+        read = read_rows(prompt_rows, sampled) if lora is None and not every_row else None
         if read is not None and len(read) == len(input_ids):
-            read = None  # every row is read (a decode step): no rows to map
+            read = None  # every row is read all the same (a step of drafts and their last tokens)
         hidden = self.model.forward(ids, meta, self.kv_caches, self.native, lora, self._index(read))
         at = {row: i for i, row in enumerate(read)} if read is not None else None  # batch row -> row of hidden
         for seq, first_row in prompt_rows:
