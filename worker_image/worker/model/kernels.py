@@ -1671,10 +1671,12 @@ static int64_t avx2_passes(int64_t rows) { return rows <= 2 ? 1 : 2; }
 // (bench/prompt_attention.py --shapes smollm2-135m --chunks 512,2048 --start 0 --rounds 7, Zen 3, two runs each):
 // 512 queries 1.36-1.49x -> 1.91x, 2048: 0.82-0.98x -> 1.07-1.08x.
 template <typename W = float>
-LLMFLEET_AVX2 __attribute__((noinline)) static void panel_pass_avx2(int64_t rows, const float* __restrict__ x, int64_t xs, int64_t K,
-                                          const W* __restrict__ panel, float* __restrict__ y, int64_t N, int64_t ncols,
-                                          const float* bias, const void* next, int64_t lines, bool stream,
-                                          const float* scale, float* __restrict__ total) {
+LLMFLEET_AVX2 __attribute__((noinline)) static void panel_pass_avx2(int64_t rows, const float* __restrict__ x,
+                                                                    int64_t xs, int64_t K, const W* __restrict__ panel,
+                                                                    float* __restrict__ y, int64_t N, int64_t ncols,
+                                                                    const float* bias, const void* next, int64_t lines,
+                                                                    bool stream, const float* scale,
+                                                                    float* __restrict__ total) {
   const int64_t tail = rows % 4, full = rows / 4;
   const int64_t denom = K * (full * avx2_passes(4) + (tail ? avx2_passes(tail) : 0));
   const char* pf = rows <= 2 ? nullptr : static_cast<const char*>(next);
