@@ -199,13 +199,29 @@ def test_quantized_fp32_models_say_why_their_products_stay_fp32(amx, dtype, quan
     assert load_quant_amx_ops(torch.float32, "fp8", 576, 1536, 64)[0] is amx
 
 
+def chunk_absmax(x: torch.Tensor) -> torch.Tensor:
+    """Each input's 64-input chunk's largest |x|, per row: where AVX2 hosts' int8 panels quantize the activations to
+    int16 (`kernels.py`, quantize_rows_i16), an input's step is that / 32767."""
+    chunks = [x[:, k : k + 64] for k in range(0, x.shape[1], 64)]
+    return torch.cat([c.abs().amax(1, keepdim=True).expand(-1, c.shape[1]) for c in chunks], 1)
+
+
+def int16_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as AVX2 hosts' int8 panels see it: x * (32767 / its chunk's largest |x|) rounded half to even, times the
+    step (the step and the codes in fp32, as the kernel computes them; their product in fp64)."""
+    big = chunk_absmax(x)
+    inv = torch.where(big > 0, 32767 / big, torch.zeros_like(big))
+    return torch.round(x * inv).double() * (big / 32767).double()
+
+
 @pytest.mark.parametrize("quant", ["int8", "fp8"])
 @pytest.mark.parametrize(
     ("rows", "out_features", "bias"),
     [
         (1, 50, True),  # one row, a part-filled panel
+        (2, 96, False),  # the int16 path's lone blocks take all 48 columns at once
         (3, 96, False),  # an AVX2 block's tail
-        (8, 144, True),  # an AVX-512 block
+        (8, 144, True),  # an AVX-512 block; the int16 path's first pass widened into its pair scratch
         (31, 50, False),  # the last pass widened in registers
         (32, 96, True),  # the first widened into the fp32 scratch
         (300, 112, True),  # a pass and a half, streaming stores
@@ -214,8 +230,9 @@ def test_quantized_fp32_models_say_why_their_products_stay_fp32(amx, dtype, quan
 def test_an_fp32_models_one_byte_layers_multiply_their_codes_on_the_panels(
     fp32_code_panels, quant, rows, out_features, bias
 ):
-    """int8 and fp8 codes packed in panels, widened to fp32 in the kernel, the scales and the bias applied to its
-    sums: the product with the layer's own dequantized weights, to fp32's rounding."""
+    """int8 and fp8 codes packed in panels, widened in the kernel, the scales and the bias applied to its sums: the
+    product with the layer's own dequantized weights, to fp32's rounding; int8 on AVX2 hosts, which multiply int16
+    activations, also within half an int16 step of each input times its weights."""
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(out_features, 200, generator=gen) * 0.05
     b = torch.randn(out_features, generator=gen) if bias else None
@@ -228,8 +245,29 @@ def test_an_fp32_models_one_byte_layers_multiply_their_codes_on_the_panels(
     exact = x.double() @ layer.dequantize().double().t() + (0 if b is None else b.double())
     y = layer(x)
     assert y.shape == (rows, out_features) and y.dtype == torch.float32
-    assert (y.double() - exact).abs().max().item() < 1e-5
+    rounding = 0.0 if quant == "fp8" else chunk_absmax(x).double() / 65534 @ layer.dequantize().double().abs().t()
+    assert ((y.double() - exact).abs() - rounding).max().item() < 1e-5
     assert torch.equal(layer(x.view(1, rows, 200)), y.view(1, rows, out_features))  # batched rows: the same
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 40, 300])
+def test_avx2_hosts_int8_panels_multiply_the_activations_int16_codes(fp32_code_panels, rows):
+    """On AVX2 hosts the int8 panels quantize x per row and 64-input chunk to int16 and sum the products exactly
+    in int32: the product of those int16 values with the dequantized weights, to fp32's rounding. (x's inputs
+    span 1e-3 to 1e2 so that the chunks' scales differ; 1000 inputs end in a part chunk.)"""
+    if fp32_code_panels.vector_isa() != "avx2":
+        pytest.skip("the int16 activations are the AVX2 path's (AVX-512 hosts widen the codes to fp32)")
+    gen = torch.Generator().manual_seed(rows)
+    layer = make_linear(
+        torch.randn(96, 1000, generator=gen), None, "int8", torch.float32, "panels_fp32", fp32_code_panels
+    )
+    x = torch.randn(rows, 1000, generator=gen) * torch.logspace(-3, 2, 1000)[torch.randperm(1000, generator=gen)]
+    w = layer.dequantize().double()
+    y = layer(x).double()
+    want = int16_activations(x) @ w.t()
+    fp32_rounding = 4e-6 * (x.double().abs() @ w.abs().t())  # (~2**-24 each: 16 chunks' two, weights, scales)
+    assert ((y - want).abs() <= fp32_rounding).all()
+    assert ((y - x.double() @ w.t()).abs() > fp32_rounding).any()  # (it is not fp32 x's product)
 
 
 @pytest.mark.parametrize("quant", ["int8", "fp8"])

@@ -1412,7 +1412,9 @@ LLMFLEET_AVX2 static void widen_panel(const W* __restrict__ src, int64_t n, floa
 template <typename W>
 struct CodePanels {
   static constexpr bool direct = true;  // blocks may read the codes themselves
-  static constexpr bool fp32 = std::is_same_v<W, float>;  // nothing to widen
+  using Wide = float;                   // what widen writes
+  // passes of this many rows widen each panel first (fp32: never, nothing to widen)
+  static constexpr int64_t widen_rows = std::is_same_v<W, float> ? INT64_MAX : F32_PANEL_WIDEN_ROWS;
   const W* w;
   int64_t K;
   const W* panel(int64_t p) const { return w + p * K * F32_PANEL; }
@@ -1424,7 +1426,9 @@ struct CodePanels {
 // column j's code (0..15) in its low nibble and column j + 24's in its high one, and per group of G inputs a row of
 // 48 scales and a row of 48 offsets (fp32), weight = code * scale + offset (one fused multiply-add).
 struct Int4Panels {
-  static constexpr bool direct = false, fp32 = false;
+  static constexpr bool direct = false;
+  using Wide = float;
+  static constexpr int64_t widen_rows = 0;
   const uint8_t* q;
   const float* sz;  // [P, K / G, 2, 48]
   int64_t K, G;
@@ -1654,6 +1658,35 @@ LLMFLEET_AVX2 static inline void panel_block_chunk_avx2(int64_t rows, A&&... a) 
 // The 64-input steps a block of `rows` (<= 4) takes per chunk: passes over it (two halves, or one for 1-2 rows)
 static int64_t avx2_passes(int64_t rows) { return rows <= 2 ? 1 : 2; }
 
+// The AVX2 passes' epilogue: the pass's sums (`total`, rows x 48) out to y's rows (N floats apart), times `scale`
+// where given, plus `bias` where given, the panel's first ncols columns; streaming stores where `stream`.
+// Row by row, so a row's 48 columns go out one after another: streaming stores fill whole 64-byte lines in the
+// write-combining buffers. (Column group by column group, each 32-byte store went to another row's line, and
+// the buffers left for DRAM half full: ~10% of a 2048-row layer's time sat on those stores, perf on a Zen 3.)
+LLMFLEET_AVX2 static void pass_out_avx2(int64_t rows, const float* __restrict__ total, float* __restrict__ y,
+                                        int64_t N, int64_t ncols, const float* bias, const float* scale, bool stream) {
+  constexpr int64_t V = F32_PANEL / 8;
+  __m256 b[V], sc[V];
+  __m256i mask[V];
+  for (int64_t v = 0; v < V; ++v) {
+    mask[v] = first_lanes(ncols - 8 * v);
+    b[v] = bias && 8 * v < ncols ? _mm256_maskload_ps(bias + 8 * v, mask[v]) : _mm256_setzero_ps();
+    sc[v] = scale && 8 * v < ncols ? _mm256_maskload_ps(scale + 8 * v, mask[v]) : _mm256_setzero_ps();
+  }
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t v = 0; v < V && 8 * v < ncols; ++v) {
+      const int64_t c = 8 * v;
+      const __m256 t = _mm256_load_ps(total + m * F32_PANEL + c);
+      const __m256 out = scale ? _mm256_fmadd_ps(t, sc[v], b[v]) : _mm256_add_ps(t, b[v]);
+      if (ncols - c < 8)  // (a masked store is microcoded on AMD: ~12 cycles where a plain one takes 1)
+        _mm256_maskstore_ps(y + m * N + c, mask[v], out);
+      else if (stream)
+        _mm256_stream_ps(y + m * N + c, out);
+      else
+        _mm256_storeu_ps(y + m * N + c, out);
+    }
+}
+
 // panel_block's contract for all `rows` (<= F32_PANEL_ROWS) of a pass, `total` a scratch of rows x 48 floats
 // (32-byte aligned). Chunk by chunk, every block of 4 rows takes the chunk (12 KB: it stays in L1 for all of them,
 // where block after block over the whole K re-read the panel from L2 for each block), then the totals go out.
@@ -1694,29 +1727,182 @@ LLMFLEET_AVX2 __attribute__((noinline)) static void panel_pass_avx2(int64_t rows
         panel_block_chunk_avx2<W>(b < full ? 4 : tail, x + 4 * b * xs, xs, k0, std::min(K, k0 + F32_PANEL_CHUNK), panel,
                                total + 4 * b * F32_PANEL, pf, due, line, lines, denom);
   }
-  // Row by row, so a row's 48 columns go out one after another: streaming stores fill whole 64-byte lines in the
-  // write-combining buffers. (Column group by column group, each 32-byte store went to another row's line, and
-  // the buffers left for DRAM half full: ~10% of a 2048-row layer's time sat on those stores, perf on a Zen 3.)
-  constexpr int64_t V = F32_PANEL / 8;
-  __m256 b[V], sc[V];
-  __m256i mask[V];
-  for (int64_t v = 0; v < V; ++v) {
-    mask[v] = first_lanes(ncols - 8 * v);
-    b[v] = bias && 8 * v < ncols ? _mm256_maskload_ps(bias + 8 * v, mask[v]) : _mm256_setzero_ps();
-    sc[v] = scale && 8 * v < ncols ? _mm256_maskload_ps(scale + 8 * v, mask[v]) : _mm256_setzero_ps();
+  pass_out_avx2(rows, total, y, N, ncols, bias, scale, stream);
+}
+
+// ---- int8 codes times int16 activations, on AVX2 hosts (no AVX-512). Zen 3 has no VNNI, and its fp32 FMA path
+// already runs near the FMA units' peak at 16 rows and up, where widening int8 codes to fp32 can only tie it. Its
+// integer multiply-add (vpmaddwd: 16 int16 products summed in pairs into 8 int32 lanes, then vpaddd) runs beside
+// the FMA units' work at ~1.5 pairs a cycle, 24 multiply-adds a cycle against FMA's 16 (a register-only loop
+// here). So an int8 layer quantizes its activations to int16, per row and per chunk of F32_PANEL_CHUNK inputs
+// (scale = the chunk's largest |x| / 32767, codes rounded to nearest even), sums each chunk exactly in int32
+// (at most 64 * 32767 * 128 < 2**31), and adds chunk sum * the chunk's scale into the row's fp32 total: the
+// fp32 path's blocked summation, with each x off by at most half a step of its chunk's own scale (2**-16 of its
+// largest |x|, where the int8 weights are off by up to 2**-8 of their row's largest |w|). Integer sums do not
+// depend on their order, so every row gets the same bits whatever the batch, the blocking or the widening.
+
+// A pass's rows of x as int16 codes: row m's codes at q + m * K, its chunks' scales at s + m * chunks
+struct I16Rows {
+  const int16_t* q;
+  const float* s;
+  int64_t K, chunks;
+  I16Rows at(int64_t m0) const { return {q + m0 * K, s + m0 * chunks, K, chunks}; }
+};
+static const float* rows_at(const float* x, int64_t m0, int64_t K) { return x + m0 * K; }
+static I16Rows rows_at(const I16Rows& x, int64_t m0, int64_t) { return x.at(m0); }
+
+// x [M, K] fp32 (K even) -> int16 codes q [M, K] and fp32 scales s [M, chunks] (I16Rows)
+LLMFLEET_AVX2 static void quantize_rows_i16(const float* x, int64_t M, int64_t K, int16_t* q, float* s) {
+  const int64_t chunks = (K + F32_PANEL_CHUNK - 1) / F32_PANEL_CHUNK;
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t k0 = c * F32_PANEL_CHUNK, n = std::min(F32_PANEL_CHUNK, K - k0);
+        const float* xc = x + r * K + k0;
+        int16_t* qc = q + r * K + k0;
+        __m256 mx = _mm256_setzero_ps();
+        const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+        int64_t k = 0;
+        for (; k + 8 <= n; k += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(xc + k), abs));
+        float big = hmax8(mx);
+        for (; k < n; ++k) big = std::max(big, std::fabs(xc[k]));
+        s[r * chunks + c] = big / 32767.0f;
+        const float inv = big > 0.0f ? 32767.0f / big : 0.0f;
+        const __m256 iv = _mm256_set1_ps(inv);
+        for (k = 0; k + 16 <= n; k += 16) {
+          const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xc + k), iv));
+          const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xc + k + 8), iv));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(qc + k),
+                              _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8));
+        }
+        for (; k < n; ++k) qc[k] = static_cast<int16_t>(std::nearbyint(xc[k] * inv));  // (rounds as cvtps does)
+      }
+  });
+}
+
+// 16 columns' weights (16 g .. 16 g + 15) of inputs k and k + 1 (k even) as int16 pairs (k's, k+1's) for vpmaddwd,
+// in two vectors: lo holds columns 0-3 and 8-11 of the 16, hi 4-7 and 12-15 (vpunpck*wd works within 128-bit
+// lanes; the chunk's epilogue puts the columns back in order). From int8 codes ([K, 48], widened in registers:
+// two sign extensions from memory and two unpacks for 32 products), or from a pair scratch (I8PairPanels::widen:
+// these vectors as they come, [K / 2, 3 groups, lo, hi]).
+struct PairW16 {
+  __m256i lo, hi;
+};
+LLMFLEET_AVX2 static inline __attribute__((always_inline)) PairW16 pair_w16(const int8_t* w, int64_t k, int64_t g) {
+  const __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * F32_PANEL + 16 * g)));
+  const __m256i b =
+      _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (k + 1) * F32_PANEL + 16 * g)));
+  return {_mm256_unpacklo_epi16(a, b), _mm256_unpackhi_epi16(a, b)};
+}
+LLMFLEET_AVX2 static inline __attribute__((always_inline)) PairW16 pair_w16(const int16_t* w, int64_t k, int64_t g) {
+  const int16_t* v = w + k * F32_PANEL + 32 * g;  // (k / 2 pairs of 96 int16)
+  return {_mm256_load_si256(reinterpret_cast<const __m256i*>(v)),
+          _mm256_load_si256(reinterpret_cast<const __m256i*>(v + 16))};
+}
+
+// Int8 code panels for the int16 path: the codes read directly (widened in registers) by passes of fewer than
+// I16_WIDEN_ROWS rows, else widened once per pass into a pair scratch (K x 48 int16, half the fp32 scratch).
+static constexpr int64_t I16_WIDEN_ROWS = 8;
+struct I8PairPanels : CodePanels<int8_t> {
+  using Wide = int16_t;
+  static constexpr int64_t widen_rows = I16_WIDEN_ROWS;
+  LLMFLEET_AVX2 void widen(int64_t p, int16_t* __restrict__ dst) const {
+    const int8_t* codes = panel(p);
+    for (int64_t k = 0; k < K; k += 2)
+      for (int64_t g = 0; g < 3; ++g) {
+        const PairW16 w = pair_w16(codes, k, g);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(dst + k * F32_PANEL + 32 * g), w.lo);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(dst + k * F32_PANEL + 32 * g + 16), w.hi);
+      }
   }
-  for (int64_t m = 0; m < rows; ++m)
-    for (int64_t v = 0; v < V && 8 * v < ncols; ++v) {
-      const int64_t c = 8 * v;
-      const __m256 t = _mm256_load_ps(total + m * F32_PANEL + c);
-      const __m256 out = scale ? _mm256_fmadd_ps(t, sc[v], b[v]) : _mm256_add_ps(t, b[v]);
-      if (ncols - c < 8)  // (a masked store is microcoded on AMD: ~12 cycles where a plain one takes 1)
-        _mm256_maskstore_ps(y + m * N + c, mask[v], out);
-      else if (stream)
-        _mm256_stream_ps(y + m * N + c, out);
-      else
-        _mm256_storeu_ps(y + m * N + c, out);
+};
+
+// Groups of 16 columns a block of `rows` (<= 4) takes per sweep of a chunk: all three for 1-2 rows, else one
+static constexpr int i16_groups(int64_t rows) { return rows <= 2 ? 3 : 1; }
+
+// One chunk [k0, k1) of the panel for MR <= 4 rows, GS groups of 16 columns at a time (4 rows x 16 columns: 8
+// accumulators, the two weight vectors, the broadcast pair and vpmaddwd's product; 1 or 2 rows take all 48 columns
+// at once, so they read the codes in ascending order, as panel_chunk_avx2's lone rows do); each row's int32 chunk
+// sums times its chunk scale added into its totals (rows x 48 floats), which the first chunk starts from zero.
+// Prefetches as panel_chunk_avx2. Never inlined: inlined into the pass, GCC kept accumulators on the stack.
+template <int MR, typename W, int GS = i16_groups(MR)>
+LLMFLEET_AVX2 __attribute__((noinline)) static void i16_chunk_avx2(I16Rows x, int64_t k0, int64_t k1,
+                                                                   const W* __restrict__ panel, float* __restrict__ total,
+                                                                   const char* next, int64_t& due, int64_t& line,
+                                                                   int64_t span, int64_t denom) {
+  const int64_t chunk = k0 / F32_PANEL_CHUNK;
+  for (int64_t g0 = 0; g0 < 3; g0 += GS) {
+    __m256i lo[MR][GS], hi[MR][GS];
+    for (int m = 0; m < MR; ++m)
+      for (int g = 0; g < GS; ++g) lo[m][g] = hi[m][g] = _mm256_setzero_si256();
+    for (int64_t ks = k0; ks < k1; ks += 8) {
+      const int64_t ke = std::min(k1, ks + 8);
+      if (next) ask_for_lines(next, ke - ks, span, denom, due, line);
+#pragma GCC unroll 4
+      for (int64_t k = ks; k < ke; k += 2) {
+        __m256i xb[MR];
+        for (int m = 0; m < MR; ++m) {
+          int32_t pair;
+          std::memcpy(&pair, x.q + m * x.K + k, sizeof(pair));
+          xb[m] = _mm256_set1_epi32(pair);
+        }
+        for (int g = 0; g < GS; ++g) {
+          const PairW16 w = pair_w16(panel, k, g0 + g);
+          for (int m = 0; m < MR; ++m) {
+            lo[m][g] = _mm256_add_epi32(lo[m][g], _mm256_madd_epi16(xb[m], w.lo));
+            hi[m][g] = _mm256_add_epi32(hi[m][g], _mm256_madd_epi16(xb[m], w.hi));
+          }
+        }
+      }
     }
+    for (int m = 0; m < MR; ++m) {
+      const __m256 sc = _mm256_set1_ps(x.s[m * x.chunks + chunk]);
+      for (int g = 0; g < GS; ++g) {
+        const __m256i in_order[2] = {_mm256_permute2x128_si256(lo[m][g], hi[m][g], 0x20),
+                                     _mm256_permute2x128_si256(lo[m][g], hi[m][g], 0x31)};
+        for (int v = 0; v < 2; ++v) {
+          float* t = total + m * F32_PANEL + 16 * (g0 + g) + 8 * v;
+          _mm256_store_ps(t, _mm256_fmadd_ps(_mm256_cvtepi32_ps(in_order[v]), sc,
+                                             k0 ? _mm256_load_ps(t) : _mm256_setzero_ps()));
+        }
+      }
+    }
+  }
+}
+
+// panel_pass_avx2's contract over int16 rows (I16Rows; xs unused: the rows know their stride) and int8 codes or
+// their pair scratch: blocks of 4 rows, chunk by chunk (or block by block where the panel fits in L1), then out.
+template <typename W>
+LLMFLEET_AVX2 __attribute__((noinline)) static void panel_pass_i16_avx2(int64_t rows, I16Rows x, int64_t, int64_t K,
+                                                                        const W* __restrict__ panel,
+                                                                        float* __restrict__ y, int64_t N, int64_t ncols,
+                                                                        const float* bias, const void* next,
+                                                                        int64_t lines, bool stream, const float* scale,
+                                                                        float* __restrict__ total) {
+  constexpr int64_t MR = 4;
+  const int64_t full = rows / MR, tail = rows % MR, blocks = full + (tail ? 1 : 0);
+  const int64_t denom = K * (full * 3 / i16_groups(MR) + (tail ? 3 / i16_groups(tail) : 0));  // (sweeps of K)
+  const char* pf = rows <= 2 ? nullptr : static_cast<const char*>(next);  // (as panel_pass_avx2)
+  int64_t due = 0, line = 0;
+  const auto block = [&](int64_t b, int64_t k0) {
+    const int64_t r = std::min(MR, rows - MR * b), k1 = std::min(K, k0 + F32_PANEL_CHUNK);
+    const I16Rows xb = x.at(MR * b);
+    float* tb = total + MR * b * F32_PANEL;
+    switch (r) {
+      case 4: return i16_chunk_avx2<4, W>(xb, k0, k1, panel, tb, pf, due, line, lines, denom);
+      case 3: return i16_chunk_avx2<3, W>(xb, k0, k1, panel, tb, pf, due, line, lines, denom);
+      case 2: return i16_chunk_avx2<2, W>(xb, k0, k1, panel, tb, pf, due, line, lines, denom);
+      default: return i16_chunk_avx2<1, W>(xb, k0, k1, panel, tb, pf, due, line, lines, denom);
+    }
+  };
+  if (K * F32_PANEL * int64_t(sizeof(W)) <= F32_PANEL_L1_BYTES) {
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int64_t k0 = 0; k0 < K; k0 += F32_PANEL_CHUNK) block(b, k0);
+  } else {
+    for (int64_t k0 = 0; k0 < K; k0 += F32_PANEL_CHUNK)
+      for (int64_t b = 0; b < blocks; ++b) block(b, k0);
+  }
+  pass_out_avx2(rows, total, y, N, ncols, bias, scale, stream);
 }
 
 // The AVX-512 pass: block after block of up to 9 rows (panel_block, row_blocks), each over the whole K, the
@@ -1780,9 +1966,11 @@ static void thread_panels(const Src& src, int64_t p0, int64_t p1, int64_t half, 
 // The same sums, the same rounding and the same SiLU as the linear then silu_and_mul, so the same bits; what is
 // saved is the gate+up output's trip through memory (a 2048-row prompt chunk of SmolLM2: 25 MB written and read
 // back in fp32) and a second parallel region.
-template <typename Src, typename Pass>
-static void panel_linear_run(const float* x, int64_t M, int64_t K, const Src& src, int64_t P, int64_t N,
+// x: fp32 rows, or int16 rows (I16Rows) for panel_pass_i16_avx2.
+template <typename Src, typename Rows, typename Pass>
+static void panel_linear_run(const Rows& x, int64_t M, int64_t K, const Src& src, int64_t P, int64_t N,
                              const float* bias, const float* scale, float* y, const Pass& pass, bool gated) {
+  using Wide = typename Src::Wide;
   const int64_t half = P / 2, ld = gated ? N / 2 : N;
   const bool stream = !gated && streams_out(M, N, sizeof(float), y);
   at::parallel_for(0, gated ? half : P, 1, [&](int64_t p0, int64_t p1) {
@@ -1795,9 +1983,9 @@ static void panel_linear_run(const float* x, int64_t M, int64_t K, const Src& sr
     alignas(64) float total[F32_PANEL_ROWS * F32_PANEL];  // a pass's sums (panel_pass_avx2)
     for (int64_t m0 = 0; m0 < M; m0 += F32_PANEL_ROWS) {
       const int64_t rows = std::min(F32_PANEL_ROWS, M - m0);
-      const bool widen = !Src::direct || (!Src::fp32 && rows >= F32_PANEL_WIDEN_ROWS);
-      if (widen && !wide) {  // (K x 48 floats: a multiple of 64 bytes, as aligned_alloc wants)
-        wide.reset(static_cast<float*>(aligned_alloc(64, K * F32_PANEL * sizeof(float))));
+      const bool widen = rows >= Src::widen_rows;
+      if (widen && !wide) {  // (K x 48 of Wide: a multiple of 64 bytes, as aligned_alloc wants)
+        wide.reset(static_cast<float*>(aligned_alloc(64, K * F32_PANEL * sizeof(Wide))));
         TORCH_CHECK(wide, "panel linear: out of memory for a panel's fp32 scratch");
       }
       // panel p's sums for this pass into out (rows ldo floats apart), `next`'s lines asked for meanwhile
@@ -1805,17 +1993,34 @@ static void panel_linear_run(const float* x, int64_t M, int64_t K, const Src& sr
         const float* b = bias ? bias + p * F32_PANEL : nullptr;
         const float* sc = scale ? scale + p * F32_PANEL : nullptr;
         const int64_t ncols = std::min(F32_PANEL, N - p * F32_PANEL);
-        if (widen) src.widen(p, wide.get());
+        Wide* const w = reinterpret_cast<Wide*>(wide.get());
+        if (widen) src.widen(p, w);
         if constexpr (Src::direct) {
-          if (!widen) return pass(rows, x + m0 * K, K, K, src.panel(p), out, ldo, ncols, b, next, lines, st, sc, total);
+          if (!widen)
+            return pass(rows, rows_at(x, m0, K), K, K, src.panel(p), out, ldo, ncols, b, next, lines, st, sc, total);
         }
-        pass(rows, x + m0 * K, K, K, static_cast<const float*>(wide.get()), out, ldo, ncols, b, next, lines, st, sc,
+        pass(rows, rows_at(x, m0, K), K, K, static_cast<const Wide*>(w), out, ldo, ncols, b, next, lines, st, sc,
              total);
       };
       thread_panels(src, p0, p1, half, rows, y + m0 * ld, ld, gu.get(), stream, one);
     }
     if (stream) _mm_sfence();  // streaming stores are weakly ordered: done before the join hands y on
   });
+}
+
+// Whether int8 panels of K inputs take the int16 path: AVX2 hosts (AVX-512 ones keep the fp32 widening: their
+// FMA runs 16 lanes, and VNNI's own int16 path is not written), K even (vpmaddwd pairs the inputs).
+static bool i16_ready(int64_t K) { return !cpu_has_avx512f() && K % 2 == 0; }
+
+// y = the int8 panels' product with x [M, K] (int16 path): x quantized (quantize_rows_i16), then the passes
+static void i8_i16_linear(const torch::Tensor& x, const I8PairPanels& w, int64_t P, int64_t N, const float* bias,
+                          const float* scale, torch::Tensor& y, bool gated) {
+  const int64_t M = x.size(0), K = x.size(1), chunks = (K + F32_PANEL_CHUNK - 1) / F32_PANEL_CHUNK;
+  auto q = torch::empty({M, K}, x.options().dtype(at::kShort));
+  auto s = torch::empty({M, chunks}, x.options());
+  quantize_rows_i16(x.data_ptr<float>(), M, K, q.data_ptr<int16_t>(), s.data_ptr<float>());
+  panel_linear_run(I16Rows{q.data_ptr<int16_t>(), s.data_ptr<float>(), K, chunks}, M, K, w, P, N, bias, scale,
+                   y.data_ptr<float>(), [](auto... a) { panel_pass_i16_avx2(a...); }, gated);
 }
 
 template <typename Src>
@@ -1880,6 +2085,13 @@ static torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& p
                                   const c10::optional<torch::Tensor>& bias, const float* scale, bool gated = false) {
   auto y = torch::empty({x.size(0), gated ? n / 2 : n}, x.options());
 #if defined(__x86_64__)
+  if constexpr (std::is_same_v<W, int8_t>) {
+    if (x.size(0) > 0 && i16_ready(x.size(1))) {
+      i8_i16_linear(x, I8PairPanels{{static_cast<const int8_t*>(packed.data_ptr()), x.size(1)}}, packed.size(0), n,
+                    bias.has_value() ? bias->data_ptr<float>() : nullptr, scale, y, gated);
+      return y;
+    }
+  }
   if (x.size(0) > 0)
     panel_linear_any(x.data_ptr<float>(), x.size(0), x.size(1),
                      CodePanels<W>{static_cast<const W*>(packed.data_ptr()), x.size(1)}, packed.size(0), n,
