@@ -211,8 +211,8 @@ def test_the_avx2_paths_give_the_avx512_paths_bits(capped_avx2, avx512):
                 assert torch.equal(got, layer(x)), (q, tuple(x.shape))
                 continue
             big = torch.cat([c.abs().amax(1, keepdim=True).expand(-1, c.shape[1]) for c in x.split(64, 1)], 1)
-            w = layer.dequantize().double().abs().t()
-            rounding = (big.double() / 65534) @ w + 4e-6 * (x.double().abs() @ w)  # (and fp32's, ~2**-24 per add)
+            wa = layer.dequantize().double().abs().t()
+            rounding = (big.double() / 65534) @ wa + 4e-6 * (x.double().abs() @ wa)  # (and fp32's, ~2**-24 per add)
             assert ((got.double() - layer(x).double()).abs() <= rounding).all(), (q, tuple(x.shape))
     h, d, w = data["norm"]
     for got, want in zip(capped_avx2["norm"], avx512.add_rms_norm(h.clone(), d, w, 1e-5), strict=True):
