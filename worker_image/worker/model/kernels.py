@@ -1958,7 +1958,8 @@ static void thread_panels(const Src& src, int64_t p0, int64_t p1, int64_t half, 
 // Quantized panels (W int8 or fp8) are widened in registers at every k step, which costs a decode batch nothing
 // (the weight streams at 1 byte a weight, not 4) but costs a compute-bound batch its conversions once per block:
 // passes of F32_PANEL_WIDEN_ROWS rows or more widen each panel once into an fp32 scratch (K x 48, in L2) that
-// all their blocks read. The same fp32 values either way, so the same sums.
+// all their blocks read. The same fp32 values either way, so the same sums. (int8 on AVX2 hosts runs here too, on
+// int16 rows of x and pair scratches: panel_pass_i16_avx2, i8_i16_linear.)
 // Gated (a fused gate+up weight, `gated`): y [M, N / 2] = silu(gate) * up, SiLU in the epilogue. Gate's columns
 // fill panels 0 .. P/2 - 1 and up's P/2 .. P - 1 (N = 48P, P even: gated_panels); a thread takes pairs (p, p + P/2),
 // each pass's sums of the two into a scratch of rows x 96 (gate's 48, then up's: L2-sized), then silu_and_mul's
@@ -2113,8 +2114,10 @@ torch::Tensor panel_linear_f32(torch::Tensor x, torch::Tensor packed, int64_t n,
 }
 
 // y = (x @ C^T) * scale (+ bias): x [M, K] fp32, C int8 codes in panels (panel_operands), one fp32 scale per output
-// column -> y [M, N] fp32. The codes widen to fp32 exactly in registers, so the weight streams at one byte a weight
-// and the sums run as panel_linear_f32's do.
+// column -> y [M, N] fp32. On AVX-512 hosts the codes widen to fp32 exactly in registers, so the weight streams at
+// one byte a weight and the sums run as panel_linear_f32's do; on AVX2 hosts (K even) x goes to int16 and the
+// products sum exactly in int32 per 64-input chunk (i8_i16_linear: the integer multiply-add runs at ~1.5x FMA's
+// rate there, which fp32 sums already saturate).
 // y [M, n] over panels of one-byte codes of type W (torch type wtype) and their columns' scales, checked as `what`;
 // gated as panel_linear_run's passes
 template <typename W>
