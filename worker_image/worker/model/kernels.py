@@ -1371,6 +1371,11 @@ static bool streams_out(int64_t M, int64_t N, int64_t elt, const void* y) {
 // near MKL's (one running sum over K = 1536 had ~3x its error)
 static constexpr int64_t F32_PANEL_CHUNK = 64;
 static constexpr int64_t F32_PANEL_WIDEN_ROWS = 32;  // quantized panels: passes of this many rows widen them first
+// ... but fp8's from 8 rows: its e4m3 -> fp16 -> fp32 conversion (five instructions a vector) held its blocks of 4
+// rows below what the FMAs do on a widened panel. bench/panel_ab.py --paths fp8, 30 layers, 5 rounds, on a Zen 3,
+// widening from 8 rows against from 32: 8 rows 1.04, 12: 1.27, 16: 1.18, 24: 1.31; from 4 against from 8: 4 rows
+// 0.82, 5-7 rows 0.99-1.04.
+static constexpr int64_t FP8_WIDEN_ROWS = 8;
 static constexpr int64_t F32_PANEL_L1_BYTES = 32 * 1024;  // AVX2 passes: a panel this small is taken block by block
 
 int64_t f32_panel_cols() { return F32_PANEL; }
@@ -1414,7 +1419,9 @@ struct CodePanels {
   static constexpr bool direct = true;  // blocks may read the codes themselves
   using Wide = float;                   // what widen writes
   // passes of this many rows widen each panel first (fp32: never, nothing to widen)
-  static constexpr int64_t widen_rows = std::is_same_v<W, float> ? INT64_MAX : F32_PANEL_WIDEN_ROWS;
+  static constexpr int64_t widen_rows = std::is_same_v<W, float>         ? INT64_MAX
+                                        : std::is_same_v<W, Fp8E4m3> ? FP8_WIDEN_ROWS
+                                                                      : F32_PANEL_WIDEN_ROWS;
   const W* w;
   int64_t K;
   const W* panel(int64_t p) const { return w + p * K * F32_PANEL; }
