@@ -3,6 +3,8 @@ greedy-token agreement with the unquantized model above a floor."""
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -272,14 +274,16 @@ def test_avx2_hosts_int8_panels_multiply_the_activations_int16_codes(fp32_code_p
 
 @pytest.mark.parametrize("quant", ["int8", "fp8"])
 def test_widening_the_panels_first_gives_the_bits_of_widening_them_in_registers(fp32_code_panels, quant):
-    """Batches of 32 rows or more widen each panel once into an fp32 scratch; smaller ones at every step: the same
-    values summed in the same order, so a row's output does not depend on its batch."""
+    """Batches of 32 rows or more (fp8: 8; AVX2 hosts' int8: 8, into an int16 pair scratch) widen each panel once
+    into a scratch; smaller ones at every step: the same values summed in the same order (int8 on AVX2: exactly, in
+    int32), so a row's output does not depend on its batch: 40 rows against batches of 4, 3 and 1."""
     gen = torch.Generator().manual_seed(3)
     layer = make_linear(
         torch.randn(100, 576, generator=gen), None, quant, torch.float32, "panels_fp32", fp32_code_panels
     )
     x = torch.randn(40, 576, generator=gen)
-    assert torch.equal(layer(x), torch.cat([layer(x[i : i + 8]) for i in range(0, 40, 8)]))
+    cuts = [0, 4, 8, 12, 16, 20, 24, 28, 31, 34, 37, 38, 39, 40]
+    assert torch.equal(layer(x), torch.cat([layer(x[a:b]) for a, b in pairwise(cuts)]))
 
 
 def test_the_fp8_panels_widen_every_finite_code_exactly(panels):
