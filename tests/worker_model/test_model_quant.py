@@ -380,8 +380,25 @@ def test_the_int4_panels_refuse_what_they_cannot_take(panels, call, match):
 @pytest.mark.parametrize("quant", ["int8", "fp8", "int4"])
 def test_quantized_layers_say_which_kernel_multiplies_them(fp32_code_panels, quant):
     w = torch.randn(96, 64, generator=GEN)
-    assert "fp32 panels" in make_linear(w, None, quant, torch.float32, "panels_fp32", fp32_code_panels).path
+    path = make_linear(w, None, quant, torch.float32, "panels_fp32", fp32_code_panels).path
+    int16 = quant == "int8" and fp32_code_panels.vector_isa() == "avx2"  # (AVX2 hosts' int8: int16 activations)
+    assert ("int16 activations" in path) == int16 and ("fp32 panels" in path) != int16, path
     assert "torch's ops" in make_linear(w, None, quant, torch.float32).path  # no extension: torch's
+
+
+def test_int8_layers_of_an_odd_number_of_inputs_keep_fp32_activations(fp32_code_panels):
+    """vpmaddwd multiplies inputs in pairs: an int8 layer of an odd number of inputs widens its codes to fp32 on
+    every host, so its product is the dequantized weights' to fp32's rounding, with no int16 rounding of x."""
+    gen = torch.Generator().manual_seed(5)
+    layer = make_linear(
+        torch.randn(96, 201, generator=gen), None, "int8", torch.float32, "panels_fp32", fp32_code_panels
+    )
+    assert not fp32_code_panels.panel_i8_int16(201) and "fp32 panels" in layer.path
+    assert fp32_code_panels.panel_i8_int16(200) == (fp32_code_panels.vector_isa() == "avx2")
+    for rows in (3, 40):
+        x = torch.randn(rows, 201, generator=gen)
+        exact = x.double() @ layer.dequantize().double().t()
+        assert (layer(x).double() - exact).abs().max().item() < 1e-5
 
 
 @pytest.mark.parametrize("quant", ["int8", "fp8"])

@@ -2140,6 +2140,15 @@ torch::Tensor panel_linear_i8(torch::Tensor x, torch::Tensor packed, int64_t n, 
   return code_panels<int8_t>(x, packed, n, scale, bias, at::kChar, "panel_linear_i8");
 }
 
+// Whether panel_linear_i8 multiplies int16 activations for layers of `in_features` inputs here (the worker's log)
+bool panel_i8_int16(int64_t in_features) {
+#if defined(__x86_64__)
+  return f32_panels_ready() && i16_ready(in_features);
+#else
+  return false;
+#endif
+}
+
 // The same over fp8 e4m3 codes (float8_e4m3fn panels): y = (x @ C^T) * scale (+ bias), `scale` each column's
 // scale times 2**8 (what one unit of the codes' fp16 pattern is worth, FP8_TO_FP16_EXP_SHIFT in quant.py).
 torch::Tensor panel_linear_fp8(torch::Tensor x, torch::Tensor packed, int64_t n, torch::Tensor scale,
@@ -3824,6 +3833,8 @@ class FusedOps(Protocol):
         self, x: torch.Tensor, packed: torch.Tensor, n: int, scale: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor: ...
 
+    def panel_i8_int16(self, in_features: int) -> bool: ...
+
     def panel_linear_fp8(
         self, x: torch.Tensor, packed: torch.Tensor, n: int, scale: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor: ...
@@ -3937,6 +3948,7 @@ FUNCTIONS = (
     "f32_panels_ready",
     "panel_linear_f32",
     "panel_linear_i8",
+    "panel_i8_int16",
     "panel_linear_fp8",
     "panel_linear_int4",
     "bf16_panels_ready",

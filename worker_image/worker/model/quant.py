@@ -235,6 +235,8 @@ class RowFormat:
     native_gemv: str
     native_amx: str
     native_panels: str | None = None  # the extension's panel linear over the codes, for fp32 activations
+    # the extension's answer to whether that linear rounds the activations to int16 for a weight of this many inputs
+    native_panels_int16: str | None = None
 
 
 FP8 = RowFormat(
@@ -254,6 +256,7 @@ INT8 = RowFormat(
     native_gemv="int8_gemv_bf16",
     native_amx="amx_linear_int8",
     native_panels="panel_linear_i8",
+    native_panels_int16="panel_i8_int16",
 )
 
 
@@ -306,6 +309,7 @@ class RowScaledLinear:
         "_direct",
         "_direct_rows",
         "_dtype",
+        "_int16",
         "_out_scale",
         "_panels",
         "_to_bf16",
@@ -335,6 +339,7 @@ class RowScaledLinear:
         fmt = self.FORMAT
         self.weight, self.scale = fmt.quantize(weight)
         self._panels: Callable[..., torch.Tensor] | None = None
+        self._int16 = False  # the panels round the activations to int16 (int8 on AVX2 hosts)
         if native is not None and on_pairs(native, kernel, weight):
             self._panels = _pair_kernel(native.panel_linear_bf16_codes, dtype)
             self.weight = pack_pair_panels(self.weight, native.f32_panel_cols())
@@ -342,6 +347,7 @@ class RowScaledLinear:
         elif dtype == torch.float32 and kernel == "panels_fp32" and native is not None and fmt.native_panels:
             self._panels = getattr(native, fmt.native_panels)
             self.weight = pack_panels(self.weight, native.f32_panel_cols())
+            self._int16 = bool(fmt.native_panels_int16 and getattr(native, fmt.native_panels_int16)(weight.shape[1]))
         ops = native if dtype == torch.bfloat16 else None
         self._direct_rows, self._amx = direct_rows(ops, kernel, weight)
         # the extension's ops for this format, looked up once (None: torch's ops)
@@ -366,6 +372,12 @@ class RowScaledLinear:
             inside = "" if self._dtype == torch.bfloat16 else ", the fp32 activations rounded to bf16"
             return f"the bf16 pair panels over the codes (panel_linear_bf16_codes), scales applied to the sums{inside}"
         if self._panels is not None:
+            if self._int16:
+                return (
+                    f"the int8 panels times int16 activations ({fmt.native_panels}: no AVX-512 here, and AVX2's "
+                    "integer multiply-add outruns its fp32 FMAs), x rounded per row and 64 inputs, scales applied to "
+                    "the sums"
+                )
             return f"the fp32 panels over the codes ({fmt.native_panels}), scales applied to the sums"
         if self._direct is not None:
             direct = fmt.native_amx if self._amx else fmt.native_gemv
