@@ -395,10 +395,13 @@ def test_int8_layers_of_an_odd_number_of_inputs_keep_fp32_activations(fp32_code_
     )
     assert not fp32_code_panels.panel_i8_int16(201) and "fp32 panels" in layer.path
     assert fp32_code_panels.panel_i8_int16(200) == (fp32_code_panels.vector_isa() == "avx2")
+    w = layer.dequantize().double()
     for rows in (3, 40):
         x = torch.randn(rows, 201, generator=gen)
-        exact = x.double() @ layer.dequantize().double().t()
-        assert (layer(x).double() - exact).abs().max().item() < 1e-5
+        exact = x.double() @ w.t()
+        fp32_rounding = 4e-6 * (x.double().abs() @ w.abs().t())
+        assert ((layer(x).double() - exact).abs() <= fp32_rounding).all()
+        assert ((int16_activations(x) @ w.t() - exact).abs() > fp32_rounding).any()  # (int16 x would not pass)
 
 
 @pytest.mark.parametrize("quant", ["int8", "fp8"])
