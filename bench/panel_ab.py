@@ -11,6 +11,10 @@ step's do; `bf16` (the pair panels, bf16 activations) needs a CPU with AVX512-BF
 
     .venv/bin/python bench/panel_ab.py --base HEAD~1 --rows 1,8,16,32,64,256,2048
     .venv/bin/python bench/panel_ab.py --base 9f305a9 --paths f32,i8 --rounds 9
+    .venv/bin/python bench/panel_ab.py --paths i8,fp8 --against f32   # one build, a path against another
+
+`--against` times this tree's paths against another path of the same build (the ratio: path / against, in speed),
+so "is int8 faster than fp32 here" is measured the same way as "is this commit faster than that one".
 
 `--base` is built once in a temporary git worktree (about a minute when its source is new; torch caches it); the
 other side is this tree's `worker_image`. Prints one line per (path, rows): GFLOP/s of each side (median round)
@@ -130,26 +134,32 @@ def one_pass(module: Any, path: str, layers: list[dict[str, Any]], xs: dict[int,
     return time.perf_counter() - start
 
 
-def compare(base: Any, new: Any, paths: tuple[str, ...], rows: list[int], layers: int, rounds: int) -> dict:
-    """{path: {rows: ratio_summary}}, both modules timed round by round, the first alternating."""
+def compare(
+    base: Any, new: Any, paths: tuple[str, ...], rows: list[int], layers: int, rounds: int, against: str | None = None
+) -> dict:
+    """{path: {rows: ratio_summary}}, both sides timed round by round, the first alternating. A side is a module and
+    a path: base's and new's module on each path, or (`against`) new's module on `against` and on each path."""
     import torch
 
-    weights = make_layers(layers, paths)
+    weights = make_layers(layers, tuple(dict.fromkeys((*paths, *((against,) if against else ())))))
     result: dict[str, dict[str, dict[str, float]]] = {}
     with torch.inference_mode():
         for path in paths:
             result[path] = {}
+            sides = {"base": (new, against) if against else (base, path), "new": (new, path)}
             for m in rows:
-                dt = torch.bfloat16 if path == "bf16" else torch.float32
-                xs = {k: torch.randn(m, k).to(dt) for k in {k for _, k in SHAPES}}
+                xs = {  # x of each side's dtype
+                    p: {k: torch.randn(m, k).to(torch.bfloat16 if p == "bf16" else torch.float32) for _, k in SHAPES}
+                    for _, p in sides.values()
+                }
                 flops = sum(2.0 * m * layer["n"] * layer["k"] for layer in weights)
-                for module in (base, new):  # warm-up: first-touch of outputs, thread pool
-                    one_pass(module, path, weights, xs)
+                for module, p in sides.values():  # warm-up: first-touch of outputs, thread pool
+                    one_pass(module, p, weights, xs[p])
                 times: dict[str, list[float]] = {"base": [], "new": []}
                 for r in range(rounds):
-                    order = (("base", base), ("new", new)) if r % 2 == 0 else (("new", new), ("base", base))
-                    for side, module in order:
-                        times[side].append(one_pass(module, path, weights, xs))
+                    for side in ("base", "new") if r % 2 == 0 else ("new", "base"):
+                        module, p = sides[side]
+                        times[side].append(one_pass(module, p, weights, xs[p]))
                 result[path][str(m)] = ratio_summary(times["base"], times["new"], flops)
     return result
 
@@ -162,10 +172,11 @@ def main() -> None:
     ap.add_argument("--paths", default="f32", help=f"comma-separated: {','.join(PATHS)}")
     ap.add_argument("--layers", type=int, default=30, help="copies of the projections (30: SmolLM2's, from DRAM)")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--against", default=None, help=f"one of {','.join(PATHS)}: time this tree's --paths against it")
     args = ap.parse_args()
     paths = tuple(p for p in args.paths.split(",") if p)
-    if not paths or any(p not in PATHS for p in paths):
-        ap.error(f"--paths takes {','.join(PATHS)}")
+    if not paths or any(p not in PATHS for p in paths) or (args.against and args.against not in PATHS):
+        ap.error(f"--paths and --against take {','.join(PATHS)}")
     if args.rounds < 1 or args.layers < 1:
         ap.error("--rounds and --layers must be at least 1")
     rows = [int(r) for r in args.rows.split(",")]
@@ -174,20 +185,24 @@ def main() -> None:
 
     sys.path.insert(0, str(ROOT / "worker_image"))
     new_file = module_file(ROOT / "worker_image")
-    base_file = args.base_module or base_module_file(args.base)
+    base_file = new_file if args.against else args.base_module or base_module_file(args.base)
     base, new = load_module_file(base_file), load_module_file(new_file)
-    if "bf16" in paths and not new.bf16_panels_ready():
+    if "bf16" in (*paths, args.against) and not new.bf16_panels_ready():
         ap.error("--paths bf16 needs a CPU with AVX512-BF16")
-    print(f"base {Path(base_file).name} ({args.base_module or args.base}), new {Path(new_file).name} (this tree)")
+    if args.against:
+        print(f"base: path {args.against}, new: --paths, both {Path(new_file).name} (this tree)")
+    else:
+        print(f"base {Path(base_file).name} ({args.base_module or args.base}), new {Path(new_file).name} (this tree)")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.layers} layers, {args.rounds} rounds")
-    result = compare(base, new, paths, rows, args.layers, args.rounds)
+    result = compare(base, new, paths, rows, args.layers, args.rounds, args.against)
     for path, by_rows in result.items():
         for m, cell in by_rows.items():
             print(
                 f"{path:4s} {int(m):5d} rows: base {cell['base_gflops']:6.1f}  new {cell['new_gflops']:6.1f} GFLOP/s"
                 f"   new / base {cell['ratio']:.3f} (rounds {cell['ratio_min']:.3f}-{cell['ratio_max']:.3f})"
             )
-    print(json.dumps({"base": args.base_module or args.base, "layers": args.layers, "rounds": args.rounds, **result}))
+    base_name = f"path {args.against}" if args.against else args.base_module or args.base
+    print(json.dumps({"base": base_name, "layers": args.layers, "rounds": args.rounds, **result}))
 
 
 if __name__ == "__main__":

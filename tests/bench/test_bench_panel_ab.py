@@ -60,3 +60,16 @@ def test_the_base_is_built_from_a_worktree_that_is_removed_afterwards() -> None:
         ["git", "-C", str(panel_ab.ROOT), "worktree", "list"], capture_output=True, text=True, check=True
     ).stdout
     assert "panel_ab_" not in trees
+
+
+def test_against_times_one_builds_paths_against_another_path() -> None:
+    """`--against f32`: both sides are this tree's build (no base module is touched: None here), the base side on
+    f32 and the new side on each path."""
+    _built()
+    module = panel_ab.load_module_file(panel_ab.module_file(panel_ab.ROOT / "worker_image"))
+    got = panel_ab.compare(None, module, ("i8", "fp8"), [1, 5], layers=1, rounds=2, against="f32")
+    assert set(got) == {"i8", "fp8"} and all(set(cells) == {"1", "5"} for cells in got.values())
+    for cells in got.values():
+        for cell in cells.values():
+            assert cell["base_gflops"] > 0 and cell["new_gflops"] > 0
+            assert 0 < cell["ratio_min"] <= cell["ratio"] <= cell["ratio_max"]

@@ -142,6 +142,20 @@ scratch first it ran 0.64-0.81x at 1-32 rows), ~1.4-1.6x the fp32 panels at 32-6
 16.2-16.4 s (agreement 1.000 -> 0.995: its weights are now rounded to bf16), bf16-model int4 17.1 -> 12.3 s (0.984
 -> 0.974; it keeps fp32 group scales now, 0.75 byte a weight against the GEMV layout's 0.625).
 
+**int8 on AVX2 hosts: int16 activations** (stop 56). Without AVX-512 (a Zen 3) the fp32 panels already run near
+the FMA units' peak from 16 rows up, so int8 codes widened to fp32 could only tie them there (0.96x fp32 on W at
+stop 55). AVX2's integer multiply-add (vpmaddwd, then vpaddd) runs beside the FMA pipes at ~1.5x their
+multiply-adds a cycle, so `panel_linear_i8` on such hosts rounds x to int16 per row and per 64-input chunk (the
+chunk's largest |x| / 32767 a step, half to even), sums each chunk's products exactly in int32 and adds chunk sum x
+step into fp32 totals (`kernels.py`, quantize_rows_i16 / panel_pass_i16_avx2; `panel_i8_int16` says where, and the
+worker's log names it). Each input moves by at most 2**-16 of its chunk's largest |x|, against the int8 weights'
+2**-8 of their row's largest |w|: agreement stays 0.984 (189/192), KL 0.0032 (`bench/quant.py`). Integer sums do
+not depend on their order, so a row's output still does not depend on its batch; it does differ from an AVX-512
+host's (which keeps fp32 activations) by that rounding. Layers with an odd number of inputs keep fp32 activations.
+Over 30 streamed SmolLM2 layers on the Zen 3, against the fp32 panels in the same rounds (interleaved, 7 rounds,
+median of the per-round ratios): 1 row 2.71x, 8: 1.38, 16: 1.18, 24: 1.19, 32: 1.11, 48: 1.10, 64: 1.19, 256:
+1.12, 2048: 1.06; the fused gate+up with SiLU at 32 rows 1.11x. W8A16 is what this is; W8A8 is not (below).
+
 W8A8 (activations in int8 too) is not a variant: `bench/int8_study.py` measures why. Plain W8A8 misses the 0.95
 agreement floor (0.89) and keeping the 64 widest-range input channels out of the int8 GEMM recovers it (0.958, KL
 0.0046); `torch._int_mm` alone is ~6x the fp32 GEMM from 64 rows on (AMX int8 here), but quantizing and dequantizing
