@@ -154,8 +154,8 @@ not depend on their order, so a row's output still does not depend on its batch;
 host's (which keeps fp32 activations) by that rounding. Layers with an odd number of inputs keep fp32 activations.
 Over 30 streamed SmolLM2 layers on the Zen 3, against the fp32 panels in the same rounds (`bench/panel_ab.py
 --paths i8 --against f32 --rounds 7`, a slow hour): 1 row 2.24x, 8: 1.25, 16: 1.21, 32: 1.17, 64: 1.05, 256:
-1.08, 2048: 1.03. W (`bench/engine.py`, 3 rounds): int8 1.03x our fp32 (rounds 0.96-1.14), where it read 0.96
-before. W8A16 is what this is; W8A8 is not (below).
+1.08, 2048: 1.03. W (`bench/engine.py`, 4 rounds): int8 1.08x our fp32 (every round 1.00-1.11), where it read
+0.96 before. W8A16 is what this is; W8A8 is not (below).
 
 W8A8 (activations in int8 too) is not a variant: `bench/int8_study.py` measures why. Plain W8A8 misses the 0.95
 agreement floor (0.89) and keeping the 64 widest-range input channels out of the int8 GEMM recovers it (0.958, KL
