@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from worker.model.linear import PanelLinear
 from worker.model.llama import rms_norm, stack_operands
 from worker.model.quant import make_linear
-from worker.model.testing import Fp32PanelsOnly, causal_attention
+from worker.model.testing import Fp32PanelsOnly, causal_attention, int16_rounding
 
 QUANTIZED = ("int8", "fp8", "int4")  # the formats an fp32 model multiplies on the panels
 
@@ -210,9 +210,8 @@ def test_the_avx2_paths_give_the_avx512_paths_bits(capped_avx2, avx512):
             if q != "int8":
                 assert torch.equal(got, layer(x)), (q, tuple(x.shape))
                 continue
-            big = torch.cat([c.abs().amax(1, keepdim=True).expand(-1, c.shape[1]) for c in x.split(64, 1)], 1)
             wa = layer.dequantize().double().abs().t()
-            rounding = (big.double() / 65534) @ wa + 4e-6 * (x.double().abs() @ wa)  # (and fp32's, ~2**-24 per add)
+            rounding = int16_rounding(x, layer.dequantize()) + 4e-6 * (x.double().abs() @ wa)  # (and fp32's)
             assert ((got.double() - layer(x).double()).abs() <= rounding).all(), (q, tuple(x.shape))
     h, d, w = data["norm"]
     for got, want in zip(capped_avx2["norm"], avx512.add_rms_norm(h.clone(), d, w, 1e-5), strict=True):

@@ -21,7 +21,7 @@ from worker.model.quant import (
     quantize_int8,
 )
 from worker.model.runner import ModelRunner
-from worker.model.testing import Fp32PanelsOnly, make_tiny_llama
+from worker.model.testing import Fp32PanelsOnly, int16_activations, int16_rounding, make_tiny_llama
 
 GEN = torch.Generator().manual_seed(0)
 
@@ -201,21 +201,6 @@ def test_quantized_fp32_models_say_why_their_products_stay_fp32(amx, dtype, quan
     assert load_quant_amx_ops(torch.float32, "fp8", 576, 1536, 64)[0] is amx
 
 
-def chunk_absmax(x: torch.Tensor) -> torch.Tensor:
-    """Each input's 64-input chunk's largest |x|, per row: where AVX2 hosts' int8 panels quantize the activations to
-    int16 (`kernels.py`, quantize_rows_i16), an input's step is that / 32767."""
-    chunks = [x[:, k : k + 64] for k in range(0, x.shape[1], 64)]
-    return torch.cat([c.abs().amax(1, keepdim=True).expand(-1, c.shape[1]) for c in chunks], 1)
-
-
-def int16_activations(x: torch.Tensor) -> torch.Tensor:
-    """x as AVX2 hosts' int8 panels see it: x * (32767 / its chunk's largest |x|) rounded half to even, times the
-    step (the step and the codes in fp32, as the kernel computes them; their product in fp64)."""
-    big = chunk_absmax(x)
-    inv = torch.where(big > 0, 32767 / big, torch.zeros_like(big))
-    return torch.round(x * inv).double() * (big / 32767).double()
-
-
 @pytest.mark.parametrize("quant", ["int8", "fp8"])
 @pytest.mark.parametrize(
     ("rows", "out_features", "bias"),
@@ -247,7 +232,7 @@ def test_an_fp32_models_one_byte_layers_multiply_their_codes_on_the_panels(
     exact = x.double() @ layer.dequantize().double().t() + (0 if b is None else b.double())
     y = layer(x)
     assert y.shape == (rows, out_features) and y.dtype == torch.float32
-    rounding = 0.0 if quant == "fp8" else chunk_absmax(x).double() / 65534 @ layer.dequantize().double().abs().t()
+    rounding = 0.0 if quant == "fp8" else int16_rounding(x, layer.dequantize())
     assert ((y.double() - exact).abs() - rounding).max().item() < 1e-5
     assert torch.equal(layer(x.view(1, rows, 200)), y.view(1, rows, out_features))  # batched rows: the same
 

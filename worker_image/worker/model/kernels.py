@@ -1390,13 +1390,16 @@ int64_t f32_panel_cols() { return F32_PANEL; }
 struct Fp8E4m3 {
   uint8_t bits;
 };
+// the e4m3 -> fp16 bit move: shift the sign-extended code left this far, then keep these bits
+static constexpr int FP8_FP16_SHIFT = 7;
+static constexpr int16_t FP8_FP16_KEEP = int16_t(0xBFFF);
 LLMFLEET_AVX512F static inline __attribute__((always_inline)) __m512 panel_w16(const float* w) { return _mm512_loadu_ps(w); }
 LLMFLEET_AVX512F static inline __attribute__((always_inline)) __m512 panel_w16(const int8_t* w) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
 }
 LLMFLEET_AVX512F static inline __attribute__((always_inline)) __m512 panel_w16(const Fp8E4m3* w) {
   const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(int16_t(0xBFFF))));
+  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(b, FP8_FP16_SHIFT), _mm256_set1_epi16(FP8_FP16_KEEP)));
 }
 LLMFLEET_AVX2 static inline __attribute__((always_inline)) __m256 panel_w8(const float* w) { return _mm256_loadu_ps(w); }
 LLMFLEET_AVX2 static inline __attribute__((always_inline)) __m256 panel_w8(const int8_t* w) {
@@ -1404,7 +1407,7 @@ LLMFLEET_AVX2 static inline __attribute__((always_inline)) __m256 panel_w8(const
 }
 LLMFLEET_AVX2 static inline __attribute__((always_inline)) __m256 panel_w8(const Fp8E4m3* w) {
   const __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)));
-  return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(int16_t(0xBFFF))));
+  return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(b, FP8_FP16_SHIFT), _mm_set1_epi16(FP8_FP16_KEEP)));
 }
 // n (a multiple of 8) weights as fp32 into dst (32-byte aligned)
 template <typename W>
@@ -1417,7 +1420,7 @@ LLMFLEET_AVX2 static void widen_panel(const W* __restrict__ src, int64_t n, floa
 LLMFLEET_AVX2 static void widen_panel(const Fp8E4m3* __restrict__ src, int64_t n, float* __restrict__ dst) {
   for (int64_t i = 0; i < n; i += 16) {
     const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
-    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(int16_t(0xBFFF)));
+    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(b, FP8_FP16_SHIFT), _mm256_set1_epi16(FP8_FP16_KEEP));
     _mm256_store_ps(dst + i, _mm256_cvtph_ps(_mm256_castsi256_si128(h)));
     _mm256_store_ps(dst + i + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
   }
@@ -1759,6 +1762,10 @@ LLMFLEET_AVX2 __attribute__((noinline)) static void panel_pass_avx2(int64_t rows
 // largest |x|, where the int8 weights are off by up to 2**-8 of their row's largest |w|). Integer sums do not
 // depend on their order, so every row gets the same bits whatever the batch, the blocking or the widening.
 
+static constexpr float I16_TOP = 32767.0f;  // a chunk's largest |x| goes to this code
+// a row's chunks of F32_PANEL_CHUNK inputs (the last one may be short): one int16 scale each
+static int64_t i16_chunks(int64_t K) { return (K + F32_PANEL_CHUNK - 1) / F32_PANEL_CHUNK; }
+
 // A pass's rows of x as int16 codes: row m's codes at q + m * K, its chunks' scales at s + m * chunks
 struct I16Rows {
   const int16_t* q;
@@ -1771,7 +1778,7 @@ static I16Rows rows_at(const I16Rows& x, int64_t m0, int64_t) { return x.at(m0);
 
 // x [M, K] fp32 (K even) -> int16 codes q [M, K] and fp32 scales s [M, chunks] (I16Rows)
 LLMFLEET_AVX2 static void quantize_rows_i16(const float* x, int64_t M, int64_t K, int16_t* q, float* s) {
-  const int64_t chunks = (K + F32_PANEL_CHUNK - 1) / F32_PANEL_CHUNK;
+  const int64_t chunks = i16_chunks(K);
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       for (int64_t c = 0; c < chunks; ++c) {
@@ -1784,8 +1791,8 @@ LLMFLEET_AVX2 static void quantize_rows_i16(const float* x, int64_t M, int64_t K
         for (; k + 8 <= n; k += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(xc + k), abs));
         float big = hmax8(mx);
         for (; k < n; ++k) big = std::max(big, std::fabs(xc[k]));
-        s[r * chunks + c] = big / 32767.0f;
-        const float inv = big > 0.0f ? 32767.0f / big : 0.0f;
+        s[r * chunks + c] = big / I16_TOP;
+        const float inv = big > 0.0f ? I16_TOP / big : 0.0f;
         const __m256 iv = _mm256_set1_ps(inv);
         for (k = 0; k + 16 <= n; k += 16) {
           const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xc + k), iv));
@@ -2036,7 +2043,7 @@ static bool i16_ready(int64_t K) { return !cpu_has_avx512f() && K % 2 == 0; }
 // y = the int8 panels' product with x [M, K] (int16 path): x quantized (quantize_rows_i16), then the passes
 static void i8_i16_linear(const torch::Tensor& x, const I8PairPanels& w, int64_t P, int64_t N, const float* bias,
                           const float* scale, torch::Tensor& y, bool gated) {
-  const int64_t M = x.size(0), K = x.size(1), chunks = (K + F32_PANEL_CHUNK - 1) / F32_PANEL_CHUNK;
+  const int64_t M = x.size(0), K = x.size(1), chunks = i16_chunks(K);
   auto q = torch::empty({M, K}, x.options().dtype(at::kShort));
   auto s = torch::empty({M, chunks}, x.options());
   quantize_rows_i16(x.data_ptr<float>(), M, K, q.data_ptr<int16_t>(), s.data_ptr<float>());

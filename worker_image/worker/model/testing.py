@@ -12,7 +12,8 @@ has clear winners (fp32 rounding differences between implementations then never 
 Llama folder), and `merge_lora_into` merges one into a transformers state dict: the reference an adapter served
 by our engine must equal. `causal_attention` is the reference the native prompt-attention kernels are held to, `qkv_views` their inputs as
 the model hands them over. `Fp32PanelsOnly` shows the extension as a CPU without AVX512-BF16 sees it, so the fp32
-code panels such CPUs run are tested on any CPU that has them.
+code panels such CPUs run are tested on any CPU that has them. `int16_activations` and `int16_rounding` are what
+AVX2 hosts' int8 panels do to x and the most that moves an output.
 """
 
 from __future__ import annotations
@@ -263,6 +264,26 @@ def qkv_views(n: int, start: int, heads: int, kv_heads: int, hd: int, seed: int,
     k = qkv[:, heads * hd : (heads + kv_heads) * hd].view(start + n, kv_heads, hd)
     v = qkv[:, (heads + kv_heads) * hd :].view(start + n, kv_heads, hd)
     return q, k, v
+
+
+def _chunk_absmax(x: torch.Tensor) -> torch.Tensor:
+    """Each input's 64-input chunk's largest |x|, per row: where AVX2 hosts' int8 panels quantize the activations to
+    int16 (`kernels.py`, quantize_rows_i16), an input's step is that / 32767."""
+    chunks = [x[:, k : k + 64] for k in range(0, x.shape[1], 64)]
+    return torch.cat([c.abs().amax(1, keepdim=True).expand(-1, c.shape[1]) for c in chunks], 1)
+
+
+def int16_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as AVX2 hosts' int8 panels see it: x * (32767 / its chunk's largest |x|) rounded half to even, times the
+    step (the step and the codes in fp32, as the kernel computes them; their product in fp64)."""
+    big = _chunk_absmax(x)
+    inv = torch.where(big > 0, 32767 / big, torch.zeros_like(big))
+    return torch.round(x * inv).double() * (big / 32767).double()
+
+
+def int16_rounding(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The most int16_activations can move x @ w.T (fp64, [rows, out]): half a step of each input times |w|."""
+    return (_chunk_absmax(x).double() / 65534) @ w.double().abs().t()
 
 
 class Fp32PanelsOnly:
