@@ -1,13 +1,15 @@
-"""The worker process freezes its start-up heap once the model is loaded (`serve.freeze_startup_heap`): the
+"""The worker process freezes its start-up heap once the model is loaded (`worker.heap.freeze_startup_heap`): the
 collector's full passes then skip the model's and tokenizer's objects, which made them stall every stream."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import weakref
 
+from worker.heap import freeze_startup_heap, startup_heap_frozen
 from worker.server.fake_engine import FakeEngine
-from worker.server.serve import WorkerServer, freeze_startup_heap
+from worker.server.serve import WorkerServer
 from worker.server.settings import WorkerSettings
 
 SETTINGS = WorkerSettings(model="fake://fake-model", engine="fake", host="127.0.0.1", port=0)
@@ -21,6 +23,27 @@ def test_freeze_moves_the_live_heap_out_of_the_collectors_reach() -> None:
         assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()  # the test process shares one heap: give it back
+
+
+class Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_a_frozen_block_gives_the_heap_back_and_collects_what_it_left() -> None:
+    # The benchmark loads one model after another in one process: each must be freed once its run is over.
+    gc.unfreeze()
+    cycle = Cycle()  # only the collector can free it
+    ref = weakref.ref(cycle)
+    try:
+        with startup_heap_frozen():
+            del cycle
+            gc.collect()
+            assert ref() is not None  # frozen: out of the collector's reach
+        assert gc.get_freeze_count() == 0
+        assert ref() is None
+    finally:
+        gc.unfreeze()
 
 
 def test_the_worker_freezes_after_the_model_loads_and_before_it_reports_ready() -> None:

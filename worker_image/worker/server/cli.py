@@ -193,6 +193,6 @@ def worker_command(
         settings,
         log_level=log_level.lower(),
         max_bytes_per_token=built.max_bytes_per_token,
-        freeze_heap_after_load=True,  # this process serves one model: see serve.freeze_startup_heap
+        freeze_heap_after_load=True,  # this process serves one model: see worker.heap
     )
     raise typer.Exit(server.run())

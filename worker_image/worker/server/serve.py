@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import signal
 import threading
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ from collections.abc import Iterator
 import uvicorn
 
 from worker.engine.protocol import EngineClient
+from worker.heap import freeze_startup_heap
 from worker.server.app import create_app
 from worker.server.service import WorkerService
 from worker.server.settings import WorkerSettings
@@ -46,20 +46,10 @@ class _DrainingServer(uvicorn.Server):
                 loop.remove_signal_handler(sig)
 
 
-def freeze_startup_heap() -> None:
-    """Collect once, then move every object alive now (the model, tokenizer tables, modules: ~226K objects in a
-    SmolLM2 worker) to the collector's permanent generation, as vLLM's engine does after start-up. Otherwise each
-    full collection walks them all while every stream waits: 1,500 streamed chat requests at 64 concurrent through
-    the HTTP server ran 4 full collections, the longest 163 ms (bf16 ITL p50 is ~50 ms); frozen, 24 ms. Measured
-    with gc.callbacks around a live worker (stop 32's closing note on #16)."""
-    gc.collect()
-    gc.freeze()
-
-
 class WorkerServer:
     """The app plus its uvicorn server. `run()` blocks and returns the exit code (0 after a drain).
-    `freeze_heap_after_load`: `freeze_startup_heap` once the model is loaded (the CLI's worker process; off for
-    workers that share a process, such as tests')."""
+    `freeze_heap_after_load`: `worker.heap.freeze_startup_heap` once the model is loaded (the CLI's worker
+    process; off for workers that share a process, such as tests')."""
 
     def __init__(
         self,
