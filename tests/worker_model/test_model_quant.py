@@ -335,12 +335,18 @@ def test_an_fp32_models_int4_layers_widen_their_panels_in_the_kernel(
 def test_the_int4_panels_take_groups_of_any_size_dividing_the_inputs(panels):
     from worker.model.quant import pack_int4_panels, quantize_int4, unpack_int4_panels
 
-    w = torch.randn(60, 256, generator=GEN)
+    gen = torch.Generator().manual_seed(128)  # its own: GEN's draws depend on which tests ran before
+    w = torch.randn(60, 256, generator=gen)
     q, scale, zero = quantize_int4(w, 128)
     codes, groups = pack_int4_panels(q, scale, zero, panels.f32_panel_cols())
-    x = torch.randn(3, 256, generator=GEN)
-    exact = x.double() @ unpack_int4_panels(codes, groups, 60).double().t()
-    assert (panels.panel_linear_int4(x, codes, groups, 60, 128, None).double() - exact).abs().max().item() < 1e-5
+    x = torch.randn(3, 256, generator=gen)
+    dense = unpack_int4_panels(codes, groups, 60).double()
+    exact = x.double() @ dense.t()
+    # fp32's own rounding: sums of 64 in a row, then the chunks' (plus the weight's own rounding), per output,
+    # relative to its sum of |products| (outputs reach ~40 here, where an absolute 1e-5 was 3 ulps: it failed
+    # for some draws)
+    bound = 70 * 2.0**-24 * (x.double().abs() @ dense.abs().t())
+    assert ((panels.panel_linear_int4(x, codes, groups, 60, 128, None).double() - exact).abs() <= bound).all()
 
 
 @pytest.mark.parametrize(
