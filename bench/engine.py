@@ -21,8 +21,8 @@ throughput ceiling it implies for this workload (all linear-layer FLOPs of promp
 rate, attention ignored) and ours as a fraction of it, and the engine's per-step overhead outside the model
 (scheduler, KV bookkeeping, detokenisation: step time minus runner time) at the largest batch. `ours` runs as
 the worker process runs it, with its loaded model frozen out of the garbage collector's reach (`worker.heap`;
-vLLM's engine core does the same): a full collection over the unfrozen heap (~225K objects) took 14 ms in
-the middle of a step. The LAST line printed is one JSON object.
+vLLM's engine core does the same): unfrozen, a collection over what start-up left took 1.5-1.7 ms inside
+a step, over the 1 ms line by itself. The LAST line printed is one JSON object.
 
 The GEMM ceiling ignores memory, and on these machines most steps are bound by it: every decode step reads all
 the weights and the KV of every running request. So each variant also gets a roofline (`roofline`): for each step
