@@ -22,7 +22,8 @@ rate, attention ignored) and ours as a fraction of it, and the engine's per-step
 (scheduler, KV bookkeeping, detokenisation: step time minus runner time) at the largest batch. `ours` runs as
 the worker process runs it, with its loaded model frozen out of the garbage collector's reach (`worker.heap`;
 vLLM's engine core does the same): unfrozen, a collection over what start-up left took 1.5-1.7 ms inside
-a step, over the 1 ms line by itself. The LAST line printed is one JSON object.
+a step, over the 1 ms line by itself. The collector's passes during the run are counted, and the longest
+printed (`gc_passes`, `gc_longest_ms`). The LAST line printed is one JSON object.
 
 The GEMM ceiling ignores memory, and on these machines most steps are bound by it: every decode step reads all
 the weights and the KV of every running request. So each variant also gets a roofline (`roofline`): for each step
@@ -53,6 +54,8 @@ our fp32 when those ran.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import os
 import random
@@ -61,6 +64,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +172,25 @@ def summarize(name: str, wall: float, useful: int, ttft: list[float], itl: list[
     }
 
 
+@contextlib.contextmanager
+def collector_pauses() -> Iterator[list[float]]:
+    """The garbage collector's passes while the block runs, in seconds each (`gc.callbacks`)."""
+    pauses: list[float] = []
+    started = [0.0]
+
+    def on_pass(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            pauses.append(time.perf_counter() - started[0])
+
+    gc.callbacks.append(on_pass)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(on_pass)
+
+
 def run_ours(
     path: str, work, *, dtype: str, max_num_seqs: int, batched_tokens: int, name: str, quantization: str | None = None
 ) -> dict:
@@ -204,7 +227,7 @@ def run_ours(
     llm.generate([work[0][0][:32]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     core.runner.execute_model = timed_execute
     # As the worker process runs it (worker.heap): the loaded model out of the collector's reach.
-    with startup_heap_frozen():
+    with startup_heap_frozen(), collector_pauses() as pauses:
         t0 = time.perf_counter()
         for i, (prompt, n) in enumerate(work):
             core.add_request(f"b{i}", prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
@@ -255,6 +278,8 @@ def run_ours(
         overhead_ms_at_peak_p99=round(pct(at_peak, 99) * 1e3, 3),
         peak_running=peak,
         peak_steps=len(at_peak),  # W holds 64 running for ~11 steps: its p99 there is their slowest
+        gc_passes=len(pauses),  # the collector's, during the run (frozen: what requests created)
+        gc_longest_ms=round(max(pauses, default=0.0) * 1e3, 2),
         runner_s=round(runner_time[0], 2),
         _schedule=schedule,
         _streamed=streamed,
@@ -602,7 +627,8 @@ def print_table(result: dict) -> None:
             print(
                 f"        engine overhead per step outside the model at {r['peak_running']} running: "
                 f"p50 {r['overhead_ms_at_peak_p50']} ms, p99 {r['overhead_ms_at_peak_p99']} ms "
-                f"({r['peak_steps']} steps); over all {r['steps']} steps p50 {r['overhead_ms_p50']} ms"
+                f"({r['peak_steps']} steps); over all {r['steps']} steps p50 {r['overhead_ms_p50']} ms; "
+                f"the garbage collector ran {r['gc_passes']} passes, the longest {r['gc_longest_ms']} ms"
             )
 
 

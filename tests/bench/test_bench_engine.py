@@ -199,8 +199,22 @@ def test_ours_runs_with_the_loaded_model_frozen_as_the_worker_runs_it(tmp_path, 
         got = run_ours(
             str(root), [([1, 2, 3], 3), ([4] * 9, 2)], dtype="float32", max_num_seqs=4, batched_tokens=64, name="ours"
         )
-        assert got["useful_tokens"] == 5
+        assert got["useful_tokens"] == 5 and got["gc_passes"] >= 0 and got["gc_longest_ms"] >= 0
         assert len(seen) > 1 and all(n > 0 for n in seen[-got["steps"] :])  # the timed steps ran frozen
         assert gc.get_freeze_count() == 0
     finally:
         gc.unfreeze()
+
+
+def test_the_collectors_passes_are_counted_while_the_block_runs_only() -> None:
+    import gc
+
+    from engine import collector_pauses
+
+    before = list(gc.callbacks)
+    with collector_pauses() as pauses:
+        gc.collect()
+        gc.collect()
+    gc.collect()
+    assert len(pauses) == 2 and all(p >= 0 for p in pauses)
+    assert gc.callbacks == before
