@@ -5,7 +5,7 @@ Why it exists: on the shared 2-CPU hosts these benchmarks run on, the machine's 
 compare the host's moments more than the kernels. The extension's module name carries a hash of its source, so the
 build of another commit loads beside this tree's in the same process; each round times both on the same weights and
 inputs, in alternating order, and the figure that counts is the median over rounds of the within-round speed
-ratio. What it times: the panel linears (`panel_linear_f32`, `_bf16`, `_i8`, `_fp8`) on SmolLM2-135M's four
+ratio. What it times: the panel linears (`panel_linear_f32`, `_bf16`, `_i8`, `_fp8`, `_int4`) on SmolLM2-135M's four
 projections (QKV and gate+up fused), `--layers` copies each so that the weights stream from DRAM as a decode
 step's do; `bf16` (the pair panels, bf16 activations) needs a CPU with AVX512-BF16.
 
@@ -38,7 +38,7 @@ from linear_kernels import GROUPS
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = GROUPS["layer"]  # [N, K] of one decoder layer, as the engine runs them (QKV and gate+up fused)
-PATHS = ("f32", "bf16", "i8", "fp8")
+PATHS = ("f32", "bf16", "i8", "fp8", "int4")
 _BUILD = (
     "import sys; sys.path.insert(0, sys.argv[1]); from worker.model.kernels import _load_module; "
     "m, why = _load_module(); print(m.__file__ if m is not None else 'ERROR ' + str(why))"
@@ -98,7 +98,7 @@ def make_layers(layers: int, paths: tuple[str, ...], seed: int = 0) -> list[dict
     """`layers` copies of the four projections: per weight its panels for each path asked (and the codes' scales)."""
     import torch
     from worker.model.linear import pack_pair_panels, pack_panels
-    from worker.model.quant import FP8, INT8
+    from worker.model.quant import FP8, INT8, int4_group_size, pack_int4_panels, quantize_int4
 
     formats = {"i8": INT8, "fp8": FP8}
     gen = torch.Generator().manual_seed(seed)
@@ -111,6 +111,9 @@ def make_layers(layers: int, paths: tuple[str, ...], seed: int = 0) -> list[dict
                 entry["f32"] = pack_panels(w, 48)
             if "bf16" in paths:
                 entry["bf16"] = pack_pair_panels(w.bfloat16(), 48)
+            if "int4" in paths:  # group-wise codes, their groups' scales and offsets, and the group size
+                group = int4_group_size(k)
+                entry["int4"] = (*pack_int4_panels(*quantize_int4(w, group), 48), group)
             for path in paths:
                 if path in formats:  # the codes and what one unit of a code is worth, as RowScaledLinear keeps them
                     codes, scale = formats[path].quantize(w)
@@ -128,6 +131,9 @@ def one_pass(module: Any, path: str, layers: list[dict[str, Any]], xs: dict[int,
             module.panel_linear_f32(x, layer["f32"], n, None)
         elif path == "bf16":
             module.panel_linear_bf16(x, layer["bf16"], n, None, False)
+        elif path == "int4":
+            packed, groups, group = layer["int4"]
+            module.panel_linear_int4(x, packed, groups, n, group, None)
         else:
             packed, scale = layer[path]
             getattr(module, f"panel_linear_{path}")(x, packed, n, scale, None)

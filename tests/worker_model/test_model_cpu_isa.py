@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from worker.model.linear import PanelLinear
 from worker.model.llama import rms_norm, stack_operands
 from worker.model.quant import make_linear
-from worker.model.testing import Fp32PanelsOnly, causal_attention, int16_rounding
+from worker.model.testing import Fp32PanelsOnly, causal_attention, int4_fp32_rounding, int16_rounding
 
 QUANTIZED = ("int8", "fp8", "int4")  # the formats an fp32 model multiplies on the panels
 
@@ -193,9 +193,9 @@ def test_the_avx2_paths_compute_what_torch_computes(capped_avx2, fp32_code_panel
 
 
 def test_the_avx2_paths_give_the_avx512_paths_bits(capped_avx2, avx512):
-    """Same sums in the same order: a worker's outputs do not depend on which of the two its CPU runs. Except int8,
-    whose AVX2 path multiplies int16 activations (`kernels.py`, quantize_rows_i16): within half an int16 step of
-    each input (its 64-input chunk's largest |x| / 32767) times its weights."""
+    """Same sums in the same order: a worker's outputs do not depend on which of the two its CPU runs. Except int8
+    and int4, whose AVX2 paths multiply int16 activations (`kernels.py`, quantize_rows_i16): within half an int16
+    step of each input (its 64-input chunk's largest |x| / 32767) times its weights, and fp32's rounding."""
     data = capped_avx2["inputs"]
     for (w, b, x), got in zip(data["linears"], capped_avx2["linears"], strict=True):
         assert torch.equal(got, PanelLinear(w, b, avx512)(x)), (tuple(x.shape), tuple(w.shape))
@@ -207,11 +207,14 @@ def test_the_avx2_paths_give_the_avx512_paths_bits(capped_avx2, avx512):
             if not takes(q, w):
                 continue
             layer = make_linear(w, b, q, torch.float32, "panels_fp32", Fp32PanelsOnly(avx512))  # not the bf16 pairs
-            if q != "int8":
+            if q == "fp8":
                 assert torch.equal(got, layer(x)), (q, tuple(x.shape))
                 continue
-            wa = layer.dequantize().double().abs().t()
-            rounding = int16_rounding(x, layer.dequantize()) + 4e-6 * (x.double().abs() @ wa)  # (and fp32's)
+            if q == "int8":
+                fp32 = 4e-6 * (x.double().abs() @ layer.dequantize().double().abs().t())
+            else:
+                fp32 = int4_fp32_rounding(x, layer.packed, layer.scales_zeros, layer.out_features)
+            rounding = int16_rounding(x, layer.dequantize()) + fp32
             assert ((got.double() - layer(x).double()).abs() <= rounding).all(), (q, tuple(x.shape))
     h, d, w = data["norm"]
     for got, want in zip(capped_avx2["norm"], avx512.add_rms_norm(h.clone(), d, w, 1e-5), strict=True):

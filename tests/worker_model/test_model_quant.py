@@ -21,7 +21,13 @@ from worker.model.quant import (
     quantize_int8,
 )
 from worker.model.runner import ModelRunner
-from worker.model.testing import Fp32PanelsOnly, int16_activations, int16_rounding, make_tiny_llama
+from worker.model.testing import (
+    Fp32PanelsOnly,
+    int4_fp32_rounding,
+    int16_activations,
+    int16_rounding,
+    make_tiny_llama,
+)
 
 GEN = torch.Generator().manual_seed(0)
 
@@ -306,8 +312,9 @@ def test_the_quantized_panels_refuse_what_they_cannot_take(panels, call, match):
 def test_an_fp32_models_int4_layers_widen_their_panels_in_the_kernel(
     fp32_code_panels, rows, out_features, in_features, bias
 ):
-    """int4 codes and fp32 group scales/offsets in panels, each panel widened to fp32 once per pass: the product
-    with the layer's own weights, which are `(q - 8) * scale + zero` of the quantizer's groups."""
+    """int4 codes and fp32 group scales/offsets in panels, each panel widened once per pass (to fp32, or on AVX2
+    hosts to int16 codes times int16 activations): the product with the layer's own weights, which are
+    `(q - 8) * scale + zero` of the quantizer's groups, within fp32's rounding (and the int16 x's, where taken)."""
     from worker.model.quant import quantize_int4
 
     gen = torch.Generator().manual_seed(rows)
@@ -328,25 +335,64 @@ def test_an_fp32_models_int4_layers_widen_their_panels_in_the_kernel(
     x = torch.randn(rows, in_features, generator=gen)
     exact = x.double() @ layer.dequantize().double().t() + (0 if b is None else b.double())
     y = layer(x)
-    assert y.shape == (rows, out_features) and (y.double() - exact).abs().max().item() < 1e-5
+    rounding = int4_fp32_rounding(x, layer.packed, layer.scales_zeros, out_features)
+    if panels.panel_int4_int16(in_features, g):
+        rounding += int16_rounding(x, layer.dequantize())
+    assert y.shape == (rows, out_features) and ((y.double() - exact).abs() <= rounding).all()
     assert torch.equal(torch.cat([layer(x[i : i + 8]) for i in range(0, rows, 8)]), y)  # a row's batch: no matter
 
 
-def test_the_int4_panels_take_groups_of_any_size_dividing_the_inputs(panels):
+@pytest.mark.parametrize(
+    ("in_features", "group_size", "int16"),
+    [
+        (256, 128, True),  # a group spans two of x's 64-input chunks
+        (192, 96, True),  # groups and chunks end at different inputs: segments of 32
+        (64, 8, True),  # eight groups a chunk
+        (90, 45, False),  # an odd group: its inputs do not pair, so x stays fp32
+    ],
+)
+def test_the_int4_panels_take_groups_of_any_size_dividing_the_inputs(panels, in_features, group_size, int16):
+    """Any group size dividing the inputs: the product with the panels' own weights, within fp32's rounding (and
+    the int16 x's on AVX2 hosts, where the group size is even)."""
     from worker.model.quant import pack_int4_panels, quantize_int4, unpack_int4_panels
 
-    gen = torch.Generator().manual_seed(128)  # its own: GEN's draws depend on which tests ran before
-    w = torch.randn(60, 256, generator=gen)
-    q, scale, zero = quantize_int4(w, 128)
-    codes, groups = pack_int4_panels(q, scale, zero, panels.f32_panel_cols())
-    x = torch.randn(3, 256, generator=gen)
-    dense = unpack_int4_panels(codes, groups, 60).double()
-    exact = x.double() @ dense.t()
-    # fp32's own rounding: sums of 64 in a row, then the chunks' (plus the weight's own rounding), per output,
-    # relative to its sum of |products| (outputs reach ~40 here, where an absolute 1e-5 was 3 ulps: it failed
-    # for some draws)
-    bound = 70 * 2.0**-24 * (x.double().abs() @ dense.abs().t())
-    assert ((panels.panel_linear_int4(x, codes, groups, 60, 128, None).double() - exact).abs() <= bound).all()
+    gen = torch.Generator().manual_seed(group_size)  # its own: GEN's draws depend on which tests ran before
+    w = torch.randn(60, in_features, generator=gen)
+    codes, groups = pack_int4_panels(*quantize_int4(w, group_size), panels.f32_panel_cols())
+    x = torch.randn(5, in_features, generator=gen)
+    dense = unpack_int4_panels(codes, groups, 60)
+    exact = x.double() @ dense.double().t()
+    on_int16 = panels.panel_int4_int16(in_features, group_size)
+    assert on_int16 == (int16 and panels.vector_isa() == "avx2")
+    rounding = int4_fp32_rounding(x, codes, groups, 60) + (int16_rounding(x, dense) if on_int16 else 0)
+    y = panels.panel_linear_int4(x, codes, groups, 60, group_size, None).double()
+    assert ((y - exact).abs() <= rounding).all()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 40, 300])
+@pytest.mark.parametrize(("in_features", "group_size"), [(1024, 32), (1024, 128), (960, 96)])
+def test_avx2_hosts_int4_panels_multiply_the_activations_int16_codes(fp32_code_panels, rows, in_features, group_size):
+    """On AVX2 hosts the int4 panels quantize x as the int8 ones do (int16 per row and 64-input chunk), sum its
+    products with the codes exactly in int32 per segment (a group, or the part of one within a chunk), and add
+    scale x sum + offset x the segment's sum of x into fp32 totals: the product of those int16 values with the
+    panels' weights, to fp32's rounding. (x's inputs span 1e-3 to 1e2 so that the chunks' scales differ.)"""
+    from worker.model.quant import pack_int4_panels, quantize_int4, unpack_int4_panels
+
+    if fp32_code_panels.vector_isa() != "avx2":
+        pytest.skip("the int16 activations are the AVX2 path's (AVX-512 hosts widen the codes to fp32)")
+    gen = torch.Generator().manual_seed(rows + group_size)
+    w = torch.randn(96, in_features, generator=gen) * 0.05
+    codes, groups = pack_int4_panels(*quantize_int4(w, group_size), fp32_code_panels.f32_panel_cols())
+    x = torch.randn(rows, in_features, generator=gen)
+    x *= torch.logspace(-3, 2, in_features)[torch.randperm(in_features, generator=gen)]
+    dense = unpack_int4_panels(codes, groups, 96).double()
+    y = fp32_code_panels.panel_linear_int4(x, codes, groups, 96, group_size, None).double()
+    off = (y - int16_activations(x) @ dense.t()).abs()
+    assert (off <= int4_fp32_rounding(x, codes, groups, 96)).all()
+    assert (y - x.double() @ dense.t()).abs().max() > 10 * off.max()  # (it is not fp32 x's product: ~100x here)
+    cuts = [*range(0, rows, 3), rows]  # batches of 3 rows (blocks of 3, then 4 rows up): a row's batch, no matter
+    parts = [fp32_code_panels.panel_linear_int4(x[a:b], codes, groups, 96, group_size, None) for a, b in pairwise(cuts)]
+    assert torch.equal(torch.cat(parts).double(), y)
 
 
 @pytest.mark.parametrize(
@@ -372,7 +418,8 @@ def test_the_int4_panels_refuse_what_they_cannot_take(panels, call, match):
 def test_quantized_layers_say_which_kernel_multiplies_them(fp32_code_panels, quant):
     w = torch.randn(96, 64, generator=GEN)
     path = make_linear(w, None, quant, torch.float32, "panels_fp32", fp32_code_panels).path
-    int16 = quant == "int8" and fp32_code_panels.vector_isa() == "avx2"  # (AVX2 hosts' int8: int16 activations)
+    # (AVX2 hosts' int8 and int4: int16 activations)
+    int16 = quant in ("int8", "int4") and fp32_code_panels.vector_isa() == "avx2"
     assert ("int16 activations" in path) == int16 and ("fp32 panels" in path) != int16, path
     assert "torch's ops" in make_linear(w, None, quant, torch.float32).path  # no extension: torch's
 

@@ -98,6 +98,7 @@ CPP_SOURCE = r"""
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <numeric>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -1439,6 +1440,8 @@ struct CodePanels {
   const W* w;
   int64_t K;
   const W* panel(int64_t p) const { return w + p * K * F32_PANEL; }
+  // what a pass over panel p multiplies its sums by: its columns' scales (`scale` the first panel's), if any
+  const float* scales(const float* scale, int64_t p) const { return scale ? scale + p * F32_PANEL : nullptr; }
   int64_t bytes() const { return K * F32_PANEL * int64_t(sizeof(W)); }  // a panel's
   void widen(int64_t p, float* dst) const { widen_panel(panel(p), K * F32_PANEL, dst); }
 };
@@ -1454,13 +1457,14 @@ struct Int4Panels {
   const float* sz;  // [P, K / G, 2, 48]
   int64_t K, G;
   const uint8_t* panel(int64_t p) const { return q + p * K * (F32_PANEL / 2); }
+  const float* groups(int64_t p) const { return sz + p * (K / G) * 2 * F32_PANEL; }
+  const float* scales(const float*, int64_t) const { return nullptr; }  // (the groups are applied in widening)
   int64_t bytes() const { return K * (F32_PANEL / 2); }
   LLMFLEET_AVX2 void widen(int64_t p, float* __restrict__ dst) const {
     const uint8_t* codes = panel(p);
-    const float* groups = sz + p * (K / G) * 2 * F32_PANEL;
     const __m256i low = _mm256_set1_epi32(0xF);
     for (int64_t g = 0; g < K / G; ++g) {
-      const float* scale = groups + g * 2 * F32_PANEL;
+      const float* scale = groups(p) + g * 2 * F32_PANEL;
       const float* offset = scale + F32_PANEL;
       for (int64_t k = g * G; k < (g + 1) * G; ++k) {
 #pragma GCC unroll 3
@@ -1766,18 +1770,27 @@ static constexpr float I16_TOP = 32767.0f;  // a chunk's largest |x| goes to thi
 // a row's chunks of F32_PANEL_CHUNK inputs (the last one may be short): one int16 scale each
 static int64_t i16_chunks(int64_t K) { return (K + F32_PANEL_CHUNK - 1) / F32_PANEL_CHUNK; }
 
-// A pass's rows of x as int16 codes: row m's codes at q + m * K, its chunks' scales at s + m * chunks
+// A pass's rows of x as int16 codes: row m's codes at q + m * K, its chunks' scales at s + m * chunks. For int4
+// weights (their scales change every `group` inputs), also per segment of `seg` inputs (seg divides both the chunk
+// and the group) the segment's codes' sum times its chunk's scale, at sums + m * (K / seg); seg 0 elsewhere.
 struct I16Rows {
   const int16_t* q;
   const float* s;
   int64_t K, chunks;
-  I16Rows at(int64_t m0) const { return {q + m0 * K, s + m0 * chunks, K, chunks}; }
+  const float* sums = nullptr;
+  int64_t seg = 0, group = 0;
+  I16Rows at(int64_t m0) const {
+    return {q + m0 * K, s + m0 * chunks, K, chunks, sums ? sums + m0 * (K / seg) : nullptr, seg, group};
+  }
 };
 static const float* rows_at(const float* x, int64_t m0, int64_t K) { return x + m0 * K; }
 static I16Rows rows_at(const I16Rows& x, int64_t m0, int64_t) { return x.at(m0); }
 
-// x [M, K] fp32 (K even) -> int16 codes q [M, K] and fp32 scales s [M, chunks] (I16Rows)
-LLMFLEET_AVX2 static void quantize_rows_i16(const float* x, int64_t M, int64_t K, int16_t* q, float* s) {
+// x [M, K] fp32 (K even) -> int16 codes q [M, K] and fp32 scales s [M, chunks] (I16Rows); where `sums` is given,
+// also each segment's sum of codes times its chunk's scale, sums [M, K / seg] (seg even, dividing F32_PANEL_CHUNK
+// and K)
+LLMFLEET_AVX2 static void quantize_rows_i16(const float* x, int64_t M, int64_t K, int16_t* q, float* s,
+                                            int64_t seg = 0, float* sums = nullptr) {
   const int64_t chunks = i16_chunks(K);
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
@@ -1801,6 +1814,18 @@ LLMFLEET_AVX2 static void quantize_rows_i16(const float* x, int64_t M, int64_t K
                               _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8));
         }
         for (; k < n; ++k) qc[k] = static_cast<int16_t>(std::nearbyint(xc[k] * inv));  // (rounds as cvtps does)
+        for (int64_t j = 0; sums && j < n; j += seg) {  // (exact: at most 64 codes of |q| <= 32767 in int32)
+          __m256i acc = _mm256_setzero_si256();
+          int64_t i = j;
+          for (; i + 16 <= j + seg; i += 16)
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qc + i)),
+                                                          _mm256_set1_epi16(1)));
+          __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+          h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+          int32_t total = _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1)));
+          for (; i < j + seg; ++i) total += qc[i];
+          sums[r * (K / seg) + (k0 + j) / seg] = static_cast<float>(total) * s[r * chunks + c];
+        }
       }
   });
 }
@@ -1842,6 +1867,32 @@ struct I8PairPanels : CodePanels<int8_t> {
   }
 };
 
+// Group-wise int4 panels for the int16 path: every pass widens each panel first into a pair scratch of its codes
+// (0..15 as int16: K / 2 pairs of inputs x 48 columns), which the blocks multiply as int8's, flushing their int32
+// sums at every group (or chunk) boundary: sum x w = scale * sum x q + offset * sum x per column and group
+// (I16Rows::sums). The scratch holds its columns in order (a vector 8 columns' pairs: 16 g .. 16 g + 7, then
+// 16 g + 8 .. 16 g + 15), not int8's lo/hi interleave: nibbles come apart in 32-bit lanes, so no unpack is needed,
+// and the flush needs no permute.
+struct I4PairPanels : Int4Panels {
+  using Wide = int16_t;
+  const float* scales(const float*, int64_t p) const { return groups(p); }
+  LLMFLEET_AVX2 void widen(int64_t p, int16_t* __restrict__ dst) const {
+    const uint8_t* codes = panel(p);
+    const __m256i nibble = _mm256_set1_epi32(0x000F000F);
+    for (int64_t k = 0; k < K; k += 2)
+#pragma GCC unroll 3
+      for (int64_t j = 0; j < F32_PANEL / 2; j += 8) {  // bytes j .. j + 7: columns j .. j + 7 and j + 24 .. j + 31
+        const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + k * 24 + j)));
+        const __m256i b =
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + (k + 1) * 24 + j)));
+        const __m256i ab = _mm256_or_si256(a, _mm256_slli_epi32(b, 16));  // (input k's byte, input k + 1's)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(dst + k * F32_PANEL + 2 * j), _mm256_and_si256(ab, nibble));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(dst + k * F32_PANEL + 2 * (j + 24)),
+                           _mm256_and_si256(_mm256_srli_epi32(ab, 4), nibble));
+      }
+  }
+};
+
 // Groups of 16 columns a block of `rows` (<= 4) takes per sweep of a chunk: all three for 1-2 rows, else one
 static constexpr int i16_groups(int64_t rows) { return rows <= 2 ? 3 : 1; }
 
@@ -1852,11 +1903,15 @@ static constexpr int i16_groups(int64_t rows) { return rows <= 2 ? 3 : 1; }
 // Prefetches as panel_chunk_avx2, in stretches of 16 inputs (against 8: bench/panel_ab.py --paths i8, 7 and 9
 // rounds, 16 rows 1.07, 32: 1.04-1.10, 64: 1.10-1.11, 4-8 rows 0.89-1.01). Never inlined: inlined into the pass,
 // GCC kept accumulators on the stack.
-template <int MR, typename W, int GS = i16_groups(MR)>
+// Grouped (int4: an I4PairPanels scratch, columns in order; [k0, k1) one of x's segments, `groups` its group's 48
+// scales then 48 offsets): each row's int32 sums times (scale x its chunk's step), plus offset times the segment's
+// sum of x (I16Rows::sums), into its totals.
+template <int MR, typename W, bool Grouped = false, int GS = i16_groups(MR)>
 LLMFLEET_AVX2 __attribute__((noinline)) static void i16_chunk_avx2(I16Rows x, int64_t k0, int64_t k1,
                                                                    const W* __restrict__ panel, float* __restrict__ total,
                                                                    const char* next, int64_t& due, int64_t& line,
-                                                                   int64_t span, int64_t denom) {
+                                                                   int64_t span, int64_t denom,
+                                                                   const float* groups = nullptr) {
   const int64_t chunk = k0 / F32_PANEL_CHUNK;
   for (int64_t g0 = 0; g0 < 3; g0 += GS) {
     __m256i lo[MR][GS], hi[MR][GS];
@@ -1884,6 +1939,19 @@ LLMFLEET_AVX2 __attribute__((noinline)) static void i16_chunk_avx2(I16Rows x, in
     }
     for (int m = 0; m < MR; ++m) {
       const __m256 sc = _mm256_set1_ps(x.s[m * x.chunks + chunk]);
+      if constexpr (Grouped) {
+        const __m256 sum = _mm256_set1_ps(x.sums[m * (x.K / x.seg) + k0 / x.seg]);
+        for (int g = 0; g < GS; ++g)
+          for (int v = 0; v < 2; ++v) {
+            const int64_t c = 16 * (g0 + g) + 8 * v;
+            float* t = total + m * F32_PANEL + c;
+            const __m256 with_offset = _mm256_fmadd_ps(_mm256_loadu_ps(groups + F32_PANEL + c), sum,
+                                                       k0 ? _mm256_load_ps(t) : _mm256_setzero_ps());
+            _mm256_store_ps(t, _mm256_fmadd_ps(_mm256_cvtepi32_ps(v ? hi[m][g] : lo[m][g]),
+                                               _mm256_mul_ps(_mm256_loadu_ps(groups + c), sc), with_offset));
+          }
+        continue;
+      }
       for (int g = 0; g < GS; ++g) {
         const __m256i in_order[2] = {_mm256_permute2x128_si256(lo[m][g], hi[m][g], 0x20),
                                      _mm256_permute2x128_si256(lo[m][g], hi[m][g], 0x31)};
@@ -1899,7 +1967,9 @@ LLMFLEET_AVX2 __attribute__((noinline)) static void i16_chunk_avx2(I16Rows x, in
 
 // panel_pass_avx2's contract over int16 rows (I16Rows; xs unused: the rows know their stride) and int8 codes or
 // their pair scratch: blocks of 4 rows, chunk by chunk (or block by block where the panel fits in L1), then out.
-template <typename W>
+// Grouped: over an int4 pair scratch, segment by segment (x.seg inputs), `scale` the panel's groups (flushed in
+// the chunks; none at the out).
+template <typename W, bool Grouped = false>
 LLMFLEET_AVX2 __attribute__((noinline)) static void panel_pass_i16_avx2(int64_t rows, I16Rows x, int64_t, int64_t K,
                                                                         const W* __restrict__ panel,
                                                                         float* __restrict__ y, int64_t N, int64_t ncols,
@@ -1911,25 +1981,27 @@ LLMFLEET_AVX2 __attribute__((noinline)) static void panel_pass_i16_avx2(int64_t 
   const int64_t denom = K * (full * 3 / i16_groups(MR) + (tail ? 3 / i16_groups(tail) : 0));  // (sweeps of K)
   const char* pf = rows <= 2 ? nullptr : static_cast<const char*>(next);  // (as panel_pass_avx2)
   int64_t due = 0, line = 0;
+  const int64_t step = Grouped ? x.seg : F32_PANEL_CHUNK;
   const auto block = [&](int64_t b, int64_t k0) {
-    const int64_t r = std::min(MR, rows - MR * b), k1 = std::min(K, k0 + F32_PANEL_CHUNK);
+    const int64_t r = std::min(MR, rows - MR * b), k1 = std::min(K, k0 + step);
     const I16Rows xb = x.at(MR * b);
     float* tb = total + MR * b * F32_PANEL;
+    const float* g = Grouped ? scale + (k0 / x.group) * 2 * F32_PANEL : nullptr;
     switch (r) {
-      case 4: return i16_chunk_avx2<4, W>(xb, k0, k1, panel, tb, pf, due, line, lines, denom);
-      case 3: return i16_chunk_avx2<3, W>(xb, k0, k1, panel, tb, pf, due, line, lines, denom);
-      case 2: return i16_chunk_avx2<2, W>(xb, k0, k1, panel, tb, pf, due, line, lines, denom);
-      default: return i16_chunk_avx2<1, W>(xb, k0, k1, panel, tb, pf, due, line, lines, denom);
+      case 4: return i16_chunk_avx2<4, W, Grouped>(xb, k0, k1, panel, tb, pf, due, line, lines, denom, g);
+      case 3: return i16_chunk_avx2<3, W, Grouped>(xb, k0, k1, panel, tb, pf, due, line, lines, denom, g);
+      case 2: return i16_chunk_avx2<2, W, Grouped>(xb, k0, k1, panel, tb, pf, due, line, lines, denom, g);
+      default: return i16_chunk_avx2<1, W, Grouped>(xb, k0, k1, panel, tb, pf, due, line, lines, denom, g);
     }
   };
   if (K * F32_PANEL * int64_t(sizeof(W)) <= F32_PANEL_L1_BYTES) {
     for (int64_t b = 0; b < blocks; ++b)
-      for (int64_t k0 = 0; k0 < K; k0 += F32_PANEL_CHUNK) block(b, k0);
+      for (int64_t k0 = 0; k0 < K; k0 += step) block(b, k0);
   } else {
-    for (int64_t k0 = 0; k0 < K; k0 += F32_PANEL_CHUNK)
+    for (int64_t k0 = 0; k0 < K; k0 += step)
       for (int64_t b = 0; b < blocks; ++b) block(b, k0);
   }
-  pass_out_avx2(rows, total, y, N, ncols, bias, scale, stream);
+  pass_out_avx2(rows, total, y, N, ncols, bias, Grouped ? nullptr : scale, stream);
 }
 
 // The AVX-512 pass: block after block of up to 9 rows (panel_block, row_blocks), each over the whole K, the
@@ -2019,7 +2091,7 @@ static void panel_linear_run(const Rows& x, int64_t M, int64_t K, const Src& src
       // panel p's sums for this pass into out (rows ldo floats apart), `next`'s lines asked for meanwhile
       const auto one = [&](int64_t p, float* out, int64_t ldo, const void* next, bool st) {
         const float* b = bias ? bias + p * F32_PANEL : nullptr;
-        const float* sc = scale ? scale + p * F32_PANEL : nullptr;
+        const float* sc = src.scales(scale, p);
         const int64_t ncols = std::min(F32_PANEL, N - p * F32_PANEL);
         Wide* const w = reinterpret_cast<Wide*>(wide.get());
         if (widen) src.widen(p, w);
@@ -2049,6 +2121,24 @@ static void i8_i16_linear(const torch::Tensor& x, const I8PairPanels& w, int64_t
   quantize_rows_i16(x.data_ptr<float>(), M, K, q.data_ptr<int16_t>(), s.data_ptr<float>());
   panel_linear_run(I16Rows{q.data_ptr<int16_t>(), s.data_ptr<float>(), K, chunks}, M, K, w, P, N, bias, scale,
                    y.data_ptr<float>(), [](auto... a) { panel_pass_i16_avx2(a...); }, gated);
+}
+
+// Whether group-wise int4 panels of K inputs in groups of G take the int16 path: i16_ready, G even (each
+// segment, gcd(G, F32_PANEL_CHUNK) inputs, pairs its inputs)
+static bool i4_i16_ready(int64_t K, int64_t G) { return i16_ready(K) && G % 2 == 0; }
+
+// y = the int4 panels' product with x [M, K] (int16 path): x quantized with its segments' sums, then the passes
+static void i4_i16_linear(const torch::Tensor& x, const I4PairPanels& w, int64_t P, int64_t N, const float* bias,
+                          torch::Tensor& y, bool gated) {
+  const int64_t M = x.size(0), K = x.size(1), chunks = i16_chunks(K), seg = std::gcd(w.G, F32_PANEL_CHUNK);
+  auto q = torch::empty({M, K}, x.options().dtype(at::kShort));
+  auto s = torch::empty({M, chunks}, x.options());
+  auto sums = torch::empty({M, K / seg}, x.options());
+  quantize_rows_i16(x.data_ptr<float>(), M, K, q.data_ptr<int16_t>(), s.data_ptr<float>(), seg,
+                    sums.data_ptr<float>());
+  panel_linear_run(I16Rows{q.data_ptr<int16_t>(), s.data_ptr<float>(), K, chunks, sums.data_ptr<float>(), seg, w.G}, M,
+                   K, w, P, N, bias, nullptr, y.data_ptr<float>(),
+                   [](auto... a) { panel_pass_i16_avx2<int16_t, true>(a...); }, gated);
 }
 
 template <typename Src>
@@ -2202,10 +2292,12 @@ static torch::Tensor int4_panels(const torch::Tensor& x, const torch::Tensor& pa
   panel_output(P, n, bias, c10::nullopt, what);
   auto y = torch::empty({x.size(0), gated ? n / 2 : n}, x.options());
 #if defined(__x86_64__)
-  if (x.size(0) > 0)
-    panel_linear_any(x.data_ptr<float>(), x.size(0), K,
-                     Int4Panels{packed.data_ptr<uint8_t>(), sz.data_ptr<float>(), K, group_size}, P, n,
-                     bias.has_value() ? bias->data_ptr<float>() : nullptr, nullptr, y.data_ptr<float>(), gated);
+  const Int4Panels w{packed.data_ptr<uint8_t>(), sz.data_ptr<float>(), K, group_size};
+  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  if (x.size(0) > 0 && i4_i16_ready(K, group_size))
+    i4_i16_linear(x, I4PairPanels{w}, P, n, b, y, gated);
+  else if (x.size(0) > 0)
+    panel_linear_any(x.data_ptr<float>(), x.size(0), K, w, P, n, b, nullptr, y.data_ptr<float>(), gated);
 #endif
   return y;
 }
@@ -2213,6 +2305,16 @@ static torch::Tensor int4_panels(const torch::Tensor& x, const torch::Tensor& pa
 torch::Tensor panel_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor sz, int64_t n, int64_t group_size,
                                 c10::optional<torch::Tensor> bias) {
   return int4_panels(x, packed, sz, n, group_size, bias, "panel_linear_int4");
+}
+
+// Whether panel_linear_int4 multiplies int16 activations for layers of `in_features` inputs in groups of
+// `group_size` here (the worker's log)
+bool panel_int4_int16(int64_t in_features, int64_t group_size) {
+#if defined(__x86_64__)
+  return f32_panels_ready() && i4_i16_ready(in_features, group_size);
+#else
+  return false;
+#endif
 }
 
 // ---- bf16 linear on CPUs with AVX512-BF16 and no AMX (Zen 4/5; Cooper Lake): the weight packed once into panels
@@ -3869,6 +3971,8 @@ class FusedOps(Protocol):
         bias: torch.Tensor | None,
     ) -> torch.Tensor: ...
 
+    def panel_int4_int16(self, in_features: int, group_size: int) -> bool: ...
+
     def bf16_panels_ready(self) -> bool: ...
 
     def panel_linear_bf16(
@@ -3971,6 +4075,7 @@ FUNCTIONS = (
     "panel_i8_int16",
     "panel_linear_fp8",
     "panel_linear_int4",
+    "panel_int4_int16",
     "bf16_panels_ready",
     "panel_linear_bf16",
     "panel_linear_bf16_codes",

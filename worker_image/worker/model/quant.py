@@ -529,6 +529,7 @@ class Int4Linear:
     __slots__ = (
         "_amx",
         "_direct_rows",
+        "_int16",
         "_native",
         "_pairs",
         "_panels",
@@ -558,6 +559,9 @@ class Int4Linear:
             self._panels = _pair_kernel(native.panel_linear_bf16_int4, dtype)
         elif native is not None and dtype == torch.float32 and kernel == "panels_fp32":
             self._panels = native.panel_linear_int4
+        # whether those are the fp32 panels and multiply int16 activations here (AVX2 hosts)
+        on_int16 = native is not None and self._panels is not None and not self._pairs
+        self._int16 = on_int16 and native is not None and native.panel_int4_int16(weight.shape[1], self.group_size)
         self._native = native if dtype == torch.bfloat16 and not self._pairs else None
         if native is not None and self._panels is not None:
             self.packed, self.scales_zeros = pack_int4_panels(q, scale, zero, native.f32_panel_cols())
@@ -580,6 +584,12 @@ class Int4Linear:
         """Which kernel multiplies this layer, for the worker's log."""
         if self._panels is not None and self._pairs:
             return "the bf16 pair panels (panel_linear_bf16_int4: each panel widened, rounded to bf16 once per pass)"
+        if self._panels is not None and self._int16:
+            return (
+                "the int4 panels times int16 activations (panel_linear_int4: no AVX-512 here, and AVX2's integer "
+                "multiply-add outruns its fp32 FMAs), each panel's codes widened to int16 once per pass, x rounded "
+                "per row and 64 inputs, the groups' scales and offsets applied to the sums"
+            )
         if self._panels is not None:
             return "the fp32 panels (panel_linear_int4: each panel widened to fp32 once per pass)"
         if self._native is not None:

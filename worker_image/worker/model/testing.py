@@ -13,12 +13,14 @@ Llama folder), and `merge_lora_into` merges one into a transformers state dict: 
 by our engine must equal. `causal_attention` is the reference the native prompt-attention kernels are held to, `qkv_views` their inputs as
 the model hands them over. `Fp32PanelsOnly` shows the extension as a CPU without AVX512-BF16 sees it, so the fp32
 code panels such CPUs run are tested on any CPU that has them. `int16_activations` and `int16_rounding` are what
-AVX2 hosts' int8 panels do to x and the most that moves an output.
+AVX2 hosts' int8 and int4 panels do to x and the most that moves an output; `int4_fp32_rounding` bounds fp32's
+rounding in the int4 panels' product.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from worker.model.linear import unpack_panels
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
@@ -277,13 +281,29 @@ def int16_activations(x: torch.Tensor) -> torch.Tensor:
     """x as AVX2 hosts' int8 panels see it: x * (32767 / its chunk's largest |x|) rounded half to even, times the
     step (the step and the codes in fp32, as the kernel computes them; their product in fp64)."""
     big = _chunk_absmax(x)
-    inv = torch.where(big > 0, 32767 / big, torch.zeros_like(big))
+    # 32767 / big rounded once, as the kernel divides (torch's `32767 / big` is big's reciprocal times 32767: two
+    # roundings, one ulp off at times, and a product that then lands on .5 rounds the other way)
+    inv = torch.where(big > 0, (32767 / big.double()).float(), torch.zeros_like(big))
     return torch.round(x * inv).double() * (big / 32767).double()
 
 
 def int16_rounding(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The most int16_activations can move x @ w.T (fp64, [rows, out]): half a step of each input times |w|."""
     return (_chunk_absmax(x).double() / 65534) @ w.double().abs().t()
+
+
+def int4_fp32_rounding(x: torch.Tensor, codes: torch.Tensor, groups: torch.Tensor, out_features: int) -> torch.Tensor:
+    """A bound on fp32's rounding in `panel_linear_int4`'s product with x (fp64, [rows, out]) over int4 panels
+    (`pack_int4_panels`' codes and groups): 2**-24 of sum |x| (|code * scale| + |offset|) for each rounding a partial
+    sum meets, at most 70 on the fp32 path (its blocked sums) plus two per segment of gcd(group, 64) inputs on the
+    int16 path (a fused multiply-add for the offsets, one for the scaled sums). Sum x (code * scale + offset) is
+    taken apart there, so the offsets' products count whole, even where they cancel within a weight."""
+    k, groups_per_row = codes.shape[1], groups.shape[1]
+    q = torch.cat([codes & 0xF, codes >> 4], dim=-1).double()
+    scale, offset = (g.repeat_interleave(k // groups_per_row, dim=1).double() for g in groups.unbind(2))
+    parts = unpack_panels(((q * scale).abs() + offset.abs()).float(), out_features).double()
+    roundings = 70 + 2 * k // math.gcd(k // groups_per_row, 64)
+    return 2.0**-24 * roundings * (x.double().abs() @ parts.t())
 
 
 class Fp32PanelsOnly:
