@@ -1772,15 +1772,16 @@ static int64_t i16_chunks(int64_t K) { return (K + F32_PANEL_CHUNK - 1) / F32_PA
 
 // A pass's rows of x as int16 codes: row m's codes at q + m * K, its chunks' scales at s + m * chunks. For int4
 // weights (their scales change every `group` inputs), also per segment of `seg` inputs (seg divides both the chunk
-// and the group) the segment's codes' sum times its chunk's scale, at sums + m * (K / seg); seg 0 elsewhere.
+// and the group) the segment's codes' sum times its chunk's scale, at sums + m * segs (segs = K / seg); seg 0
+// elsewhere. (Kept apart, not divided out in the kernels: a 64-bit division per block and segment cost ~15%.)
 struct I16Rows {
   const int16_t* q;
   const float* s;
   int64_t K, chunks;
   const float* sums = nullptr;
-  int64_t seg = 0, group = 0;
+  int64_t seg = 0, segs = 0, group = 0;
   I16Rows at(int64_t m0) const {
-    return {q + m0 * K, s + m0 * chunks, K, chunks, sums ? sums + m0 * (K / seg) : nullptr, seg, group};
+    return {q + m0 * K, s + m0 * chunks, K, chunks, sums ? sums + m0 * segs : nullptr, seg, segs, group};
   }
 };
 static const float* rows_at(const float* x, int64_t m0, int64_t K) { return x + m0 * K; }
@@ -1903,7 +1904,7 @@ static constexpr int i16_groups(int64_t rows) { return rows <= 2 ? 3 : 1; }
 // Prefetches as panel_chunk_avx2, in stretches of 16 inputs (against 8: bench/panel_ab.py --paths i8, 7 and 9
 // rounds, 16 rows 1.07, 32: 1.04-1.10, 64: 1.10-1.11, 4-8 rows 0.89-1.01). Never inlined: inlined into the pass,
 // GCC kept accumulators on the stack.
-// Grouped (int4: an I4PairPanels scratch, columns in order; [k0, k1) one of x's segments, `groups` its group's 48
+// Grouped (int4: an I4PairPanels scratch, columns in order; [k0, k1) x's segment `seg`, `groups` its group's 48
 // scales then 48 offsets): each row's int32 sums times (scale x its chunk's step), plus offset times the segment's
 // sum of x (I16Rows::sums), into its totals.
 template <int MR, typename W, bool Grouped = false, int GS = i16_groups(MR)>
@@ -1911,7 +1912,7 @@ LLMFLEET_AVX2 __attribute__((noinline)) static void i16_chunk_avx2(I16Rows x, in
                                                                    const W* __restrict__ panel, float* __restrict__ total,
                                                                    const char* next, int64_t& due, int64_t& line,
                                                                    int64_t span, int64_t denom,
-                                                                   const float* groups = nullptr) {
+                                                                   const float* groups = nullptr, int64_t seg = 0) {
   const int64_t chunk = k0 / F32_PANEL_CHUNK;
   for (int64_t g0 = 0; g0 < 3; g0 += GS) {
     __m256i lo[MR][GS], hi[MR][GS];
@@ -1940,7 +1941,7 @@ LLMFLEET_AVX2 __attribute__((noinline)) static void i16_chunk_avx2(I16Rows x, in
     for (int m = 0; m < MR; ++m) {
       const __m256 sc = _mm256_set1_ps(x.s[m * x.chunks + chunk]);
       if constexpr (Grouped) {
-        const __m256 sum = _mm256_set1_ps(x.sums[m * (x.K / x.seg) + k0 / x.seg]);
+        const __m256 sum = _mm256_set1_ps(x.sums[m * x.segs + seg]);
         for (int g = 0; g < GS; ++g)
           for (int v = 0; v < 2; ++v) {
             const int64_t c = 16 * (g0 + g) + 8 * v;
@@ -1981,25 +1982,29 @@ LLMFLEET_AVX2 __attribute__((noinline)) static void panel_pass_i16_avx2(int64_t 
   const int64_t denom = K * (full * 3 / i16_groups(MR) + (tail ? 3 / i16_groups(tail) : 0));  // (sweeps of K)
   const char* pf = rows <= 2 ? nullptr : static_cast<const char*>(next);  // (as panel_pass_avx2)
   int64_t due = 0, line = 0;
-  const int64_t step = Grouped ? x.seg : F32_PANEL_CHUNK;
-  const auto block = [&](int64_t b, int64_t k0) {
-    const int64_t r = std::min(MR, rows - MR * b), k1 = std::min(K, k0 + step);
+  const int64_t step = Grouped ? x.seg : F32_PANEL_CHUNK, per_group = Grouped ? x.group / x.seg : 1;
+  // block b's sums over segment s (inputs s * step on; int4: its group's scales and offsets at g)
+  const auto block = [&](int64_t b, int64_t s, const float* g) {
+    const int64_t k0 = s * step, r = std::min(MR, rows - MR * b), k1 = std::min(K, k0 + step);
     const I16Rows xb = x.at(MR * b);
     float* tb = total + MR * b * F32_PANEL;
-    const float* g = Grouped ? scale + (k0 / x.group) * 2 * F32_PANEL : nullptr;
     switch (r) {
-      case 4: return i16_chunk_avx2<4, W, Grouped>(xb, k0, k1, panel, tb, pf, due, line, lines, denom, g);
-      case 3: return i16_chunk_avx2<3, W, Grouped>(xb, k0, k1, panel, tb, pf, due, line, lines, denom, g);
-      case 2: return i16_chunk_avx2<2, W, Grouped>(xb, k0, k1, panel, tb, pf, due, line, lines, denom, g);
-      default: return i16_chunk_avx2<1, W, Grouped>(xb, k0, k1, panel, tb, pf, due, line, lines, denom, g);
+      case 4: return i16_chunk_avx2<4, W, Grouped>(xb, k0, k1, panel, tb, pf, due, line, lines, denom, g, s);
+      case 3: return i16_chunk_avx2<3, W, Grouped>(xb, k0, k1, panel, tb, pf, due, line, lines, denom, g, s);
+      case 2: return i16_chunk_avx2<2, W, Grouped>(xb, k0, k1, panel, tb, pf, due, line, lines, denom, g, s);
+      default: return i16_chunk_avx2<1, W, Grouped>(xb, k0, k1, panel, tb, pf, due, line, lines, denom, g, s);
     }
   };
+  const int64_t segs = (K + step - 1) / step;
+  const auto groups = [&](int64_t s) { return Grouped ? scale + (s / per_group) * 2 * F32_PANEL : nullptr; };
   if (K * F32_PANEL * int64_t(sizeof(W)) <= F32_PANEL_L1_BYTES) {
     for (int64_t b = 0; b < blocks; ++b)
-      for (int64_t k0 = 0; k0 < K; k0 += step) block(b, k0);
+      for (int64_t s = 0; s < segs; ++s) block(b, s, groups(s));
   } else {
-    for (int64_t k0 = 0; k0 < K; k0 += step)
-      for (int64_t b = 0; b < blocks; ++b) block(b, k0);
+    for (int64_t s = 0; s < segs; ++s) {
+      const float* g = groups(s);
+      for (int64_t b = 0; b < blocks; ++b) block(b, s, g);
+    }
   }
   pass_out_avx2(rows, total, y, N, ncols, bias, Grouped ? nullptr : scale, stream);
 }
@@ -2136,8 +2141,9 @@ static void i4_i16_linear(const torch::Tensor& x, const I4PairPanels& w, int64_t
   auto sums = torch::empty({M, K / seg}, x.options());
   quantize_rows_i16(x.data_ptr<float>(), M, K, q.data_ptr<int16_t>(), s.data_ptr<float>(), seg,
                     sums.data_ptr<float>());
-  panel_linear_run(I16Rows{q.data_ptr<int16_t>(), s.data_ptr<float>(), K, chunks, sums.data_ptr<float>(), seg, w.G}, M,
-                   K, w, P, N, bias, nullptr, y.data_ptr<float>(),
+  panel_linear_run(I16Rows{q.data_ptr<int16_t>(), s.data_ptr<float>(), K, chunks, sums.data_ptr<float>(), seg, K / seg,
+                           w.G},
+                   M, K, w, P, N, bias, nullptr, y.data_ptr<float>(),
                    [](auto... a) { panel_pass_i16_avx2<int16_t, true>(a...); }, gated);
 }
 
