@@ -1448,7 +1448,8 @@ struct CodePanels {
 
 // Group-wise int4 (`panel_linear_int4`), always widened first: a panel is K x 24 bytes, byte j of input k holding
 // column j's code (0..15) in its low nibble and column j + 24's in its high one, and per group of G inputs a row of
-// 48 scales and a row of 48 offsets (fp32), weight = code * scale + offset (one fused multiply-add).
+// 48 scales and a row of 48 offsets (fp32), weight = code * scale + offset (one fused multiply-add). AVX2 hosts
+// (G even) widen the codes to int16 pairs instead and multiply int16 activations (I4PairPanels, i4_i16_linear).
 struct Int4Panels {
   static constexpr bool direct = false;
   using Wide = float;
@@ -2132,7 +2133,13 @@ static void i8_i16_linear(const torch::Tensor& x, const I8PairPanels& w, int64_t
 // segment, gcd(G, F32_PANEL_CHUNK) inputs, pairs its inputs)
 static bool i4_i16_ready(int64_t K, int64_t G) { return i16_ready(K) && G % 2 == 0; }
 
-// y = the int4 panels' product with x [M, K] (int16 path): x quantized with its segments' sums, then the passes
+// y = the int4 panels' product with x [M, K] (int16 path): x quantized with its segments' sums, then the passes.
+// Against widening to fp32 (bench/panel_ab.py --paths int4 --against f32, 5 rounds, Zen 3): 1 row 2.72x (the fp32
+// widening cost more than the one-row product), 8: 1.35, 16: 1.09, 32: 1.03, 64: 1.13, 256: 0.95, 2048: 0.94. Past
+// 64 rows it trails int8's int16 path (0.74-0.86x int8 there): a segment of G = 32 inputs flushes half as far as
+// int8's chunk, and the flush per row and 8 columns (a conversion, the scale times the step, two fused
+// multiply-adds) costs what the 32 inputs' 16 multiply-adds save. A flush of int8's cost every 32 inputs still read
+// 0.85-0.94x int8: the segment, not the offsets, sets that rate.
 static void i4_i16_linear(const torch::Tensor& x, const I4PairPanels& w, int64_t P, int64_t N, const float* bias,
                           torch::Tensor& y, bool gated) {
   const int64_t M = x.size(0), K = x.size(1), chunks = i16_chunks(K), seg = std::gcd(w.G, F32_PANEL_CHUNK);
@@ -2275,7 +2282,8 @@ torch::Tensor panel_linear_fp8(torch::Tensor x, torch::Tensor packed, int64_t n,
 // y = x @ W^T (+ bias) for group-wise int4 weights in panels (Int4Panels): x [M, K] fp32 contiguous, packed uint8
 // [P, K, 24], sz fp32 [P, K / group_size, 2, 48] (per group, 48 scales then 48 offsets: weight = code * scale +
 // offset, code 0..15) -> y [M, N] fp32. Each panel is widened into an fp32 scratch once per pass of rows, so the
-// weight streams at ~0.75 byte a weight (codes and fp32 groups) and the products run as panel_linear_f32's.
+// weight streams at ~0.75 byte a weight (codes and fp32 groups) and the products run as panel_linear_f32's; on
+// AVX2 hosts (an even group_size) into an int16 code scratch, times int16 x (i4_i16_linear).
 // The int4 panels' own operands, for K inputs: packed uint8 [P, K, 24], sz fp32 [P, K / group_size, 2, 48].
 static void int4_operands(int64_t K, const torch::Tensor& packed, const torch::Tensor& sz, int64_t group_size,
                           const char* what) {
