@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from worker.model.linear import PanelLinear
 from worker.model.llama import rms_norm, stack_operands
 from worker.model.quant import make_linear
-from worker.model.testing import Fp32PanelsOnly, causal_attention, int4_fp32_rounding, int16_rounding
+from worker.model.testing import Fp32PanelsOnly, causal_attention, int4_grid, int16_rounding
 
 QUANTIZED = ("int8", "fp8", "int4")  # the formats an fp32 model multiplies on the panels
 
@@ -170,9 +170,12 @@ def test_the_avx2_paths_compute_what_torch_computes(capped_avx2, fp32_code_panel
         for (w, b, x), got in zip(data["linears"], capped_avx2["quantized"][q], strict=True):
             if not takes(q, w):
                 continue
-            wq = make_linear(w, b, q, torch.float32, "panels_fp32", fp32_code_panels).dequantize().double()
-            exact = x.double() @ wq.T + (0 if b is None else b.double())
-            assert (got.double() - exact).abs().max() <= 1e-4 * exact.abs().max(), (q, tuple(x.shape))
+            layer = make_linear(w, b, q, torch.float32, "panels_fp32", fp32_code_panels)
+            exact = x.double() @ layer.dequantize().double().T + (0 if b is None else b.double())
+            bound = 1e-4 * exact.abs().max()
+            if q == "int4":  # AVX2's weights on their int16 grid: within 0.75 of a step of each
+                bound = bound + 0.75 * (x.double().abs() @ int4_grid(layer.packed, layer.scales_zeros, w.shape[0])[1].T)
+            assert ((got.double() - exact).abs() <= bound).all(), (q, tuple(x.shape))
     h, d, w = data["norm"]
     got_h, got = capped_avx2["norm"]
     assert torch.equal(got_h, h + d)
@@ -195,7 +198,8 @@ def test_the_avx2_paths_compute_what_torch_computes(capped_avx2, fp32_code_panel
 def test_the_avx2_paths_give_the_avx512_paths_bits(capped_avx2, avx512):
     """Same sums in the same order: a worker's outputs do not depend on which of the two its CPU runs. Except int8
     and int4, whose AVX2 paths multiply int16 activations (`kernels.py`, quantize_rows_i16): within half an int16
-    step of each input (its 64-input chunk's largest |x| / 32767) times its weights, and fp32's rounding."""
+    step of each input (its 64-input chunk's largest |x| / 32767) times its weights, and fp32's rounding; int4's
+    weights also on their int16 grid there (`int4_grid`: within 0.75 of a step of each)."""
     data = capped_avx2["inputs"]
     for (w, b, x), got in zip(data["linears"], capped_avx2["linears"], strict=True):
         assert torch.equal(got, PanelLinear(w, b, avx512)(x)), (tuple(x.shape), tuple(w.shape))
@@ -210,11 +214,11 @@ def test_the_avx2_paths_give_the_avx512_paths_bits(capped_avx2, avx512):
             if q == "fp8":
                 assert torch.equal(got, layer(x)), (q, tuple(x.shape))
                 continue
-            if q == "int8":
-                fp32 = 4e-6 * (x.double().abs() @ layer.dequantize().double().abs().t())
-            else:
-                fp32 = int4_fp32_rounding(x, layer.packed, layer.scales_zeros, layer.out_features)
-            rounding = int16_rounding(x, layer.dequantize()) + fp32
+            wa = layer.dequantize().double().abs().t()
+            rounding = int16_rounding(x, layer.dequantize()) + 4e-6 * (x.double().abs() @ wa)  # (and fp32's)
+            if q == "int4":
+                steps = int4_grid(layer.packed, layer.scales_zeros, layer.out_features)[1]
+                rounding += 0.75 * (x.double().abs() @ steps.t())
             assert ((got.double() - layer(x).double()).abs() <= rounding).all(), (q, tuple(x.shape))
     h, d, w = data["norm"]
     for got, want in zip(capped_avx2["norm"], avx512.add_rms_norm(h.clone(), d, w, 1e-5), strict=True):

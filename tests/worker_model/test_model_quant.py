@@ -23,7 +23,7 @@ from worker.model.quant import (
 from worker.model.runner import ModelRunner
 from worker.model.testing import (
     Fp32PanelsOnly,
-    int4_fp32_rounding,
+    int4_grid,
     int16_activations,
     int16_rounding,
     make_tiny_llama,
@@ -312,9 +312,9 @@ def test_the_quantized_panels_refuse_what_they_cannot_take(panels, call, match):
 def test_an_fp32_models_int4_layers_widen_their_panels_in_the_kernel(
     fp32_code_panels, rows, out_features, in_features, bias
 ):
-    """int4 codes and fp32 group scales/offsets in panels, each panel widened once per pass (to fp32, or on AVX2
-    hosts to int16 codes times int16 activations): the product with the layer's own weights, which are
-    `(q - 8) * scale + zero` of the quantizer's groups, within fp32's rounding (and the int16 x's, where taken)."""
+    """int4 codes and fp32 group scales/offsets in panels, each panel widened once per pass: the product with the
+    layer's own weights, which are `(q - 8) * scale + zero` of the quantizer's groups (on AVX2 hosts: with those
+    weights on their int16 grid and int16 activations, `int4_product`), within fp32's rounding."""
     from worker.model.quant import quantize_int4
 
     gen = torch.Generator().manual_seed(rows)
@@ -333,49 +333,60 @@ def test_an_fp32_models_int4_layers_widen_their_panels_in_the_kernel(
     convention = (q.float() - 8) * scale.repeat_interleave(g, 1) + zero.repeat_interleave(g, 1)
     torch.testing.assert_close(layer.dequantize(), convention, rtol=0, atol=1e-6)
     x = torch.randn(rows, in_features, generator=gen)
-    exact = x.double() @ layer.dequantize().double().t() + (0 if b is None else b.double())
     y = layer(x)
-    rounding = int4_fp32_rounding(x, layer.packed, layer.scales_zeros, out_features)
-    if panels.panel_int4_int16(in_features, g):
-        rounding += int16_rounding(x, layer.dequantize())
-    assert y.shape == (rows, out_features) and ((y.double() - exact).abs() <= rounding).all()
+    want, rounding = int4_product(panels, x, layer.packed, layer.scales_zeros, out_features, g)
+    want += 0 if b is None else b.double()
+    assert y.shape == (rows, out_features) and ((y.double() - want).abs() <= rounding).all()
     assert torch.equal(torch.cat([layer(x[i : i + 8]) for i in range(0, rows, 8)]), y)  # a row's batch: no matter
+
+
+def int4_product(
+    panels: object, x: torch.Tensor, codes: torch.Tensor, groups: torch.Tensor, out_features: int, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the int4 panels compute for x (fp64), and fp32's rounding around it: on AVX2 hosts (an even group size)
+    x's int16 values times the weights on their grid (`int4_grid`), elsewhere x times the panels' own weights."""
+    from worker.model.quant import unpack_int4_panels
+
+    if panels.panel_int4_int16(x.shape[1], group_size):
+        xs, w = int16_activations(x), int4_grid(codes, groups, out_features)[0]
+    else:
+        xs, w = x.double(), unpack_int4_panels(codes, groups, out_features).double()
+    return xs @ w.t(), 70 * 2.0**-24 * (x.double().abs() @ w.abs().t())
 
 
 @pytest.mark.parametrize(
     ("in_features", "group_size", "int16"),
     [
         (256, 128, True),  # a group spans two of x's 64-input chunks
-        (192, 96, True),  # groups and chunks end at different inputs: segments of 32
-        (64, 8, True),  # eight groups a chunk
+        (192, 96, True),  # groups and chunks end at different inputs: stretches of 32
+        (96, 8, True),  # eight groups a chunk, the last chunk short
         (90, 45, False),  # an odd group: its inputs do not pair, so x stays fp32
     ],
 )
 def test_the_int4_panels_take_groups_of_any_size_dividing_the_inputs(panels, in_features, group_size, int16):
-    """Any group size dividing the inputs: the product with the panels' own weights, within fp32's rounding (and
-    the int16 x's on AVX2 hosts, where the group size is even)."""
-    from worker.model.quant import pack_int4_panels, quantize_int4, unpack_int4_panels
+    """Any group size dividing the inputs: the product with the panels' own weights, within fp32's rounding (on AVX2
+    hosts, where the group size is even: of x's int16 values and the weights' grid)."""
+    from worker.model.quant import pack_int4_panels, quantize_int4
 
     gen = torch.Generator().manual_seed(group_size)  # its own: GEN's draws depend on which tests ran before
     w = torch.randn(60, in_features, generator=gen)
     codes, groups = pack_int4_panels(*quantize_int4(w, group_size), panels.f32_panel_cols())
     x = torch.randn(5, in_features, generator=gen)
-    dense = unpack_int4_panels(codes, groups, 60)
-    exact = x.double() @ dense.double().t()
-    on_int16 = panels.panel_int4_int16(in_features, group_size)
-    assert on_int16 == (int16 and panels.vector_isa() == "avx2")
-    rounding = int4_fp32_rounding(x, codes, groups, 60) + (int16_rounding(x, dense) if on_int16 else 0)
+    assert panels.panel_int4_int16(in_features, group_size) == (int16 and panels.vector_isa() == "avx2")
+    want, rounding = int4_product(panels, x, codes, groups, 60, group_size)
     y = panels.panel_linear_int4(x, codes, groups, 60, group_size, None).double()
-    assert ((y - exact).abs() <= rounding).all()
+    assert ((y - want).abs() <= rounding).all()
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 40, 300])
 @pytest.mark.parametrize(("in_features", "group_size"), [(1024, 32), (1024, 128), (960, 96)])
-def test_avx2_hosts_int4_panels_multiply_the_activations_int16_codes(fp32_code_panels, rows, in_features, group_size):
-    """On AVX2 hosts the int4 panels quantize x as the int8 ones do (int16 per row and 64-input chunk), sum its
-    products with the codes exactly in int32 per segment (a group, or the part of one within a chunk), and add
-    scale x sum + offset x the segment's sum of x into fp32 totals: the product of those int16 values with the
-    panels' weights, to fp32's rounding. (x's inputs span 1e-3 to 1e2 so that the chunks' scales differ.)"""
+def test_avx2_hosts_int4_panels_multiply_int16_activations_by_the_weights_grid(
+    fp32_code_panels, rows, in_features, group_size
+):
+    """On AVX2 hosts the int4 panels quantize x as the int8 ones do (int16 per row and 64-input chunk), put each
+    panel's weights on an int16 grid per column and 64-input chunk (`int4_grid`: within 0.75 of a step of the
+    weights), and sum the products exactly in int32 per chunk: the product of those two, to fp32's rounding, not the
+    exact weights'. A row's batch does not matter. (x's inputs span 1e-3 to 1e2 so that the chunks' scales differ.)"""
     from worker.model.quant import pack_int4_panels, quantize_int4, unpack_int4_panels
 
     if fp32_code_panels.vector_isa() != "avx2":
@@ -383,16 +394,37 @@ def test_avx2_hosts_int4_panels_multiply_the_activations_int16_codes(fp32_code_p
     gen = torch.Generator().manual_seed(rows + group_size)
     w = torch.randn(96, in_features, generator=gen) * 0.05
     codes, groups = pack_int4_panels(*quantize_int4(w, group_size), fp32_code_panels.f32_panel_cols())
+    grid, steps = int4_grid(codes, groups, 96)
+    exact = unpack_int4_panels(codes, groups, 96).double()
+    assert ((grid - exact).abs() <= 0.75 * steps).all()
     x = torch.randn(rows, in_features, generator=gen)
     x *= torch.logspace(-3, 2, in_features)[torch.randperm(in_features, generator=gen)]
-    dense = unpack_int4_panels(codes, groups, 96).double()
     y = fp32_code_panels.panel_linear_int4(x, codes, groups, 96, group_size, None).double()
-    off = (y - int16_activations(x) @ dense.t()).abs()
-    assert (off <= int4_fp32_rounding(x, codes, groups, 96)).all()
-    assert (y - x.double() @ dense.t()).abs().max() > 10 * off.max()  # (it is not fp32 x's product: ~100x here)
+    fp32_rounding = 4e-6 * (x.double().abs() @ grid.abs().t())
+    assert ((y - int16_activations(x) @ grid.t()).abs() <= fp32_rounding).all()
+    assert ((y - int16_activations(x) @ exact.t()).abs() > fp32_rounding).any()  # (not the exact weights')
     cuts = [*range(0, rows, 3), rows]  # batches of 3 rows (blocks of 3, then 4 rows up): a row's batch, no matter
     parts = [fp32_code_panels.panel_linear_int4(x[a:b], codes, groups, 96, group_size, None) for a, b in pairwise(cuts)]
     assert torch.equal(torch.cat(parts).double(), y)
+
+
+def test_the_int4_grid_takes_groups_that_span_both_signs_whole(fp32_code_panels):
+    """A group whose offset and top weight are -1 and +1 puts its scale at 136 steps of the grid (the most there
+    is): code 15's product with it wraps int16 (15 x 4365), its sum with the offset (32755) does not, and the
+    panels give the grid's values, not wrapped ones. (One-hot rows of x read the weights back.)"""
+    from worker.model.quant import pack_int4_panels, quantize_int4
+
+    if fp32_code_panels.vector_isa() != "avx2":
+        pytest.skip("the grid is the AVX2 path's")
+    gen = torch.Generator().manual_seed(11)
+    w = torch.rand(48, 64, generator=gen) * 2 - 1
+    w[:, ::32] = -1.0  # every group of 32: its smallest weight -1, its largest +1
+    w[:, 1::32] = 1.0
+    codes, groups = pack_int4_panels(*quantize_int4(w, 32), fp32_code_panels.f32_panel_cols())
+    grid, steps = int4_grid(codes, groups, 48)
+    assert torch.allclose(steps, torch.full_like(steps, 1 / 1023))
+    y = fp32_code_panels.panel_linear_int4(torch.eye(64), codes, groups, 48, 32, None).double().t()
+    assert ((y - grid).abs() <= 1e-6 * grid.abs().max()).all()
 
 
 @pytest.mark.parametrize(

@@ -1440,6 +1440,7 @@ struct CodePanels {
   const W* w;
   int64_t K;
   const W* panel(int64_t p) const { return w + p * K * F32_PANEL; }
+  int64_t scratch_extra() const { return 0; }  // bytes a widened panel's scratch holds past its K x 48 weights
   // what a pass over panel p multiplies its sums by: its columns' scales (`scale` the first panel's), if any
   const float* scales(const float* scale, int64_t p) const { return scale ? scale + p * F32_PANEL : nullptr; }
   int64_t bytes() const { return K * F32_PANEL * int64_t(sizeof(W)); }  // a panel's
@@ -1449,7 +1450,8 @@ struct CodePanels {
 // Group-wise int4 (`panel_linear_int4`), always widened first: a panel is K x 24 bytes, byte j of input k holding
 // column j's code (0..15) in its low nibble and column j + 24's in its high one, and per group of G inputs a row of
 // 48 scales and a row of 48 offsets (fp32), weight = code * scale + offset (one fused multiply-add). AVX2 hosts
-// (G even) widen the codes to int16 pairs instead and multiply int16 activations (I4PairPanels, i4_i16_linear).
+// (G even) widen the codes to int16 values on a grid instead and multiply int16 activations (I4GridPanels,
+// i4_i16_linear).
 struct Int4Panels {
   static constexpr bool direct = false;
   using Wide = float;
@@ -1459,6 +1461,7 @@ struct Int4Panels {
   int64_t K, G;
   const uint8_t* panel(int64_t p) const { return q + p * K * (F32_PANEL / 2); }
   const float* groups(int64_t p) const { return sz + p * (K / G) * 2 * F32_PANEL; }
+  int64_t scratch_extra() const { return 0; }
   const float* scales(const float*, int64_t) const { return nullptr; }  // (the groups are applied in widening)
   int64_t bytes() const { return K * (F32_PANEL / 2); }
   LLMFLEET_AVX2 void widen(int64_t p, float* __restrict__ dst) const {
@@ -1771,28 +1774,18 @@ static constexpr float I16_TOP = 32767.0f;  // a chunk's largest |x| goes to thi
 // a row's chunks of F32_PANEL_CHUNK inputs (the last one may be short): one int16 scale each
 static int64_t i16_chunks(int64_t K) { return (K + F32_PANEL_CHUNK - 1) / F32_PANEL_CHUNK; }
 
-// A pass's rows of x as int16 codes: row m's codes at q + m * K, its chunks' scales at s + m * chunks. For int4
-// weights (their scales change every `group` inputs), also per segment of `seg` inputs (seg divides both the chunk
-// and the group) the segment's codes' sum times its chunk's scale, at sums + m * segs (segs = K / seg); seg 0
-// elsewhere. (Kept apart, not divided out in the kernels: a 64-bit division per block and segment cost ~15%.)
+// A pass's rows of x as int16 codes: row m's codes at q + m * K, its chunks' scales at s + m * chunks
 struct I16Rows {
   const int16_t* q;
   const float* s;
   int64_t K, chunks;
-  const float* sums = nullptr;
-  int64_t seg = 0, segs = 0, group = 0;
-  I16Rows at(int64_t m0) const {
-    return {q + m0 * K, s + m0 * chunks, K, chunks, sums ? sums + m0 * segs : nullptr, seg, segs, group};
-  }
+  I16Rows at(int64_t m0) const { return {q + m0 * K, s + m0 * chunks, K, chunks}; }
 };
 static const float* rows_at(const float* x, int64_t m0, int64_t K) { return x + m0 * K; }
 static I16Rows rows_at(const I16Rows& x, int64_t m0, int64_t) { return x.at(m0); }
 
-// x [M, K] fp32 (K even) -> int16 codes q [M, K] and fp32 scales s [M, chunks] (I16Rows); where `sums` is given,
-// also each segment's sum of codes times its chunk's scale, sums [M, K / seg] (seg even, dividing F32_PANEL_CHUNK
-// and K)
-LLMFLEET_AVX2 static void quantize_rows_i16(const float* x, int64_t M, int64_t K, int16_t* q, float* s,
-                                            int64_t seg = 0, float* sums = nullptr) {
+// x [M, K] fp32 (K even) -> int16 codes q [M, K] and fp32 scales s [M, chunks] (I16Rows)
+LLMFLEET_AVX2 static void quantize_rows_i16(const float* x, int64_t M, int64_t K, int16_t* q, float* s) {
   const int64_t chunks = i16_chunks(K);
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
@@ -1816,18 +1809,6 @@ LLMFLEET_AVX2 static void quantize_rows_i16(const float* x, int64_t M, int64_t K
                               _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8));
         }
         for (; k < n; ++k) qc[k] = static_cast<int16_t>(std::nearbyint(xc[k] * inv));  // (rounds as cvtps does)
-        for (int64_t j = 0; sums && j < n; j += seg) {  // (exact: at most 64 codes of |q| <= 32767 in int32)
-          __m256i acc = _mm256_setzero_si256();
-          int64_t i = j;
-          for (; i + 16 <= j + seg; i += 16)
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qc + i)),
-                                                          _mm256_set1_epi16(1)));
-          __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-          h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
-          int32_t total = _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1)));
-          for (; i < j + seg; ++i) total += qc[i];
-          sums[r * (K / seg) + (k0 + j) / seg] = static_cast<float>(total) * s[r * chunks + c];
-        }
       }
   });
 }
@@ -1869,29 +1850,85 @@ struct I8PairPanels : CodePanels<int8_t> {
   }
 };
 
-// Group-wise int4 panels for the int16 path: every pass widens each panel first into a pair scratch of its codes
-// (0..15 as int16: K / 2 pairs of inputs x 48 columns), which the blocks multiply as int8's, flushing their int32
-// sums at every group (or chunk) boundary: sum x w = scale * sum x q + offset * sum x per column and group
-// (I16Rows::sums). The scratch holds its columns in order (a vector 8 columns' pairs: 16 g .. 16 g + 7, then
-// 16 g + 8 .. 16 g + 15), not int8's lo/hi interleave: nibbles come apart in 32-bit lanes, so no unpack is needed,
-// and the flush needs no permute.
-struct I4PairPanels : Int4Panels {
+// Group-wise int4 panels for the int16 path. A group's scale changes every G inputs (32 for SmolLM2), and exact
+// int32 sums of its codes would have to be flushed, scaled and offset that often: the flush per row and 8 columns
+// (a conversion, the scale times x's step, two fused multiply-adds) then cost what the 32 inputs' multiply-adds
+// saved (0.94-0.95x fp32 from 256 rows, 0.74-0.86x int8's int16 path at 64-2048). So each pass widens a panel
+// into int16 values on a grid of its own per column and 64-input chunk (x's chunk), which int8's kernel multiplies
+// with one flush a chunk: the column's step (an upper bound of the chunk's largest |weight|, max(|offset|,
+// |offset + 15 scale|) over its groups, / GRID_TOP) times x's. A weight code * scale + offset becomes
+// (code * S + O + 16) >> 5 in int16 arithmetic, S and O the scale and offset in 1/32 steps rounded to integers:
+// within 0.75 of a step of the weight (half a step, plus 15 codes' and the offset's roundings over 32), and
+// |value| <= GRID_TOP, so a chunk's int32 sum (64 x 32767 x 1023 < 2**31) is exact. (code * S may wrap in 16
+// bits; code * S + O + 16, at most 32 * 1023 + 24 in magnitude, does not, so the wrapped sum is exact.) The grid depends on the weights only:
+// a row's output does not depend on its batch. Against int4's own rounding (up to half of scale, 1/30 of a
+// group's range) the grid's 0.75 / 1023 of the chunk's largest |weight| is ~1-4% of it for SmolLM2's groups.
+// The scratch: the K x 48 values as int8's pair scratch holds them but with columns in order (a vector 8 columns'
+// pairs: 16 g .. 16 g + 7, then 16 g + 8 .. 16 g + 15: the nibbles come apart in 16-bit lanes, so no unpack is
+// needed, and the flush no permute), then each chunk's 48 steps (grid_steps).
+static constexpr float GRID_TOP = 1023.0f;
+static const float* grid_steps(const int16_t* scratch, int64_t K) {
+  return reinterpret_cast<const float*>(scratch + K * F32_PANEL);
+}
+struct I4GridPanels : Int4Panels {
   using Wide = int16_t;
-  const float* scales(const float*, int64_t p) const { return groups(p); }
+  int64_t scratch_extra() const { return i16_chunks(K) * F32_PANEL * int64_t(sizeof(float)); }
   LLMFLEET_AVX2 void widen(int64_t p, int16_t* __restrict__ dst) const {
     const uint8_t* codes = panel(p);
-    const __m256i nibble = _mm256_set1_epi32(0x000F000F);
-    for (int64_t k = 0; k < K; k += 2)
-#pragma GCC unroll 3
-      for (int64_t j = 0; j < F32_PANEL / 2; j += 8) {  // bytes j .. j + 7: columns j .. j + 7 and j + 24 .. j + 31
-        const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + k * 24 + j)));
-        const __m256i b =
-            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + (k + 1) * 24 + j)));
-        const __m256i ab = _mm256_or_si256(a, _mm256_slli_epi32(b, 16));  // (input k's byte, input k + 1's)
-        _mm256_store_si256(reinterpret_cast<__m256i*>(dst + k * F32_PANEL + 2 * j), _mm256_and_si256(ab, nibble));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(dst + k * F32_PANEL + 2 * (j + 24)),
-                           _mm256_and_si256(_mm256_srli_epi32(ab, 4), nibble));
+    const float* gr = groups(p);
+    float* steps = const_cast<float*>(grid_steps(dst, K));
+    const int64_t seg = std::gcd(G, F32_PANEL_CHUNK);  // inputs of one group and one chunk (even: i4_i16_ready)
+    const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)), fifteen = _mm256_set1_ps(15.0f);
+    for (int64_t c = 0; c < i16_chunks(K); ++c) {
+      const int64_t k0 = c * F32_PANEL_CHUNK, k1 = std::min(K, k0 + F32_PANEL_CHUNK);
+      alignas(32) float inv[F32_PANEL];  // 32 / the columns' steps (0 where a column's chunk is all zeros)
+      for (int64_t v = 0; v < F32_PANEL; v += 8) {
+        __m256 top = _mm256_setzero_ps();
+        for (int64_t g = k0 / G; g <= (k1 - 1) / G; ++g) {
+          const __m256 sc = _mm256_loadu_ps(gr + g * 2 * F32_PANEL + v);
+          const __m256 of = _mm256_loadu_ps(gr + g * 2 * F32_PANEL + F32_PANEL + v);
+          top = _mm256_max_ps(top, _mm256_max_ps(_mm256_and_ps(of, abs),
+                                                 _mm256_and_ps(_mm256_fmadd_ps(fifteen, sc, of), abs)));
+        }
+        const __m256 step = _mm256_div_ps(top, _mm256_set1_ps(GRID_TOP));
+        _mm256_store_ps(steps + c * F32_PANEL + v, step);
+        const __m256 some = _mm256_cmp_ps(step, _mm256_setzero_ps(), _CMP_GT_OQ);
+        _mm256_store_ps(inv + v, _mm256_and_ps(_mm256_mul_ps(_mm256_div_ps(_mm256_set1_ps(1.0f), step),
+                                                             _mm256_set1_ps(32.0f)), some));
       }
+      for (int64_t s0 = k0; s0 < k1; s0 += seg) {
+        const float* sg = gr + (s0 / G) * 2 * F32_PANEL;
+        // each column's S and O (+ 16, the rounding) as int16, twice (a pair's two inputs)
+        alignas(32) int16_t S[2 * F32_PANEL], O[2 * F32_PANEL];
+        for (int64_t v = 0; v < F32_PANEL; v += 8) {
+          const __m256 iv = _mm256_load_ps(inv + v);
+          const __m256i s = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(sg + v), iv));
+          const __m256i o = _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(sg + F32_PANEL + v), iv)),
+                                             _mm256_set1_epi32(16));
+          const __m256i low = _mm256_set1_epi32(0xFFFF);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(S + 2 * v),
+                             _mm256_or_si256(_mm256_and_si256(s, low), _mm256_slli_epi32(s, 16)));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(O + 2 * v),
+                             _mm256_or_si256(_mm256_and_si256(o, low), _mm256_slli_epi32(o, 16)));
+        }
+        for (int64_t k = s0; k < s0 + seg; k += 2)
+#pragma GCC unroll 3
+          for (int64_t j = 0; j < F32_PANEL / 2; j += 8) {  // bytes j .. j + 7: columns j .. j + 7, j + 24 .. j + 31
+            const __m128i a = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + k * 24 + j));
+            const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + (k + 1) * 24 + j));
+            const __m256i ab = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(a, b));  // (input k's byte, k + 1's) x 8
+            const auto on_grid = [&](__m256i q, int64_t col) {
+              const __m256i s = _mm256_load_si256(reinterpret_cast<const __m256i*>(S + 2 * col));
+              const __m256i o = _mm256_load_si256(reinterpret_cast<const __m256i*>(O + 2 * col));
+              return _mm256_srai_epi16(_mm256_add_epi16(_mm256_mullo_epi16(q, s), o), 5);
+            };
+            _mm256_store_si256(reinterpret_cast<__m256i*>(dst + k * F32_PANEL + 2 * j),
+                               on_grid(_mm256_and_si256(ab, _mm256_set1_epi16(0xF)), j));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(dst + k * F32_PANEL + 2 * (j + 24)),
+                               on_grid(_mm256_srli_epi16(ab, 4), j + 24));
+          }
+      }
+    }
   }
 };
 
@@ -1905,15 +1942,14 @@ static constexpr int i16_groups(int64_t rows) { return rows <= 2 ? 3 : 1; }
 // Prefetches as panel_chunk_avx2, in stretches of 16 inputs (against 8: bench/panel_ab.py --paths i8, 7 and 9
 // rounds, 16 rows 1.07, 32: 1.04-1.10, 64: 1.10-1.11, 4-8 rows 0.89-1.01). Never inlined: inlined into the pass,
 // GCC kept accumulators on the stack.
-// Grouped (int4: an I4PairPanels scratch, columns in order; [k0, k1) x's segment `seg`, `groups` its group's 48
-// scales then 48 offsets): each row's int32 sums times (scale x its chunk's step), plus offset times the segment's
-// sum of x (I16Rows::sums), into its totals.
-template <int MR, typename W, bool Grouped = false, int GS = i16_groups(MR)>
+// Grid (int4: an I4GridPanels scratch, columns in order, `steps` the chunk's 48 column steps): the sums times the
+// column's step times the chunk's, into the totals.
+template <int MR, typename W, bool Grid = false, int GS = i16_groups(MR)>
 LLMFLEET_AVX2 __attribute__((noinline)) static void i16_chunk_avx2(I16Rows x, int64_t k0, int64_t k1,
                                                                    const W* __restrict__ panel, float* __restrict__ total,
                                                                    const char* next, int64_t& due, int64_t& line,
                                                                    int64_t span, int64_t denom,
-                                                                   const float* groups = nullptr, int64_t seg = 0) {
+                                                                   const float* steps = nullptr) {
   const int64_t chunk = k0 / F32_PANEL_CHUNK;
   for (int64_t g0 = 0; g0 < 3; g0 += GS) {
     __m256i lo[MR][GS], hi[MR][GS];
@@ -1941,16 +1977,14 @@ LLMFLEET_AVX2 __attribute__((noinline)) static void i16_chunk_avx2(I16Rows x, in
     }
     for (int m = 0; m < MR; ++m) {
       const __m256 sc = _mm256_set1_ps(x.s[m * x.chunks + chunk]);
-      if constexpr (Grouped) {
-        const __m256 sum = _mm256_set1_ps(x.sums[m * x.segs + seg]);
+      if constexpr (Grid) {
         for (int g = 0; g < GS; ++g)
           for (int v = 0; v < 2; ++v) {
             const int64_t c = 16 * (g0 + g) + 8 * v;
             float* t = total + m * F32_PANEL + c;
-            const __m256 with_offset = _mm256_fmadd_ps(_mm256_loadu_ps(groups + F32_PANEL + c), sum,
-                                                       k0 ? _mm256_load_ps(t) : _mm256_setzero_ps());
             _mm256_store_ps(t, _mm256_fmadd_ps(_mm256_cvtepi32_ps(v ? hi[m][g] : lo[m][g]),
-                                               _mm256_mul_ps(_mm256_loadu_ps(groups + c), sc), with_offset));
+                                               _mm256_mul_ps(_mm256_load_ps(steps + c), sc),
+                                               k0 ? _mm256_load_ps(t) : _mm256_setzero_ps()));
           }
         continue;
       }
@@ -1969,9 +2003,8 @@ LLMFLEET_AVX2 __attribute__((noinline)) static void i16_chunk_avx2(I16Rows x, in
 
 // panel_pass_avx2's contract over int16 rows (I16Rows; xs unused: the rows know their stride) and int8 codes or
 // their pair scratch: blocks of 4 rows, chunk by chunk (or block by block where the panel fits in L1), then out.
-// Grouped: over an int4 pair scratch, segment by segment (x.seg inputs), `scale` the panel's groups (flushed in
-// the chunks; none at the out).
-template <typename W, bool Grouped = false>
+// Grid: over an I4GridPanels scratch, each chunk's column steps (grid_steps) applied in the chunks (`scale` none).
+template <typename W, bool Grid = false>
 LLMFLEET_AVX2 __attribute__((noinline)) static void panel_pass_i16_avx2(int64_t rows, I16Rows x, int64_t, int64_t K,
                                                                         const W* __restrict__ panel,
                                                                         float* __restrict__ y, int64_t N, int64_t ncols,
@@ -1983,31 +2016,27 @@ LLMFLEET_AVX2 __attribute__((noinline)) static void panel_pass_i16_avx2(int64_t 
   const int64_t denom = K * (full * 3 / i16_groups(MR) + (tail ? 3 / i16_groups(tail) : 0));  // (sweeps of K)
   const char* pf = rows <= 2 ? nullptr : static_cast<const char*>(next);  // (as panel_pass_avx2)
   int64_t due = 0, line = 0;
-  const int64_t step = Grouped ? x.seg : F32_PANEL_CHUNK, per_group = Grouped ? x.group / x.seg : 1;
-  // block b's sums over segment s (inputs s * step on; int4: its group's scales and offsets at g)
-  const auto block = [&](int64_t b, int64_t s, const float* g) {
-    const int64_t k0 = s * step, r = std::min(MR, rows - MR * b), k1 = std::min(K, k0 + step);
+  const auto block = [&](int64_t b, int64_t k0) {
+    const int64_t r = std::min(MR, rows - MR * b), k1 = std::min(K, k0 + F32_PANEL_CHUNK);
     const I16Rows xb = x.at(MR * b);
     float* tb = total + MR * b * F32_PANEL;
+    const float* st = nullptr;
+    if constexpr (Grid) st = grid_steps(panel, K) + (k0 / F32_PANEL_CHUNK) * F32_PANEL;
     switch (r) {
-      case 4: return i16_chunk_avx2<4, W, Grouped>(xb, k0, k1, panel, tb, pf, due, line, lines, denom, g, s);
-      case 3: return i16_chunk_avx2<3, W, Grouped>(xb, k0, k1, panel, tb, pf, due, line, lines, denom, g, s);
-      case 2: return i16_chunk_avx2<2, W, Grouped>(xb, k0, k1, panel, tb, pf, due, line, lines, denom, g, s);
-      default: return i16_chunk_avx2<1, W, Grouped>(xb, k0, k1, panel, tb, pf, due, line, lines, denom, g, s);
+      case 4: return i16_chunk_avx2<4, W, Grid>(xb, k0, k1, panel, tb, pf, due, line, lines, denom, st);
+      case 3: return i16_chunk_avx2<3, W, Grid>(xb, k0, k1, panel, tb, pf, due, line, lines, denom, st);
+      case 2: return i16_chunk_avx2<2, W, Grid>(xb, k0, k1, panel, tb, pf, due, line, lines, denom, st);
+      default: return i16_chunk_avx2<1, W, Grid>(xb, k0, k1, panel, tb, pf, due, line, lines, denom, st);
     }
   };
-  const int64_t segs = (K + step - 1) / step;
-  const auto groups = [&](int64_t s) { return Grouped ? scale + (s / per_group) * 2 * F32_PANEL : nullptr; };
   if (K * F32_PANEL * int64_t(sizeof(W)) <= F32_PANEL_L1_BYTES) {
     for (int64_t b = 0; b < blocks; ++b)
-      for (int64_t s = 0; s < segs; ++s) block(b, s, groups(s));
+      for (int64_t k0 = 0; k0 < K; k0 += F32_PANEL_CHUNK) block(b, k0);
   } else {
-    for (int64_t s = 0; s < segs; ++s) {
-      const float* g = groups(s);
-      for (int64_t b = 0; b < blocks; ++b) block(b, s, g);
-    }
+    for (int64_t k0 = 0; k0 < K; k0 += F32_PANEL_CHUNK)
+      for (int64_t b = 0; b < blocks; ++b) block(b, k0);
   }
-  pass_out_avx2(rows, total, y, N, ncols, bias, Grouped ? nullptr : scale, stream);
+  pass_out_avx2(rows, total, y, N, ncols, bias, scale, stream);
 }
 
 // The AVX-512 pass: block after block of up to 9 rows (panel_block, row_blocks), each over the whole K, the
@@ -2091,7 +2120,7 @@ static void panel_linear_run(const Rows& x, int64_t M, int64_t K, const Src& src
       const int64_t rows = std::min(F32_PANEL_ROWS, M - m0);
       const bool widen = rows >= Src::widen_rows;
       if (widen && !wide) {  // (K x 48 of Wide: a multiple of 64 bytes, as aligned_alloc wants)
-        wide.reset(static_cast<float*>(aligned_alloc(64, K * F32_PANEL * sizeof(Wide))));
+        wide.reset(static_cast<float*>(aligned_alloc(64, K * F32_PANEL * sizeof(Wide) + src.scratch_extra())));
         TORCH_CHECK(wide, "panel linear: out of memory for a panel's fp32 scratch");
       }
       // panel p's sums for this pass into out (rows ldo floats apart), `next`'s lines asked for meanwhile
@@ -2129,29 +2158,23 @@ static void i8_i16_linear(const torch::Tensor& x, const I8PairPanels& w, int64_t
                    y.data_ptr<float>(), [](auto... a) { panel_pass_i16_avx2(a...); }, gated);
 }
 
-// Whether group-wise int4 panels of K inputs in groups of G take the int16 path: i16_ready, G even (each
-// segment, gcd(G, F32_PANEL_CHUNK) inputs, pairs its inputs)
+// Whether group-wise int4 panels of K inputs in groups of G take the int16 path: i16_ready, G even (a panel is
+// widened in stretches of gcd(G, F32_PANEL_CHUNK) inputs, one group's and one chunk's, by pairs of inputs)
 static bool i4_i16_ready(int64_t K, int64_t G) { return i16_ready(K) && G % 2 == 0; }
 
-// y = the int4 panels' product with x [M, K] (int16 path): x quantized with its segments' sums, then the passes.
-// Against widening to fp32 (bench/panel_ab.py --paths int4 --against f32, 5 rounds, Zen 3): 1 row 2.72x (the fp32
-// widening cost more than the one-row product), 8: 1.35, 16: 1.09, 32: 1.03, 64: 1.13, 256: 0.95, 2048: 0.94. Past
-// 64 rows it trails int8's int16 path (0.74-0.86x int8 there): a segment of G = 32 inputs flushes half as far as
-// int8's chunk, and the flush per row and 8 columns (a conversion, the scale times the step, two fused
-// multiply-adds) costs what the 32 inputs' 16 multiply-adds save. A flush of int8's cost every 32 inputs still read
-// 0.85-0.94x int8: the segment, not the offsets, sets that rate.
-static void i4_i16_linear(const torch::Tensor& x, const I4PairPanels& w, int64_t P, int64_t N, const float* bias,
+// y = the int4 panels' product with x [M, K] (int16 path): x quantized as int8's, then int8's passes over each
+// panel's grid values (I4GridPanels). Against the fp32 panels (bench/panel_ab.py --paths int4 --against f32, 5
+// rounds, Zen 3): 1 row 2.39x, 8: 1.07, 16: 1.03, 32: 1.05, 64: 1.05, 256: 1.12, 2048: 1.20, where int4 widened
+// to fp32 read 1.78 / 1.21 / 1.05 / 0.96 / 1.02 / 1.02 / 1.01. It trails int8's 1.2-1.25x from 16 rows by its
+// widening (10 vector operations for 32 weights against int8's 4).
+static void i4_i16_linear(const torch::Tensor& x, const I4GridPanels& w, int64_t P, int64_t N, const float* bias,
                           torch::Tensor& y, bool gated) {
-  const int64_t M = x.size(0), K = x.size(1), chunks = i16_chunks(K), seg = std::gcd(w.G, F32_PANEL_CHUNK);
+  const int64_t M = x.size(0), K = x.size(1), chunks = i16_chunks(K);
   auto q = torch::empty({M, K}, x.options().dtype(at::kShort));
   auto s = torch::empty({M, chunks}, x.options());
-  auto sums = torch::empty({M, K / seg}, x.options());
-  quantize_rows_i16(x.data_ptr<float>(), M, K, q.data_ptr<int16_t>(), s.data_ptr<float>(), seg,
-                    sums.data_ptr<float>());
-  panel_linear_run(I16Rows{q.data_ptr<int16_t>(), s.data_ptr<float>(), K, chunks, sums.data_ptr<float>(), seg, K / seg,
-                           w.G},
-                   M, K, w, P, N, bias, nullptr, y.data_ptr<float>(),
-                   [](auto... a) { panel_pass_i16_avx2<int16_t, true>(a...); }, gated);
+  quantize_rows_i16(x.data_ptr<float>(), M, K, q.data_ptr<int16_t>(), s.data_ptr<float>());
+  panel_linear_run(I16Rows{q.data_ptr<int16_t>(), s.data_ptr<float>(), K, chunks}, M, K, w, P, N, bias, nullptr,
+                   y.data_ptr<float>(), [](auto... a) { panel_pass_i16_avx2<int16_t, true>(a...); }, gated);
 }
 
 template <typename Src>
@@ -2283,7 +2306,8 @@ torch::Tensor panel_linear_fp8(torch::Tensor x, torch::Tensor packed, int64_t n,
 // [P, K, 24], sz fp32 [P, K / group_size, 2, 48] (per group, 48 scales then 48 offsets: weight = code * scale +
 // offset, code 0..15) -> y [M, N] fp32. Each panel is widened into an fp32 scratch once per pass of rows, so the
 // weight streams at ~0.75 byte a weight (codes and fp32 groups) and the products run as panel_linear_f32's; on
-// AVX2 hosts (an even group_size) into an int16 code scratch, times int16 x (i4_i16_linear).
+// AVX2 hosts (an even group_size) into int16 values on a grid per column and 64 inputs, times int16 x
+// (I4GridPanels, i4_i16_linear).
 // The int4 panels' own operands, for K inputs: packed uint8 [P, K, 24], sz fp32 [P, K / group_size, 2, 48].
 static void int4_operands(int64_t K, const torch::Tensor& packed, const torch::Tensor& sz, int64_t group_size,
                           const char* what) {
@@ -2309,7 +2333,7 @@ static torch::Tensor int4_panels(const torch::Tensor& x, const torch::Tensor& pa
   const Int4Panels w{packed.data_ptr<uint8_t>(), sz.data_ptr<float>(), K, group_size};
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   if (x.size(0) > 0 && i4_i16_ready(K, group_size))
-    i4_i16_linear(x, I4PairPanels{w}, P, n, b, y, gated);
+    i4_i16_linear(x, I4GridPanels{w}, P, n, b, y, gated);
   else if (x.size(0) > 0)
     panel_linear_any(x.data_ptr<float>(), x.size(0), K, w, P, n, b, nullptr, y.data_ptr<float>(), gated);
 #endif

@@ -587,8 +587,8 @@ class Int4Linear:
         if self._panels is not None and self._int16:
             return (
                 "the int4 panels times int16 activations (panel_linear_int4: no AVX-512 here, and AVX2's integer "
-                "multiply-add outruns its fp32 FMAs), each panel's codes widened to int16 once per pass, x rounded "
-                "per row and 64 inputs, the groups' scales and offsets applied to the sums"
+                "multiply-add outruns its fp32 FMAs), each panel put on an int16 grid per column and 64 inputs once "
+                "per pass, x rounded per row and 64 inputs"
             )
         if self._panels is not None:
             return "the fp32 panels (panel_linear_int4: each panel widened to fp32 once per pass)"

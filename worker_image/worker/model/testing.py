@@ -13,14 +13,13 @@ Llama folder), and `merge_lora_into` merges one into a transformers state dict: 
 by our engine must equal. `causal_attention` is the reference the native prompt-attention kernels are held to, `qkv_views` their inputs as
 the model hands them over. `Fp32PanelsOnly` shows the extension as a CPU without AVX512-BF16 sees it, so the fp32
 code panels such CPUs run are tested on any CPU that has them. `int16_activations` and `int16_rounding` are what
-AVX2 hosts' int8 and int4 panels do to x and the most that moves an output; `int4_fp32_rounding` bounds fp32's
-rounding in the int4 panels' product.
+AVX2 hosts' int8 and int4 panels do to x and the most that moves an output; `int4_grid` the weights AVX2 hosts'
+int4 panels multiply.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -292,18 +291,30 @@ def int16_rounding(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (_chunk_absmax(x).double() / 65534) @ w.double().abs().t()
 
 
-def int4_fp32_rounding(x: torch.Tensor, codes: torch.Tensor, groups: torch.Tensor, out_features: int) -> torch.Tensor:
-    """A bound on fp32's rounding in `panel_linear_int4`'s product with x (fp64, [rows, out]) over int4 panels
-    (`pack_int4_panels`' codes and groups): 2**-24 of sum |x| (|code * scale| + |offset|) for each rounding a partial
-    sum meets, at most 70 on the fp32 path (its blocked sums) plus two per segment of gcd(group, 64) inputs on the
-    int16 path (a fused multiply-add for the offsets, one for the scaled sums). Sum x (code * scale + offset) is
-    taken apart there, so the offsets' products count whole, even where they cancel within a weight."""
-    k, groups_per_row = codes.shape[1], groups.shape[1]
-    q = torch.cat([codes & 0xF, codes >> 4], dim=-1).double()
-    scale, offset = (g.repeat_interleave(k // groups_per_row, dim=1).double() for g in groups.unbind(2))
-    parts = unpack_panels(((q * scale).abs() + offset.abs()).float(), out_features).double()
-    roundings = 70 + 2 * k // math.gcd(k // groups_per_row, 64)
-    return 2.0**-24 * roundings * (x.double().abs() @ parts.t())
+def int4_grid(codes: torch.Tensor, groups: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights AVX2 hosts' int4 panels multiply (`kernels.py`, I4GridPanels), computed as the kernel computes
+    them from int4 panels (`pack_int4_panels`' codes and groups): each code put on an int16 grid of its column and
+    64-input chunk, (code * S + O + 16) >> 5 with S and O its group's scale and offset in 1/32 steps, the step the
+    chunk's bound max(|offset|, |offset + 15 scale|) over its groups / 1023. Returns (the grid weights, each
+    weight's step), both fp64 [out_features, K]."""
+    k, cols = codes.shape[1], 2 * codes.shape[2]
+    g = k // groups.shape[1]
+    scale, offset = groups[:, :, 0], groups[:, :, 1]  # fp32 [P, K / G, cols]
+    bound = torch.maximum(offset.abs(), (15 * scale.double() + offset.double()).float().abs())  # (one fma)
+    chunks = [(c, min(k, c + 64)) for c in range(0, k, 64)]
+    top = torch.stack([bound[:, a // g : (b - 1) // g + 1].amax(1) for a, b in chunks], 1)  # [P, chunks, cols]
+    step = (top.double() / 1023).float()
+    inv = torch.where(step > 0, (1 / step.double()).float() * 32, torch.zeros_like(step))
+    chunk_of, group_of = torch.arange(k) // 64, torch.arange(k) // g
+    s_units = torch.round(scale[:, group_of] * inv[:, chunk_of]).long()  # [P, K, cols]
+    o_units = torch.round(offset[:, group_of] * inv[:, chunk_of]).long() + 16
+    q = torch.cat([codes & 0xF, codes >> 4], dim=-1).long()
+    units = q * s_units + o_units
+    assert units.abs().max() < 2**15, "the grid's 16-bit sums must not wrap"
+    steps = step[:, chunk_of].double()
+    weights = torch.div(units, 32, rounding_mode="floor").double() * steps
+    assert weights.shape[2] == cols
+    return unpack_panels(weights, out_features), unpack_panels(steps, out_features)
 
 
 class Fp32PanelsOnly:
