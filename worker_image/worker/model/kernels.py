@@ -2163,10 +2163,11 @@ static void i8_i16_linear(const torch::Tensor& x, const I8PairPanels& w, int64_t
 static bool i4_i16_ready(int64_t K, int64_t G) { return i16_ready(K) && G % 2 == 0; }
 
 // y = the int4 panels' product with x [M, K] (int16 path): x quantized as int8's, then int8's passes over each
-// panel's grid values (I4GridPanels). Against the fp32 panels (bench/panel_ab.py --paths int4 --against f32, 5
-// rounds, Zen 3): 1 row 2.39x, 8: 1.07, 16: 1.03, 32: 1.05, 64: 1.05, 256: 1.12, 2048: 1.20, where int4 widened
-// to fp32 read 1.78 / 1.21 / 1.05 / 0.96 / 1.02 / 1.02 / 1.01. It trails int8's 1.2-1.25x from 16 rows by its
-// widening (10 vector operations for 32 weights against int8's 4).
+// panel's grid values (I4GridPanels). Against the fp32 panels (bench/panel_ab.py --paths int4 --against f32, 7
+// rounds, Zen 3): 1 row 2.28x, 8: 1.36, 16: 1.14, 32: 1.07, 64: 0.93 (rounds 0.84-1.24), 256: 1.10, 2048: 1.14,
+// where int4 widened to fp32 read 1.78 / 1.21 / 1.05 / 0.96 / 1.02 / 1.02 / 1.01 (5 rounds). Against the exact
+// path it replaced (--base 5b7dc0b, 7 rounds): 0.89 / 1.02 / 1.09 / 1.15 / 1.20 / 1.19 / 1.22. It trails int8's
+// 1.1-1.25x from 16 rows by its widening (10 vector operations for 32 weights against int8's 4).
 static void i4_i16_linear(const torch::Tensor& x, const I4GridPanels& w, int64_t P, int64_t N, const float* bias,
                           torch::Tensor& y, bool gated) {
   const int64_t M = x.size(0), K = x.size(1), chunks = i16_chunks(K);

@@ -157,6 +157,22 @@ Over 30 streamed SmolLM2 layers on the Zen 3, against the fp32 panels in the sam
 1.08, 2048: 1.03. W (`bench/engine.py`, 4 rounds): int8 1.08x our fp32 (every round 1.00-1.11), where it read
 0.96 before. W8A16 is what this is; W8A8 is not (below).
 
+**int4 on AVX2 hosts: int16 activations, weights on an int16 grid** (stop 58). int4 widened to fp32 could at best
+tie the fp32 panels from 16 rows (W: 0.97-1.00x our fp32 at stops 56-57). So where int8 takes its int16 path,
+`panel_linear_int4` (an even group size) rounds x as int8 does and widens each panel once per pass into int16
+values on a grid of its own per column and 64-input chunk, which int8's kernel multiplies (`kernels.py`,
+I4GridPanels): the step an upper bound of the chunk's largest |weight| (max(|offset|, |offset + 15 scale|) over
+its groups) / 1023, each weight (code * S + O + 16) >> 5 in 16-bit integers, S and O its group's scale and offset
+in 1/32 steps: within 0.75 of a step of the weight (`testing.int4_grid` computes the same values), so a chunk's
+int32 sum stays exact and one flush serves 64 inputs. The path built first kept the weights exact (the codes as
+int16, each group's int32 sums flushed with its scale and offset): its flush every 32 inputs held it to 0.94-0.95x
+the fp32 panels from 256 rows, which the prompt chunks that fill most of W's time run at. Against it, the grid
+read 0.89 / 1.02 / 1.09 / 1.15 / 1.20 / 1.19 / 1.22 at 1 / 8 / 16 / 32 / 64 / 256 / 2048 rows, and against the
+fp32 panels 2.28 / 1.36 / 1.14 / 1.07 / 0.93 / 1.10 / 1.14 (`bench/panel_ab.py --paths int4 --against f32
+--rounds 7`, Zen 3; 64 rows' rounds 0.84-1.24). Agreement (`bench/quant.py`): int4 1.000 (192/192), KL 0.00002
+(it was < 5e-6 with the exact weights). A row's output does not depend on its batch (the grid depends on the
+weights only); it differs from an AVX-512 host's (fp32 x, exact weights) by the two roundings.
+
 W8A8 (activations in int8 too) is not a variant: `bench/int8_study.py` measures why. Plain W8A8 misses the 0.95
 agreement floor (0.89) and keeping the 64 widest-range input channels out of the int8 GEMM recovers it (0.958, KL
 0.0046); `torch._int_mm` alone is ~6x the fp32 GEMM from 64 rows on (AMX int8 here), but quantizing and dequantizing
