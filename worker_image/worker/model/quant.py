@@ -626,7 +626,8 @@ class Int4Linear:
         return self._native.int4_to_bf16(self.packed[start:end], self.scales_zeros[start:end], self.group_size)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weights the layer computes with."""
+        """The weights the layer computes with (on the int16 path, `path`, as the kernel has them before it puts
+        them on its int16 grid: `testing.int4_grid` gives the grid's values)."""
         if self._panels is not None:
             w = unpack_int4_panels(self.packed, self.scales_zeros, self.out_features)
             return (w.bfloat16() if self._pairs else w).to(dtype)  # pairs: rounded to bf16 in the kernel
