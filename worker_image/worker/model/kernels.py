@@ -1451,7 +1451,7 @@ struct CodePanels {
 // column j's code (0..15) in its low nibble and column j + 24's in its high one, and per group of G inputs a row of
 // 48 scales and a row of 48 offsets (fp32), weight = code * scale + offset (one fused multiply-add). AVX2 hosts
 // (G even) widen the codes to int16 values on a grid instead and multiply int16 activations (I4GridPanels,
-// i4_i16_linear).
+// i16_linear).
 struct Int4Panels {
   static constexpr bool direct = false;
   using Wide = float;
@@ -1867,8 +1867,9 @@ struct I8PairPanels : CodePanels<int8_t> {
 // pairs: 16 g .. 16 g + 7, then 16 g + 8 .. 16 g + 15: the nibbles come apart in 16-bit lanes, so no unpack is
 // needed, and the flush no permute), then each chunk's 48 steps (grid_steps).
 static constexpr float GRID_TOP = 1023.0f;
-static const float* grid_steps(const int16_t* scratch, int64_t K) {
-  return reinterpret_cast<const float*>(scratch + K * F32_PANEL);
+template <typename T>  // (int16_t: to write them, const int16_t: to read them)
+static auto grid_steps(T* scratch, int64_t K) {
+  return reinterpret_cast<std::conditional_t<std::is_const_v<T>, const float, float>*>(scratch + K * F32_PANEL);
 }
 struct I4GridPanels : Int4Panels {
   using Wide = int16_t;
@@ -1876,7 +1877,7 @@ struct I4GridPanels : Int4Panels {
   LLMFLEET_AVX2 void widen(int64_t p, int16_t* __restrict__ dst) const {
     const uint8_t* codes = panel(p);
     const float* gr = groups(p);
-    float* steps = const_cast<float*>(grid_steps(dst, K));
+    float* steps = grid_steps(dst, K);
     const int64_t seg = std::gcd(G, F32_PANEL_CHUNK);  // inputs of one group and one chunk (even: i4_i16_ready)
     const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)), fifteen = _mm256_set1_ps(15.0f);
     for (int64_t c = 0; c < i16_chunks(K); ++c) {
@@ -2004,7 +2005,7 @@ LLMFLEET_AVX2 __attribute__((noinline)) static void i16_chunk_avx2(I16Rows x, in
 // panel_pass_avx2's contract over int16 rows (I16Rows; xs unused: the rows know their stride) and int8 codes or
 // their pair scratch: blocks of 4 rows, chunk by chunk (or block by block where the panel fits in L1), then out.
 // Grid: over an I4GridPanels scratch, each chunk's column steps (grid_steps) applied in the chunks (`scale` none).
-template <typename W, bool Grid = false>
+template <bool Grid = false, typename W>
 LLMFLEET_AVX2 __attribute__((noinline)) static void panel_pass_i16_avx2(int64_t rows, I16Rows x, int64_t, int64_t K,
                                                                         const W* __restrict__ panel,
                                                                         float* __restrict__ y, int64_t N, int64_t ncols,
@@ -2093,7 +2094,7 @@ static void thread_panels(const Src& src, int64_t p0, int64_t p1, int64_t half, 
 // (the weight streams at 1 byte a weight, not 4) but costs a compute-bound batch its conversions once per block:
 // passes of F32_PANEL_WIDEN_ROWS rows or more widen each panel once into an fp32 scratch (K x 48, in L2) that
 // all their blocks read. The same fp32 values either way, so the same sums. (int8 on AVX2 hosts runs here too, on
-// int16 rows of x and pair scratches: panel_pass_i16_avx2, i8_i16_linear.)
+// int16 rows of x and pair scratches: panel_pass_i16_avx2, i16_linear.)
 // Gated (a fused gate+up weight, `gated`): y [M, N / 2] = silu(gate) * up, SiLU in the epilogue. Gate's columns
 // fill panels 0 .. P/2 - 1 and up's P/2 .. P - 1 (N = 48P, P even: gated_panels); a thread takes pairs (p, p + P/2),
 // each pass's sums of the two into a scratch of rows x 96 (gate's 48, then up's: L2-sized), then silu_and_mul's
@@ -2147,35 +2148,25 @@ static void panel_linear_run(const Rows& x, int64_t M, int64_t K, const Src& src
 // FMA runs 16 lanes, and VNNI's own int16 path is not written), K even (vpmaddwd pairs the inputs).
 static bool i16_ready(int64_t K) { return !cpu_has_avx512f() && K % 2 == 0; }
 
-// y = the int8 panels' product with x [M, K] (int16 path): x quantized (quantize_rows_i16), then the passes
-static void i8_i16_linear(const torch::Tensor& x, const I8PairPanels& w, int64_t P, int64_t N, const float* bias,
-                          const float* scale, torch::Tensor& y, bool gated) {
+// Whether group-wise int4 panels of K inputs in groups of G take the int16 path: i16_ready, G even (a panel is
+// widened in stretches of gcd(G, F32_PANEL_CHUNK) inputs, one group's and one chunk's, by pairs of inputs)
+static bool i4_i16_ready(int64_t K, int64_t G) { return i16_ready(K) && G % 2 == 0; }
+
+// y = the int8 panels' (I8PairPanels) or the int4 panels' (Grid: I4GridPanels, their grid values) product with x
+// [M, K] on the int16 path: x quantized (quantize_rows_i16), then the passes. int4 against the fp32 panels
+// (bench/panel_ab.py --paths int4 --against f32, 7 rounds, Zen 3): 1 row 2.28x, 8: 1.36, 16: 1.14, 32: 1.07, 64: 0.93 (rounds 0.84-1.24), 256: 1.10, 2048: 1.14,
+// where int4 widened to fp32 read 1.78 / 1.21 / 1.05 / 0.96 / 1.02 / 1.02 / 1.01 (5 rounds). Against the exact
+// path it replaced (--base 5b7dc0b, 7 rounds): 0.89 / 1.02 / 1.09 / 1.15 / 1.20 / 1.19 / 1.22. It trails int8's
+// 1.1-1.25x from 16 rows by its widening (10 vector operations for 32 weights against int8's 4).
+template <bool Grid, typename Src>
+static void i16_linear(const torch::Tensor& x, const Src& w, int64_t P, int64_t N, const float* bias,
+                       const float* scale, torch::Tensor& y, bool gated) {
   const int64_t M = x.size(0), K = x.size(1), chunks = i16_chunks(K);
   auto q = torch::empty({M, K}, x.options().dtype(at::kShort));
   auto s = torch::empty({M, chunks}, x.options());
   quantize_rows_i16(x.data_ptr<float>(), M, K, q.data_ptr<int16_t>(), s.data_ptr<float>());
   panel_linear_run(I16Rows{q.data_ptr<int16_t>(), s.data_ptr<float>(), K, chunks}, M, K, w, P, N, bias, scale,
-                   y.data_ptr<float>(), [](auto... a) { panel_pass_i16_avx2(a...); }, gated);
-}
-
-// Whether group-wise int4 panels of K inputs in groups of G take the int16 path: i16_ready, G even (a panel is
-// widened in stretches of gcd(G, F32_PANEL_CHUNK) inputs, one group's and one chunk's, by pairs of inputs)
-static bool i4_i16_ready(int64_t K, int64_t G) { return i16_ready(K) && G % 2 == 0; }
-
-// y = the int4 panels' product with x [M, K] (int16 path): x quantized as int8's, then int8's passes over each
-// panel's grid values (I4GridPanels). Against the fp32 panels (bench/panel_ab.py --paths int4 --against f32, 7
-// rounds, Zen 3): 1 row 2.28x, 8: 1.36, 16: 1.14, 32: 1.07, 64: 0.93 (rounds 0.84-1.24), 256: 1.10, 2048: 1.14,
-// where int4 widened to fp32 read 1.78 / 1.21 / 1.05 / 0.96 / 1.02 / 1.02 / 1.01 (5 rounds). Against the exact
-// path it replaced (--base 5b7dc0b, 7 rounds): 0.89 / 1.02 / 1.09 / 1.15 / 1.20 / 1.19 / 1.22. It trails int8's
-// 1.1-1.25x from 16 rows by its widening (10 vector operations for 32 weights against int8's 4).
-static void i4_i16_linear(const torch::Tensor& x, const I4GridPanels& w, int64_t P, int64_t N, const float* bias,
-                          torch::Tensor& y, bool gated) {
-  const int64_t M = x.size(0), K = x.size(1), chunks = i16_chunks(K);
-  auto q = torch::empty({M, K}, x.options().dtype(at::kShort));
-  auto s = torch::empty({M, chunks}, x.options());
-  quantize_rows_i16(x.data_ptr<float>(), M, K, q.data_ptr<int16_t>(), s.data_ptr<float>());
-  panel_linear_run(I16Rows{q.data_ptr<int16_t>(), s.data_ptr<float>(), K, chunks}, M, K, w, P, N, bias, nullptr,
-                   y.data_ptr<float>(), [](auto... a) { panel_pass_i16_avx2<int16_t, true>(a...); }, gated);
+                   y.data_ptr<float>(), [](auto... a) { panel_pass_i16_avx2<Grid>(a...); }, gated);
 }
 
 template <typename Src>
@@ -2242,8 +2233,8 @@ static torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& p
 #if defined(__x86_64__)
   if constexpr (std::is_same_v<W, int8_t>) {
     if (x.size(0) > 0 && i16_ready(x.size(1))) {
-      i8_i16_linear(x, I8PairPanels{{static_cast<const int8_t*>(packed.data_ptr()), x.size(1)}}, packed.size(0), n,
-                    bias.has_value() ? bias->data_ptr<float>() : nullptr, scale, y, gated);
+      i16_linear<false>(x, I8PairPanels{{static_cast<const int8_t*>(packed.data_ptr()), x.size(1)}}, packed.size(0),
+                        n, bias.has_value() ? bias->data_ptr<float>() : nullptr, scale, y, gated);
       return y;
     }
   }
@@ -2270,7 +2261,7 @@ torch::Tensor panel_linear_f32(torch::Tensor x, torch::Tensor packed, int64_t n,
 // y = (x @ C^T) * scale (+ bias): x [M, K] fp32, C int8 codes in panels (panel_operands), one fp32 scale per output
 // column -> y [M, N] fp32. On AVX-512 hosts the codes widen to fp32 exactly in registers, so the weight streams at
 // one byte a weight and the sums run as panel_linear_f32's do; on AVX2 hosts (K even) x goes to int16 and the
-// products sum exactly in int32 per 64-input chunk (i8_i16_linear: the integer multiply-add runs at ~1.5x FMA's
+// products sum exactly in int32 per 64-input chunk (i16_linear: the integer multiply-add runs at ~1.5x FMA's
 // rate there, which fp32 sums already saturate).
 // y [M, n] over panels of one-byte codes of type W (torch type wtype) and their columns' scales, checked as `what`;
 // gated as panel_linear_run's passes
@@ -2308,7 +2299,7 @@ torch::Tensor panel_linear_fp8(torch::Tensor x, torch::Tensor packed, int64_t n,
 // offset, code 0..15) -> y [M, N] fp32. Each panel is widened into an fp32 scratch once per pass of rows, so the
 // weight streams at ~0.75 byte a weight (codes and fp32 groups) and the products run as panel_linear_f32's; on
 // AVX2 hosts (an even group_size) into int16 values on a grid per column and 64 inputs, times int16 x
-// (I4GridPanels, i4_i16_linear).
+// (I4GridPanels, i16_linear).
 // The int4 panels' own operands, for K inputs: packed uint8 [P, K, 24], sz fp32 [P, K / group_size, 2, 48].
 static void int4_operands(int64_t K, const torch::Tensor& packed, const torch::Tensor& sz, int64_t group_size,
                           const char* what) {
@@ -2334,7 +2325,7 @@ static torch::Tensor int4_panels(const torch::Tensor& x, const torch::Tensor& pa
   const Int4Panels w{packed.data_ptr<uint8_t>(), sz.data_ptr<float>(), K, group_size};
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   if (x.size(0) > 0 && i4_i16_ready(K, group_size))
-    i4_i16_linear(x, I4GridPanels{w}, P, n, b, y, gated);
+    i16_linear<true>(x, I4GridPanels{w}, P, n, b, nullptr, y, gated);
   else if (x.size(0) > 0)
     panel_linear_any(x.data_ptr<float>(), x.size(0), K, w, P, n, b, nullptr, y.data_ptr<float>(), gated);
 #endif

@@ -576,8 +576,12 @@ class Int4Linear:
         elif native is not None and dtype == torch.float32 and kernel == "panels_fp32":
             self._panels = native.panel_linear_int4
         # whether those are the fp32 panels and multiply int16 activations here (AVX2 hosts)
-        on_int16 = native is not None and self._panels is not None and not self._pairs
-        self._int16 = on_int16 and native is not None and native.panel_int4_int16(weight.shape[1], self.group_size)
+        self._int16 = (
+            native is not None
+            and self._panels is not None
+            and not self._pairs
+            and native.panel_int4_int16(weight.shape[1], self.group_size)
+        )
         self._native = native if dtype == torch.bfloat16 and not self._pairs else None
         if native is not None and self._panels is not None:
             self.packed, self.scales_zeros = pack_int4_panels(q, scale, zero, native.f32_panel_cols())

@@ -297,7 +297,7 @@ def int4_grid(codes: torch.Tensor, groups: torch.Tensor, out_features: int) -> t
     64-input chunk, (code * S + O + 16) >> 5 with S and O its group's scale and offset in 1/32 steps, the step the
     chunk's bound max(|offset|, |offset + 15 scale|) over its groups / 1023. Returns (the grid weights, each
     weight's step), both fp64 [out_features, K]."""
-    k, cols = codes.shape[1], 2 * codes.shape[2]
+    k = codes.shape[1]
     g = k // groups.shape[1]
     scale, offset = groups[:, :, 0], groups[:, :, 1]  # fp32 [P, K / G, cols]
     bound = torch.maximum(offset.abs(), (15 * scale.double() + offset.double()).float().abs())  # (one fma)
@@ -313,7 +313,6 @@ def int4_grid(codes: torch.Tensor, groups: torch.Tensor, out_features: int) -> t
     assert units.abs().max() < 2**15, "the grid's 16-bit sums must not wrap"
     steps = step[:, chunk_of].double()
     weights = torch.div(units, 32, rounding_mode="floor").double() * steps
-    assert weights.shape[2] == cols
     return unpack_panels(weights, out_features), unpack_panels(steps, out_features)
 
 
