@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from worker.model.linear import PanelLinear
 from worker.model.llama import rms_norm, stack_operands
-from worker.model.quant import make_linear
-from worker.model.testing import Fp32PanelsOnly, causal_attention, int4_grid, int16_rounding
+from worker.model.quant import FP8_TO_FP16_EXP_SHIFT, Int4Linear, make_linear
+from worker.model.testing import Fp32PanelsOnly, causal_attention, fp8_grid, int4_grid, int16_rounding
 
 QUANTIZED = ("int8", "fp8", "int4")  # the formats an fp32 model multiplies on the panels
 
@@ -25,6 +25,15 @@ QUANTIZED = ("int8", "fp8", "int4")  # the formats an fp32 model multiplies on t
 def takes(quant: str, w: torch.Tensor) -> bool:
     """Whether `quant` takes this weight's shape (int4: groups of 32 inputs)."""
     return quant != "int4" or w.shape[1] % 32 == 0
+
+
+def grid_steps(layer) -> torch.Tensor:
+    """The steps of the int16 grid AVX2 hosts put an fp32 model's int4 or fp8 layer's weights on (`int4_grid`,
+    `fp8_grid`), in the weights' units: fp64 [out, in]."""
+    if isinstance(layer, Int4Linear):
+        return int4_grid(layer.packed, layer.scales_zeros, layer.out_features)[1]
+    unit = (layer.scale * FP8_TO_FP16_EXP_SHIFT).double()[:, None]
+    return fp8_grid(layer.weight, layer.out_features)[1] * unit
 
 
 # What the child computes with the capped extension: its report, and (where the panels run) the kernels' outputs.
@@ -45,7 +54,7 @@ CHILD = (
 import sys, torch
 from worker.model.kernels import _load_module
 from worker.model.linear import PanelLinear, available_kernels, choose_linear_kernel, read_cpu_flags
-from worker.model.quant import make_linear
+from worker.model.quant import FP8_TO_FP16_EXP_SHIFT, Int4Linear, make_linear
 module, why = _load_module()
 if module is None:
     raise SystemExit(why)
@@ -173,8 +182,8 @@ def test_the_avx2_paths_compute_what_torch_computes(capped_avx2, fp32_code_panel
             layer = make_linear(w, b, q, torch.float32, "panels_fp32", fp32_code_panels)
             exact = x.double() @ layer.dequantize().double().T + (0 if b is None else b.double())
             bound = 1e-4 * exact.abs().max()
-            if q == "int4":  # AVX2's weights on their int16 grid: within 0.75 of a step of each
-                bound = bound + 0.75 * (x.double().abs() @ int4_grid(layer.packed, layer.scales_zeros, w.shape[0])[1].T)
+            if q in ("int4", "fp8"):  # AVX2's weights on their int16 grid: within 0.75 (fp8: 0.5) of a step of each
+                bound = bound + 0.75 * (x.double().abs() @ grid_steps(layer).T)
             assert ((got.double() - exact).abs() <= bound).all(), (q, tuple(x.shape))
     h, d, w = data["norm"]
     got_h, got = capped_avx2["norm"]
@@ -196,10 +205,11 @@ def test_the_avx2_paths_compute_what_torch_computes(capped_avx2, fp32_code_panel
 
 
 def test_the_avx2_paths_give_the_avx512_paths_bits(capped_avx2, avx512):
-    """Same sums in the same order: a worker's outputs do not depend on which of the two its CPU runs. Except int8
-    and int4, whose AVX2 paths multiply int16 activations (`kernels.py`, quantize_rows_i16): within half an int16
-    step of each input (its 64-input chunk's largest |x| / 32767) times its weights, and fp32's rounding; int4's
-    weights also on their int16 grid there (`int4_grid`: within 0.75 of a step of each)."""
+    """Same sums in the same order: a worker's outputs do not depend on which of the two its CPU runs. Except the
+    quantized layers, whose AVX2 paths multiply int16 activations (`kernels.py`, quantize_rows_i16): within half an
+    int16 step of each input (its 64-input chunk's largest |x| / 32767) times its weights, and fp32's rounding;
+    int4's and fp8's weights also on their int16 grid there (`int4_grid`, `fp8_grid`: within 0.75 and 0.5 of a step
+    of each)."""
     data = capped_avx2["inputs"]
     for (w, b, x), got in zip(data["linears"], capped_avx2["linears"], strict=True):
         assert torch.equal(got, PanelLinear(w, b, avx512)(x)), (tuple(x.shape), tuple(w.shape))
@@ -211,14 +221,10 @@ def test_the_avx2_paths_give_the_avx512_paths_bits(capped_avx2, avx512):
             if not takes(q, w):
                 continue
             layer = make_linear(w, b, q, torch.float32, "panels_fp32", Fp32PanelsOnly(avx512))  # not the bf16 pairs
-            if q == "fp8":
-                assert torch.equal(got, layer(x)), (q, tuple(x.shape))
-                continue
             wa = layer.dequantize().double().abs().t()
             rounding = int16_rounding(x, layer.dequantize()) + 4e-6 * (x.double().abs() @ wa)  # (and fp32's)
-            if q == "int4":
-                steps = int4_grid(layer.packed, layer.scales_zeros, layer.out_features)[1]
-                rounding += 0.75 * (x.double().abs() @ steps.t())
+            if q in ("int4", "fp8"):
+                rounding += 0.75 * (x.double().abs() @ grid_steps(layer).t())
             assert ((got.double() - layer(x).double()).abs() <= rounding).all(), (q, tuple(x.shape))
     h, d, w = data["norm"]
     for got, want in zip(capped_avx2["norm"], avx512.add_rms_norm(h.clone(), d, w, 1e-5), strict=True):

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from worker.model.linear import DenseLinear
 from worker.model.quality import compare, reference
 from worker.model.quant import (
+    FP8_TO_FP16_EXP_SHIFT,
     Fp8Linear,
     Int4Linear,
     Int8Linear,
@@ -23,6 +24,7 @@ from worker.model.quant import (
 from worker.model.runner import ModelRunner
 from worker.model.testing import (
     Fp32PanelsOnly,
+    fp8_grid,
     int4_grid,
     int16_activations,
     int16_rounding,
@@ -225,7 +227,8 @@ def test_an_fp32_models_one_byte_layers_multiply_their_codes_on_the_panels(
 ):
     """int8 and fp8 codes packed in panels, widened in the kernel, the scales and the bias applied to its sums: the
     product with the layer's own dequantized weights, to fp32's rounding; int8 on AVX2 hosts, which multiply int16
-    activations, also within half an int16 step of each input times its weights."""
+    activations, also within half an int16 step of each input times its weights; fp8 there, whose weights go on an
+    int16 grid too, the product of x's int16 values with the grid (`fp8_grid_of`)."""
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(out_features, 200, generator=gen) * 0.05
     b = torch.randn(out_features, generator=gen) if bias else None
@@ -236,9 +239,11 @@ def test_an_fp32_models_one_byte_layers_multiply_their_codes_on_the_panels(
     assert torch.equal(layer.dequantize(), plain.dequantize())
     x = torch.randn(rows, 200, generator=gen)
     exact = x.double() @ layer.dequantize().double().t() + (0 if b is None else b.double())
+    rounding = 0.0 if quant == "fp8" else int16_rounding(x, layer.dequantize())
+    if quant == "fp8" and panels.panel_codes_int16(200):
+        exact = int16_activations(x) @ fp8_grid_of(layer)[0].t() + (0 if b is None else b.double())
     y = layer(x)
     assert y.shape == (rows, out_features) and y.dtype == torch.float32
-    rounding = 0.0 if quant == "fp8" else int16_rounding(x, layer.dequantize())
     assert ((y.double() - exact).abs() - rounding).max().item() < 1e-5
     assert torch.equal(layer(x.view(1, rows, 200)), y.view(1, rows, out_features))  # batched rows: the same
 
@@ -263,11 +268,68 @@ def test_avx2_hosts_int8_panels_multiply_the_activations_int16_codes(fp32_code_p
     assert ((y - x.double() @ w.t()).abs() > fp32_rounding).any()  # (it is not fp32 x's product)
 
 
+def fp8_grid_of(layer: Fp8Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """An fp32 model's fp8 layer on the panels: the weights AVX2 hosts multiply (`fp8_grid`) and their steps, in the
+    weights' own units (fp64 [out, in])."""
+    unit = (layer.scale * FP8_TO_FP16_EXP_SHIFT).double()[:, None]
+    grid, steps = fp8_grid(layer.weight, layer.out_features)
+    return grid * unit, steps * unit
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 40, 300])
+def test_avx2_hosts_fp8_panels_multiply_int16_activations_by_the_weights_grid(fp32_code_panels, rows):
+    """On AVX2 hosts the fp8 panels quantize x as the int8 ones do (int16 per row and 64-input chunk), put each
+    panel's e4m3 values on an int16 grid per column and 64-input chunk (`fp8_grid`: within half a step of each, the
+    step the chunk's largest |value| / 1023), and sum the products exactly in int32 per chunk: the product of those
+    two, to fp32's rounding, not the exact weights'. A row's batch does not matter. (x's inputs span 1e-3 to 1e2 so
+    that the chunks' scales differ; 1000 inputs end in a part chunk.)"""
+    if fp32_code_panels.vector_isa() != "avx2":
+        pytest.skip("the int16 activations are the AVX2 path's (AVX-512 hosts widen the codes to fp32)")
+    gen = torch.Generator().manual_seed(rows)
+    layer = make_linear(
+        torch.randn(96, 1000, generator=gen) * 0.05, None, "fp8", torch.float32, "panels_fp32", fp32_code_panels
+    )
+    assert fp32_code_panels.panel_codes_int16(1000)
+    grid, steps = fp8_grid_of(layer)
+    exact = layer.dequantize().double()
+    assert ((grid - exact).abs() <= 0.5001 * steps).all()  # (half a step, and the step's own rounding)
+    x = torch.randn(rows, 1000, generator=gen) * torch.logspace(-3, 2, 1000)[torch.randperm(1000, generator=gen)]
+    y = layer(x).double()
+    fp32_rounding = 4e-6 * (x.double().abs() @ grid.abs().t())
+    assert ((y - int16_activations(x) @ grid.t()).abs() <= fp32_rounding).all()
+    assert ((y - int16_activations(x) @ exact.t()).abs() > fp32_rounding).any()  # (not the exact weights')
+    cuts = [*range(0, rows, 3), rows]  # batches of 3 rows (blocks of 3, then 4 rows up): a row's batch, no matter
+    assert torch.equal(torch.cat([layer(x[a:b]) for a, b in pairwise(cuts)]).double(), y)
+
+
+def test_the_fp8_grid_reads_back_every_finite_code_of_a_chunk(fp32_code_panels):
+    """Every finite e4m3 code in one 64-input chunk's column, one at a time beside 448 (the chunk's top: 1023
+    steps): one-hot rows of x read back the grid's values, each the code's value rounded to the nearest step (half
+    to even), subnormals and both zeros included."""
+    from worker.model.linear import pack_panels
+
+    if fp32_code_panels.vector_isa() != "avx2":
+        pytest.skip("the grid is the AVX2 path's")
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    finite = codes[~codes.float().isnan()]
+    w8 = torch.full((finite.numel(), 64), 448.0).to(torch.float8_e4m3fn)  # a column for each code: 448 beside it
+    w8[:, 5] = finite
+    packed = pack_panels(w8, fp32_code_panels.f32_panel_cols())
+    n = finite.numel()
+    y = fp32_code_panels.panel_linear_fp8(torch.eye(64), packed, n, torch.full((n,), 2.0**8), None)[5].double()
+    want = fp8_grid(packed, n)[0][:, 5] * 2.0**8
+    step = 448 / 1023
+    assert ((want - finite.double()).abs() <= 0.5001 * step).all()
+    assert ((y - want).abs() <= 1e-6 * 448).all()
+    assert (y[finite.float().abs() < step / 2] == 0).all() and y.abs().max() == pytest.approx(448, rel=1e-6)
+
+
 @pytest.mark.parametrize("quant", ["int8", "fp8"])
 def test_widening_the_panels_first_gives_the_bits_of_widening_them_in_registers(fp32_code_panels, quant):
-    """Batches of 32 rows or more (fp8: 8; AVX2 hosts' int8: 8, into an int16 pair scratch) widen each panel once
-    into a scratch; smaller ones at every step: the same values summed in the same order (int8 on AVX2: exactly, in
-    int32), so a row's output does not depend on its batch: 40 rows against batches of 4, 3 and 1."""
+    """Batches of 32 rows or more (fp8: 8; AVX2 hosts' int8: 8, into an int16 pair scratch; their fp8: every batch,
+    onto its grid) widen each panel once into a scratch; smaller ones at every step: the same values summed in the
+    same order (int8 and fp8 on AVX2: exactly, in int32), so a row's output does not depend on its batch: 40 rows
+    against batches of 4, 3 and 1."""
     gen = torch.Generator().manual_seed(3)
     layer = make_linear(
         torch.randn(100, 576, generator=gen), None, quant, torch.float32, "panels_fp32", fp32_code_panels
@@ -278,10 +340,14 @@ def test_widening_the_panels_first_gives_the_bits_of_widening_them_in_registers(
 
 
 def test_the_fp8_panels_widen_every_finite_code_exactly(panels):
+    """An odd number of inputs (vpmaddwd's pairs cannot take them) keeps fp32 x and the exact F16C widening on every
+    host: every finite e4m3 code reads back its own value."""
     from worker.model.linear import pack_panels
 
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
     finite = codes[~codes.float().isnan()]  # 254 codes: both zeros, the subnormals, +-448
+    finite = torch.cat([finite, finite[:1]])  # (255 inputs: odd)
+    assert not panels.panel_codes_int16(finite.numel())
     w8 = finite.view(1, -1).expand(48, -1).contiguous()
     eye = torch.eye(finite.numel())
     y = panels.panel_linear_fp8(eye, pack_panels(w8, 48), 48, torch.full((48,), 2.0**8), None)
@@ -450,21 +516,21 @@ def test_the_int4_panels_refuse_what_they_cannot_take(panels, call, match):
 def test_quantized_layers_say_which_kernel_multiplies_them(fp32_code_panels, quant):
     w = torch.randn(96, 64, generator=GEN)
     path = make_linear(w, None, quant, torch.float32, "panels_fp32", fp32_code_panels).path
-    # (AVX2 hosts' int8 and int4: int16 activations)
-    int16 = quant in ("int8", "int4") and fp32_code_panels.vector_isa() == "avx2"
+    # (AVX2 hosts' int8, fp8 and int4: int16 activations)
+    int16 = fp32_code_panels.vector_isa() == "avx2"
     assert ("int16 activations" in path) == int16 and ("fp32 panels" in path) != int16, path
+    assert ("int16 grid" in path) == (int16 and quant != "int8"), path  # (fp8 and int4: their weights on a grid)
     assert "torch's ops" in make_linear(w, None, quant, torch.float32).path  # no extension: torch's
 
 
-def test_int8_layers_of_an_odd_number_of_inputs_keep_fp32_activations(fp32_code_panels):
-    """vpmaddwd multiplies inputs in pairs: an int8 layer of an odd number of inputs widens its codes to fp32 on
-    every host, so its product is the dequantized weights' to fp32's rounding, with no int16 rounding of x."""
+@pytest.mark.parametrize("quant", ["int8", "fp8"])
+def test_one_byte_layers_of_an_odd_number_of_inputs_keep_fp32_activations(fp32_code_panels, quant):
+    """vpmaddwd multiplies inputs in pairs: an int8 or fp8 layer of an odd number of inputs widens its codes to fp32
+    on every host, so its product is the dequantized weights' to fp32's rounding, with no int16 rounding of x."""
     gen = torch.Generator().manual_seed(5)
-    layer = make_linear(
-        torch.randn(96, 201, generator=gen), None, "int8", torch.float32, "panels_fp32", fp32_code_panels
-    )
-    assert not fp32_code_panels.panel_i8_int16(201) and "fp32 panels" in layer.path
-    assert fp32_code_panels.panel_i8_int16(200) == (fp32_code_panels.vector_isa() == "avx2")
+    layer = make_linear(torch.randn(96, 201, generator=gen), None, quant, torch.float32, "panels_fp32", fp32_code_panels)
+    assert not fp32_code_panels.panel_codes_int16(201) and "fp32 panels" in layer.path
+    assert fp32_code_panels.panel_codes_int16(200) == (fp32_code_panels.vector_isa() == "avx2")
     w = layer.dequantize().double()
     for rows in (3, 40):
         x = torch.randn(rows, 201, generator=gen)

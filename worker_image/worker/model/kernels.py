@@ -1933,6 +1933,76 @@ struct I4GridPanels : Int4Panels {
   }
 };
 
+// fp8 e4m3 panels for the int16 path. fp8 widened to fp32 can at best tie the fp32 panels (0.95-0.96x fp32 on W at
+// stops 57-58), and e4m3 values need 18-bit integers to be exact, so each pass puts a panel on an int16 grid per
+// column and 64-input chunk, as I4GridPanels does, for int8's kernel: the step the chunk's largest |value| (its code
+// found by an integer max over the magnitude bits, which order as the values do) / GRID_TOP, each value (widened
+// exactly, as panel_w8 does) times 1 / step rounded half to even to an integer in one fused multiply-add onto
+// 1.5 * 2**23, whose fp32 bits then hold the integer in their low 16 (an input pair's two blended into one 32-bit
+// lane). Within half a step of the value; |value| <= GRID_TOP, so a chunk's int32 sum is exact. The columns' scales
+// (x 2**8) multiply the totals as on the fp32 panels. The grid depends on the weights only: a row's output does not
+// depend on its batch.
+static constexpr float FP32_ROUND_MAGIC = 12582912.0f;  // 1.5 * 2**23: x + this rounds x to an integer in the low bits
+// 16 e4m3 codes' values / 2**8 as fp32, in two vectors (one sign extension, shift and mask for two F16C conversions)
+LLMFLEET_AVX2 static inline __attribute__((always_inline)) void e4m3_16(const uint8_t* w, __m256& lo, __m256& hi) {
+  const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(b, FP8_FP16_SHIFT), _mm256_set1_epi16(FP8_FP16_KEEP));
+  lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+struct F8GridPanels : CodePanels<Fp8E4m3> {
+  using Wide = int16_t;
+  static constexpr bool direct = false;
+  static constexpr int64_t widen_rows = 0;
+  int64_t scratch_extra() const { return i16_chunks(K) * F32_PANEL * int64_t(sizeof(float)); }
+  LLMFLEET_AVX2 void widen(int64_t p, int16_t* __restrict__ dst) const {
+    const uint8_t* codes = reinterpret_cast<const uint8_t*>(panel(p));
+    float* steps = grid_steps(dst, K);
+    const __m256 magic = _mm256_set1_ps(FP32_ROUND_MAGIC);
+    for (int64_t c = 0; c < i16_chunks(K); ++c) {
+      const int64_t k0 = c * F32_PANEL_CHUNK, k1 = std::min(K, k0 + F32_PANEL_CHUNK);
+      // each column's largest magnitude code, doubled (code + code drops the sign bit)
+      __m256i t0 = _mm256_setzero_si256();
+      __m128i t1 = _mm_setzero_si128();
+      for (int64_t k = k0; k < k1; ++k) {
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + k * F32_PANEL));
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * F32_PANEL + 32));
+        t0 = _mm256_max_epu8(t0, _mm256_add_epi8(a, a));
+        t1 = _mm_max_epu8(t1, _mm_add_epi8(b, b));
+      }
+      alignas(32) uint8_t top[F32_PANEL];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(top),
+                         _mm256_and_si256(_mm256_srli_epi16(t0, 1), _mm256_set1_epi8(0x7F)));
+      _mm_store_si128(reinterpret_cast<__m128i*>(top + 32), _mm_and_si128(_mm_srli_epi16(t1, 1), _mm_set1_epi8(0x7F)));
+      alignas(32) float inv[F32_PANEL];  // 1 / the columns' steps (0 where a column's chunk is all zeros)
+      for (int64_t v = 0; v < F32_PANEL; v += 16) {
+        __m256 tv[2];
+        e4m3_16(top + v, tv[0], tv[1]);
+        for (int h = 0; h < 2; ++h) {
+          const __m256 step = _mm256_div_ps(tv[h], _mm256_set1_ps(GRID_TOP));
+          _mm256_store_ps(steps + c * F32_PANEL + v + 8 * h, step);
+          const __m256 some = _mm256_cmp_ps(step, _mm256_setzero_ps(), _CMP_GT_OQ);
+          _mm256_store_ps(inv + v + 8 * h, _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(1.0f), step), some));
+        }
+      }
+      for (int64_t k = k0; k < k1; k += 2)
+#pragma GCC unroll 3
+        for (int64_t j = 0; j < F32_PANEL; j += 16) {
+          __m256 a[2], b[2];
+          e4m3_16(codes + k * F32_PANEL + j, a[0], a[1]);
+          e4m3_16(codes + (k + 1) * F32_PANEL + j, b[0], b[1]);
+          for (int h = 0; h < 2; ++h) {  // columns j + 8 h .. j + 8 h + 7: (input k's, k + 1's) in each 32-bit lane
+            const __m256 iv = _mm256_load_ps(inv + j + 8 * h);
+            const __m256i qa = _mm256_castps_si256(_mm256_fmadd_ps(a[h], iv, magic));
+            const __m256i qb = _mm256_castps_si256(_mm256_fmadd_ps(b[h], iv, magic));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(dst + k * F32_PANEL + 2 * (j + 8 * h)),
+                               _mm256_blend_epi16(qa, _mm256_slli_epi32(qb, 16), 0xAA));
+          }
+        }
+    }
+  }
+};
+
 // Groups of 16 columns a block of `rows` (<= 4) takes per sweep of a chunk: all three for 1-2 rows, else one
 static constexpr int i16_groups(int64_t rows) { return rows <= 2 ? 3 : 1; }
 
@@ -2231,10 +2301,14 @@ static torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& p
                                   const c10::optional<torch::Tensor>& bias, const float* scale, bool gated = false) {
   auto y = torch::empty({x.size(0), gated ? n / 2 : n}, x.options());
 #if defined(__x86_64__)
-  if constexpr (std::is_same_v<W, int8_t>) {
+  if constexpr (std::is_same_v<W, int8_t> || std::is_same_v<W, Fp8E4m3>) {
     if (x.size(0) > 0 && i16_ready(x.size(1))) {
-      i16_linear<false>(x, I8PairPanels{{static_cast<const int8_t*>(packed.data_ptr()), x.size(1)}}, packed.size(0),
-                        n, bias.has_value() ? bias->data_ptr<float>() : nullptr, scale, y, gated);
+      const CodePanels<W> codes{static_cast<const W*>(packed.data_ptr()), x.size(1)};
+      const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+      if constexpr (std::is_same_v<W, int8_t>)
+        i16_linear<false>(x, I8PairPanels{codes}, packed.size(0), n, b, scale, y, gated);
+      else
+        i16_linear<true>(x, F8GridPanels{codes}, packed.size(0), n, b, scale, y, gated);
       return y;
     }
   }
@@ -2278,8 +2352,9 @@ torch::Tensor panel_linear_i8(torch::Tensor x, torch::Tensor packed, int64_t n, 
   return code_panels<int8_t>(x, packed, n, scale, bias, at::kChar, "panel_linear_i8");
 }
 
-// Whether panel_linear_i8 multiplies int16 activations for layers of `in_features` inputs here (the worker's log)
-bool panel_i8_int16(int64_t in_features) {
+// Whether panel_linear_i8 and panel_linear_fp8 multiply int16 activations for layers of `in_features` inputs here
+// (the worker's log; fp8's weights then on their grid, F8GridPanels)
+bool panel_codes_int16(int64_t in_features) {
 #if defined(__x86_64__)
   return f32_panels_ready() && i16_ready(in_features);
 #else
@@ -2288,7 +2363,8 @@ bool panel_i8_int16(int64_t in_features) {
 }
 
 // The same over fp8 e4m3 codes (float8_e4m3fn panels): y = (x @ C^T) * scale (+ bias), `scale` each column's
-// scale times 2**8 (what one unit of the codes' fp16 pattern is worth, FP8_TO_FP16_EXP_SHIFT in quant.py).
+// scale times 2**8 (what one unit of the codes' fp16 pattern is worth, FP8_TO_FP16_EXP_SHIFT in quant.py). On AVX2
+// hosts (K even) x goes to int16 as for int8, and each panel onto an int16 grid once per pass (F8GridPanels).
 torch::Tensor panel_linear_fp8(torch::Tensor x, torch::Tensor packed, int64_t n, torch::Tensor scale,
                                c10::optional<torch::Tensor> bias) {
   return code_panels<Fp8E4m3>(x, packed, n, scale, bias, at::kFloat8_e4m3fn, "panel_linear_fp8");
@@ -3985,7 +4061,7 @@ class FusedOps(Protocol):
         self, x: torch.Tensor, packed: torch.Tensor, n: int, scale: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor: ...
 
-    def panel_i8_int16(self, in_features: int) -> bool: ...
+    def panel_codes_int16(self, in_features: int) -> bool: ...
 
     def panel_linear_fp8(
         self, x: torch.Tensor, packed: torch.Tensor, n: int, scale: torch.Tensor, bias: torch.Tensor | None
@@ -4102,7 +4178,7 @@ FUNCTIONS = (
     "f32_panels_ready",
     "panel_linear_f32",
     "panel_linear_i8",
-    "panel_i8_int16",
+    "panel_codes_int16",
     "panel_linear_fp8",
     "panel_linear_int4",
     "panel_int4_int16",

@@ -147,7 +147,7 @@ the FMA units' peak from 16 rows up, so int8 codes widened to fp32 could only ti
 stop 55). AVX2's integer multiply-add (vpmaddwd, then vpaddd) runs beside the FMA pipes at ~1.5x their
 multiply-adds a cycle, so `panel_linear_i8` on such hosts rounds x to int16 per row and per 64-input chunk (the
 chunk's largest |x| / 32767 a step, half to even), sums each chunk's products exactly in int32 and adds chunk sum x
-step into fp32 totals (`kernels.py`, quantize_rows_i16 / panel_pass_i16_avx2; `panel_i8_int16` says where, and the
+step into fp32 totals (`kernels.py`, quantize_rows_i16 / panel_pass_i16_avx2; `panel_codes_int16` says where, and the
 worker's log names it). Each input moves by at most 2**-16 of its chunk's largest |x|, against the int8 weights'
 2**-8 of their row's largest |w|: agreement stays 0.984 (189/192), KL 0.0032 (`bench/quant.py`). Integer sums do
 not depend on their order, so a row's output still does not depend on its batch; it does differ from an AVX-512
@@ -268,6 +268,8 @@ class RowFormat:
     native_panels: str | None = None  # the extension's panel linear over the codes, for fp32 activations
     # the extension's answer to whether that linear rounds the activations to int16 for a weight of this many inputs
     native_panels_int16: str | None = None
+    # whether it then puts the weights on an int16 grid of their own (fp8: its values need 18-bit integers)
+    int16_grid: bool = False
 
 
 FP8 = RowFormat(
@@ -278,6 +280,8 @@ FP8 = RowFormat(
     native_gemv="fp8_gemv_bf16",
     native_amx="amx_linear_fp8",
     native_panels="panel_linear_fp8",
+    native_panels_int16="panel_codes_int16",
+    int16_grid=True,
 )
 INT8 = RowFormat(
     quantize=quantize_int8,
@@ -287,7 +291,7 @@ INT8 = RowFormat(
     native_gemv="int8_gemv_bf16",
     native_amx="amx_linear_int8",
     native_panels="panel_linear_i8",
-    native_panels_int16="panel_i8_int16",
+    native_panels_int16="panel_codes_int16",
 )
 
 
@@ -370,7 +374,7 @@ class RowScaledLinear:
         fmt = self.FORMAT
         self.weight, self.scale = fmt.quantize(weight)
         self._panels: Callable[..., torch.Tensor] | None = None
-        self._int16 = False  # the panels round the activations to int16 (int8 on AVX2 hosts)
+        self._int16 = False  # the panels round the activations to int16 (int8 and fp8 on AVX2 hosts)
         if native is not None and on_pairs(native, kernel, weight):
             self._panels = _pair_kernel(native.panel_linear_bf16_codes, dtype)
             self.weight = pack_pair_panels(self.weight, native.f32_panel_cols())
@@ -404,10 +408,11 @@ class RowScaledLinear:
             return f"the bf16 pair panels over the codes (panel_linear_bf16_codes), scales applied to the sums{inside}"
         if self._panels is not None:
             if self._int16:
+                grid = ", each panel put on an int16 grid per column and 64 inputs once per pass" if fmt.int16_grid else ""
                 return (
-                    f"the int8 panels times int16 activations ({fmt.native_panels}: no AVX-512 here, and AVX2's "
-                    "integer multiply-add outruns its fp32 FMAs), x rounded per row and 64 inputs, scales applied to "
-                    "the sums"
+                    f"the code panels times int16 activations ({fmt.native_panels}: no AVX-512 here, and AVX2's "
+                    f"integer multiply-add outruns its fp32 FMAs), x rounded per row and 64 inputs{grid}, scales "
+                    "applied to the sums"
                 )
             return f"the fp32 panels over the codes ({fmt.native_panels}), scales applied to the sums"
         if self._direct is not None:

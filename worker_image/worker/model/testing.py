@@ -13,8 +13,8 @@ Llama folder), and `merge_lora_into` merges one into a transformers state dict: 
 by our engine must equal. `causal_attention` is the reference the native prompt-attention kernels are held to, `qkv_views` their inputs as
 the model hands them over. `Fp32PanelsOnly` shows the extension as a CPU without AVX512-BF16 sees it, so the fp32
 code panels such CPUs run are tested on any CPU that has them. `int16_activations` and `int16_rounding` are what
-AVX2 hosts' int8 and int4 panels do to x and the most that moves an output; `int4_grid` the weights AVX2 hosts'
-int4 panels multiply.
+AVX2 hosts' int8, fp8 and int4 panels do to x and the most that moves an output; `int4_grid` and `fp8_grid` the
+weights AVX2 hosts' int4 and fp8 panels multiply.
 """
 
 from __future__ import annotations
@@ -291,6 +291,37 @@ def int16_rounding(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (_chunk_absmax(x).double() / 65534) @ w.double().abs().t()
 
 
+def _grid_chunks(k: int) -> list[tuple[int, int]]:
+    """The 64-input chunks [a, b) of k inputs that AVX2 hosts' int16 paths sum exactly."""
+    return [(c, min(k, c + 64)) for c in range(0, k, 64)]
+
+
+def _grid_step(top: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight grid's step for each column and chunk whose largest |weight| (a bound of it) is `top` (fp32), and
+    1 / step (0 where top is 0), both in fp32 as the kernel divides (each division rounded once: fp64's, narrowed)."""
+    step = (top.double() / 1023).float()
+    return step, torch.where(step > 0, (1 / step.double()).float(), torch.zeros_like(step))
+
+
+def fp8_grid(codes: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights AVX2 hosts' fp8 panels multiply (`kernels.py`, F8GridPanels), computed as the kernel computes them
+    from fp8 panels (`pack_panels` of e4m3 codes, [P, K, cols]): each code's value / 2**8 (its fp16 pattern's) times
+    1 / step rounded half to even (one fused multiply-add: the exact product, rounded once), the step the column's
+    chunk's largest |value| / 1023. Returns (the grid weights, each weight's step), both fp64 [out_features, K] in
+    units of the codes' value / 2**8, as the kernel's column scales take them."""
+    from worker.model.quant import fp8_to_fp16
+
+    k = codes.shape[1]
+    value = fp8_to_fp16(codes).float()  # [P, K, cols]
+    top = torch.stack([value[:, a:b].abs().amax(1) for a, b in _grid_chunks(k)], 1)  # [P, chunks, cols]
+    step, inv = _grid_step(top)
+    chunk_of = torch.arange(k) // 64
+    units = torch.round(value.double() * inv[:, chunk_of].double())
+    assert units.abs().max() <= 1023, "the grid's values must fit its top"
+    steps = step[:, chunk_of].double()
+    return unpack_panels(units * steps, out_features), unpack_panels(steps, out_features)
+
+
 def int4_grid(codes: torch.Tensor, groups: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The weights AVX2 hosts' int4 panels multiply (`kernels.py`, I4GridPanels), computed as the kernel computes
     them from int4 panels (`pack_int4_panels`' codes and groups): each code put on an int16 grid of its column and
@@ -301,10 +332,9 @@ def int4_grid(codes: torch.Tensor, groups: torch.Tensor, out_features: int) -> t
     g = k // groups.shape[1]
     scale, offset = groups[:, :, 0], groups[:, :, 1]  # fp32 [P, K / G, cols]
     bound = torch.maximum(offset.abs(), (15 * scale.double() + offset.double()).float().abs())  # (one fma)
-    chunks = [(c, min(k, c + 64)) for c in range(0, k, 64)]
-    top = torch.stack([bound[:, a // g : (b - 1) // g + 1].amax(1) for a, b in chunks], 1)  # [P, chunks, cols]
-    step = (top.double() / 1023).float()
-    inv = torch.where(step > 0, (1 / step.double()).float() * 32, torch.zeros_like(step))
+    top = torch.stack([bound[:, a // g : (b - 1) // g + 1].amax(1) for a, b in _grid_chunks(k)], 1)
+    step, inv = _grid_step(top)
+    inv = inv * 32
     chunk_of, group_of = torch.arange(k) // 64, torch.arange(k) // g
     s_units = torch.round(scale[:, group_of] * inv[:, chunk_of]).long()  # [P, K, cols]
     o_units = torch.round(offset[:, group_of] * inv[:, chunk_of]).long() + 16
