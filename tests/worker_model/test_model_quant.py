@@ -528,7 +528,9 @@ def test_one_byte_layers_of_an_odd_number_of_inputs_keep_fp32_activations(fp32_c
     """vpmaddwd multiplies inputs in pairs: an int8 or fp8 layer of an odd number of inputs widens its codes to fp32
     on every host, so its product is the dequantized weights' to fp32's rounding, with no int16 rounding of x."""
     gen = torch.Generator().manual_seed(5)
-    layer = make_linear(torch.randn(96, 201, generator=gen), None, quant, torch.float32, "panels_fp32", fp32_code_panels)
+    layer = make_linear(
+        torch.randn(96, 201, generator=gen), None, quant, torch.float32, "panels_fp32", fp32_code_panels
+    )
     assert not fp32_code_panels.panel_codes_int16(201) and "fp32 panels" in layer.path
     assert fp32_code_panels.panel_codes_int16(200) == (fp32_code_panels.vector_isa() == "avx2")
     w = layer.dequantize().double()

@@ -408,7 +408,9 @@ class RowScaledLinear:
             return f"the bf16 pair panels over the codes (panel_linear_bf16_codes), scales applied to the sums{inside}"
         if self._panels is not None:
             if self._int16:
-                grid = ", each panel put on an int16 grid per column and 64 inputs once per pass" if fmt.int16_grid else ""
+                grid = (
+                    ", each panel put on an int16 grid per column and 64 inputs once per pass" if fmt.int16_grid else ""
+                )
                 return (
                     f"the code panels times int16 activations ({fmt.native_panels}: no AVX-512 here, and AVX2's "
                     f"integer multiply-add outruns its fp32 FMAs), x rounded per row and 64 inputs{grid}, scales "
