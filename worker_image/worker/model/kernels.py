@@ -1985,7 +1985,11 @@ struct F8GridPanels : CodePanels<Fp8E4m3> {
           _mm256_store_ps(inv + v + 8 * h, _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(1.0f), step), some));
         }
       }
-      for (int64_t k = k0; k < k1; k += 2)
+      for (int64_t k = k0; k < k1; k += 2) {
+        // the next chunk's codes into L1 meanwhile (its max pass would wait on them)
+        const uint8_t* ahead = codes + (k + F32_PANEL_CHUNK) * F32_PANEL;
+        _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + 64), _MM_HINT_T0);
 #pragma GCC unroll 3
         for (int64_t j = 0; j < F32_PANEL; j += 16) {
           __m256 a[2], b[2];
@@ -1999,6 +2003,7 @@ struct F8GridPanels : CodePanels<Fp8E4m3> {
                                _mm256_blend_epi16(qa, _mm256_slli_epi32(qb, 16), 0xAA));
           }
         }
+      }
     }
   }
 };
