@@ -173,6 +173,19 @@ fp32 panels 2.28 / 1.36 / 1.14 / 1.07 / 0.93 / 1.10 / 1.14 (`bench/panel_ab.py -
 (it was < 5e-6 with the exact weights). A row's output does not depend on its batch (the grid depends on the
 weights only); it differs from an AVX-512 host's (fp32 x, exact weights) by the two roundings.
 
+**fp8 on AVX2 hosts: int16 activations, weights on an int16 grid** (stop 59). fp8 widened to fp32 read 0.95-0.96x
+our fp32 on W (stops 57-58), and e4m3 values need 18-bit integers to be exact. So where int8 takes its int16 path
+(`panel_codes_int16`), `panel_linear_fp8` rounds x as int8 does and puts each panel, once per pass, on an int16
+grid per column and 64-input chunk (`kernels.py`, F8GridPanels): the step the chunk's largest |value| / 1023, each
+value rounded to the nearest step (`testing.fp8_grid` computes the same values), within half a step: ~1/2046 of
+the chunk's largest weight, where e4m3 itself moves a weight by up to 1/16 of its own size. Agreement
+(`bench/quant.py`): 0.948 (182/192) as before, KL 0.0200 (0.0199 with the exact values). Against the path it
+replaced (`bench/panel_ab.py --base 5dbafe9 --paths fp8`, 5 rounds, Zen 3): 1 / 2 / 4 rows 0.70 / 0.69 / 0.80 (a
+pass's widening weighs on a few rows), 8-16 rows 1.01, 32-64 rows 1.09-1.10, 256 rows 1.16, 2048 rows 1.20; W
+(`bench/engine.py --variants fp32,fp8 --skip hf_static,ours_seq1,vllm --rounds 3`) 1.15x our fp32 (rounds 1.15,
+1.16, 0.99), where it read 0.96. A row's output does not depend on its batch; layers with an odd number of inputs
+keep the exact values and fp32 x.
+
 W8A8 (activations in int8 too) is not a variant: `bench/int8_study.py` measures why. Plain W8A8 misses the 0.95
 agreement floor (0.89) and keeping the 64 widest-range input channels out of the int8 GEMM recovers it (0.958, KL
 0.0046); `torch._int_mm` alone is ~6x the fp32 GEMM from 64 rows on (AMX int8 here), but quantizing and dequantizing
