@@ -2022,8 +2022,8 @@ static constexpr int i16_groups(int64_t rows) { return rows <= 2 ? 3 : 1; }
 // Prefetches as panel_chunk_avx2, in stretches of 16 inputs (against 8: bench/panel_ab.py --paths i8, 7 and 9
 // rounds, 16 rows 1.07, 32: 1.04-1.10, 64: 1.10-1.11, 4-8 rows 0.89-1.01). Never inlined: inlined into the pass,
 // GCC kept accumulators on the stack.
-// Grid (int4: an I4GridPanels scratch, columns in order, `steps` the chunk's 48 column steps): the sums times the
-// column's step times the chunk's, into the totals.
+// Grid (an I4GridPanels or F8GridPanels scratch, columns in order, `steps` the chunk's 48 column steps): the sums
+// times the column's step times the chunk's, into the totals.
 template <int MR, typename W, bool Grid = false, int GS = i16_groups(MR)>
 LLMFLEET_AVX2 __attribute__((noinline)) static void i16_chunk_avx2(I16Rows x, int64_t k0, int64_t k1,
                                                                    const W* __restrict__ panel, float* __restrict__ total,
@@ -2083,7 +2083,8 @@ LLMFLEET_AVX2 __attribute__((noinline)) static void i16_chunk_avx2(I16Rows x, in
 
 // panel_pass_avx2's contract over int16 rows (I16Rows; xs unused: the rows know their stride) and int8 codes or
 // their pair scratch: blocks of 4 rows, chunk by chunk (or block by block where the panel fits in L1), then out.
-// Grid: over an I4GridPanels scratch, each chunk's column steps (grid_steps) applied in the chunks (`scale` none).
+// Grid: over an I4GridPanels or F8GridPanels scratch, each chunk's column steps (grid_steps) applied in the chunks
+// (`scale`: none for int4, fp8's column scales).
 template <bool Grid = false, typename W>
 LLMFLEET_AVX2 __attribute__((noinline)) static void panel_pass_i16_avx2(int64_t rows, I16Rows x, int64_t, int64_t K,
                                                                         const W* __restrict__ panel,
@@ -2231,8 +2232,8 @@ static bool i16_ready(int64_t K) { return !cpu_has_avx512f() && K % 2 == 0; }
 // widened in stretches of gcd(G, F32_PANEL_CHUNK) inputs, one group's and one chunk's, by pairs of inputs)
 static bool i4_i16_ready(int64_t K, int64_t G) { return i16_ready(K) && G % 2 == 0; }
 
-// y = the int8 panels' (I8PairPanels) or the int4 panels' (Grid: I4GridPanels, their grid values) product with x
-// [M, K] on the int16 path: x quantized (quantize_rows_i16), then the passes. int4 against the fp32 panels
+// y = the int8 panels' (I8PairPanels) or the int4 or fp8 panels' (Grid: I4GridPanels, F8GridPanels, their grid
+// values) product with x [M, K] on the int16 path: x quantized (quantize_rows_i16), then the passes. int4 against the fp32 panels
 // (bench/panel_ab.py --paths int4 --against f32, 7 rounds, Zen 3): 1 row 2.28x, 8: 1.36, 16: 1.14, 32: 1.07, 64: 0.93 (rounds 0.84-1.24), 256: 1.10, 2048: 1.14,
 // where int4 widened to fp32 read 1.78 / 1.21 / 1.05 / 0.96 / 1.02 / 1.02 / 1.01 (5 rounds). Against the exact
 // path it replaced (--base 5b7dc0b, 7 rounds): 0.89 / 1.02 / 1.09 / 1.15 / 1.20 / 1.19 / 1.22. It trails int8's
