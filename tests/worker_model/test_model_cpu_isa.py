@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from worker.model.linear import PanelLinear
 from worker.model.llama import rms_norm, stack_operands
-from worker.model.quant import FP8_TO_FP16_EXP_SHIFT, Int4Linear, make_linear
+from worker.model.quant import Int4Linear, make_linear
 from worker.model.testing import Fp32PanelsOnly, causal_attention, fp8_grid, int4_grid, int16_rounding
 
 QUANTIZED = ("int8", "fp8", "int4")  # the formats an fp32 model multiplies on the panels
@@ -32,8 +32,7 @@ def grid_steps(layer) -> torch.Tensor:
     `fp8_grid`), in the weights' units: fp64 [out, in]."""
     if isinstance(layer, Int4Linear):
         return int4_grid(layer.packed, layer.scales_zeros, layer.out_features)[1]
-    unit = (layer.scale * FP8_TO_FP16_EXP_SHIFT).double()[:, None]
-    return fp8_grid(layer.weight, layer.out_features)[1] * unit
+    return fp8_grid(layer.weight, layer.scale)[1]
 
 
 # What the child computes with the capped extension: its report, and (where the panels run) the kernels' outputs.
@@ -54,7 +53,7 @@ CHILD = (
 import sys, torch
 from worker.model.kernels import _load_module
 from worker.model.linear import PanelLinear, available_kernels, choose_linear_kernel, read_cpu_flags
-from worker.model.quant import FP8_TO_FP16_EXP_SHIFT, Int4Linear, make_linear
+from worker.model.quant import Int4Linear, make_linear
 module, why = _load_module()
 if module is None:
     raise SystemExit(why)

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from worker.model.linear import DenseLinear
 from worker.model.quality import compare, reference
 from worker.model.quant import (
-    FP8_TO_FP16_EXP_SHIFT,
     Fp8Linear,
     Int4Linear,
     Int8Linear,
@@ -228,7 +227,7 @@ def test_an_fp32_models_one_byte_layers_multiply_their_codes_on_the_panels(
     """int8 and fp8 codes packed in panels, widened in the kernel, the scales and the bias applied to its sums: the
     product with the layer's own dequantized weights, to fp32's rounding; int8 on AVX2 hosts, which multiply int16
     activations, also within half an int16 step of each input times its weights; fp8 there, whose weights go on an
-    int16 grid too, the product of x's int16 values with the grid (`fp8_grid_of`)."""
+    int16 grid too, the product of x's int16 values with the grid (`fp8_grid`)."""
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(out_features, 200, generator=gen) * 0.05
     b = torch.randn(out_features, generator=gen) if bias else None
@@ -241,7 +240,7 @@ def test_an_fp32_models_one_byte_layers_multiply_their_codes_on_the_panels(
     exact = x.double() @ layer.dequantize().double().t() + (0 if b is None else b.double())
     rounding = 0.0 if quant == "fp8" else int16_rounding(x, layer.dequantize())
     if quant == "fp8" and panels.panel_codes_int16(200):
-        exact = int16_activations(x) @ fp8_grid_of(layer)[0].t() + (0 if b is None else b.double())
+        exact = int16_activations(x) @ fp8_grid(layer.weight, layer.scale)[0].t() + (0 if b is None else b.double())
     y = layer(x)
     assert y.shape == (rows, out_features) and y.dtype == torch.float32
     assert ((y.double() - exact).abs() - rounding).max().item() < 1e-5
@@ -268,14 +267,6 @@ def test_avx2_hosts_int8_panels_multiply_the_activations_int16_codes(fp32_code_p
     assert ((y - x.double() @ w.t()).abs() > fp32_rounding).any()  # (it is not fp32 x's product)
 
 
-def fp8_grid_of(layer: Fp8Linear) -> tuple[torch.Tensor, torch.Tensor]:
-    """An fp32 model's fp8 layer on the panels: the weights AVX2 hosts multiply (`fp8_grid`) and their steps, in the
-    weights' own units (fp64 [out, in])."""
-    unit = (layer.scale * FP8_TO_FP16_EXP_SHIFT).double()[:, None]
-    grid, steps = fp8_grid(layer.weight, layer.out_features)
-    return grid * unit, steps * unit
-
-
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 40, 300])
 def test_avx2_hosts_fp8_panels_multiply_int16_activations_by_the_weights_grid(fp32_code_panels, rows):
     """On AVX2 hosts the fp8 panels quantize x as the int8 ones do (int16 per row and 64-input chunk), put each
@@ -290,7 +281,7 @@ def test_avx2_hosts_fp8_panels_multiply_int16_activations_by_the_weights_grid(fp
         torch.randn(96, 1000, generator=gen) * 0.05, None, "fp8", torch.float32, "panels_fp32", fp32_code_panels
     )
     assert fp32_code_panels.panel_codes_int16(1000)
-    grid, steps = fp8_grid_of(layer)
+    grid, steps = fp8_grid(layer.weight, layer.scale)
     exact = layer.dequantize().double()
     assert ((grid - exact).abs() <= 0.5001 * steps).all()  # (half a step, and the step's own rounding)
     x = torch.randn(rows, 1000, generator=gen) * torch.logspace(-3, 2, 1000)[torch.randperm(1000, generator=gen)]
@@ -317,7 +308,7 @@ def test_the_fp8_grid_reads_back_every_finite_code_of_a_chunk(fp32_code_panels):
     packed = pack_panels(w8, fp32_code_panels.f32_panel_cols())
     n = finite.numel()
     y = fp32_code_panels.panel_linear_fp8(torch.eye(64), packed, n, torch.full((n,), 2.0**8), None)[5].double()
-    want = fp8_grid(packed, n)[0][:, 5] * 2.0**8
+    want = fp8_grid(packed, torch.ones(n))[0][:, 5]
     step = 448 / 1023
     assert ((want - finite.double()).abs() <= 0.5001 * step).all()
     assert ((y - want).abs() <= 1e-6 * 448).all()

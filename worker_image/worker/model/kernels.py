@@ -1415,15 +1415,21 @@ template <typename W>
 LLMFLEET_AVX2 static void widen_panel(const W* __restrict__ src, int64_t n, float* __restrict__ dst) {
   for (int64_t i = 0; i < n; i += 8) _mm256_store_ps(dst + i, panel_w8(src + i));
 }
-// ... fp8's 16 at a time (n a multiple of 16): one sign extension, shift and mask for two F16C conversions.
-// bench/panel_ab.py --paths fp8 against 8 at a time, two runs of 7 and 9 rounds on a Zen 3: 8 rows 1.15-1.21,
-// 16: 1.00-1.05, 32: 1.04-1.12, 64: 0.99.
+// 16 e4m3 codes' values / 2**8 as fp32, in two vectors (one sign extension, shift and mask for two F16C conversions)
+LLMFLEET_AVX2 static inline __attribute__((always_inline)) void e4m3_16(const uint8_t* w, __m256& lo, __m256& hi) {
+  const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(b, FP8_FP16_SHIFT), _mm256_set1_epi16(FP8_FP16_KEEP));
+  lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+// ... fp8's 16 at a time (n a multiple of 16, e4m3_16). bench/panel_ab.py --paths fp8 against 8 at a time, two
+// runs of 7 and 9 rounds on a Zen 3: 8 rows 1.15-1.21, 16: 1.00-1.05, 32: 1.04-1.12, 64: 0.99.
 LLMFLEET_AVX2 static void widen_panel(const Fp8E4m3* __restrict__ src, int64_t n, float* __restrict__ dst) {
   for (int64_t i = 0; i < n; i += 16) {
-    const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
-    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(b, FP8_FP16_SHIFT), _mm256_set1_epi16(FP8_FP16_KEEP));
-    _mm256_store_ps(dst + i, _mm256_cvtph_ps(_mm256_castsi256_si128(h)));
-    _mm256_store_ps(dst + i + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
+    __m256 lo, hi;
+    e4m3_16(&src[i].bits, lo, hi);
+    _mm256_store_ps(dst + i, lo);
+    _mm256_store_ps(dst + i + 8, hi);
   }
 }
 
@@ -1871,6 +1877,16 @@ template <typename T>  // (int16_t: to write them, const int16_t: to read them)
 static auto grid_steps(T* scratch, int64_t K) {
   return reinterpret_cast<std::conditional_t<std::is_const_v<T>, const float, float>*>(scratch + K * F32_PANEL);
 }
+// 8 columns' grid steps (top / GRID_TOP, `top` their chunk's largest |weight| or a bound of it) into `step`, and
+// `unit` / step into `inv` (0 where a column's chunk is all zeros)
+LLMFLEET_AVX2 static inline __attribute__((always_inline)) void grid_step8(__m256 top, float unit, float* step,
+                                                                          float* inv) {
+  const __m256 s = _mm256_div_ps(top, _mm256_set1_ps(GRID_TOP));
+  _mm256_store_ps(step, s);
+  const __m256 some = _mm256_cmp_ps(s, _mm256_setzero_ps(), _CMP_GT_OQ);
+  _mm256_store_ps(inv, _mm256_and_ps(_mm256_mul_ps(_mm256_div_ps(_mm256_set1_ps(1.0f), s), _mm256_set1_ps(unit)),
+                                     some));
+}
 struct I4GridPanels : Int4Panels {
   using Wide = int16_t;
   int64_t scratch_extra() const { return i16_chunks(K) * F32_PANEL * int64_t(sizeof(float)); }
@@ -1891,11 +1907,7 @@ struct I4GridPanels : Int4Panels {
           top = _mm256_max_ps(top, _mm256_max_ps(_mm256_and_ps(of, abs),
                                                  _mm256_and_ps(_mm256_fmadd_ps(fifteen, sc, of), abs)));
         }
-        const __m256 step = _mm256_div_ps(top, _mm256_set1_ps(GRID_TOP));
-        _mm256_store_ps(steps + c * F32_PANEL + v, step);
-        const __m256 some = _mm256_cmp_ps(step, _mm256_setzero_ps(), _CMP_GT_OQ);
-        _mm256_store_ps(inv + v, _mm256_and_ps(_mm256_mul_ps(_mm256_div_ps(_mm256_set1_ps(1.0f), step),
-                                                             _mm256_set1_ps(32.0f)), some));
+        grid_step8(top, 32.0f, steps + c * F32_PANEL + v, inv + v);
       }
       for (int64_t s0 = k0; s0 < k1; s0 += seg) {
         const float* sg = gr + (s0 / G) * 2 * F32_PANEL;
@@ -1947,13 +1959,6 @@ struct I4GridPanels : Int4Panels {
 // 20 vector operations for 32 weights, and its max pass weigh on a few rows' multiply-adds). Each chunk's codes
 // are asked for while the chunk before it converts: its max pass waited on them (1 row 1.27x, 2: 1.21x).
 static constexpr float FP32_ROUND_MAGIC = 12582912.0f;  // 1.5 * 2**23: x + this rounds x to an integer in the low bits
-// 16 e4m3 codes' values / 2**8 as fp32, in two vectors (one sign extension, shift and mask for two F16C conversions)
-LLMFLEET_AVX2 static inline __attribute__((always_inline)) void e4m3_16(const uint8_t* w, __m256& lo, __m256& hi) {
-  const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(b, FP8_FP16_SHIFT), _mm256_set1_epi16(FP8_FP16_KEEP));
-  lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
-  hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
-}
 struct F8GridPanels : CodePanels<Fp8E4m3> {
   using Wide = int16_t;
   static constexpr bool direct = false;
@@ -1982,12 +1987,7 @@ struct F8GridPanels : CodePanels<Fp8E4m3> {
       for (int64_t v = 0; v < F32_PANEL; v += 16) {
         __m256 tv[2];
         e4m3_16(top + v, tv[0], tv[1]);
-        for (int h = 0; h < 2; ++h) {
-          const __m256 step = _mm256_div_ps(tv[h], _mm256_set1_ps(GRID_TOP));
-          _mm256_store_ps(steps + c * F32_PANEL + v + 8 * h, step);
-          const __m256 some = _mm256_cmp_ps(step, _mm256_setzero_ps(), _CMP_GT_OQ);
-          _mm256_store_ps(inv + v + 8 * h, _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(1.0f), step), some));
-        }
+        for (int h = 0; h < 2; ++h) grid_step8(tv[h], 1.0f, steps + c * F32_PANEL + v + 8 * h, inv + v + 8 * h);
       }
       for (int64_t k = k0; k < k1; k += 2) {
         // the next chunk's codes into L1 meanwhile (its max pass would wait on them)
@@ -2233,9 +2233,9 @@ static bool i16_ready(int64_t K) { return !cpu_has_avx512f() && K % 2 == 0; }
 static bool i4_i16_ready(int64_t K, int64_t G) { return i16_ready(K) && G % 2 == 0; }
 
 // y = the int8 panels' (I8PairPanels) or the int4 or fp8 panels' (Grid: I4GridPanels, F8GridPanels, their grid
-// values) product with x [M, K] on the int16 path: x quantized (quantize_rows_i16), then the passes. int4 against the fp32 panels
-// (bench/panel_ab.py --paths int4 --against f32, 7 rounds, Zen 3): 1 row 2.28x, 8: 1.36, 16: 1.14, 32: 1.07, 64: 0.93 (rounds 0.84-1.24), 256: 1.10, 2048: 1.14,
-// where int4 widened to fp32 read 1.78 / 1.21 / 1.05 / 0.96 / 1.02 / 1.02 / 1.01 (5 rounds). Against the exact
+// values) product with x [M, K] on the int16 path: x quantized (quantize_rows_i16), then the passes. int4 against
+// the fp32 panels (bench/panel_ab.py --paths int4 --against f32, 7 rounds, Zen 3): 1 row 2.28x, 8: 1.36, 16: 1.14,
+// 32: 1.07, 64: 0.93 (rounds 0.84-1.24), 256: 1.10, 2048: 1.14, where int4 widened to fp32 read 1.78 / 1.21 / 1.05 / 0.96 / 1.02 / 1.02 / 1.01 (5 rounds). Against the exact
 // path it replaced (--base 5b7dc0b, 7 rounds): 0.89 / 1.02 / 1.09 / 1.15 / 1.20 / 1.19 / 1.22. It trails int8's
 // 1.1-1.25x from 16 rows by its widening (10 vector operations for 32 weights against int8's 4).
 template <bool Grid, typename Src>

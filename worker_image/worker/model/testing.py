@@ -303,13 +303,13 @@ def _grid_step(top: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return step, torch.where(step > 0, (1 / step.double()).float(), torch.zeros_like(step))
 
 
-def fp8_grid(codes: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_grid(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The weights AVX2 hosts' fp8 panels multiply (`kernels.py`, F8GridPanels), computed as the kernel computes them
     from fp8 panels (`pack_panels` of e4m3 codes, [P, K, cols]): each code's value / 2**8 (its fp16 pattern's) times
     1 / step rounded half to even (one fused multiply-add: the exact product, rounded once), the step the column's
-    chunk's largest |value| / 1023. Returns (the grid weights, each weight's step), both fp64 [out_features, K] in
-    units of the codes' value / 2**8, as the kernel's column scales take them."""
-    from worker.model.quant import fp8_to_fp16
+    chunk's largest |value| / 1023. `scale`: each output row's ([out_features], quantize_fp8's). Returns (the grid
+    weights, each weight's step), both fp64 [out_features, K] in the weights' units (times the row's scale)."""
+    from worker.model.quant import FP8_TO_FP16_EXP_SHIFT, fp8_to_fp16
 
     k = codes.shape[1]
     value = fp8_to_fp16(codes).float()  # [P, K, cols]
@@ -319,7 +319,9 @@ def fp8_grid(codes: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torc
     units = torch.round(value.double() * inv[:, chunk_of].double())
     assert units.abs().max() <= 1023, "the grid's values must fit its top"
     steps = step[:, chunk_of].double()
-    return unpack_panels(units * steps, out_features), unpack_panels(steps, out_features)
+    out_features = scale.shape[0]
+    unit = (scale.double() * FP8_TO_FP16_EXP_SHIFT)[:, None]
+    return unpack_panels(units * steps, out_features) * unit, unpack_panels(steps, out_features) * unit
 
 
 def int4_grid(codes: torch.Tensor, groups: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
