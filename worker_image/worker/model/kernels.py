@@ -1822,8 +1822,8 @@ LLMFLEET_AVX2 static void quantize_rows_i16(const float* x, int64_t M, int64_t K
 // 16 columns' weights (16 g .. 16 g + 15) of inputs k and k + 1 (k even) as int16 pairs (k's, k+1's) for vpmaddwd,
 // in two vectors: lo holds columns 0-3 and 8-11 of the 16, hi 4-7 and 12-15 (vpunpck*wd works within 128-bit
 // lanes; the chunk's epilogue puts the columns back in order). From int8 codes ([K, 48], widened in registers:
-// two sign extensions from memory and two unpacks for 32 products), or from a pair scratch (I8PairPanels::widen:
-// these vectors as they come, [K / 2, 3 groups, lo, hi]).
+// two sign extensions from memory and two unpacks for 32 products), or from a pair scratch (I8PairPanels::widen,
+// [K / 2, 3 groups, 2 vectors]), which holds them in column order already: 16 g .. 16 g + 7, then the next 8.
 struct PairW16 {
   __m256i lo, hi;
 };
@@ -1849,9 +1849,13 @@ struct I8PairPanels : CodePanels<int8_t> {
     const int8_t* codes = panel(p);
     for (int64_t k = 0; k < K; k += 2)
       for (int64_t g = 0; g < 3; ++g) {
+        // columns put in order once here, not at every chunk's flush (bench/panel_ab.py --paths i8, 9 rounds, Zen 3:
+        // 16 rows 1.02, 64: 1.02, 256: 1.04, 2048: 1.06)
         const PairW16 w = pair_w16(codes, k, g);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(dst + k * F32_PANEL + 32 * g), w.lo);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(dst + k * F32_PANEL + 32 * g + 16), w.hi);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(dst + k * F32_PANEL + 32 * g),
+                           _mm256_permute2x128_si256(w.lo, w.hi, 0x20));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(dst + k * F32_PANEL + 32 * g + 16),
+                           _mm256_permute2x128_si256(w.lo, w.hi, 0x31));
       }
   }
 };
@@ -1869,9 +1873,9 @@ struct I8PairPanels : CodePanels<int8_t> {
 // bits; code * S + O + 16, at most 32 * 1023 + 24 in magnitude, does not, so the wrapped sum is exact.) The grid
 // depends on the weights only: a row's output does not depend on its batch. SmolLM2's int4 agreement stays 1.000,
 // its KL 0.00002 (bench/quant.py; < 5e-6 with the exact weights).
-// The scratch: the K x 48 values as int8's pair scratch holds them but with columns in order (a vector 8 columns'
-// pairs: 16 g .. 16 g + 7, then 16 g + 8 .. 16 g + 15: the nibbles come apart in 16-bit lanes, so no unpack is
-// needed, and the flush no permute), then each chunk's 48 steps (grid_steps).
+// The scratch: the K x 48 values as int8's pair scratch holds them, columns in order (a vector 8 columns' pairs:
+// 16 g .. 16 g + 7, then 16 g + 8 .. 16 g + 15: the nibbles come apart in 16-bit lanes, so no unpack is needed),
+// then each chunk's 48 steps (grid_steps).
 static constexpr float GRID_TOP = 1023.0f;
 template <typename T>  // (int16_t: to write them, const int16_t: to read them)
 static auto grid_steps(T* scratch, int64_t K) {
@@ -2021,9 +2025,10 @@ static constexpr int i16_groups(int64_t rows) { return rows <= 2 ? 3 : 1; }
 // sums times its chunk scale added into its totals (rows x 48 floats), which the first chunk starts from zero.
 // Prefetches as panel_chunk_avx2, in stretches of 16 inputs (against 8: bench/panel_ab.py --paths i8, 7 and 9
 // rounds, 16 rows 1.07, 32: 1.04-1.10, 64: 1.10-1.11, 4-8 rows 0.89-1.01). Never inlined: inlined into the pass,
-// GCC kept accumulators on the stack.
-// Grid (an I4GridPanels or F8GridPanels scratch, columns in order, `steps` the chunk's 48 column steps): the sums
-// times the column's step times the chunk's, into the totals.
+// GCC kept accumulators on the stack. Over a scratch (W int16_t: columns in order) the sums go out as they are;
+// over int8 codes read directly, each group's lo and hi are put back in column order first.
+// Grid (an I4GridPanels or F8GridPanels scratch, `steps` the chunk's 48 column steps): the sums times the column's
+// step times the chunk's, into the totals.
 template <int MR, typename W, bool Grid = false, int GS = i16_groups(MR)>
 LLMFLEET_AVX2 __attribute__((noinline)) static void i16_chunk_avx2(I16Rows x, int64_t k0, int64_t k1,
                                                                    const W* __restrict__ panel, float* __restrict__ total,
@@ -2057,13 +2062,13 @@ LLMFLEET_AVX2 __attribute__((noinline)) static void i16_chunk_avx2(I16Rows x, in
     }
     for (int m = 0; m < MR; ++m) {
       const __m256 sc = _mm256_set1_ps(x.s[m * x.chunks + chunk]);
-      if constexpr (Grid) {
+      if constexpr (std::is_same_v<W, int16_t>) {  // a scratch: columns in order
         for (int g = 0; g < GS; ++g)
           for (int v = 0; v < 2; ++v) {
             const int64_t c = 16 * (g0 + g) + 8 * v;
             float* t = total + m * F32_PANEL + c;
-            _mm256_store_ps(t, _mm256_fmadd_ps(_mm256_cvtepi32_ps(v ? hi[m][g] : lo[m][g]),
-                                               _mm256_mul_ps(_mm256_load_ps(steps + c), sc),
+            const __m256 by = Grid ? _mm256_mul_ps(_mm256_load_ps(steps + c), sc) : sc;
+            _mm256_store_ps(t, _mm256_fmadd_ps(_mm256_cvtepi32_ps(v ? hi[m][g] : lo[m][g]), by,
                                                k0 ? _mm256_load_ps(t) : _mm256_setzero_ps()));
           }
         continue;
