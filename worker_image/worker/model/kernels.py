@@ -2026,8 +2026,8 @@ static constexpr int i16_groups(int64_t rows) { return rows <= 2 ? 3 : 1; }
 // Prefetches as panel_chunk_avx2, in stretches of 16 inputs (against 8: bench/panel_ab.py --paths i8, 7 and 9
 // rounds, 16 rows 1.07, 32: 1.04-1.10, 64: 1.10-1.11, 4-8 rows 0.89-1.01). Never inlined: inlined into the pass,
 // GCC kept accumulators on the stack. Tried at stop 60 (Zen 3): the 4-row loop over a scratch in inline assembly,
-// a whole chunk at once with the sums pinned in registers, ran 1.17x GCC's code in a standalone loop (61 against 52
-// GMAC/s a thread; GCC's constant-count unrolls spilled the sums, 0.8x) but 0.99-1.03x in the passes
+// a whole chunk at once with the sums pinned in registers, ran 1.11-1.16x GCC's code in a standalone loop (60-63
+// against 53-56 GMAC/s a thread; GCC's constant-count unrolls spilled the sums, 0.8x) but 0.99-1.03x in the passes
 // (bench/panel_ab.py, fp8 and int4 at 64-256 rows), which run ~45-50 GMAC/s a thread where the standalone loop ran
 // 61-69 over the same shapes and strides from L2: not kept; the passes' gap is still unexplained (no prefetch, a
 // 64-row pass and one panel in cache ran the same).
