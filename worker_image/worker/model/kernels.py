@@ -1501,6 +1501,23 @@ static inline __attribute__((always_inline)) void ask_for_lines(const char* next
   for (due += steps * span; due >= denom; due -= denom, ++line) _mm_prefetch(next + line * 64, _MM_HINT_T1);
 }
 
+// A chunk-by-chunk pass's next block (panel_pass_i16_avx2), asked for while this one runs: its r rows' x in the
+// chunk (`bytes` from `x`, rows `xs` bytes apart) and their totals (48 floats a row). Nothing predicts the jump to
+// the next block's rows, and x of a 256-row pass (int16: 295 KB at 576 inputs, 786 KB at 1536) sits in L2 or L3,
+// so each block's first touch of its lines waited there. Asking for the block after next read the same. (The fp32
+// pass asking the same way read 1.02-1.04x at 256-1024 rows on one thread, 0.98-1.01x on two over 30 layers: not
+// kept.)
+static inline __attribute__((always_inline)) void ask_for_block(const void* x, int64_t xs, int64_t r, int64_t bytes,
+                                                                const float* total) {
+  for (int64_t m = 0; m < r; ++m) {
+    const char* row = static_cast<const char*>(x) + m * xs;
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(row + o, _MM_HINT_T0);
+    _mm_prefetch(row + bytes - 1, _MM_HINT_T0);  // (a row's chunk may straddle one line more)
+    const char* t = reinterpret_cast<const char*>(total + m * F32_PANEL);
+    for (int64_t o = 0; o < F32_PANEL * int64_t(sizeof(float)); o += 64) _mm_prefetch(t + o, _MM_HINT_T0);
+  }
+}
+
 // The output columns 16 j .. 16 j + 15 of a block of 48 (ncols of them real): their mask, and their bias and scale
 // (zero where none), as panel_block's and pair_block's epilogues apply them: out = sum * scale + bias, or sum + bias.
 struct OutCols {
@@ -2029,8 +2046,8 @@ static constexpr int i16_groups(int64_t rows) { return rows <= 2 ? 3 : 1; }
 // a whole chunk at once with the sums pinned in registers, ran 1.11-1.16x GCC's code in a standalone loop (60-63
 // against 53-56 GMAC/s a thread; GCC's constant-count unrolls spilled the sums, 0.8x) but 0.99-1.03x in the passes
 // (bench/panel_ab.py, fp8 and int4 at 64-256 rows), which run ~45-50 GMAC/s a thread where the standalone loop ran
-// 61-69 over the same shapes and strides from L2: not kept; the passes' gap is still unexplained (no prefetch, a
-// 64-row pass and one panel in cache ran the same).
+// 61-69 over the same shapes and strides from L2: not kept. Part of that gap was each block's first wait on its
+// rows of x (ask_for_block: 1.04-1.18x, bench/panel_ab.py --paths i8,fp8,int4 --rows 64,256,2048, 7 rounds).
 // Over a scratch (W int16_t: columns in order) the sums go out as they are;
 // over int8 codes read directly, each group's lo and hi are put back in column order first.
 // Grid (an I4GridPanels or F8GridPanels scratch, `steps` the chunk's 48 column steps): the sums times the column's
@@ -2126,7 +2143,13 @@ LLMFLEET_AVX2 __attribute__((noinline)) static void panel_pass_i16_avx2(int64_t 
       for (int64_t k0 = 0; k0 < K; k0 += F32_PANEL_CHUNK) block(b, k0);
   } else {
     for (int64_t k0 = 0; k0 < K; k0 += F32_PANEL_CHUNK)
-      for (int64_t b = 0; b < blocks; ++b) block(b, k0);
+      for (int64_t b = 0; b < blocks; ++b) {
+        if (b + 1 < blocks)
+          ask_for_block(x.q + MR * (b + 1) * x.K + k0, x.K * int64_t(sizeof(int16_t)),
+                        std::min(MR, rows - MR * (b + 1)), std::min(F32_PANEL_CHUNK, K - k0) * int64_t(sizeof(int16_t)),
+                        total + MR * (b + 1) * F32_PANEL);
+        block(b, k0);
+      }
   }
   pass_out_avx2(rows, total, y, N, ncols, bias, scale, stream);
 }
