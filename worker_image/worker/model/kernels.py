@@ -2125,8 +2125,9 @@ LLMFLEET_AVX2 __attribute__((noinline)) static void panel_pass_i16_avx2(int64_t 
   const int64_t denom = K * (full * 3 / i16_groups(MR) + (tail ? 3 / i16_groups(tail) : 0));  // (sweeps of K)
   const char* pf = rows <= 2 ? nullptr : static_cast<const char*>(next);  // (as panel_pass_avx2)
   int64_t due = 0, line = 0;
+  const auto block_rows = [&](int64_t b) { return std::min(MR, rows - MR * b); };
   const auto block = [&](int64_t b, int64_t k0) {
-    const int64_t r = std::min(MR, rows - MR * b), k1 = std::min(K, k0 + F32_PANEL_CHUNK);
+    const int64_t r = block_rows(b), k1 = std::min(K, k0 + F32_PANEL_CHUNK);
     const I16Rows xb = x.at(MR * b);
     float* tb = total + MR * b * F32_PANEL;
     const float* st = nullptr;
@@ -2145,9 +2146,8 @@ LLMFLEET_AVX2 __attribute__((noinline)) static void panel_pass_i16_avx2(int64_t 
     for (int64_t k0 = 0; k0 < K; k0 += F32_PANEL_CHUNK)
       for (int64_t b = 0; b < blocks; ++b) {
         if (b + 1 < blocks)
-          ask_for_block(x.q + MR * (b + 1) * x.K + k0, x.K * int64_t(sizeof(int16_t)),
-                        std::min(MR, rows - MR * (b + 1)), std::min(F32_PANEL_CHUNK, K - k0) * int64_t(sizeof(int16_t)),
-                        total + MR * (b + 1) * F32_PANEL);
+          ask_for_block(x.at(MR * (b + 1)).q + k0, x.K * int64_t(sizeof(int16_t)), block_rows(b + 1),
+                        std::min(F32_PANEL_CHUNK, K - k0) * int64_t(sizeof(int16_t)), total + MR * (b + 1) * F32_PANEL);
         block(b, k0);
       }
   }
@@ -2269,9 +2269,10 @@ static bool i4_i16_ready(int64_t K, int64_t G) { return i16_ready(K) && G % 2 ==
 // y = the int8 panels' (I8PairPanels) or the int4 or fp8 panels' (Grid: I4GridPanels, F8GridPanels, their grid
 // values) product with x [M, K] on the int16 path: x quantized (quantize_rows_i16), then the passes. int4 against
 // the fp32 panels (bench/panel_ab.py --paths int4 --against f32, 7 rounds, Zen 3): 1 row 2.28x, 8: 1.36, 16: 1.14,
-// 32: 1.07, 64: 0.93 (rounds 0.84-1.24), 256: 1.10, 2048: 1.14, where int4 widened to fp32 read 1.78 / 1.21 / 1.05 / 0.96 / 1.02 / 1.02 / 1.01 (5 rounds). Against the exact
-// path it replaced (--base 5b7dc0b, 7 rounds): 0.89 / 1.02 / 1.09 / 1.15 / 1.20 / 1.19 / 1.22. It trails int8's
-// 1.1-1.25x from 16 rows by its widening (10 vector operations for 32 weights against int8's 4).
+// 32: 1.07, 64: 0.93 (rounds 0.84-1.24), 256: 1.10, 2048: 1.14, where int4 widened to fp32 read 1.78 / 1.21 / 1.05
+// / 0.96 / 1.02 / 1.02 / 1.01 (5 rounds). Against the exact path it replaced (--base 5b7dc0b, 7 rounds): 0.89 /
+// 1.02 / 1.09 / 1.15 / 1.20 / 1.19 / 1.22. It trails int8's 1.1-1.25x from 16 rows by its widening (10 vector
+// operations for 32 weights against int8's 4).
 template <bool Grid, typename Src>
 static void i16_linear(const torch::Tensor& x, const Src& w, int64_t P, int64_t N, const float* bias,
                        const float* scale, torch::Tensor& y, bool gated) {
