@@ -92,6 +92,7 @@ CPP_SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -1354,6 +1355,7 @@ static constexpr int64_t F32_PANEL = 48;
 // or 1536 do not fit) passes of 64-168 rows, sized to fit, read 0.96-1.04x at 256-2048 rows (bench/panel_ab.py,
 // three runs): the x rows re-read from L3 are not what holds a prompt chunk's GEMM below the FMA peak.
 static constexpr int64_t F32_PANEL_ROWS = 256;
+static constexpr int64_t PANEL_CLAIMS_PER_THREAD = 2;  // multi-pass calls: stretches of panels per pass, per thread
 // Whether y [M, N] (elt bytes an element, 64-byte aligned, N a multiple of 16) goes out with streaming stores: past
 // one pass of rows (a prompt chunk; panel_linear_run says what it measured), or when it is bigger than
 // STREAM_OUT_BYTES, which only an output head's logits are at decode sizes (SmolLM2's 49152 columns: 6-12.6 MB of
@@ -2221,9 +2223,13 @@ template <typename Src, typename Rows, typename Pass>
 static void panel_linear_run(const Rows& x, int64_t M, int64_t K, const Src& src, int64_t P, int64_t N,
                              const float* bias, const float* scale, float* y, const Pass& pass, bool gated) {
   using Wide = typename Src::Wide;
-  const int64_t half = P / 2, ld = gated ? N / 2 : N;
+  const int64_t half = P / 2, ld = gated ? N / 2 : N, units = gated ? half : P;
   const bool stream = !gated && streams_out(M, N, sizeof(float), y);
-  at::parallel_for(0, gated ? half : P, 1, [&](int64_t p0, int64_t p1) {
+  const int64_t passes = (M + F32_PANEL_ROWS - 1) / F32_PANEL_ROWS;
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  const int64_t stretches = passes > 1 && threads > 1 ? std::min(units, PANEL_CLAIMS_PER_THREAD * threads) : 0;
+  std::atomic<int64_t> claimed{0};
+  at::parallel_for(0, stretches ? threads : units, 1, [&](int64_t p0, int64_t p1) {
     const int64_t lines = src.bytes() / 64;  // a panel's 64-byte lines
     std::unique_ptr<float, decltype(&free)> wide(nullptr, &free), gu(nullptr, &free);
     if (gated) {
@@ -2231,7 +2237,8 @@ static void panel_linear_run(const Rows& x, int64_t M, int64_t K, const Src& src
       TORCH_CHECK(gu, "panel linear: out of memory for the gated scratch");
     }
     alignas(64) float total[F32_PANEL_ROWS * F32_PANEL];  // a pass's sums (panel_pass_avx2)
-    for (int64_t m0 = 0; m0 < M; m0 += F32_PANEL_ROWS) {
+    // the pass of rows m0 .. over units q0 .. q1 - 1
+    const auto run = [&](int64_t m0, int64_t q0, int64_t q1) {
       const int64_t rows = std::min(F32_PANEL_ROWS, M - m0);
       const bool widen = rows >= Src::widen_rows;
       if (widen && !wide) {  // (K x 48 of Wide: a multiple of 64 bytes, as aligned_alloc wants)
@@ -2252,7 +2259,15 @@ static void panel_linear_run(const Rows& x, int64_t M, int64_t K, const Src& src
         pass(rows, rows_at(x, m0, K), K, K, static_cast<const Wide*>(w), out, ldo, ncols, b, next, lines, st, sc,
              total);
       };
-      thread_panels(src, p0, p1, half, rows, y + m0 * ld, ld, gu.get(), stream, one);
+      thread_panels(src, q0, q1, half, rows, y + m0 * ld, ld, gu.get(), stream, one);
+    };
+    if (!stretches) {
+      for (int64_t m0 = 0; m0 < M; m0 += F32_PANEL_ROWS) run(m0, p0, p1);
+    } else {  // claims of (pass, stretch of units), pass after pass, until none is left
+      for (int64_t i; (i = claimed.fetch_add(1, std::memory_order_relaxed)) < passes * stretches;) {
+        const int64_t s = i % stretches;
+        run(i / stretches * F32_PANEL_ROWS, s * units / stretches, (s + 1) * units / stretches);
+      }
     }
     if (stream) _mm_sfence();  // streaming stores are weakly ordered: done before the join hands y on
   });
