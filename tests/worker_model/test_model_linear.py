@@ -25,8 +25,9 @@ from worker.model.linear import (
     read_cpu_flags,
     resolve_auto_dtype,
 )
-from worker.model.llama import LlamaModel
+from worker.model.llama import LlamaModel, stack_operands
 from worker.model.loader import load_weights
+from worker.model.quant import make_linear
 from worker.model.testing import make_tiny_llama
 
 BF16_CPU = frozenset({"avx512f", "avx512_bf16", "avx512_vnni"})
@@ -439,6 +440,35 @@ def test_bf16_panel_linear_writes_an_output_heads_logits_as_it_writes_their_part
     x = torch.randn(48, 64, generator=GEN).bfloat16()  # 48 x 48000: 4.6 MB of bf16, 9.2 of fp32 logits
     for layer in (PanelLinear(w, None, bf16_panels), PanelLinear(w, None, bf16_panels, fp32_out=True)):
         assert torch.equal(layer(x), torch.cat([layer(x[:16]), layer(x[16:32]), layer(x[32:])]))
+
+
+@pytest.mark.parametrize("kind", ["fp32", "int8", "fp8", "int4", "gated"])
+def test_a_prompt_chunks_panel_linears_are_the_same_whatever_the_thread_count(fp32_code_panels, kind):
+    """Past one 256-row pass the threads claim (pass, stretch of panels) items as they finish their last
+    (kernels.py: parallel_claims), so which thread multiplies what differs from call to call: each item's sums are
+    the same whoever takes them, so the output is the same bits at any thread count, and those of the passes taken
+    one call at a time. (fp32, the int8 / fp8 / int4 code panels, and gate+up with SiLU in the epilogue.)"""
+    panels = fp32_code_panels
+    gen = torch.Generator().manual_seed(7)
+    inter = 4 * panels.f32_panel_cols()  # gate's 4 panels and up's 4: items of one pair at 4 threads
+    w = torch.randn(2 * inter, 128, generator=gen) * 0.1
+    b = torch.randn(2 * inter, generator=gen)
+    if kind == "gated":
+        layer = PanelLinear(w, None, panels)
+        run = lambda x: panels.gated_linear(x, *stack_operands(layer), 2 * inter)  # noqa: E731
+    else:
+        run = make_linear(w, b, None if kind == "fp32" else kind, torch.float32, "panels_fp32", panels)
+    x = torch.randn(600, 128, generator=gen)  # two whole passes and a short one
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = run(x)
+        assert torch.equal(want, torch.cat([run(x[:256]), run(x[256:512]), run(x[512:])]))
+        for threads in (2, 3, 4):
+            torch.set_num_threads(threads)
+            assert torch.equal(run(x), want), f"{threads} threads"
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("threads", [1, 3])

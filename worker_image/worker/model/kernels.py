@@ -169,6 +169,26 @@ static void parallel_over_seqs(const int64_t* lens, int64_t n, const F& fn) {
   });
 }
 
+// Runs `thread(claim)` once on each of torch's threads (one call outside a parallel region or with one thread):
+// each calls claim() for the next of items 0 .. n - 1 until it answers -1, so a thread the host slows takes fewer
+// items. A fixed split (at::parallel_for's) waits at its join for the slowest thread: on these shared 2-core hosts
+// one core at times runs for a while well below the other (two one-thread runs of a 2048-row layer side by side
+// read 73-81 GFLOP/s each, one two-thread run 111-144 over the same minutes), and the other thread then idles.
+// Items go out in order, so the threads stay on neighbouring work (the same pass of rows, the same KV head).
+template <typename Thread>
+static void parallel_claims(int64_t n, const Thread& thread) {
+  std::atomic<int64_t> next{0};
+  const auto claim = [&]() {
+    const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+    return i < n ? i : int64_t{-1};
+  };
+  const int64_t threads = at::in_parallel_region() ? 1 : std::min<int64_t>(at::get_num_threads(), n);
+  if (threads <= 1)
+    thread(claim);
+  else
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { thread(claim); });
+}
+
 // split_bounds for tests: lens [n] int64.
 std::vector<int64_t> decode_split(torch::Tensor lens, int64_t parts) {
   TORCH_CHECK(lens.scalar_type() == at::kLong && lens.dim() == 1 && parts >= 1, "lens [n] int64, parts >= 1");
@@ -2225,11 +2245,13 @@ static void panel_linear_run(const Rows& x, int64_t M, int64_t K, const Src& src
   using Wide = typename Src::Wide;
   const int64_t half = P / 2, ld = gated ? N / 2 : N, units = gated ? half : P;
   const bool stream = !gated && streams_out(M, N, sizeof(float), y);
+  // past one pass of rows (a prompt chunk) threads claim (pass, stretch of panels) items in order; one pass keeps
+  // the fixed split, whose threads ask for each next panel of their run while the current one multiplies (claims
+  // there read 0.96-1.0x at 8-256 rows: bench/panel_ab.py)
   const int64_t passes = (M + F32_PANEL_ROWS - 1) / F32_PANEL_ROWS;
-  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
-  const int64_t stretches = passes > 1 && threads > 1 ? std::min(units, PANEL_CLAIMS_PER_THREAD * threads) : 0;
-  std::atomic<int64_t> claimed{0};
-  at::parallel_for(0, stretches ? threads : units, 1, [&](int64_t p0, int64_t p1) {
+  const int64_t stretches = std::min(units, PANEL_CLAIMS_PER_THREAD * int64_t(at::get_num_threads()));
+  // a thread's scratch, then each(run), its work: run(m0, q0, q1) takes the pass of rows m0 .. over units q0 .. q1 - 1
+  const auto thread = [&](const auto& each) {
     const int64_t lines = src.bytes() / 64;  // a panel's 64-byte lines
     std::unique_ptr<float, decltype(&free)> wide(nullptr, &free), gu(nullptr, &free);
     if (gated) {
@@ -2237,7 +2259,6 @@ static void panel_linear_run(const Rows& x, int64_t M, int64_t K, const Src& src
       TORCH_CHECK(gu, "panel linear: out of memory for the gated scratch");
     }
     alignas(64) float total[F32_PANEL_ROWS * F32_PANEL];  // a pass's sums (panel_pass_avx2)
-    // the pass of rows m0 .. over units q0 .. q1 - 1
     const auto run = [&](int64_t m0, int64_t q0, int64_t q1) {
       const int64_t rows = std::min(F32_PANEL_ROWS, M - m0);
       const bool widen = rows >= Src::widen_rows;
@@ -2261,15 +2282,20 @@ static void panel_linear_run(const Rows& x, int64_t M, int64_t K, const Src& src
       };
       thread_panels(src, q0, q1, half, rows, y + m0 * ld, ld, gu.get(), stream, one);
     };
-    if (!stretches) {
-      for (int64_t m0 = 0; m0 < M; m0 += F32_PANEL_ROWS) run(m0, p0, p1);
-    } else {  // claims of (pass, stretch of units), pass after pass, until none is left
-      for (int64_t i; (i = claimed.fetch_add(1, std::memory_order_relaxed)) < passes * stretches;) {
+    each(run);
+    if (stream) _mm_sfence();  // streaming stores are weakly ordered: done before the join hands y on
+  };
+  if (passes == 1) {
+    at::parallel_for(0, units, 1, [&](int64_t p0, int64_t p1) { thread([&](const auto& run) { run(0, p0, p1); }); });
+    return;
+  }
+  parallel_claims(passes * stretches, [&](const auto& claim) {
+    thread([&](const auto& run) {
+      for (int64_t i; (i = claim()) >= 0;) {
         const int64_t s = i % stretches;
         run(i / stretches * F32_PANEL_ROWS, s * units / stretches, (s + 1) * units / stretches);
       }
-    }
-    if (stream) _mm_sfence();  // streaming stores are weakly ordered: done before the join hands y on
+    });
   });
 }
 
@@ -2977,9 +3003,9 @@ static void f32_attention_run(const float* q, int64_t qs, const float* k, int64_
   const int64_t G = H / KVH;  // query heads per KV head
   // KV head by KV head (a thread's tasks then share one head's K^T and V, ~1 MB at 2048 keys: all three of
   // SmolLM2's at once overflowed L2), the query blocks in zigzag order, the group's heads side by side
-  at::parallel_for(0, nqb * H, 1, [&](int64_t begin, int64_t end) {
+  parallel_claims(nqb * H, [&](const auto& claim) {
     std::vector<float> s(F32_ATTN_ROWS * ls);
-    for (int64_t t = begin; t < end; ++t) {
+    for (int64_t t; (t = claim()) >= 0;) {
       const int64_t g = t / (nqb * G), r = t % (nqb * G), h = g * G + r % G;
       const int64_t r0 = order[r / G] * F32_ATTN_ROWS;
       const int64_t rows = std::min<int64_t>(F32_ATTN_ROWS, n - r0);
