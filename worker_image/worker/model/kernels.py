@@ -174,7 +174,11 @@ static void parallel_over_seqs(const int64_t* lens, int64_t n, const F& fn) {
 // items. A fixed split (at::parallel_for's) waits at its join for the slowest thread: on these shared 2-core hosts
 // one core at times runs for a while well below the other (two one-thread runs of a 2048-row layer side by side
 // read 73-81 GFLOP/s each, one two-thread run 111-144 over the same minutes), and the other thread then idles.
-// Items go out in order, so the threads stay on neighbouring work (the same pass of rows, the same KV head).
+// Items go out in order, so the threads stay on neighbouring work (the same pass of rows, the same KV head). Each
+// item's work is the same whoever takes it, so the outputs are the same bits at any thread count. W's prompt chunks
+// (bench/engine_parts.py, 3 pairs of runs alternating the builds, Zen 3): their linears 1.18x, 1.18x and 1.01x, the
+// run 1.15x, 1.09x and 1.01x, the gain largest on the noisiest pair. Decode attention's sequences claimed the same
+// way read 0.97x and 1.03x (bench/kv_layout.py --base): its calls are short, and parallel_over_seqs keeps its split.
 template <typename Thread>
 static void parallel_claims(int64_t n, const Thread& thread) {
   std::atomic<int64_t> next{0};
@@ -1375,7 +1379,9 @@ static constexpr int64_t F32_PANEL = 48;
 // or 1536 do not fit) passes of 64-168 rows, sized to fit, read 0.96-1.04x at 256-2048 rows (bench/panel_ab.py,
 // three runs): the x rows re-read from L3 are not what holds a prompt chunk's GEMM below the FMA peak.
 static constexpr int64_t F32_PANEL_ROWS = 256;
-static constexpr int64_t PANEL_CLAIMS_PER_THREAD = 2;  // multi-pass calls: stretches of panels per pass, per thread
+// Past one pass of rows, panel_linear_run's claims: each pass's panels cut into this many stretches per thread
+// (4 read the same as 2: bench/panel_ab.py, 11 rounds)
+static constexpr int64_t PANEL_CLAIMS_PER_THREAD = 2;
 // Whether y [M, N] (elt bytes an element, 64-byte aligned, N a multiple of 16) goes out with streaming stores: past
 // one pass of rows (a prompt chunk; panel_linear_run says what it measured), or when it is bigger than
 // STREAM_OUT_BYTES, which only an output head's logits are at decode sizes (SmolLM2's 49152 columns: 6-12.6 MB of
@@ -2245,9 +2251,12 @@ static void panel_linear_run(const Rows& x, int64_t M, int64_t K, const Src& src
   using Wide = typename Src::Wide;
   const int64_t half = P / 2, ld = gated ? N / 2 : N, units = gated ? half : P;
   const bool stream = !gated && streams_out(M, N, sizeof(float), y);
-  // past one pass of rows (a prompt chunk) threads claim (pass, stretch of panels) items in order; one pass keeps
-  // the fixed split, whose threads ask for each next panel of their run while the current one multiplies (claims
-  // there read 0.96-1.0x at 8-256 rows: bench/panel_ab.py)
+  // Past one pass of rows (a prompt chunk) the threads claim (pass, stretch of panels) items in order
+  // (parallel_claims). Against the fixed split (bench/panel_ab.py --base 49aa148 --paths f32,i8,fp8,int4 --rows
+  // 512,2048 --rounds 11, Zen 3): 512 rows 1.02-1.07x, 2048: f32 1.06, int8 1.13, fp8 1.11, int4 1.00; another run
+  // at 2048 rows, 15 rounds, on a noisier hour: f32 1.12, int8 1.28, int4 1.06. One pass (a decode batch) keeps the
+  // fixed split, whose threads ask for each next panel of their run while the current one multiplies: claims there
+  // read 0.96-1.00x at 8-256 rows, and 0.99-1.02x over an output head's 1024 panels at 8-64 rows.
   const int64_t passes = (M + F32_PANEL_ROWS - 1) / F32_PANEL_ROWS;
   const int64_t stretches = std::min(units, PANEL_CLAIMS_PER_THREAD * int64_t(at::get_num_threads()));
   // a thread's scratch, then each(run), its work: run(m0, q0, q1) takes the pass of rows m0 .. over units q0 .. q1 - 1
@@ -3002,7 +3011,9 @@ static void f32_attention_run(const float* q, int64_t qs, const float* k, int64_
                                         : (D == 64 ? f32_attention_block_avx2<64> : f32_attention_block_avx2<128>);
   const int64_t G = H / KVH;  // query heads per KV head
   // KV head by KV head (a thread's tasks then share one head's K^T and V, ~1 MB at 2048 keys: all three of
-  // SmolLM2's at once overflowed L2), the query blocks in zigzag order, the group's heads side by side
+  // SmolLM2's at once overflowed L2), the query blocks in zigzag order, the group's heads side by side; the tasks
+  // claimed in that order (parallel_claims; against the fixed split, SmolLM2's 2048 queries 1.03x, 512 1.09x, 512
+  // after 1536 cached 1.09x, 15 rounds on a Zen 3, /tmp scripts timing both builds in one process as panel_ab does)
   parallel_claims(nqb * H, [&](const auto& claim) {
     std::vector<float> s(F32_ATTN_ROWS * ls);
     for (int64_t t; (t = claim()) >= 0;) {
