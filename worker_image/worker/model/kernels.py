@@ -175,10 +175,11 @@ static void parallel_over_seqs(const int64_t* lens, int64_t n, const F& fn) {
 // one core at times runs for a while well below the other (two one-thread runs of a 2048-row layer side by side
 // read 73-81 GFLOP/s each, one two-thread run 111-144 over the same minutes), and the other thread then idles.
 // Items go out in order, so the threads stay on neighbouring work (the same pass of rows, the same KV head). Each
-// item's work is the same whoever takes it, so the outputs are the same bits at any thread count. W's prompt chunks
-// (bench/engine_parts.py, 3 pairs of runs alternating the builds, Zen 3): their linears 1.18x, 1.18x and 1.01x, the
-// run 1.15x, 1.09x and 1.01x, the gain largest on the noisiest pair. Decode attention's sequences claimed the same
-// way read 0.97x and 1.03x (bench/kv_layout.py --base): its calls are short, and parallel_over_seqs keeps its split.
+// item's work is the same whoever takes it, so the outputs are the same bits at any thread count. W on a Zen 3
+// (bench/engine_parts.py, the builds run base, new, new, base twice): fp32's prompt-chunk linears 1.24x and 1.14x,
+// the run 1.15x and 1.06x; int8's 1.08x and 1.07x, the run 1.10x and 1.11x (architecture.md, stop 61). Decode
+// attention's sequences claimed the same way read 0.97x and 1.03x (bench/kv_layout.py --base): its calls are
+// short, and parallel_over_seqs keeps its split.
 template <typename Thread>
 static void parallel_claims(int64_t n, const Thread& thread) {
   std::atomic<int64_t> next{0};
@@ -2259,7 +2260,7 @@ static void panel_linear_run(const Rows& x, int64_t M, int64_t K, const Src& src
   // read 0.96-1.00x at 8-256 rows, and 0.99-1.02x over an output head's 1024 panels at 8-64 rows.
   const int64_t passes = (M + F32_PANEL_ROWS - 1) / F32_PANEL_ROWS;
   const int64_t stretches = std::min(units, PANEL_CLAIMS_PER_THREAD * int64_t(at::get_num_threads()));
-  // a thread's scratch, then each(run), its work: run(m0, q0, q1) takes the pass of rows m0 .. over units q0 .. q1 - 1
+  // a thread's scratch, then each(run), its work: run(m0, q0, q1) takes rows m0 .. of one pass over units q0 .. q1 - 1
   const auto thread = [&](const auto& each) {
     const int64_t lines = src.bytes() / 64;  // a panel's 64-byte lines
     std::unique_ptr<float, decltype(&free)> wide(nullptr, &free), gu(nullptr, &free);
