@@ -217,3 +217,35 @@ def test_a_failing_stream_hands_over_to_the_python_rule(tok):
 
     ids = tok.encode("café naïve 東京 😀 and more", add_special_tokens=False)
     assert _deltas(Failing(tok), [], ids) == _deltas(_PythonOnly(tok), [], ids)
+
+
+def test_a_prompt_ending_inside_a_character_goes_back_to_the_fast_path(tok, sentencepiece_tok):
+    # the Python rule runs while the prompt's broken character is pending; once it has sent text ending in a
+    # whole character, a stream takes over, and the deltas stay the Python rule's
+    smile = tok.encode("😀", add_special_tokens=False)
+    cases = [(tok, tok.encode("Prompt: ", add_special_tokens=False) + smile[:-1])]
+    lone = sentencepiece_tok._tok.token_to_id("<0xE6>")  # the first byte of a 3-byte character
+    cases.append((sentencepiece_tok, sentencepiece_tok.encode("Prompt", add_special_tokens=False) + [lone]))
+    for t, prompt in cases:
+        ids = t.encode("hello there, café 東京 and more", add_special_tokens=False)
+        det = IncrementalDetokenizer(t, prompt)
+        assert det._step is None  # the prompt's last character is unfinished: the Python rule first
+        deltas = [det.add_token(i) for i in ids]
+        assert det._step is not None
+        assert deltas + [det.flush()] == _deltas(_PythonOnly(t), prompt, ids)
+
+
+def test_a_stream_that_failed_is_not_tried_again(tok):
+    made = []
+
+    class Failing(_PythonOnly):
+        def decode_stream(self, context_ids, skip_special_tokens=True):
+            def step(token):
+                raise RuntimeError("InvalidPrefix")
+
+            made.append(step)
+            return step
+
+    ids = tok.encode("plain ascii text, word after word", add_special_tokens=False)
+    assert _deltas(Failing(tok), [], ids) == _deltas(_PythonOnly(tok), [], ids)
+    assert len(made) == 1

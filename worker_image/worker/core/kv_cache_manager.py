@@ -102,6 +102,10 @@ class KVCacheManager:
         yet; on success they become the head of its block table. On failure nothing changes.
         """
         req_id = request.request_id
+        if not new_computed_blocks:  # a running request whose table has room (a decode, 15 steps in 16): as is
+            block_ids = self._block_ids.get(req_id)
+            if block_ids and request.num_computed_tokens + num_new_tokens <= len(block_ids) * self.block_size:
+                return block_ids
         blocks = self._blocks.get(req_id)
         hits = new_computed_blocks or []
         num_held = (len(blocks) if blocks else 0) + len(hits)

@@ -113,11 +113,23 @@ class OutputProcessor:
                     pieces.append(stops.release())
                     pieces.append(detok.flush())
                 new_text = "".join(pieces)
+        logprobs = req.output_logprobs[first_index:] if params.logprobs else None
         if finished:
             del self._states[req.request_id]
-        reason = FinishReason.STOP if stop_str is not None else status.finish_reason
-        logprobs = req.output_logprobs[first_index:] if params.logprobs else None
-        output = self._output(req, new_ids, new_text, finished, reason, logprobs, req.error)
+            reason = FinishReason.STOP if stop_str is not None else status.finish_reason
+            output = self._output(req, new_ids, new_text, True, reason, logprobs, req.error)
+        else:  # what `_output` builds for a request that goes on, without its call (64 a step)
+            output = RequestOutput(
+                req.request_id,
+                new_ids,
+                new_text,
+                False,
+                None,
+                len(req.prompt_token_ids),
+                len(out_ids),
+                req.num_cached_tokens,
+                logprobs,
+            )
         if params.top_logprobs:
             output.new_top_logprobs = req.output_top_logprobs[first_index:]
         if params.prompt_logprobs is not None and not st.prompt_logprobs_sent:

@@ -283,12 +283,15 @@ class IncrementalDetokenizer:
     rule itself; the byte table of a byte-level tokenizer sends a broken character's U+FFFD at once instead of
     holding it back (the same text). When the stream holds back `MAX_HELD_TOKENS` or fails (DecodeStream's prefix
     check is stricter), this detokenizer goes on with the Python rule; a prompt whose last tokens end in part of a
-    character starts on the Python rule.
+    character starts on the Python rule. The Python rule hands back to a new stream as soon as it has sent text that
+    ends in a whole character (its context is then text the stream may count as sent), unless a stream failed: a
+    random prompt ends in part of a character about one time in sixteen (SmolLM2's vocabulary), and its request
+    would otherwise pay two `decode` calls a token for its whole life.
     """
 
     CONTEXT_TOKENS = 5
     MAX_HELD_TOKENS = 64
-    __slots__ = ("_ids", "_skip", "_step", "_tokenizer", "prefix_offset", "read_offset")
+    __slots__ = ("_ids", "_make_stream", "_skip", "_step", "_tokenizer", "prefix_offset", "read_offset")
 
     def __init__(
         self, tokenizer: Decoder, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True
@@ -300,10 +303,11 @@ class IncrementalDetokenizer:
         self.read_offset = len(self._ids)
         # The stream starts from the context's text only when that text is whole: a context ending in part of a
         # character is text the stream has yet to send, where the Python rule counts it as sent.
-        make_stream = getattr(tokenizer, "decode_stream", None)
+        # None: no stream to hand to (the tokenizer has none, or one failed)
+        self._make_stream: Callable[[Sequence[int], bool], TokenStep] | None = getattr(tokenizer, "decode_stream", None)
         self._step: TokenStep | None = None
-        if make_stream is not None and not self._decode(self._ids).endswith(REPLACEMENT_CHAR):
-            self._step = make_stream(self._ids, skip_special_tokens)
+        if self._make_stream is not None and not self._decode(self._ids).endswith(REPLACEMENT_CHAR):
+            self._step = self._make_stream(self._ids, skip_special_tokens)
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
@@ -322,8 +326,8 @@ class IncrementalDetokenizer:
             return self._advance()
         try:
             delta = step(token)
-        except Exception:  # noqa: BLE001 - the stream's own prefix check: the Python rule takes over
-            self._step = None
+        except Exception:  # noqa: BLE001 - the stream's own prefix check: the Python rule takes over for good
+            self._step = self._make_stream = None
             return self._advance()
         if delta is not None:
             self.prefix_offset, self.read_offset = self.read_offset, len(ids)
@@ -343,7 +347,13 @@ class IncrementalDetokenizer:
             return ""
         delta = full_text[len(prefix_text) :]
         held = len(self._ids) - self.read_offset
-        self.prefix_offset = self.read_offset if held < self.MAX_HELD_TOKENS else len(self._ids) - self.CONTEXT_TOKENS
+        if held < self.MAX_HELD_TOKENS:
+            self.prefix_offset = self.read_offset
+            if self._make_stream is not None and not full_text.endswith(REPLACEMENT_CHAR):
+                # the text sent so far ends in a whole character: a stream from here sends what this rule would
+                self._step = self._make_stream(self._ids[self.prefix_offset :], self._skip)
+        else:
+            self.prefix_offset = len(self._ids) - self.CONTEXT_TOKENS
         self.read_offset = len(self._ids)
         return delta
 
