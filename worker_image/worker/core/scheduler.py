@@ -150,7 +150,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         num_new: dict[str, int] = {}  # request id -> tokens scheduled this step (drafts included)
-        drafts: dict[str, list[int]] = {}  # request id -> draft tokens to verify this step
+        # Running requests' shares, built as they are scheduled (a victim's is dropped): this loop has each
+        # request's state at hand, which a model step has just evicted from the caches (64 a step).
+        running_seqs: dict[str, ScheduledSeq] = {}
         preempted_ids: set[str] = set()
         speculate = self._speculation_on()
 
@@ -159,30 +161,32 @@ class Scheduler:
         allocate = self.kv.allocate_slots
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            rid = req.request_id
             known = len(req.prompt_token_ids) + len(req.output_token_ids) - req.num_computed_tokens
             n = min(known, budget)
             if speculate and n == known == 1:
                 draft = self._propose(req, budget)
                 # Drafts only where their slots fit: a draft is never worth a preemption.
-                if draft and allocate(req, 1 + len(draft)) is not None:
-                    drafts[req.request_id] = draft
-                    num_new[req.request_id] = 1 + len(draft)
+                if draft and (table := allocate(req, 1 + len(draft))) is not None:
+                    num_new[rid] = 1 + len(draft)
+                    running_seqs[rid] = self._scheduled_seq(req, 1 + len(draft), table, draft)
                     budget -= 1 + len(draft)
                     i += 1
                     continue
-            while allocate(req, n) is None:
+            while (table := allocate(req, n)) is None:
                 victim = max(self.running, key=lambda r: self._keys[r.request_id])
                 victim_index = self.running.index(victim)
                 self._preempt(victim, victim_index)
                 preempted_ids.add(victim.request_id)
                 budget += num_new.pop(victim.request_id, 0)
-                drafts.pop(victim.request_id, None)
+                running_seqs.pop(victim.request_id, None)
                 if victim_index < i:
                     i -= 1
                 if victim is req:
                     break
             else:
-                num_new[req.request_id] = n
+                num_new[rid] = n
+                running_seqs[rid] = self._scheduled_seq(req, n, table)
                 budget -= n
                 i += 1
 
@@ -194,7 +198,13 @@ class Scheduler:
         if not num_new and self.requests and not self.paused:
             # Cannot happen: the budget is positive and a lone request always fits. Fail loudly, never spin.
             raise RuntimeError(f"scheduler made no progress with {len(self.requests)} unfinished requests")
-        seqs = [self._scheduled_seq(self.requests[rid], n, drafts.get(rid, ())) for rid, n in num_new.items()]
+        seqs = list(running_seqs.values())
+        if len(seqs) < len(num_new):  # and the admitted ones', after the running ones as in `num_new`
+            kv, requests = self.kv, self.requests
+            seqs += [
+                self._scheduled_seq(requests[rid], n, kv.get_block_ids(rid))
+                for rid, n in itertools.islice(num_new.items(), len(seqs), None)
+            ]
         finished, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(
             seqs=seqs,
@@ -266,21 +276,23 @@ class Scheduler:
             return self._waiting
         return self._preempted if self._preempted[0][0] < self._waiting[0][0] else self._waiting
 
-    def _scheduled_seq(self, req: Request, n: int, draft: Sequence[int] = ()) -> ScheduledSeq:
+    @staticmethod
+    def _scheduled_seq(req: Request, n: int, block_ids: list[int], draft: Sequence[int] = ()) -> ScheduledSeq:
         # Runs for every scheduled request in every step: lengths read once, and the arguments go positionally (a
         # 12-field dataclass takes keywords at 3x the cost).
         start = req.num_computed_tokens
         end = start + n - len(draft)  # end of the known tokens this step computes
         outputs = req.output_token_ids
         num_tokens = len(req.prompt_token_ids) + len(outputs)
-        token_ids = token_slice(req, start, end)
+        # a decode's one token is the last output (no call); otherwise a slice of prompt and outputs
+        token_ids = outputs[-1:] if end == num_tokens == start + 1 and outputs else token_slice(req, start, end)
         if draft:
             token_ids = token_ids + list(draft)
         return ScheduledSeq(
             req.request_id,
             token_ids,
             start,
-            self.kv.get_block_ids(req.request_id),  # live: no copy of every id per request per step
+            block_ids,  # the KV manager's live table: no copy of every id per request per step
             end == num_tokens,  # sample
             req.sampling_params,
             len(outputs),  # num_output_tokens
