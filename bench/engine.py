@@ -89,6 +89,7 @@ LATENCY_TARGETS = {"ttft_p50_s": "TTFT p50", "itl_p99_ms": "ITL p99"}  # key -> 
 
 
 W_PROMPT_LEN, W_OUTPUT_LEN = (32, 512), (16, 256)  # workload W's prompt and output lengths (min, max)
+W_LOWEST_ID = 100  # W's prompts are token ids from here to the vocabulary's end: above the low special ids
 
 
 def add_shape_args(ap: argparse.ArgumentParser) -> None:
@@ -111,7 +112,7 @@ def make_workload(n: int, prompt_range: tuple[int, int], output_range: tuple[int
     work = []
     for _ in range(n):
         plen = rng.randint(*prompt_range)
-        work.append(([rng.randrange(100, vocab) for _ in range(plen)], rng.randint(*output_range)))
+        work.append(([rng.randrange(W_LOWEST_ID, vocab) for _ in range(plen)], rng.randint(*output_range)))
     return work
 
 

@@ -24,6 +24,7 @@ and the within-round ratio new / base (median, min, max), then one JSON object a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import statistics
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,15 +59,22 @@ def module_file(worker_image: Path) -> str:
     return out
 
 
-def base_module_file(rev: str) -> str:
-    """The extension of commit `rev`, built from a temporary worktree (removed afterwards)."""
-    with tempfile.TemporaryDirectory(prefix="panel_ab_") as tmp:
+@contextlib.contextmanager
+def worktree(rev: str) -> Iterator[Path]:
+    """Commit `rev` checked out in a temporary git worktree (removed afterwards): the base side of an A/B."""
+    with tempfile.TemporaryDirectory(prefix="bench_base_") as tmp:
         tree = Path(tmp) / "tree"
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-f", str(tree), rev], check=True)
         try:
-            return module_file(tree / "worker_image")
+            yield tree
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
+
+
+def base_module_file(rev: str) -> str:
+    """The extension of commit `rev`, built from a temporary worktree."""
+    with worktree(rev) as tree:
+        return module_file(tree / "worker_image")
 
 
 def load_module_file(path: str) -> Any:
