@@ -284,8 +284,7 @@ class Scheduler:
         end = start + n - len(draft)  # end of the known tokens this step computes
         outputs = req.output_token_ids
         num_tokens = len(req.prompt_token_ids) + len(outputs)
-        # a decode's one token is the last output (no call); otherwise a slice of prompt and outputs
-        token_ids = outputs[-1:] if end == num_tokens == start + 1 and outputs else token_slice(req, start, end)
+        token_ids = token_slice(req, start, end)
         if draft:
             token_ids = token_ids + list(draft)
         return ScheduledSeq(
