@@ -106,9 +106,9 @@ def _build(args, tokenizer, flush: bytearray | None = None) -> EngineCore:
     )
     max_tokens = args.steps * 2 + 64
     num_blocks = args.requests * (-(-(512 + max_tokens) // 16) + 1)
-    ids = (W_LOWEST_ID, tokenizer.vocab_size) if args.w_prompts else (32, 127)
-    runner = InstantRunner(num_blocks, 16, tokenizer, flush, ids if args.w_prompts else None)
-    core = EngineCore.from_config(config, runner)
+    sample_ids = (W_LOWEST_ID, tokenizer.vocab_size) if args.w_prompts else None
+    ids = sample_ids or (32, 127)  # prompts: W's ids, or printable bytes
+    core = EngineCore.from_config(config, InstantRunner(num_blocks, 16, tokenizer, flush, sample_ids))
     rnd = random.Random(0)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, stop=("never-seen",))
     for i in range(args.requests):
@@ -161,15 +161,13 @@ def _compare(args) -> None:
     """`--base REV`: REV's engine and this tree's, each in a child process (`--serve`), stepped in turn."""
     from panel_ab import worktree
 
-    argv = sys.argv[1:]
-    child_args = [a for i, a in enumerate(argv) if not a.startswith("--base") and (i == 0 or argv[i - 1] != "--base")]
     here = Path(__file__).resolve().parent.parent / "worker_image"
     with worktree(args.base) as tree:
         sides = {}
         for name, image in (("base", tree / "worker_image"), ("new", here)):
             env = dict(os.environ, PYTHONPATH=str(image))
             proc = subprocess.Popen(
-                [sys.executable, __file__, *child_args, "--serve"],
+                [sys.executable, __file__, *sys.argv[1:], "--serve"],  # --serve wins over --base
                 env=env,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
@@ -222,7 +220,7 @@ def main() -> None:
     parser.add_argument("--base", metavar="REV", help="compare the engine step with commit REV's, paired")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # one side of --base
     args = parser.parse_args()
-    if args.base:
+    if args.base and not args.serve:
         _compare(args)
         return
     if args.tokenizer:
