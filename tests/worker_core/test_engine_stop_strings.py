@@ -112,6 +112,44 @@ def test_any_split_gives_the_reference_result_and_holds_only_possible_starts(tex
     assert ("".join(emitted), stop) == reference(text, stops)
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(alphabet="ab]^-\\\nxyz.", max_size=40),
+    stops=st.lists(st.text(alphabet="ab]^-\\\n.", min_size=1, max_size=4), min_size=1, max_size=3).map(tuple),
+    cuts=st.lists(st.integers(0, 40), max_size=8),
+)
+def test_text_that_starts_no_stop_string_is_skipped_exactly(text, stops, cuts) -> None:
+    """Characters that start no stop string (x, y, z here) are skipped by a search, not walked one by one; what is
+    found and held is the same, whatever the split, with characters a regular expression's class treats apart."""
+    bounds = sorted({0, len(text), *[c for c in cuts if c <= len(text)]})
+    matcher = StopMatcher(stops)
+    emitted: list[str] = []
+    stop = None
+    for a, b in itertools.pairwise(bounds):
+        safe, stop = matcher.feed(text[a:b])
+        emitted.append(safe)
+        if stop is not None:
+            break
+        assert matcher.num_held_chars == proper_prefix_hold(text[:b], stops)
+    if stop is None:
+        emitted.append(matcher.release())
+    assert ("".join(emitted), stop) == reference(text, stops)
+
+
+@pytest.mark.parametrize(
+    ("deltas", "stops", "emitted", "stop", "held"),
+    [
+        (["xyz", "zy"], ("ab",), "xyzzy", None, 0),  # no character starts a stop string: all of it, at once
+        (["xa", "yab"], ("ab",), "xay", "ab", 0),  # back at the root after a false start
+        (["x]y", "z^"], ("^-", "]]"), "x]yz", None, 1),
+        (["a.b"], ("b", "."), "a", ".", 0),  # "." is a character, not any character
+        (["a\\b"], ("\\",), "a", "\\", 0),
+    ],
+)
+def test_matcher_skips_to_the_characters_that_start_a_stop_string(deltas, stops, emitted, stop, held) -> None:
+    assert feed_all(deltas, stops) == (emitted, stop, held)
+
+
 def test_history_kept_per_request_is_bounded_by_the_longest_stop_string() -> None:
     """A long output with the longest allowed stop strings keeps at most (longest - 1) characters of history
     in the stop matcher, and the processor no longer keeps the whole text."""
