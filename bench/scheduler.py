@@ -21,7 +21,8 @@ MB): the engine's Python objects are then evicted from the caches when its step 
 
 `--w-prompts` draws prompt and sampled token ids over the tokenizer's whole vocabulary (from id 100, as
 `bench/engine.py`'s W does) instead of printable bytes and one fixed token: byte pieces that split characters then
-reach the detokenizer as they do on W.
+reach the detokenizer as they do on W. Every request has a stop string ("never-seen"), so the stop matcher runs
+on every delta; `--no-stop-strings` leaves it out, as W's requests do.
 
 `--base REV` compares the engine step outside the model (the `engine_core` figure) of commit REV with this tree's,
 paired: two child processes run the same engine on the same requests, one importing REV's `worker_image` (from a
@@ -110,7 +111,8 @@ def _build(args, tokenizer, flush: bytearray | None = None) -> EngineCore:
     ids = sample_ids or (32, 127)  # prompts: W's ids, or printable bytes
     core = EngineCore.from_config(config, InstantRunner(num_blocks, 16, tokenizer, flush, sample_ids))
     rnd = random.Random(0)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, stop=("never-seen",))
+    stop = () if args.no_stop_strings else ("never-seen",)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, stop=stop)
     for i in range(args.requests):
         prompt = [rnd.randrange(*ids) for _ in range(rnd.randrange(32, 513))]
         core.add_request(f"r{i}", prompt, params)
@@ -197,6 +199,7 @@ def _compare(args) -> None:
         "steps": args.steps,
         "cold_mb": args.cold,
         "w_prompts": args.w_prompts,
+        "stop_strings": not args.no_stop_strings,
         "engine_core_base": _stats(times["base"]),
         "engine_core_new": _stats(times["new"]),
         "x_base_p50": round(statistics.median(ratios), 3),  # base / new per step pair: above 1, this tree is faster
@@ -217,6 +220,7 @@ def main() -> None:
     parser.add_argument("--tokenizer", help="model folder whose tokenizer to use (default: the byte tokenizer)")
     parser.add_argument("--cold", type=int, default=0, metavar="MB", help="read MB of memory between steps")
     parser.add_argument("--w-prompts", action="store_true", help="prompt and sampled ids over the whole vocabulary")
+    parser.add_argument("--no-stop-strings", action="store_true", help="requests without a stop string, as W's")
     parser.add_argument("--base", metavar="REV", help="compare the engine step with commit REV's, paired")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # one side of --base
     args = parser.parse_args()

@@ -5,7 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from worker.model.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer
+from worker.model.tokenizer import (
+    REPLACEMENT_CHAR,
+    ByteLevelDetokenizer,
+    IncrementalDetokenizer,
+    Tokenizer,
+    incremental_detokenizer,
+)
 
 TEXTS = ["Hello, world!", "café naïve 東京 😀", "def add(a, b):\n    return a + b", "  leading spaces", ""]
 
@@ -249,3 +255,39 @@ def test_a_stream_that_failed_is_not_tried_again(tok):
     ids = tok.encode("plain ascii text, word after word", add_special_tokens=False)
     assert _deltas(Failing(tok), [], ids) == _deltas(_PythonOnly(tok), [], ids)
     assert len(made) == 1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_request_of_a_byte_level_tokenizer_gets_its_one_call_detokenizer(tok, seed):
+    # random ids over the whole vocabulary (byte pieces that split characters or never form one, specials) after a
+    # prompt that ends in a whole character: one call a token, and the text of the Python rule
+    import random
+
+    rng = random.Random(seed)
+    prompt = tok.encode("Prompt: ")
+    ids = [rng.randrange(tok.vocab_size) for _ in range(300)]
+    det = incremental_detokenizer(tok, prompt)
+    assert isinstance(det, ByteLevelDetokenizer)
+    text = "".join(det.add_token(i) for i in ids) + det.flush()
+    assert text == "".join(_deltas(_PythonOnly(tok), prompt, ids))
+    assert text == tok.decode(prompt + ids)[len(tok.decode(prompt)) :]
+    assert det.flush() == ""
+
+
+def test_the_other_requests_get_the_incremental_detokenizer(tok, sentencepiece_tok):
+    smile = tok.encode("😀", add_special_tokens=False)
+    broken = tok.encode("Prompt: ", add_special_tokens=False) + smile[:-1]  # ends inside a character
+    assert isinstance(incremental_detokenizer(tok, broken), IncrementalDetokenizer)
+    for t in (sentencepiece_tok, _PythonOnly(tok)):  # not byte-level; no table at all
+        assert isinstance(
+            incremental_detokenizer(t, t.encode("Prompt") if t is sentencepiece_tok else [5]), IncrementalDetokenizer
+        )
+
+
+def test_a_byte_level_detokenizer_keeps_back_an_unfinished_character_until_the_end(tok):
+    smile = tok.encode("😀", add_special_tokens=False)
+    assert len(smile) > 1  # a character in several byte pieces
+    det = incremental_detokenizer(tok, tok.encode("Prompt: "))
+    assert [det.add_token(i) for i in smile[:-1]] == [""] * (len(smile) - 1)
+    assert det.flush() == REPLACEMENT_CHAR  # sent whole at the end, as the Python rule's flush does
+    assert [det.add_token(i) for i in smile] == [""] * (len(smile) - 1) + ["😀"]

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from worker.core.request import FINISHED_STATUSES, FinishReason, Request, RequestStatus
 from worker.engine.protocol import RequestOutput
 from worker.engine.stop_strings import StopMatcher
-from worker.model.tokenizer import Decoder, IncrementalDetokenizer
+from worker.model.tokenizer import Decoder, Detokenizer, incremental_detokenizer
 
 
 @dataclass(slots=True)
 class _State:
-    detokenizer: IncrementalDetokenizer | None
+    detokenizer: Detokenizer | None
     stops: StopMatcher | None  # None: no stop strings (all decoded text is sent at once)
     num_sent_tokens: int = 0
     prompt_logprobs_sent: bool = False
@@ -43,7 +43,7 @@ class OutputProcessor:
 
     def add_request(self, request: Request) -> None:
         stops = request.sampling_params.stop if self._tokenizer is not None else ()
-        detok = None if self._tokenizer is None else IncrementalDetokenizer(self._tokenizer, request.prompt_token_ids)
+        detok = None if self._tokenizer is None else incremental_detokenizer(self._tokenizer, request.prompt_token_ids)
         self._states[request.request_id] = _State(detok, StopMatcher(stops) if stops else None)
 
     def num_held_chars(self, request_id: str) -> int:

@@ -142,26 +142,46 @@ def whole_piece_texts(pieces: list[bytes]) -> list[str | None]:
     return texts
 
 
-def _byte_level_step(pieces: list[bytes], texts: list[str | None]) -> TokenStep:
-    """An incremental UTF-8 decoder over a byte-level tokenizer's pieces (what `codecs`' incremental decoder does,
-    without its Python object): a whole-character token with nothing pending is its precomputed text; otherwise
-    the pending bytes and the token's go through `utf_8_decode`, which keeps an unfinished character's bytes back."""
-    pending = b""
+class ByteLevelDetokenizer:
+    """Text deltas of a byte-level tokenizer's tokens (special tokens skipped): each token's bytes through an
+    incremental UTF-8 decoder, which keeps back only the bytes of an unfinished character (`codecs`' decoder does
+    the same, with a Python object of its own). A whole-character token with nothing pending is its precomputed text.
 
-    def step(token: int) -> str | None:
-        nonlocal pending
+    No context and no bound are needed: UTF-8 resynchronises at every character, so the text of the tokens after a
+    prompt whose last character is whole is the UTF-8 of their bytes alone; and what it keeps back is at most three
+    bytes, so nothing is decoded again. `incremental_detokenizer` gives one to a request whose prompt allows it: one
+    call per token in the engine's step, where `IncrementalDetokenizer` wraps this in a second."""
+
+    __slots__ = ("_pending", "_pieces", "_texts")
+
+    def __init__(self, pieces: list[bytes], texts: list[str | None]) -> None:
+        self._pieces = pieces
+        self._texts = texts
+        self._pending = b""
+
+    def add_token(self, token: int) -> str:
+        """The text this token completes (may be empty)."""
+        pending = self._pending
         if not pending:
-            text = texts[token]
+            text = self._texts[token]
             if text is not None:
                 return text
-            data = pieces[token]
+            data = self._pieces[token]
         else:
-            data = pending + pieces[token]
+            data = pending + self._pieces[token]
         decoded, used = codecs.utf_8_decode(data, "replace", False)
-        pending = data[used:]
-        return decoded or None
+        self._pending = data[used:]
+        return decoded
 
-    return step
+    def step(self, token: int) -> str | None:
+        """`add_token` as a `TokenStep` (None: held back), for `IncrementalDetokenizer`'s streams."""
+        return self.add_token(token) or None
+
+    def flush(self) -> str:
+        """At the end of a request: the bytes still kept back (an unfinished character decodes as U+FFFD)."""
+        text = codecs.utf_8_decode(self._pending, "replace", True)[0]
+        self._pending = b""
+        return text
 
 
 class Tokenizer:
@@ -242,12 +262,19 @@ class Tokenizer:
         context: each token's bytes go through an incremental UTF-8 decoder, which holds back only the bytes of an
         unfinished character. Others go through `tokenizers`' DecodeStream (Rust, `context_ids` as left context),
         which follows the same prefix/read-offset rule as `IncrementalDetokenizer`'s own."""
-        pieces, texts = self._pieces, self._piece_texts
-        if pieces is not None and texts is not None and skip_special_tokens:
-            return _byte_level_step(pieces, texts)
+        byte_level = self.byte_level_detokenizer() if skip_special_tokens else None
+        if byte_level is not None:
+            return byte_level.step
         stream = DecodeStream(ids=list(context_ids), skip_special_tokens=skip_special_tokens)
         tok = self._tok
         return lambda token: stream.step(tok, token)
+
+    def byte_level_detokenizer(self) -> ByteLevelDetokenizer | None:
+        """A detokenizer over this tokenizer's table of pieces (special tokens skipped); None when it is not
+        byte-level (`byte_level_pieces`)."""
+        if self._pieces is None or self._piece_texts is None:
+            return None
+        return ByteLevelDetokenizer(self._pieces, self._piece_texts)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if self._template is None:
@@ -264,6 +291,31 @@ class Decoder(Protocol):
     skip_special_tokens)` (as `Tokenizer` has) lets `IncrementalDetokenizer` decode with one call per token."""
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class Detokenizer(Protocol):
+    """One request's text deltas (`IncrementalDetokenizer`, or a `ByteLevelDetokenizer`)."""
+
+    def add_token(self, token: int) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+def _ends_whole(tokenizer: Decoder, ids: Sequence[int], skip_special_tokens: bool = True) -> bool:
+    """Whether the text of `ids` ends in a whole character (a prompt's context that a stream may count as sent)."""
+    return not tokenizer.decode(ids, skip_special_tokens=skip_special_tokens).endswith(REPLACEMENT_CHAR)
+
+
+def incremental_detokenizer(tokenizer: Decoder, prompt_token_ids: Sequence[int]) -> Detokenizer:
+    """The detokenizer of one request: a byte-level tokenizer's own (`Tokenizer.byte_level_detokenizer`: one call
+    a token) when the prompt's context ends in a whole character, else an `IncrementalDetokenizer` (which decides
+    the same way whether to start on a stream). The text is the same either way."""
+    make: Callable[[], Detokenizer | None] | None = getattr(tokenizer, "byte_level_detokenizer", None)
+    byte_level = None if make is None else make()
+    context = prompt_token_ids[-IncrementalDetokenizer.CONTEXT_TOKENS :]
+    if byte_level is not None and _ends_whole(tokenizer, context):
+        return byte_level
+    return IncrementalDetokenizer(tokenizer, prompt_token_ids)
 
 
 class IncrementalDetokenizer:
@@ -306,7 +358,7 @@ class IncrementalDetokenizer:
         # None: no stream to hand to (the tokenizer has none, or one failed)
         self._make_stream: Callable[[Sequence[int], bool], TokenStep] | None = getattr(tokenizer, "decode_stream", None)
         self._step: TokenStep | None = None
-        if self._make_stream is not None and not self._decode(self._ids).endswith(REPLACEMENT_CHAR):
+        if self._make_stream is not None and _ends_whole(tokenizer, self._ids, skip_special_tokens):
             self._step = self._make_stream(self._ids, skip_special_tokens)
 
     def _decode(self, ids: Sequence[int]) -> str:
