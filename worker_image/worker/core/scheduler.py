@@ -372,6 +372,8 @@ class Scheduler:
         logprobs = runner_output.logprobs
         failed = runner_output.failed
         requests = self.requests
+        # Without prefix caching there is nothing to index: no call per request per step.
+        cache_blocks = self.kv.cache_computed_blocks if self.kv.enable_caching else None
         updated = []
         finished = []
         for seq in scheduler_output.seqs:
@@ -391,7 +393,8 @@ class Scheduler:
                 updated.append(req)
                 continue
             req.num_computed_tokens += len(seq.token_ids)
-            self.kv.cache_computed_blocks(req)
+            if cache_blocks is not None:
+                cache_blocks(req)
             if seq.prompt_targets:
                 record_prompt_logprobs(req, seq, runner_output.prompt_logprobs[seq.req_id])
             if not seq.sample:
