@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 from worker.core.config import EngineConfig
 from worker.core.errors import QueueFullError
@@ -156,26 +156,26 @@ class Scheduler:
         preempted_ids: set[str] = set()
         speculate = self._speculation_on()
 
-        # 1. Running requests, in admission order.
+        # 1. Running requests, in admission order (a preemption deletes from this same list).
         i = 0
-        allocate = self.kv.allocate_slots
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        running, allocate, scheduled_seq = self.running, self.kv.allocate_slots, self._scheduled_seq
+        while i < len(running) and budget > 0:
+            req = running[i]
             rid = req.request_id
             known = len(req.prompt_token_ids) + len(req.output_token_ids) - req.num_computed_tokens
-            n = min(known, budget)
+            n = known if known < budget else budget
             if speculate and n == known == 1:
                 draft = self._propose(req, budget)
                 # Drafts only where their slots fit: a draft is never worth a preemption.
                 if draft and (table := allocate(req, 1 + len(draft))) is not None:
                     num_new[rid] = 1 + len(draft)
-                    running_seqs[rid] = self._scheduled_seq(req, 1 + len(draft), table, draft)
+                    running_seqs[rid] = scheduled_seq(req, 1 + len(draft), table, tuple(draft))
                     budget -= 1 + len(draft)
                     i += 1
                     continue
             while (table := allocate(req, n)) is None:
-                victim = max(self.running, key=lambda r: self._keys[r.request_id])
-                victim_index = self.running.index(victim)
+                victim = max(running, key=lambda r: self._keys[r.request_id])
+                victim_index = running.index(victim)
                 self._preempt(victim, victim_index)
                 preempted_ids.add(victim.request_id)
                 budget += num_new.pop(victim.request_id, 0)
@@ -186,7 +186,7 @@ class Scheduler:
                     break
             else:
                 num_new[rid] = n
-                running_seqs[rid] = self._scheduled_seq(req, n, table)
+                running_seqs[rid] = scheduled_seq(req, n, table)
                 budget -= n
                 i += 1
 
@@ -277,7 +277,7 @@ class Scheduler:
         return self._preempted if self._preempted[0][0] < self._waiting[0][0] else self._waiting
 
     @staticmethod
-    def _scheduled_seq(req: Request, n: int, block_ids: list[int], draft: Sequence[int] = ()) -> ScheduledSeq:
+    def _scheduled_seq(req: Request, n: int, block_ids: list[int], draft: tuple[int, ...] = ()) -> ScheduledSeq:
         # Runs for every scheduled request in every step: lengths read once, and the arguments go positionally (a
         # 12-field dataclass takes keywords at 3x the cost).
         start = req.num_computed_tokens
@@ -297,7 +297,7 @@ class Scheduler:
             len(outputs),  # num_output_tokens
             req.eos_token_id,
             () if req.sampling_params.prompt_logprobs is None else prompt_targets(req, start, end),
-            tuple(draft),
+            draft,
             req.lora,
             -1 if req.lora_slot is None else req.lora_slot,
         )

@@ -14,7 +14,7 @@ text wins (the longest of those ending at the same character), so the result doe
 was split into deltas. While nothing is held (the automaton at its root), characters that start no stop string
 leave it there: `feed` skips to the next one that does with one `re` search (C) instead of a transition per
 character, so most deltas of most requests cost one call (at 64 running requests each with a stop string, the
-per-character loop was ~40% of the engine's step outside the model). Imports nothing of ours.
+per-character loop took about a third of the engine's step outside the model). Imports nothing of ours.
 """
 
 from __future__ import annotations

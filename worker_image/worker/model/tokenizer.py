@@ -6,7 +6,9 @@
 `IncrementalDetokenizer` turns a growing list of ids into text deltas the way vLLM's `detokenize_incrementally`
 does (prefix/read offsets), never emitting half of a multi-byte character. It runs on the engine's thread once
 per token of every running request, so `Tokenizer.decode_stream` gives it a faster path: for byte-level
-tokenizers a table of each token's bytes and an incremental UTF-8 decoder, for others `tokenizers`' DecodeStream.
+tokenizers a table of each token's bytes and an incremental UTF-8 decoder (`ByteLevelDetokenizer`, which
+`incremental_detokenizer` hands a request directly where it can: one call a token), for others `tokenizers`'
+DecodeStream.
 
 Encoding goes through `encode_batch`, which releases the GIL (`encode` holds it for the whole call: a 16 MB text
 froze every other thread for 8 s), so a server may tokenize on a worker thread and keep answering.
