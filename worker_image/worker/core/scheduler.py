@@ -374,11 +374,13 @@ class Scheduler:
         requests = self.requests
         # Without prefix caching there is nothing to index: no call per request per step.
         cache_blocks = self.kv.cache_computed_blocks if self.kv.enable_caching else None
-        updated = []
+        check_stop = self._check_stop
+        updated: list[Request] = []
         finished = []
         for seq in scheduler_output.seqs:
-            req = requests[seq.req_id]
-            error = failed.get(seq.req_id) if failed else None
+            rid = seq.req_id
+            req = requests[rid]
+            error = failed.get(rid) if failed else None
             if error is not None:  # its KV of this step may be missing: never cache it, end the request
                 req.status = RequestStatus.FINISHED_ERROR
                 req.error = error
@@ -386,7 +388,7 @@ class Scheduler:
                 updated.append(req)
                 continue
             if seq.draft_token_ids:
-                status = self._apply_verified(req, seq, runner_output.verified_token_ids.get(seq.req_id))
+                status = self._apply_verified(req, seq, runner_output.verified_token_ids.get(rid))
                 if status is not None:
                     req.status = status
                     finished.append(req)
@@ -396,16 +398,17 @@ class Scheduler:
             if cache_blocks is not None:
                 cache_blocks(req)
             if seq.prompt_targets:
-                record_prompt_logprobs(req, seq, runner_output.prompt_logprobs[seq.req_id])
+                record_prompt_logprobs(req, seq, runner_output.prompt_logprobs[rid])
             if not seq.sample:
                 continue
-            token = sampled[seq.req_id]
+            token = sampled[rid]
             req.output_token_ids.append(token)
-            if req.sampling_params.logprobs:
-                req.output_logprobs.append(logprobs[seq.req_id])
-                if req.sampling_params.top_logprobs:
-                    req.output_top_logprobs.append(runner_output.top_logprobs[seq.req_id])
-            status = self._check_stop(req, token)
+            params = req.sampling_params
+            if params.logprobs:
+                req.output_logprobs.append(logprobs[rid])
+                if params.top_logprobs:
+                    req.output_top_logprobs.append(runner_output.top_logprobs[rid])
+            status = check_stop(req, token)
             if status is not None:
                 req.status = status
                 finished.append(req)

@@ -53,16 +53,17 @@ class OutputProcessor:
 
     def process(self, requests: list[Request]) -> ProcessedOutputs:
         result = ProcessedOutputs()
+        process_one, add_output = self._process_one, result.outputs.append  # once, not per request
         for req in requests:
             try:
-                output, stop = self._process_one(req)
+                output, stop = process_one(req)
             except Exception as exc:  # noqa: BLE001 - e.g. its tokens do not decode: this request's alone
                 error = f"{type(exc).__name__}: {exc}"
                 self._states.pop(req.request_id, None)
-                result.outputs.append(self._final_output(req, [], "", FinishReason.ERROR, None, error))
+                add_output(self._final_output(req, [], "", FinishReason.ERROR, None, error))
                 result.failed_requests.append((req.request_id, error))
                 continue
-            result.outputs.append(output)
+            add_output(output)
             if stop is not None:
                 result.stop_requests.append((req.request_id, stop))
         return result
