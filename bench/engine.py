@@ -19,7 +19,9 @@ bf16 our AMX kernel with AMX, our bf16 panels with AVX512-BF16 alone, oneDNN pre
 probed before and after the variant's systems run, each shape its best of 5 rounds, the better probe kept), the
 throughput ceiling it implies for this workload (all linear-layer FLOPs of prompt and output tokens at that
 rate, attention ignored) and ours as a fraction of it, and the engine's per-step overhead outside the model
-(scheduler, KV bookkeeping, detokenisation: step time minus runner time) at the largest batch. `ours` runs as
+(scheduler, KV bookkeeping, detokenisation: step time minus runner time) at the largest batch, with the p50 of
+its two parts: `schedule()`, which runs after the last step's output processing, and the rest (update and output
+processing), which runs right after the model step has evicted the engine's objects from the caches. `ours` runs as
 the worker process runs it, with its loaded model frozen out of the garbage collector's reach (`worker.heap`;
 vLLM's engine core does the same): unfrozen, a collection over what start-up left took 1.5-1.7 ms inside
 a step, over the 1 ms line by itself. The collector's passes during the run are counted, and the longest
@@ -225,8 +227,19 @@ def run_ours(
             if sched.seqs:
                 schedule.append(step_shape(sched))
 
+    schedule_time = [0.0]  # the overhead's first phase; the rest (update, output processing) follows the model step
+    plan = core.scheduler.schedule
+
+    def timed_schedule():
+        t = time.perf_counter()
+        try:
+            return plan()
+        finally:
+            schedule_time[0] += time.perf_counter() - t
+
     llm.generate([work[0][0][:32]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     core.runner.execute_model = timed_execute
+    core.scheduler.schedule = timed_schedule
     # As the worker process runs it (worker.heap): the loaded model out of the collector's reach.
     with startup_heap_frozen(), collector_pauses() as pauses:
         t0 = time.perf_counter()
@@ -236,14 +249,16 @@ def run_ours(
         last: dict[str, float] = {}
         itl: list[float] = []
         overhead: list[tuple[int, float]] = []  # (running requests, step time outside the runner)
+        scheduling: list[float] = []  # the part of each step's overhead spent in Scheduler.schedule()
         produced = 0
         while core.has_unfinished_requests():
             running = core.scheduler.num_running
-            before = runner_time[0]
+            before, scheduled = runner_time[0], schedule_time[0]
             s = time.perf_counter()
             outs = core.step()
             now = time.perf_counter()
             overhead.append((running, (now - s) - (runner_time[0] - before)))
+            scheduling.append(schedule_time[0] - scheduled)
             for o in outs:
                 if not o.new_token_ids:
                     continue
@@ -255,8 +270,10 @@ def run_ours(
                 last[o.request_id] = now
         wall = time.perf_counter() - t0
     core.runner.execute_model = execute
+    del core.scheduler.schedule  # the instance attribute: the method again
     peak = max(r for r, _ in overhead)
     at_peak = [o for r, o in overhead if r == peak]
+    schedule_at_peak = [t for (r, _), t in zip(overhead, scheduling, strict=True) if r == peak]
     model = runner.model
     cfg = runner.config
     streamed = {  # bytes every step reads whatever its batch: the linear layers' weights and the (dense) head
@@ -277,6 +294,11 @@ def run_ours(
         overhead_ms_p50=round(pct([o for _, o in overhead], 50) * 1e3, 3),
         overhead_ms_at_peak_p50=round(pct(at_peak, 50) * 1e3, 3),
         overhead_ms_at_peak_p99=round(pct(at_peak, 99) * 1e3, 3),
+        # split: schedule() runs after the last step's output processing, the rest right after the model step
+        overhead_ms_at_peak_schedule_p50=round(pct(schedule_at_peak, 50) * 1e3, 3),
+        overhead_ms_at_peak_after_model_p50=round(
+            pct([o - t for o, t in zip(at_peak, schedule_at_peak, strict=True)], 50) * 1e3, 3
+        ),
         peak_running=peak,
         peak_steps=len(at_peak),  # W holds 64 running for ~11 steps: its p99 there is their slowest
         gc_passes=len(pauses),  # the collector's, during the run (frozen: what requests created)
@@ -628,7 +650,8 @@ def print_table(result: dict) -> None:
             print(
                 f"        engine overhead per step outside the model at {r['peak_running']} running: "
                 f"p50 {r['overhead_ms_at_peak_p50']} ms, p99 {r['overhead_ms_at_peak_p99']} ms "
-                f"({r['peak_steps']} steps); over all {r['steps']} steps p50 {r['overhead_ms_p50']} ms; "
+                f"({r['peak_steps']} steps; p50 of schedule() {r['overhead_ms_at_peak_schedule_p50']} ms, of the rest "
+                f"{r['overhead_ms_at_peak_after_model_p50']} ms); over all {r['steps']} steps p50 {r['overhead_ms_p50']} ms; "
                 f"the garbage collector ran {r['gc_passes']} passes, the longest {r['gc_longest_ms']} ms"
             )
 
