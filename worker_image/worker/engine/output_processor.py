@@ -97,13 +97,6 @@ class OutputProcessor:
                     new_text = "".join([detok.add_token(token) for token in to_decode])
                 if finished:
                     new_text += detok.flush()
-            elif len(to_decode) == 1 and not finished:  # one token of a request that goes on (64 a step): no loop
-                delta = detok.add_token(to_decode[0])
-                if delta:
-                    new_text, stop_str = stops.feed(delta, first_index + 1 >= params.min_tokens)
-                    if stop_str is not None:
-                        finished = True
-                        new_ids = _truncate(req, first_index + 1, new_ids)
             else:
                 pieces: list[str] = []
                 min_tokens = params.min_tokens
