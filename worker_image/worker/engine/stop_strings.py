@@ -89,15 +89,13 @@ class StopMatcher:
         string that starts before the request may stop and ends after it is still found.
         """
         state = self._state
-        if state == 0 and self._next_start(text) is None:  # nothing held (the root's depth is 0), nothing to hold
-            return text, None
         i, n = 0, len(text)
+        if state == 0:
+            found = self._next_start(text)
+            if found is None:  # nothing held (the root's depth is 0), nothing to hold
+                return text, None
+            i = found.start()
         while i < n:
-            if state == 0:  # at the root: skip to the next character that starts a stop string
-                found = self._next_start(text, i)
-                if found is None:
-                    break
-                i = found.start()
             state = self._next(state, text[i])
             stop = self._match[state]
             if stop and enabled:
@@ -105,6 +103,11 @@ class StopMatcher:
                 self._state, self._held = 0, ""
                 return pending[: len(pending) - len(stop)], stop
             i += 1
+            if state == 0:  # back at the root: skip to the next character that starts a stop string
+                found = self._next_start(text, i)
+                if found is None:
+                    break
+                i = found.start()
         self._state = state
         pending = self._held + text
         keep = min(self._depth[state], len(pending))
