@@ -248,8 +248,8 @@ def run_ours(
         first: dict[str, float] = {}
         last: dict[str, float] = {}
         itl: list[float] = []
-        overhead: list[tuple[int, float]] = []  # (running requests, step time outside the runner)
-        scheduling: list[float] = []  # the part of each step's overhead spent in Scheduler.schedule()
+        # (running requests, step time outside the runner, the part of it spent in Scheduler.schedule())
+        overhead: list[tuple[int, float, float]] = []
         produced = 0
         while core.has_unfinished_requests():
             running = core.scheduler.num_running
@@ -257,8 +257,7 @@ def run_ours(
             s = time.perf_counter()
             outs = core.step()
             now = time.perf_counter()
-            overhead.append((running, (now - s) - (runner_time[0] - before)))
-            scheduling.append(schedule_time[0] - scheduled)
+            overhead.append((running, (now - s) - (runner_time[0] - before), schedule_time[0] - scheduled))
             for o in outs:
                 if not o.new_token_ids:
                     continue
@@ -271,9 +270,9 @@ def run_ours(
         wall = time.perf_counter() - t0
     core.runner.execute_model = execute
     del core.scheduler.schedule  # the instance attribute: the method again
-    peak = max(r for r, _ in overhead)
-    at_peak = [o for r, o in overhead if r == peak]
-    schedule_at_peak = [t for (r, _), t in zip(overhead, scheduling, strict=True) if r == peak]
+    peak = max(r for r, _, _ in overhead)
+    at_peak = [o for r, o, _ in overhead if r == peak]
+    schedule_at_peak = [t for r, _, t in overhead if r == peak]
     model = runner.model
     cfg = runner.config
     streamed = {  # bytes every step reads whatever its batch: the linear layers' weights and the (dense) head
@@ -291,14 +290,12 @@ def run_ours(
         itl,
         linear_kernel=model.linear_kernel,
         steps=len(overhead),
-        overhead_ms_p50=round(pct([o for _, o in overhead], 50) * 1e3, 3),
+        overhead_ms_p50=round(pct([o for _, o, _ in overhead], 50) * 1e3, 3),
         overhead_ms_at_peak_p50=round(pct(at_peak, 50) * 1e3, 3),
         overhead_ms_at_peak_p99=round(pct(at_peak, 99) * 1e3, 3),
         # split: schedule() runs after the last step's output processing, the rest right after the model step
         overhead_ms_at_peak_schedule_p50=round(pct(schedule_at_peak, 50) * 1e3, 3),
-        overhead_ms_at_peak_after_model_p50=round(
-            pct([o - t for o, t in zip(at_peak, schedule_at_peak, strict=True)], 50) * 1e3, 3
-        ),
+        overhead_ms_at_peak_after_model_p50=round(pct([o - t for r, o, t in overhead if r == peak], 50) * 1e3, 3),
         peak_running=peak,
         peak_steps=len(at_peak),  # W holds 64 running for ~11 steps: its p99 there is their slowest
         gc_passes=len(pauses),  # the collector's, during the run (frozen: what requests created)
