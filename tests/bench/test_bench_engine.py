@@ -282,3 +282,35 @@ def test_a_system_that_cannot_run_reports_why(tmp_path) -> None:
         timeout_s=600,
     )
     assert got["system"] == "ours" and got["error"].startswith("exit 1:") and "none" in got["error"]
+
+
+def test_the_steady_phase_times_decode_steps_of_every_prompt_running_at_once(tmp_path) -> None:
+    from engine import steady_overhead
+    from worker.engine.llm import LLM
+
+    root = make_tiny_llama(tmp_path / "m")
+    core = LLM(str(root), max_num_seqs=4, max_num_batched_tokens=64, num_blocks=64, enable_prefix_caching=False).engine
+    shapes: list[list[int]] = []
+    execute = core.runner.execute_model
+
+    def spy(sched):
+        shapes.append(sorted(len(s.token_ids) for s in sched.seqs))
+        return execute(sched)
+
+    core.runner.execute_model = spy
+    got = steady_overhead(core, [[1, 2, 3], [4] * 9, [5] * 5], steps=4)
+    assert got["steady_steps"] == 4 and got["steady_running"] == 3
+    assert shapes[-4:] == [[1, 1, 1]] * 4 and len(shapes) > 4  # the prompts first, untimed; then 4 decode steps
+    assert not core.has_unfinished_requests()  # the phase's requests were aborted
+    assert got["steady_overhead_ms_p50"] <= got["steady_overhead_ms_p99"] <= got["steady_overhead_ms_max"]
+    assert 0 <= got["steady_overhead_cpu_ms_p50"] <= got["steady_overhead_cpu_ms_p99"]
+
+
+def test_ours_runs_the_steady_phase_after_w_when_asked(tmp_path) -> None:
+    from engine import run_ours
+
+    root = make_tiny_llama(tmp_path / "m")
+    work = [([1, 2, 3], 3), ([4] * 9, 2)]
+    kw = {"dtype": "float32", "max_num_seqs": 4, "batched_tokens": 64, "name": "ours"}
+    assert run_ours(str(root), work, steady_steps=3, **kw)["steady_steps"] == 3
+    assert "steady_steps" not in run_ours(str(root), work, **kw)
