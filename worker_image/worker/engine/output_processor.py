@@ -44,7 +44,8 @@ class OutputProcessor:
     def add_request(self, request: Request) -> None:
         stops = request.sampling_params.stop if self._tokenizer is not None else ()
         detok = None if self._tokenizer is None else incremental_detokenizer(self._tokenizer, request.prompt_token_ids)
-        self._states[request.request_id] = _State(detok, StopMatcher(stops) if stops else None)
+        # by id for the calls that name a request; on the request for the step's loop (Request.output_state)
+        self._states[request.request_id] = request.output_state = _State(detok, StopMatcher(stops) if stops else None)
 
     def num_held_chars(self, request_id: str) -> int:
         """Characters of a request's text the processor holds back (a possible start of a stop string)."""
@@ -59,7 +60,7 @@ class OutputProcessor:
                 output, stop = process_one(req)
             except Exception as exc:  # noqa: BLE001 - e.g. its tokens do not decode: this request's alone
                 error = f"{type(exc).__name__}: {exc}"
-                self._states.pop(req.request_id, None)
+                self._drop(req)
                 add_output(self._final_output(req, [], "", FinishReason.ERROR, None, error))
                 result.failed_requests.append((req.request_id, error))
                 continue
@@ -70,12 +71,18 @@ class OutputProcessor:
 
     def abort_output(self, request: Request) -> RequestOutput:
         """The final (empty) delta of a request ended from outside the step, e.g. aborted."""
-        self._states.pop(request.request_id, None)
+        self._drop(request)
         return self._final_output(request, [], "", request.status.finish_reason, None, request.error)
+
+    def _drop(self, request: Request) -> None:
+        self._states.pop(request.request_id, None)
+        request.output_state = None
 
     def _process_one(self, req: Request) -> tuple[RequestOutput, str | None]:
         # Runs for every running request in every step: locals, no properties, one call per token.
-        st = self._states[req.request_id]
+        st = req.output_state
+        if st is None:
+            raise KeyError(f"request {req.request_id} was never added to the output processor, or has ended")
         out_ids = req.output_token_ids
         first_index = st.num_sent_tokens
         new_ids = out_ids[first_index:]
@@ -116,7 +123,7 @@ class OutputProcessor:
                 new_text = "".join(pieces)
         logprobs = req.output_logprobs[first_index:] if params.logprobs else None
         if finished:
-            del self._states[req.request_id]
+            self._drop(req)
             reason = FinishReason.STOP if stop_str is not None else status.finish_reason
             output = self._final_output(req, new_ids, new_text, reason, logprobs, req.error)
         else:  # a request that goes on: built here, without a call (64 a step)
