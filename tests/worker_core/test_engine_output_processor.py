@@ -144,16 +144,16 @@ def test_bytes_that_never_form_a_character_cost_linear_time_and_come_out_as_flus
 
 
 @pytest.mark.parametrize("end", ["length", "abort", "error"])
-def test_a_request_ends_without_its_state_in_the_processor_or_on_itself(end: str) -> None:
-    # The state rides on the request for the step's loop (Request.output_state) and in the processor by id: an
-    # ended request keeps neither, so a caller that holds the request holds no detokenizer, and a request whose
-    # state is gone fails alone, never reads another's.
+def test_a_request_ends_without_its_output_state(end: str) -> None:
+    # The state rides on the request for the step's loop (Request.output_state): an ended request keeps none, so
+    # a caller that holds the request holds no detokenizer, and a request whose state is gone fails alone, never
+    # reads another's.
     proc = OutputProcessor(TOK)
     req = Request("r", TOK.encode("hi "), SamplingParams(max_tokens=1, stop=["zz"]), eos_token_id=EOS)
     proc.add_request(req)
     other = Request("o", TOK.encode("hi "), SamplingParams(max_tokens=9), eos_token_id=EOS)
     proc.add_request(other)
-    assert req.output_state is not None and proc.num_held_chars("r") == 0
+    assert req.output_state is not None and proc.num_held_chars(req) == 0
     req.output_token_ids.append(TOK.encode("z")[0])
     if end == "length":
         req.status = RequestStatus.FINISHED_LENGTH
@@ -165,7 +165,7 @@ def test_a_request_ends_without_its_state_in_the_processor_or_on_itself(end: str
     else:
         req.output_state.detokenizer = _Raises()  # a broken state: its processing raises
         assert proc.process([req]).failed_requests[0][0] == "r"
-    assert req.output_state is None and proc.num_held_chars("r") == 0
+    assert req.output_state is None and proc.num_held_chars(req) == 0
     (failed,) = proc.process([req]).failed_requests  # ended: processing it again fails it alone
     assert failed[0] == "r" and "never added" in failed[1]
     other.output_token_ids.append(TOK.encode("k")[0])

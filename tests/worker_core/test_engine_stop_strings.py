@@ -147,7 +147,7 @@ def test_history_kept_per_request_is_bounded_by_the_longest_stop_string() -> Non
         req.output_token_ids.append(token)
         (out,) = proc.process([req]).outputs
         assert not out.finished
-        most_held = max(most_held, proc.num_held_chars("r"))
+        most_held = max(most_held, proc.num_held_chars(req))
     assert most_held == MAX_STOP_STRING_CHARS - 2  # "abab...ab" is as far as any of them gets
 
 

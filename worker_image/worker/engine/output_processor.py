@@ -39,17 +39,17 @@ class ProcessedOutputs:
 class OutputProcessor:
     def __init__(self, tokenizer: Decoder | None) -> None:
         self._tokenizer = tokenizer
-        self._states: dict[str, _State] = {}
 
     def add_request(self, request: Request) -> None:
         stops = request.sampling_params.stop if self._tokenizer is not None else ()
         detok = None if self._tokenizer is None else incremental_detokenizer(self._tokenizer, request.prompt_token_ids)
-        # by id for the calls that name a request; on the request for the step's loop (Request.output_state)
-        self._states[request.request_id] = request.output_state = _State(detok, StopMatcher(stops) if stops else None)
+        # on the request (Request.output_state): the step's loop reaches it without a lookup by id
+        request.output_state = _State(detok, StopMatcher(stops) if stops else None)
 
-    def num_held_chars(self, request_id: str) -> int:
+    @staticmethod
+    def num_held_chars(request: Request) -> int:
         """Characters of a request's text the processor holds back (a possible start of a stop string)."""
-        st = self._states.get(request_id)
+        st = request.output_state
         return 0 if st is None or st.stops is None else st.stops.num_held_chars
 
     def process(self, requests: list[Request]) -> ProcessedOutputs:
@@ -60,7 +60,7 @@ class OutputProcessor:
                 output, stop = process_one(req)
             except Exception as exc:  # noqa: BLE001 - e.g. its tokens do not decode: this request's alone
                 error = f"{type(exc).__name__}: {exc}"
-                self._drop(req)
+                req.output_state = None
                 add_output(self._final_output(req, [], "", FinishReason.ERROR, None, error))
                 result.failed_requests.append((req.request_id, error))
                 continue
@@ -71,12 +71,8 @@ class OutputProcessor:
 
     def abort_output(self, request: Request) -> RequestOutput:
         """The final (empty) delta of a request ended from outside the step, e.g. aborted."""
-        self._drop(request)
-        return self._final_output(request, [], "", request.status.finish_reason, None, request.error)
-
-    def _drop(self, request: Request) -> None:
-        self._states.pop(request.request_id, None)
         request.output_state = None
+        return self._final_output(request, [], "", request.status.finish_reason, None, request.error)
 
     def _process_one(self, req: Request) -> tuple[RequestOutput, str | None]:
         # Runs for every running request in every step: locals, no properties, one call per token.
@@ -123,7 +119,7 @@ class OutputProcessor:
                 new_text = "".join(pieces)
         logprobs = req.output_logprobs[first_index:] if params.logprobs else None
         if finished:
-            self._drop(req)
+            req.output_state = None
             reason = FinishReason.STOP if stop_str is not None else status.finish_reason
             output = self._final_output(req, new_ids, new_text, reason, logprobs, req.error)
         else:  # a request that goes on: built here, without a call (64 a step)
