@@ -197,6 +197,20 @@ def collector_pauses() -> Iterator[list[float]]:
         gc.callbacks.remove(on_pass)
 
 
+def steady_max_tokens(steps: int, requests: int) -> int:
+    """max_tokens of `steady_overhead`'s requests, so that none ends before its timed steps: room for the tokens a
+    request samples while later prompts are still computed (one step a request on W, whose prompts each fit a
+    step's budget), and a margin. `run_ours` sizes the KV cache from it."""
+    return steps + requests + 16
+
+
+def step_until_prefilled(core) -> None:
+    """Step the engine until every request runs with its prompt computed: the steps after it are decode steps."""
+    scheduler = core.scheduler
+    while scheduler.num_waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
+        core.step()
+
+
 def steady_overhead(core, prompts: list[list[int]], steps: int) -> dict:
     """The engine's overhead outside the model over `steps` decode steps of all `prompts` running at once (their
     prompts computed first, untimed), then the requests aborted. W holds its 64 for ~11 steps only, so its p99
@@ -205,13 +219,12 @@ def steady_overhead(core, prompts: list[list[int]], steps: int) -> dict:
     taking the core away, not the engine's work."""
     from worker.core.request import SamplingParams
 
-    params = SamplingParams(max_tokens=steps + len(prompts) + 16, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=steady_max_tokens(steps, len(prompts)), temperature=0.0, ignore_eos=True)
     ids = [f"steady{i}" for i in range(len(prompts))]
     for rid, prompt in zip(ids, prompts):
         core.add_request(rid, prompt, params)
+    step_until_prefilled(core)
     scheduler = core.scheduler
-    while scheduler.num_waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
-        core.step()
     execute = core.runner.execute_model
     inside = [0.0, 0.0]  # wall and main-thread CPU seconds in the runner
 
@@ -266,7 +279,7 @@ def run_ours(
 
     need = sum(len(p) + n for p, n in work) if max_num_seqs > 1 else max(len(p) + n for p, n in work)
     if steady_steps:
-        need = max(need, sum(len(p) for p, _ in work) + len(work) * (steady_steps + len(work) + 16))
+        need = max(need, sum(len(p) for p, _ in work) + len(work) * steady_max_tokens(steady_steps, len(work)))
     llm = LLM(
         path,
         dtype=dtype,
@@ -498,7 +511,7 @@ def run_system(
         cmd += ["--dtype", dtype, "--max-num-batched-tokens", str(batched_tokens)]
         if quantization is not None:
             cmd += ["--quantization", quantization]
-        if steady_steps and system == "ours":
+        if steady_steps:
             cmd += ["--steady-steps", str(steady_steps)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -525,7 +538,7 @@ def run_backend(
         quantization=quantization,
         batched_tokens=batched_tokens,
         name=system,
-        steady_steps=steady_steps if system == "ours" else 0,
+        steady_steps=steady_steps,  # run_ours skips it where fewer run at once than W has requests (ours_seq1)
     )
 
 

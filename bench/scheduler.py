@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from engine import W_LOWEST_ID
+from engine import W_LOWEST_ID, step_until_prefilled
 from worker.core.config import EngineConfig
 from worker.core.outputs import ModelRunnerOutput, SchedulerOutput
 from worker.core.request import SamplingParams
@@ -116,10 +116,7 @@ def _build(args, tokenizer, flush: bytearray | None = None) -> EngineCore:
     for i in range(args.requests):
         prompt = [rnd.randrange(*ids) for _ in range(rnd.randrange(32, 513))]
         core.add_request(f"r{i}", prompt, params)
-    while core.scheduler.num_waiting or any(
-        r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running
-    ):
-        core.step()  # prefill everything: the timed steps are pure decode steps of all requests
+    step_until_prefilled(core)  # the timed steps are pure decode steps of all requests
     return core
 
 
