@@ -26,8 +26,8 @@ SmolLM2 at 400 tokens 2.1-2.2 -> 1.13-1.19 ms per layer, within 1e-6 of the port
 14.7. `paged_decode_path` says which path runs, for the worker's log. Since then (stop 28): threads split the
 sequences by context length, not count (`split_bounds`); a sequence is walked block by block, all KV heads of a
 block together; Q.K folds 16 rows' sums in one transpose (`fold4`, `fold16`); prefetches go one row at a time. W's
-decode attention in the engine: 5.5 -> 4.3 s (bf16), near what two cores' fill buffers allow (architecture.md,
-section 6). Stop 46: where the AVX-512 passes run, the runner lays the cache out head-major (`head_major_cache`: each
+decode attention in the engine: 5.5 -> 4.3 s (bf16), near what two cores' fill buffers allow (engine-performance.md).
+Stop 46: where the AVX-512 passes run, the runner lays the cache out head-major (`head_major_cache`: each
 block's rows head by head), which those passes read as runs of consecutive lines: W's decode attention 2.31 -> 2.06 s
 (bf16) and 4.32 -> 3.83 s (fp32), the same outputs to the bit. Stop 49, on a Zen 4 (512-bit FMAs and vdpbf16ps at one
 a cycle, half a Zen 5's rate, so these passes were bound by their arithmetic even over a cache in L2): Q.K folds each
@@ -177,7 +177,7 @@ static void parallel_over_seqs(const int64_t* lens, int64_t n, const F& fn) {
 // Items go out in order, so the threads stay on neighbouring work (the same pass of rows, the same KV head). Each
 // item's work is the same whoever takes it, so the outputs are the same bits at any thread count. W on a Zen 3
 // (bench/engine_parts.py, the builds run base, new, new, base twice): fp32's prompt-chunk linears 1.24x and 1.14x,
-// the run 1.15x and 1.06x; int8's 1.08x and 1.07x, the run 1.10x and 1.11x (architecture.md, stop 61). Decode
+// the run 1.15x and 1.06x; int8's 1.08x and 1.07x, the run 1.10x and 1.11x (engine-performance.md, stop 61). Decode
 // attention's sequences claimed the same way read 0.97x and 1.03x (bench/kv_layout.py --base): its calls are
 // short, and parallel_over_seqs keeps its split.
 template <typename Thread>
@@ -1130,7 +1130,7 @@ LLMFLEET_AVX512_BF16 static inline __m512 fp8_chunk(const uint8_t* w) {
 // own 7 low bits moved up 4 (exponent, mantissa) plus 112 << 7 (the re-bias to bf16's exponent, less 8); the 8
 // subnormal codes (exponent 0: m * 2**-17) come from a table; the sign goes to bit 15. ~0.35 instructions a
 // weight where fp8_chunk's route through fp16 and fp32 takes ~0.7: the dequantization bounds the quantized
-// variants' decode steps (architecture.md, section 6).
+// variants' decode steps (engine-performance.md).
 LLMFLEET_AVX512_BF16 static inline __m512i fp8_bf16_32(const uint8_t* w) {
   const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)w));
   const __m512i sub = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,

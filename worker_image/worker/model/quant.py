@@ -93,7 +93,7 @@ e4m3's 3 mantissa bits leave ~2.6% of every weight: `bench/quant.py` (24 positio
 0.0034 and int8-bf16 0.974, KL 0.0040 (fp8 0.943 / 0.0206; bf16 alone 0.984), at fp8's memory (106.8 MB of linears).
 Its codes are integers bf16 holds exactly, so its kernels are fp8's (`kernels.py`, one template per kernel over
 `ByteFormat`) with a cheaper conversion (int8 -> fp32 -> bf16, ~0.16 instructions a weight against fp8's ~0.35).
-Speed is fp8's within the noise: the conversion is not what bounded these kernels (architecture.md, section 6,
+Speed is fp8's within the noise: the conversion is not what bounded these kernels (engine-performance.md
 says what did: an unaligned scratch strip, dequantizing between multiplications, and the per-row scales applied in a
 pass of torch's over the output, where the kernels now apply them). W, one run of `bench/engine.py --variants
 fp32,bf16,int8,fp8,int4,int8-bf16,fp8-bf16,int4-bf16 --skip hf_static,ours_seq1,vllm` (on a day this machine ran
@@ -314,7 +314,7 @@ def direct_rows(native: FusedOps | None, kernel: LinearKernel, weight: torch.Ten
     it is `amx_linear_fp8` / `amx_linear_int8` / `amx_linear_int4` up to AMX_MAX_ROWS rows: each thread
     dequantizes 32 weight rows at a time into its own scratch and multiplies them from cache. Else the extension's
     GEMV (`gemv_max_rows`), else none. Per 30 SmolLM2 layers (the weights streamed), one row: AMX 12 (fp8) / 10 (int4) ms against the GEMV's
-    18 / 12.5; 32 rows: 13 / 12 against dequantized tiles + AMX 15 / 16 (architecture.md, section 6)."""
+    18 / 12.5; 32 rows: 13 / 12 against dequantized tiles + AMX 15 / 16 (engine-performance.md)."""
     if native is None:
         return 0, False
     if kernel == "amx_bf16" and amx_fits(weight):
